@@ -1,0 +1,249 @@
+"""Run configuration: dataclasses, YAML loading, ``--set section.key=value`` overrides and validation.
+
+Every user-facing knob lives here, so that a YAML file, a command-line override and a Ray job all go through
+the same type checks and produce the same one-line error messages (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lp_runner.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct), a local HF folder, or a .gguf file
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun, cuda means cuda:LOCAL_RANK)
+    threads: int = 0  # torch intra-op threads per worker; 0 keeps torch's default
+    allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
+    cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
+
+
+@dataclass
+class LookaheadConfig:
+    window_size: int = 7  # W: Jacobi window columns
+    ngram_size: int = 5  # N: n-gram length; each trajectory holds N-1 levels, verification suffixes N-1
+    verification_set_size: int = 7  # G: pool suffixes kept per key and verified per round
+    pool_from_prompt: bool = True  # seed the n-gram pool with the prompt's own n-grams
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables top-p
+    seed: int = 0
+    stop_on_eos: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "torch"  # torch (torchrun, or one local process) | ray
+    workers: int = 1  # P; under torchrun it must equal WORLD_SIZE
+    dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    timeout_s: float = 120.0  # every collective fails after this long instead of hanging
+
+
+@dataclass
+class RunConfig:
+    stream: bool = True  # stream text for a single prompt
+    progress: bool = True  # progress bar over a prompts file
+    summary: bool = True  # one-screen summary at the end
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """A short stable hash, used to check that every distributed rank runs the same config."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig,
+    "lookahead": LookaheadConfig,
+    "generation": GenerationConfig,
+    "parallel": ParallelConfig,
+    "run": RunConfig,
+}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "parallel.backend": ("torch", "ray"),
+    "parallel.dist_backend": ("auto", "gloo", "nccl"),
+}
+
+
+def _known_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _known_keys(), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _field_type(section_cls: type, name: str) -> type:
+    hints = typing.get_type_hints(section_cls)
+    return hints[name]
+
+
+def _coerce(key: str, value: Any, target: type) -> Any:
+    """Convert a YAML or command-line value to the field's type, refusing lossy or ambiguous conversions."""
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if target is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if target is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if target is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise AssertionError(f"unsupported config field type {target} for {key}")
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set ``section.name`` on ``cfg`` with type checking (mutates ``cfg``)."""
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in _SECTION_TYPES:
+        raise _unknown(key)
+    section, name = parts
+    section_cls = _SECTION_TYPES[section]
+    if name not in {f.name for f in dataclasses.fields(section_cls)}:
+        raise _unknown(key)
+    coerced = _coerce(key, value, _field_type(section_cls, name))
+    setattr(getattr(cfg, section), name, coerced)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"lookahead.window_size=15"`` -> ("lookahead.window_size", 15); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if value is None:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file, then the ``--set`` overrides; validated before return."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections")
+        for section, values in data.items():
+            if section not in _SECTION_TYPES:
+                raise _unknown(str(section))
+            if values is None:
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"config section '{section}' must be a mapping")
+            for name, value in values.items():
+                set_key(cfg, f"{section}.{name}", value)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_key(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Reject settings that cannot run, before anything is allocated."""
+    la, gen, par = cfg.lookahead, cfg.generation, cfg.parallel
+    if la.ngram_size < 3:
+        raise ConfigError(
+            f"lookahead.ngram_size (N) must be >= 3, got {la.ngram_size}: "
+            "N-1 trajectory levels need at least one level above the base stripe"
+        )
+    if la.window_size < 1:
+        raise ConfigError(f"lookahead.window_size (W) must be >= 1, got {la.window_size}")
+    if la.verification_set_size < 0:
+        raise ConfigError(f"lookahead.verification_set_size (G) must be >= 0, got {la.verification_set_size}")
+    if gen.max_new_tokens < 1:
+        raise ConfigError(f"generation.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
+    if gen.temperature <= 0 and gen.do_sample:
+        raise ConfigError(f"generation.temperature must be > 0 when sampling, got {gen.temperature}")
+    if gen.top_k < 0:
+        raise ConfigError(f"generation.top_k must be >= 0, got {gen.top_k}")
+    if not 0.0 < gen.top_p <= 1.0:
+        raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p}")
+    if par.workers < 1:
+        raise ConfigError(f"parallel.workers must be >= 1, got {par.workers}")
+    if par.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s must be > 0, got {par.timeout_s}")
+    if cfg.model.threads < 0:
+        raise ConfigError(f"model.threads must be >= 0, got {cfg.model.threads}")
+    for key, choices in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config from ``Config.to_dict()`` output (used to ship configs to Ray actors)."""
+    cfg = Config()
+    for section, values in data.items():
+        for name, value in values.items():
+            set_key(cfg, f"{section}.{name}", value)
+    validate(cfg)
+    return cfg

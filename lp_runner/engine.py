@@ -1,0 +1,190 @@
+"""The round loop for one rank. P = 1 is the same loop with a no-op communicator: there is one engine.
+
+A round has four stages (nothing is published before verification is complete):
+    plan     the coordinator picks candidates for the live key and this rank's columns (identical on all ranks)
+    forward  one packed target call: [ordinary / re-fed rows | lookahead rows | verification rows]
+    verify   this rank's best candidate -> (hits, emitted tokens); one all_gather of a fixed-size payload
+    publish  the winner's tokens are committed by every rank; K/V: the winner copies its accepted rows into the
+             committed frontier, the other ranks crop and re-feed the emitted tokens next round (no K/V crosses
+             devices); the window advances and the coordinator's pool takes the new n-grams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.errors import DistributedError, InputError
+from lp_runner.layout import RoundLayout, compile_round
+from lp_runner.metrics import GenerationStats, RoundRecord
+from lp_runner.model import ModelAdapter, crop, move_rows
+from lp_runner.parallel.comm import Communicator, SoloCommunicator
+from lp_runner.parallel.coordinator import Coordinator
+from lp_runner.parallel.exchange import pack, unpack, winner
+from lp_runner.verify import Verdict, cut_emitted, greedy_verify
+from lp_runner.window import JacobiWindow
+
+OnCommit = Callable[[Sequence[int]], None]
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """How the winner's K/V becomes committed: copy ``src`` rows to ``dst``, then keep ``length`` positions."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    length: int
+
+
+def kv_commit_plan(past_len: int, layout: RoundLayout, candidate: int, hits: int) -> CommitPlan:
+    """K/V rows belong to their input token: the ordinary rows stay, then the winner's first ``hits`` rows.
+
+    Worked trace: past_len=128, one ordinary row (committed length 129), 14 lookahead rows (Q=21 with two
+    candidates of suffix length 3; the cache holds 149), winner 1 with 2 hits -> copy 146->129, 147->130, keep 131;
+    the third emitted token is the next round's input.
+    """
+    frontier = past_len + layout.num_ordinary
+    src = tuple(past_len + layout.verify_row(candidate, s) for s in range(hits))
+    dst = tuple(frontier + s for s in range(hits))
+    return CommitPlan(src, dst, frontier + hits)
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]  # generated tokens only, the EOS included when produced
+    stats: GenerationStats
+
+
+class LookaheadEngine:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        lookahead: LookaheadConfig,
+        generation: GenerationConfig,
+        eos_ids: Sequence[int],
+        comm: Communicator | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.la = lookahead
+        self.gen = generation
+        self.eos_ids = frozenset(eos_ids) if generation.stop_on_eos else frozenset()
+        self.comm = comm or SoloCommunicator()
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        if not prompt_ids:
+            raise InputError("empty prompt: at least one token is needed")
+        limit = self.adapter.max_positions
+        if limit is not None and len(prompt_ids) + self.gen.max_new_tokens > limit:
+            raise InputError(
+                f"prompt of {len(prompt_ids)} tokens plus max_new_tokens={self.gen.max_new_tokens} exceeds the "
+                f"model's context of {limit} positions"
+            )
+
+    def generate(self, prompt_ids: Sequence[int], on_commit: OnCommit | None = None) -> GenerationResult:
+        self.check_prompt(prompt_ids)
+        la, comm = self.la, self.comm
+        n, w = la.ngram_size, la.window_size
+        suffix_len = n - 1
+        coord = Coordinator(w, n, la.verification_set_size, comm.world_size)
+        if la.pool_from_prompt:
+            coord.seed(prompt_ids)
+        window = JacobiWindow(w, n, prompt_ids)
+        cache = self.adapter.new_cache()
+        past_len = 0
+        pending: list[int] = list(prompt_ids)  # committed tokens not yet in this rank's cache; last = live key
+        output: list[int] = []
+        stats = GenerationStats()
+        start = time.perf_counter()
+        collectives_before = comm.collectives
+
+        while True:
+            t_round = time.perf_counter()
+            live = pending[-1]
+            plan = coord.plan(live, window.depth)
+            columns, candidates = plan.for_rank(comm.rank)
+            layout = compile_round(pending, past_len, window.levels, columns, candidates, suffix_len)
+
+            t_fwd = time.perf_counter()
+            try:
+                logits = self.adapter.forward(
+                    layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows
+                )
+                preds = logits.argmax(-1).tolist()  # the round's one device->host read-back
+            except BaseException:
+                crop(cache, past_len)  # a failed round publishes nothing
+                raise
+            forward_s = time.perf_counter() - t_fwd
+
+            verdict = greedy_verify(
+                preds[layout.ordinary_logit],
+                candidates,
+                [[preds[i] for i in rows] for rows in layout.verify_logits],
+            )
+            own_columns = dict(zip(range(*columns), (preds[i] for i in layout.column_logits), strict=True))
+            payload = pack(verdict.hits, verdict.emitted, plan.digest, own_columns, n, w)
+
+            t_comm = time.perf_counter()
+            reports = unpack(comm.all_gather(payload), n, w)
+            comm_s = time.perf_counter() - t_comm
+            if any(r.plan_digest != plan.digest for r in reports):
+                raise DistributedError(f"rank {comm.rank}: coordinator replicas disagree on the round plan")
+            win = winner(reports)
+            emitted, finished = cut_emitted(reports[win].emitted, self.eos_ids, self.gen.max_new_tokens - len(output))
+
+            # publish
+            output.extend(emitted)
+            if on_commit is not None:
+                on_commit(emitted)
+            stats.add(
+                RoundRecord(
+                    rows=layout.num_rows,
+                    logit_rows=len(layout.logit_rows),
+                    candidates=len(candidates),
+                    hits=reports[win].hits,
+                    emitted=len(emitted),
+                    forward_s=forward_s,
+                    comm_s=comm_s,
+                    host_s=0.0,
+                ),
+                verified_anywhere=bool(plan.candidates),
+            )
+            if finished:
+                stats.records[-1].host_s = time.perf_counter() - t_round - forward_s - comm_s
+                break
+            past_len, pending = self._publish_kv(cache, past_len, layout, verdict, win, reports[win].emitted)
+            new_row = [tok for _, tok in sorted(_merge_columns(reports).items())]
+            coord.observe(window.step(live, new_row))
+            stats.records[-1].host_s = time.perf_counter() - t_round - forward_s - comm_s
+
+        stats.seconds = time.perf_counter() - start
+        stats.collectives = comm.collectives - collectives_before
+        stats.host_s = sum(r.host_s for r in stats.records)
+        return GenerationResult(output, stats)
+
+    def _publish_kv(
+        self,
+        cache,
+        past_len: int,
+        layout: RoundLayout,
+        verdict: Verdict,
+        win: int,
+        emitted: Sequence[int],
+    ) -> tuple[int, list[int]]:
+        """Commit K/V for the emitted run; returns (new cached length, next round's ordinary tokens)."""
+        if win == self.comm.rank:
+            plan = kv_commit_plan(past_len, layout, verdict.candidate, verdict.hits)
+            move_rows(cache, plan.src, plan.dst)
+            crop(cache, plan.length)
+            return plan.length, [emitted[-1]]
+        frontier = past_len + layout.num_ordinary
+        crop(cache, frontier)
+        return frontier, list(emitted)
+
+
+def _merge_columns(reports) -> dict[int, int]:
+    merged: dict[int, int] = {}
+    for r in reports:
+        merged.update(r.columns)
+    return merged

@@ -1,0 +1,21 @@
+"""User-facing errors: each carries one line that names the problem and, where possible, the fix.
+
+The CLI prints ``error: <message>`` for these and exits non-zero without a traceback; anything else is a bug
+and keeps its traceback.
+"""
+
+
+class LPError(Exception):
+    """Base class for errors whose message is meant for the user."""
+
+
+class ConfigError(LPError):
+    """Invalid configuration or command-line input."""
+
+
+class InputError(LPError):
+    """Unreadable or invalid prompts, or a prompt that does not fit the model's context."""
+
+
+class DistributedError(LPError):
+    """A peer died, stalled or disagrees (config or weights) in a multi-worker run."""

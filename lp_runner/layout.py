@@ -1,0 +1,193 @@
+"""The round compiler: one list of rows -> input ids, position ids, visibility mask and logit row indices.
+
+A round packs three kinds of rows into one target forward, in this order:
+
+    [ ordinary rows | lookahead rows (level 0 context, then levels 1..depth of own columns) | verification rows ]
+
+* ordinary: tokens whose K/V is not cached yet (the prompt at prefill, re-fed tokens under LP); the last one is
+  the live key b_0 at position p. Causal among themselves, visible to every other row.
+* lookahead (level l, column j): reads b_0..b_j and t_1[j]..t_l[j] (see ``window.py`` for the geometry).
+* verification (candidate c, offset s): reads the ordinary rows and g_c[0..s] at positions p+1..p+1+s.
+Lookahead and verification rows never see each other, candidates never see each other, and equal positions
+never imply visibility: the mask is derived from row roles only.
+
+Worked example (one ordinary row at p=9, W=3, depth 1, columns [0, 3), one candidate of length 2), Q = 8:
+
+    row  token     role  level col  pos  sees (in-round)        logits
+    0    b0        ORD   0     0    9    0                      yes  (z0)
+    1    lvl0[0]   LA    0     1    10   0,1
+    2    lvl0[1]   LA    0     2    11   0,1,2
+    3    t1[0]     LA    1     0    10   0,3                    yes  (new[0])
+    4    t1[1]     LA    1     1    11   0,1,4                  yes  (new[1])
+    5    t1[2]     LA    1     2    12   0,1,2,5                yes  (new[2])
+    6    g[0]      VER   c0,s0      10   0,6                    yes
+    7    g[1]      VER   c0,s1      11   0,6,7                  yes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+ROLE_ORDINARY = 0
+ROLE_LOOKAHEAD = 1
+ROLE_VERIFY = 2
+NO_INDEX = -1  # level / column / candidate / offset of a row that has none
+
+
+@dataclass(frozen=True)
+class Row:
+    role: int
+    token: int
+    position: int
+    level: int = NO_INDEX
+    column: int = NO_INDEX
+    candidate: int = NO_INDEX
+    offset: int = NO_INDEX
+
+
+@dataclass(frozen=True)
+class RoundLayout:
+    """The contract of one packed forward; every tensor is derived from ``rows`` once."""
+
+    rows: tuple[Row, ...]
+    input_ids: torch.Tensor  # [num_rows] int64
+    position_ids: torch.Tensor  # [num_rows] int64
+    visibility: torch.Tensor  # [num_rows, num_rows] bool, True = row i may attend to row k
+    logit_rows: torch.Tensor  # [num_logit_rows] int64, rows whose LM-head output is computed
+    num_ordinary: int
+    num_lookahead: int
+    num_candidates: int
+    suffix_len: int
+    # indices into the logit rows (not into rows):
+    ordinary_logit: int  # prediction z0 after the live key
+    column_logits: tuple[int, ...]  # one per own column, in column order: its new trajectory token
+    verify_logits: tuple[tuple[int, ...], ...]  # [num_candidates][suffix_len]: prediction after g_c[s]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def first_verify_row(self) -> int:
+        return self.num_ordinary + self.num_lookahead
+
+    def verify_row(self, candidate: int, offset: int) -> int:
+        """Row index (within the round) of candidate ``candidate``'s input at ``offset``."""
+        return self.first_verify_row + candidate * self.suffix_len + offset
+
+
+def compile_round(
+    ordinary: Sequence[int],
+    start_position: int,
+    levels: Sequence[Sequence[int]],
+    columns: tuple[int, int],
+    candidates: Sequence[Sequence[int]],
+    suffix_len: int,
+) -> RoundLayout:
+    """Build the round for one rank.
+
+    ordinary: uncached committed tokens, the last being the live key; the first sits at ``start_position``.
+    levels: the full window (levels[0] has W-1 tokens, deeper levels W); the deepest present level is output.
+    columns: [lo, hi) this rank computes; it also feeds level-0 context for columns 1..lo-1.
+    candidates: suffixes of length ``suffix_len`` to verify, all keyed by the live key.
+    """
+    if not ordinary:
+        raise ValueError("a round needs at least one ordinary row (the live key)")
+    lo, hi = columns
+    depth = len(levels) - 1
+    p = start_position + len(ordinary) - 1  # position of the live key b_0
+    rows: list[Row] = [Row(ROLE_ORDINARY, tok, start_position + i) for i, tok in enumerate(ordinary)]
+    live = len(rows) - 1
+    logit_rows: list[int] = [live]
+    column_rows: list[int] = []
+
+    if hi > lo:
+        for j in range(1, hi):  # base stripe context and own level-0 rows
+            rows.append(Row(ROLE_LOOKAHEAD, levels[0][j - 1], p + j, level=0, column=j))
+            if depth == 0 and j >= lo:
+                column_rows.append(len(rows) - 1)
+        if depth == 0 and lo == 0:
+            column_rows.insert(0, live)  # column 0's level-0 token is the live key itself
+        for level in range(1, depth + 1):
+            for j in range(lo, hi):
+                rows.append(Row(ROLE_LOOKAHEAD, levels[level][j], p + j + level, level=level, column=j))
+                if level == depth:
+                    column_rows.append(len(rows) - 1)
+    num_lookahead = len(rows) - len(ordinary)
+
+    verify_rows: list[list[int]] = []
+    for c, suffix in enumerate(candidates):
+        if len(suffix) != suffix_len:
+            raise ValueError(f"candidate {c} has length {len(suffix)}, expected {suffix_len}")
+        verify_rows.append([])
+        for s, tok in enumerate(suffix):
+            rows.append(Row(ROLE_VERIFY, tok, p + 1 + s, candidate=c, offset=s))
+            verify_rows[-1].append(len(rows) - 1)
+
+    # Logit rows: the live key, then own-column outputs, then all verification rows (each row once).
+    for r in column_rows:
+        if r != live:
+            logit_rows.append(r)
+    for rs in verify_rows:
+        logit_rows.extend(rs)
+    where = {r: i for i, r in enumerate(logit_rows)}
+
+    return RoundLayout(
+        rows=tuple(rows),
+        input_ids=torch.tensor([r.token for r in rows], dtype=torch.long),
+        position_ids=torch.tensor([r.position for r in rows], dtype=torch.long),
+        visibility=visibility_mask(rows),
+        logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+        num_ordinary=len(ordinary),
+        num_lookahead=num_lookahead,
+        num_candidates=len(candidates),
+        suffix_len=suffix_len,
+        ordinary_logit=0,
+        column_logits=tuple(where[r] for r in column_rows),
+        verify_logits=tuple(tuple(where[r] for r in rs) for rs in verify_rows),
+    )
+
+
+def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
+    """[Q, Q] bool: which in-round rows each row attends to, from roles alone (see module docstring)."""
+    role = torch.tensor([r.role for r in rows])  # [Q]
+    level = torch.tensor([r.level for r in rows])
+    column = torch.tensor([r.column for r in rows])
+    cand = torch.tensor([r.candidate for r in rows])
+    offset = torch.tensor([r.offset for r in rows])
+    q = len(rows)
+    i_idx = torch.arange(q).unsqueeze(1)  # [Q, 1] attending row
+    k_idx = torch.arange(q).unsqueeze(0)  # [1, Q] attended row
+
+    def col(t: torch.Tensor) -> torch.Tensor:  # attribute of the attending row, [Q, 1]
+        return t.unsqueeze(1)
+
+    def row(t: torch.Tensor) -> torch.Tensor:  # attribute of the attended row, [1, Q]
+        return t.unsqueeze(0)
+
+    k_ord = row(role == ROLE_ORDINARY)
+    k_la = row(role == ROLE_LOOKAHEAD)
+    k_ver = row(role == ROLE_VERIFY)
+    i_ord = col(role == ROLE_ORDINARY)
+    i_la = col(role == ROLE_LOOKAHEAD)
+    i_ver = col(role == ROLE_VERIFY)
+
+    sees_ordinary = k_ord & (~i_ord | (k_idx <= i_idx))
+    sees_base = i_la & k_la & (row(level) == 0) & (row(column) <= col(column))
+    sees_trajectory = (
+        i_la & k_la & (row(level) >= 1) & (row(column) == col(column)) & (row(level) <= col(level))
+    )
+    sees_candidate = i_ver & k_ver & (row(cand) == col(cand)) & (row(offset) <= col(offset))
+    return sees_ordinary | sees_base | sees_trajectory | sees_candidate  # [Q, Q]
+
+
+def additive_mask(visibility: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, Q, past_len + Q] additive float mask: the cached prefix is fully visible, the round as given."""
+    q = visibility.shape[0]
+    mask = torch.zeros(1, 1, q, past_len + q, dtype=dtype)  # [B, H, Q, K]
+    block = mask[0, 0, :, past_len:]  # [Q, Q] view
+    block.masked_fill_(~visibility, torch.finfo(dtype).min)
+    return mask

@@ -1,0 +1,98 @@
+"""Per-round telemetry and run summaries: where the time goes (forward / host / communication) and what a
+forward buys (tokens per forward, hits, packed rows)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RoundRecord:
+    rows: int  # packed rows on this rank
+    logit_rows: int
+    candidates: int  # candidates verified on this rank
+    hits: int  # winner's accepted suffix tokens
+    emitted: int  # tokens committed this round
+    forward_s: float
+    comm_s: float
+    host_s: float
+
+
+@dataclass
+class GenerationStats:
+    """Totals for one generation on one rank."""
+
+    rounds: int = 0
+    forwards: int = 0  # target forward calls, the prefill included (it is the first round)
+    new_tokens: int = 0
+    rows: int = 0
+    logit_rows: int = 0
+    verified_rounds: int = 0  # rounds that verified at least one candidate (on any rank)
+    accepted_tokens: int = 0  # suffix tokens accepted by verification (excludes the ordinary token)
+    collectives: int = 0
+    forward_s: float = 0.0
+    comm_s: float = 0.0
+    host_s: float = 0.0
+    seconds: float = 0.0
+    records: list[RoundRecord] = field(default_factory=list)
+
+    def add(self, rec: RoundRecord, verified_anywhere: bool) -> None:
+        self.rounds += 1
+        self.forwards += 1
+        self.new_tokens += rec.emitted
+        self.rows += rec.rows
+        self.logit_rows += rec.logit_rows
+        self.verified_rounds += int(verified_anywhere)
+        self.accepted_tokens += rec.hits
+        self.forward_s += rec.forward_s
+        self.comm_s += rec.comm_s
+        self.host_s += rec.host_s
+        self.records.append(rec)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_rows(self) -> float:
+        return self.rows / self.rounds if self.rounds else 0.0
+
+    def summary(self) -> dict[str, float | int]:
+        d = {k: v for k, v in asdict(self).items() if k != "records"}
+        d.update(
+            tokens_per_forward=round(self.tokens_per_forward, 4),
+            tokens_per_s=round(self.tokens_per_s, 3),
+            mean_rows=round(self.mean_rows, 2),
+        )
+        for k in ("forward_s", "comm_s", "host_s", "seconds"):
+            d[k] = round(d[k], 6)
+        return d
+
+
+def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
+    """Totals over several generations (a prompts file) with derived ratios and the time split."""
+    keys = ("rounds", "forwards", "new_tokens", "rows", "logit_rows", "verified_rounds", "accepted_tokens",
+            "collectives")
+    tot: dict[str, float] = {k: 0 for k in keys}
+    times = {"forward_s": 0.0, "comm_s": 0.0, "host_s": 0.0, "seconds": 0.0}
+    n = 0
+    for s in stats:
+        n += 1
+        for k in keys:
+            tot[k] += getattr(s, k)
+        for k in times:
+            times[k] += getattr(s, k)
+    out: dict[str, float | int] = {"generations": n, **tot, **{k: round(v, 4) for k, v in times.items()}}
+    secs = times["seconds"]
+    out["tokens_per_forward"] = round(tot["new_tokens"] / tot["forwards"], 4) if tot["forwards"] else 0.0
+    out["tokens_per_s"] = round(tot["new_tokens"] / secs, 3) if secs else 0.0
+    out["mean_rows"] = round(tot["rows"] / tot["rounds"], 2) if tot["rounds"] else 0.0
+    for k in ("forward_s", "comm_s", "host_s"):
+        out[k.replace("_s", "_share")] = round(times[k] / secs, 4) if secs else 0.0
+    out["comm_us_per_round"] = round(1e6 * times["comm_s"] / tot["rounds"], 1) if tot["rounds"] else 0.0
+    return out

@@ -1,0 +1,90 @@
+"""The only place that talks to a Hugging Face causal LM's forward and K/V cache.
+
+transformers 5.x keeps moving: the cache keyword is ``past_key_values`` up to 5.23 and ``cache`` from 5.24 (the
+old name still works there, with a deprecation); ``DynamicCache.crop`` takes only negative counts from 5.20 on
+(negative counts work in every 5.x); ``cache_position`` left Llama's forward in 5.4. This adapter resolves those
+once, from the model's own signature (no class-name sniffing), and ``tests/test_model_adapter.py`` checks each
+operation on every supported model family and on the oldest supported transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from lp_runner.layout import additive_mask
+
+
+class ModelAdapter:
+    """forward(ids, positions, visibility, cache, logit_rows) -> logits of those rows only."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        if "cache" in params:
+            self._cache_kw = "cache"
+        elif "past_key_values" in params:
+            self._cache_kw = "past_key_values"
+        else:
+            raise TypeError(f"{type(model).__name__}.forward takes neither 'cache' nor 'past_key_values'")
+        if "logits_to_keep" not in params:
+            raise TypeError(f"{type(model).__name__}.forward has no 'logits_to_keep'; lp_runner needs it")
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = model.config.get_text_config().vocab_size
+        self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [Q]
+        position_ids: torch.Tensor,  # [Q]
+        visibility: torch.Tensor,  # [Q, Q] bool, in-round rows only; the cached prefix is always visible
+        cache: DynamicCache,
+        logit_rows: torch.Tensor,  # [R]
+    ) -> torch.Tensor:  # [R, vocab]
+        past = cache_length(cache)
+        mask = additive_mask(visibility, past, self.dtype).to(self.device)  # [1, 1, Q, past + Q]
+        out = self.model(
+            input_ids=input_ids.to(self.device).unsqueeze(0),
+            position_ids=position_ids.to(self.device).unsqueeze(0),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logit_rows.to(self.device),
+            **{self._cache_kw: cache},
+        )
+        return out.logits[0]  # [R, vocab]
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` cached positions (negative-count crop: valid on every transformers 5.x)."""
+    remove = cache_length(cache) - length
+    if remove < 0:
+        raise ValueError(f"cannot crop a cache of {cache_length(cache)} positions to {length}")
+    if remove:
+        cache.crop(-remove)
+
+
+@torch.inference_mode()  # cache tensors are inference tensors: in-place writes must happen in this mode
+def move_rows(cache: DynamicCache, src: Sequence[int], dst: Sequence[int]) -> None:
+    """Copy the K/V of cache positions ``src`` to ``dst`` in every layer (sources are read before writing)."""
+    if len(src) != len(dst):
+        raise ValueError("src and dst must have equal length")
+    if not src:
+        return
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values  # (B, H, T, D)
+        src_t = torch.tensor(src, device=keys.device)
+        dst_t = torch.tensor(dst, device=keys.device)
+        keys.index_copy_(2, dst_t, keys.index_select(2, src_t))
+        values.index_copy_(2, dst_t, values.index_select(2, src_t))

@@ -1,0 +1,57 @@
+"""The per-round payload every rank contributes to the one all_gather: fixed-size int64, no pickling.
+
+Layout (length 4 + N + W):
+    [hits, num_emitted, plan_digest, num_columns, emitted[0..N-1] (padded), column_tokens[0..W-1] (global
+    column positions; -1 where another rank owns the column)]
+The plan digest lets every rank check, at no extra collective, that all replicas of the coordinator planned the
+same round (same live key, same candidates); a mismatch is a bug and stops the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+PAD = -1
+HEADER = 4
+
+
+@dataclass(frozen=True)
+class RankReport:
+    hits: int
+    emitted: tuple[int, ...]
+    plan_digest: int
+    columns: dict[int, int]  # global column -> new trajectory token
+
+
+def pack(hits: int, emitted: Sequence[int], plan_digest: int, columns: dict[int, int], n: int, w: int) -> torch.Tensor:
+    payload = torch.full((HEADER + n + w,), PAD, dtype=torch.long)  # [L]
+    payload[0], payload[1], payload[2], payload[3] = hits, len(emitted), plan_digest, len(columns)
+    payload[HEADER : HEADER + len(emitted)] = torch.tensor(list(emitted), dtype=torch.long)
+    for col, tok in columns.items():
+        payload[HEADER + n + col] = tok
+    return payload
+
+
+def unpack(gathered: torch.Tensor, n: int, w: int) -> list[RankReport]:
+    """[P, L] -> one report per rank (the round's single host read-back of the exchange)."""
+    reports = []
+    for row in gathered.tolist():
+        hits, num_emitted, digest, _ = row[:HEADER]
+        cols = row[HEADER + n : HEADER + n + w]
+        reports.append(
+            RankReport(
+                hits=hits,
+                emitted=tuple(row[HEADER : HEADER + num_emitted]),
+                plan_digest=digest,
+                columns={j: t for j, t in enumerate(cols) if t != PAD},
+            )
+        )
+    return reports
+
+
+def winner(reports: Sequence[RankReport]) -> int:
+    """Longest hit wins; ties go to the lowest rank (so P = 1 and P > 1 agree when hits tie)."""
+    return max(range(len(reports)), key=lambda r: (reports[r].hits, -r))
