@@ -177,9 +177,7 @@ def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
 
     sees_ordinary = k_ord & (~i_ord | (k_idx <= i_idx))
     sees_base = i_la & k_la & (row(level) == 0) & (row(column) <= col(column))
-    sees_trajectory = (
-        i_la & k_la & (row(level) >= 1) & (row(column) == col(column)) & (row(level) <= col(level))
-    )
+    sees_trajectory = i_la & k_la & (row(level) >= 1) & (row(column) == col(column)) & (row(level) <= col(level))
     sees_candidate = i_ver & k_ver & (row(cand) == col(cand)) & (row(offset) <= col(offset))
     return sees_ordinary | sees_base | sees_trajectory | sees_candidate  # [Q, Q]
 

@@ -76,8 +76,16 @@ class GenerationStats:
 
 def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
     """Totals over several generations (a prompts file) with derived ratios and the time split."""
-    keys = ("rounds", "forwards", "new_tokens", "rows", "logit_rows", "verified_rounds", "accepted_tokens",
-            "collectives")
+    keys = (
+        "rounds",
+        "forwards",
+        "new_tokens",
+        "rows",
+        "logit_rows",
+        "verified_rounds",
+        "accepted_tokens",
+        "collectives",
+    )
     tot: dict[str, float] = {k: 0 for k in keys}
     times = {"forward_s": 0.0, "comm_s": 0.0, "host_s": 0.0, "seconds": 0.0}
     n = 0

