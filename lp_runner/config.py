@@ -206,9 +206,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Reject settings that cannot run, before anything is allocated."""
-    la, gen, par = cfg.lookahead, cfg.generation, cfg.parallel
+def check_lookahead(la: LookaheadConfig) -> None:
+    """W/N/G checks, shared by config validation and the engine (which may be built without a Config)."""
     if la.ngram_size < 3:
         raise ConfigError(
             f"lookahead.ngram_size (N) must be >= 3, got {la.ngram_size}: "
@@ -218,6 +217,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"lookahead.window_size (W) must be >= 1, got {la.window_size}")
     if la.verification_set_size < 0:
         raise ConfigError(f"lookahead.verification_set_size (G) must be >= 0, got {la.verification_set_size}")
+
+
+def validate(cfg: Config) -> None:
+    """Reject settings that cannot run, before anything is allocated."""
+    gen, par = cfg.generation, cfg.parallel
+    check_lookahead(cfg.lookahead)
     if gen.max_new_tokens < 1:
         raise ConfigError(f"generation.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
     if gen.temperature <= 0 and gen.do_sample:

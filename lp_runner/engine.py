@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.config import GenerationConfig, LookaheadConfig, check_lookahead
 from lp_runner.errors import DistributedError, InputError
 from lp_runner.layout import RoundLayout, compile_round
 from lp_runner.metrics import GenerationStats, RoundRecord
@@ -66,6 +66,7 @@ class LookaheadEngine:
         eos_ids: Sequence[int],
         comm: Communicator | None = None,
     ) -> None:
+        check_lookahead(lookahead)  # before anything is allocated
         self.adapter = adapter
         self.la = lookahead
         self.gen = generation
