@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,10 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str]) -> int:
         "lp_runner",
         *argv,
     ]
-    return subprocess.call(cmd)
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        print(f"error: LP workers failed (torchrun exited with {rc}); see the worker messages above", file=sys.stderr)
+    return rc
 
 
 def format_summary(cfg: Config, summary: dict, load_s: float, workers: int) -> str:
@@ -108,9 +112,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    """torchrun stops the surviving workers with SIGTERM when one fails: say so instead of dying silently."""
+    print(
+        f"error: {rank_prefix()}stopped by the launcher (SIGTERM): another worker failed or the job was cancelled",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signum)
+
+
 def run_local(cfg: Config, specs: list[PromptSpec], output: str | None, single: bool) -> int:
     """This process is one rank (or the only one): run all prompts, rank 0 writes and reports."""
     from lp_runner.runner import run_prompts, start_worker  # heavy imports after argument checks
+
+    if "WORLD_SIZE" in os.environ:
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
     out_file = None
     if output is not None and int(os.environ.get("RANK", "0")) == 0:

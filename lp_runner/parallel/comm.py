@@ -80,8 +80,7 @@ class TorchCommunicator:
 
 
 def peer_failure_message(rank: int, exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"rank {rank}: a peer worker died or stalled during a collective ({first[:200]})"
+    return f"a peer worker died or stalled during a collective ({_first_line(exc)})"
 
 
 def init_process_group(dist_backend: str, timeout_s: float) -> str:
@@ -95,5 +94,16 @@ def init_process_group(dist_backend: str, timeout_s: float) -> str:
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        try:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        except Exception as exc:  # DistStoreError, RuntimeError: a peer never joined, or the address is wrong
+            raise DistributedError(
+                f"could not form the {backend} process group within {timeout_s:g} s "
+                f"({_first_line(exc)}); check that every worker started and MASTER_ADDR/MASTER_PORT are reachable"
+            ) from None
     return backend
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

@@ -1,0 +1,120 @@
+"""Helpers for multi-process tests: tiny model folders the CLI can load, and real launches.
+
+Tiny models use the embedded SmolLM2 tokenizer (so prompts JSONL and chat templates work unchanged) with a
+random 2-layer body; random tiny models repeat themselves, which makes lookahead candidates hit often.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_tiny_folder(path: Path, family: str = "llama", seed: int = 0) -> Path:
+    """A loadable model folder (safetensors + tokenizer) with a random tiny body."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lp_runner.loading import embedded_model_dir, fetch_embedded_model
+
+    fetch_embedded_model()
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    cfg_cls, model_cls = classes[family]
+    cfg = cfg_cls(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_prompts(path: Path, prompts: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def env_with_repo(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "lp_runner", *args,
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(world: int, args_per_rank: list[list[str]]) -> list[subprocess.Popen]:
+    """Start ``world`` ranks by hand (env rendezvous, no torchrun agent): a peer failure is then seen only by
+    the surviving ranks themselves, as on a multi-node job where the failed node's agent is gone too."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = env_with_repo(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+        cmd = [sys.executable, "-m", "lp_runner", *args_per_rank[rank]]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def wait_for_file_lines(path: Path, lines: int, timeout: float) -> bool:
+    """Wait until ``path`` holds at least ``lines`` JSONL records (generation is under way)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            p.kill()
+        p.wait()
