@@ -6,6 +6,7 @@ random 2-layer body; random tiny models repeat themselves, which makes lookahead
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,8 +23,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 def make_tiny_folder(path: Path, family: str = "llama", seed: int = 0) -> Path:
     """A loadable model folder (safetensors + tokenizer) with a random tiny body."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from lp_runner.loading import embedded_model_dir, fetch_embedded_model
 
@@ -112,9 +120,7 @@ def wait_for_file_lines(path: Path, lines: int, timeout: float) -> bool:
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGCONT)
-            except ProcessLookupError:
-                pass
             p.kill()
         p.wait()

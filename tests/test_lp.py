@@ -16,9 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from lp_runner.parallel.exchange import pack, unpack, winner
-from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 from dist_helpers import (
     env_with_repo,
     launch_ranks,
@@ -29,6 +26,9 @@ from dist_helpers import (
     wait_for_file_lines,
     write_prompts,
 )
+
+from lp_runner.parallel.exchange import pack, unpack, winner
+from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 
 PROMPTS = [
     {"id": "plain", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown"},
