@@ -36,6 +36,12 @@ class LookaheadConfig:
     ngram_size: int = 5  # N: n-gram length; each trajectory holds N-1 levels, verification suffixes N-1
     verification_set_size: int = 7  # G: pool suffixes kept per key and verified per round
     pool_from_prompt: bool = True  # seed the n-gram pool with the prompt's own n-grams
+    pool_from_output: bool = True  # repair the pool with the committed text's n-grams (verified continuations)
+    lookahead_branch: bool = True  # false: no Jacobi window rows (pure pool / context lookup, like prompt lookup)
+    context_lookup: bool = True  # propose continuations of earlier occurrences of the committed suffix
+    context_max_ngram: int = 3  # longest suffix matched against the context
+    context_tokens: int = 10  # tokens proposed per context match
+    candidate_policy: str = "context_first"  # context_first | pool_first: who fills the budget G first
 
 
 @dataclass
@@ -91,6 +97,7 @@ _SECTION_TYPES: dict[str, type] = {
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "lookahead.candidate_policy": ("context_first", "pool_first"),
     "parallel.backend": ("torch", "ray"),
     "parallel.dist_backend": ("auto", "gloo", "nccl"),
 }
@@ -217,6 +224,10 @@ def check_lookahead(la: LookaheadConfig) -> None:
         raise ConfigError(f"lookahead.window_size (W) must be >= 1, got {la.window_size}")
     if la.verification_set_size < 0:
         raise ConfigError(f"lookahead.verification_set_size (G) must be >= 0, got {la.verification_set_size}")
+    if la.context_max_ngram < 1:
+        raise ConfigError(f"lookahead.context_max_ngram must be >= 1, got {la.context_max_ngram}")
+    if la.context_tokens < 1:
+        raise ConfigError(f"lookahead.context_tokens must be >= 1, got {la.context_tokens}")
 
 
 def validate(cfg: Config) -> None:

@@ -83,19 +83,26 @@ class LookaheadEngine:
                 f"model's context of {limit} positions"
             )
 
-    def generate(self, prompt_ids: Sequence[int], on_commit: OnCommit | None = None) -> GenerationResult:
+    def generate(
+        self, prompt_ids: Sequence[int], on_commit: OnCommit | None = None, committed: Sequence[int] = ()
+    ) -> GenerationResult:
+        """Generate after ``prompt_ids``; ``committed`` resumes a generation whose first tokens are already known
+        (e.g. after a lost worker): they are re-prefilled with the prompt and returned as the output's start.
+        Greedy output is a function of the prefix alone, so a resumed run ends exactly as an uninterrupted one."""
         self.check_prompt(prompt_ids)
+        if len(committed) >= self.gen.max_new_tokens or (set(committed[-1:]) & self.eos_ids):
+            return GenerationResult(list(committed), GenerationStats())
         la, comm = self.la, self.comm
         n, w = la.ngram_size, la.window_size
-        suffix_len = n - 1
-        coord = Coordinator(w, n, la.verification_set_size, comm.world_size)
-        if la.pool_from_prompt:
-            coord.seed(prompt_ids)
-        window = JacobiWindow(w, n, prompt_ids)
+        max_emit = max(n - 1, la.context_tokens if la.context_lookup else 0) + 1  # longest candidate + 1
+        coord = Coordinator(la, comm.world_size, prompt_ids)
+        window = JacobiWindow(w, n, [*prompt_ids, *committed])
         cache = self.adapter.new_cache()
         past_len = 0
-        pending: list[int] = list(prompt_ids)  # committed tokens not yet in this rank's cache; last = live key
-        output: list[int] = []
+        history: list[int] = [*prompt_ids, *committed]  # every committed token: prompt, then output
+        pending: list[int] = list(history)  # committed tokens not yet in this rank's cache; last = live key
+        if committed:
+            coord.observe((), history, len(committed))
         stats = GenerationStats()
         start = time.perf_counter()
         collectives_before = comm.collectives
@@ -103,9 +110,9 @@ class LookaheadEngine:
         while True:
             t_round = time.perf_counter()
             live = pending[-1]
-            plan = coord.plan(live, window.depth)
+            plan = coord.plan(history, window.depth if la.lookahead_branch else None)
             columns, candidates = plan.for_rank(comm.rank)
-            layout = compile_round(pending, past_len, window.levels, columns, candidates, suffix_len)
+            layout = compile_round(pending, past_len, window.levels, columns, candidates)
 
             t_fwd = time.perf_counter()
             try:
@@ -123,46 +130,61 @@ class LookaheadEngine:
                 candidates,
                 [[preds[i] for i in rows] for rows in layout.verify_logits],
             )
+            global_candidate = plan.assignment[comm.rank][verdict.candidate] if verdict.candidate >= 0 else -1
             own_columns = dict(zip(range(*columns), (preds[i] for i in layout.column_logits), strict=True))
-            payload = pack(verdict.hits, verdict.emitted, plan.digest, own_columns, n, w)
+            payload = pack(verdict.hits, verdict.emitted, plan.digest, global_candidate, own_columns, max_emit, w)
 
             t_comm = time.perf_counter()
-            reports = unpack(comm.all_gather(payload), n, w)
+            reports = unpack(comm.all_gather(payload), max_emit, w)
             comm_s = time.perf_counter() - t_comm
             if any(r.plan_digest != plan.digest for r in reports):
                 raise DistributedError(f"rank {comm.rank}: coordinator replicas disagree on the round plan")
             win = winner(reports)
-            emitted, finished = cut_emitted(reports[win].emitted, self.eos_ids, self.gen.max_new_tokens - len(output))
+            budget = self.gen.max_new_tokens - (len(history) - len(prompt_ids))
+            emitted, finished = cut_emitted(reports[win].emitted, self.eos_ids, budget)
 
             # publish
-            output.extend(emitted)
-            if on_commit is not None:
-                on_commit(emitted)
-            stats.add(
-                RoundRecord(
-                    rows=layout.num_rows,
-                    logit_rows=len(layout.logit_rows),
-                    candidates=len(candidates),
-                    hits=reports[win].hits,
-                    emitted=len(emitted),
-                    forward_s=forward_s,
-                    comm_s=comm_s,
-                    host_s=0.0,
-                ),
-                verified_anywhere=bool(plan.candidates),
-            )
-            if finished:
-                stats.records[-1].host_s = time.perf_counter() - t_round - forward_s - comm_s
-                break
-            past_len, pending = self._publish_kv(cache, past_len, layout, verdict, win, reports[win].emitted)
-            new_row = [tok for _, tok in sorted(_merge_columns(reports).items())]
-            coord.observe(window.step(live, new_row))
+            history.extend(emitted)
+            self._count(stats, plan, reports[win], layout, len(candidates), len(emitted), forward_s, comm_s)
+            if not finished:
+                past_len, pending = self._publish_kv(cache, past_len, layout, verdict, win, reports[win].emitted)
+                ngrams = []
+                if la.lookahead_branch:
+                    new_row = [tok for _, tok in sorted(_merge_columns(reports).items())]
+                    ngrams = window.step(live, new_row)
+                coord.observe(ngrams, history, len(emitted))
             stats.records[-1].host_s = time.perf_counter() - t_round - forward_s - comm_s
+            if on_commit is not None:  # after timing: streaming is the caller's cost, not the engine's
+                on_commit(emitted)
+            if finished:
+                break
 
         stats.seconds = time.perf_counter() - start
         stats.collectives = comm.collectives - collectives_before
         stats.host_s = sum(r.host_s for r in stats.records)
-        return GenerationResult(output, stats)
+        return GenerationResult(history[len(prompt_ids) :], stats)
+
+    @staticmethod
+    def _count(stats, plan, win_report, layout, num_local, num_emitted, forward_s, comm_s) -> None:
+        stats.add(
+            RoundRecord(
+                rows=layout.num_rows,
+                logit_rows=len(layout.logit_rows),
+                candidates=num_local,
+                hits=win_report.hits,
+                emitted=num_emitted,
+                forward_s=forward_s,
+                comm_s=comm_s,
+                host_s=0.0,
+            ),
+            verified_anywhere=bool(plan.candidates),
+        )
+        for name, count in plan.proposed:
+            stats.count_source(name, "proposed", count)
+        for name in plan.sources:
+            stats.count_source(name, "verified", 1)
+        if win_report.candidate >= 0:
+            stats.count_source(plan.sources[win_report.candidate], "accepted", win_report.hits)
 
     def _publish_kv(
         self,

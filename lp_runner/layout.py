@@ -60,11 +60,11 @@ class RoundLayout:
     num_ordinary: int
     num_lookahead: int
     num_candidates: int
-    suffix_len: int
+    candidate_starts: tuple[int, ...]  # row index of each candidate's first token
     # indices into the logit rows (not into rows):
     ordinary_logit: int  # prediction z0 after the live key
     column_logits: tuple[int, ...]  # one per own column, in column order: its new trajectory token
-    verify_logits: tuple[tuple[int, ...], ...]  # [num_candidates][suffix_len]: prediction after g_c[s]
+    verify_logits: tuple[tuple[int, ...], ...]  # [num_candidates][len(candidate)]: prediction after g_c[s]
 
     @property
     def num_rows(self) -> int:
@@ -76,7 +76,7 @@ class RoundLayout:
 
     def verify_row(self, candidate: int, offset: int) -> int:
         """Row index (within the round) of candidate ``candidate``'s input at ``offset``."""
-        return self.first_verify_row + candidate * self.suffix_len + offset
+        return self.candidate_starts[candidate] + offset
 
 
 def compile_round(
@@ -85,14 +85,13 @@ def compile_round(
     levels: Sequence[Sequence[int]],
     columns: tuple[int, int],
     candidates: Sequence[Sequence[int]],
-    suffix_len: int,
 ) -> RoundLayout:
     """Build the round for one rank.
 
     ordinary: uncached committed tokens, the last being the live key; the first sits at ``start_position``.
     levels: the full window (levels[0] has W-1 tokens, deeper levels W); the deepest present level is output.
-    columns: [lo, hi) this rank computes; it also feeds level-0 context for columns 1..lo-1.
-    candidates: suffixes of length ``suffix_len`` to verify, all keyed by the live key.
+    columns: [lo, hi) this rank computes (empty when lo == hi); it also feeds level-0 context for columns 1..lo-1.
+    candidates: non-empty suffixes (any lengths) to verify, all following the live key.
     """
     if not ordinary:
         raise ValueError("a round needs at least one ordinary row (the live key)")
@@ -120,8 +119,8 @@ def compile_round(
 
     verify_rows: list[list[int]] = []
     for c, suffix in enumerate(candidates):
-        if len(suffix) != suffix_len:
-            raise ValueError(f"candidate {c} has length {len(suffix)}, expected {suffix_len}")
+        if not suffix:
+            raise ValueError(f"candidate {c} is empty")
         verify_rows.append([])
         for s, tok in enumerate(suffix):
             rows.append(Row(ROLE_VERIFY, tok, p + 1 + s, candidate=c, offset=s))
@@ -144,7 +143,7 @@ def compile_round(
         num_ordinary=len(ordinary),
         num_lookahead=num_lookahead,
         num_candidates=len(candidates),
-        suffix_len=suffix_len,
+        candidate_starts=tuple(rs[0] for rs in verify_rows),
         ordinary_logit=0,
         column_logits=tuple(where[r] for r in column_rows),
         verify_logits=tuple(tuple(where[r] for r in rs) for rs in verify_rows),

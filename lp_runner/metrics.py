@@ -36,6 +36,12 @@ class GenerationStats:
     host_s: float = 0.0
     seconds: float = 0.0
     records: list[RoundRecord] = field(default_factory=list)
+    # per candidate source: {"proposed": n, "verified": n, "accepted": tokens accepted from its winning candidates}
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def count_source(self, name: str, key: str, value: int) -> None:
+        entry = self.sources.setdefault(name, {"proposed": 0, "verified": 0, "accepted": 0})
+        entry[key] += value
 
     def add(self, rec: RoundRecord, verified_anywhere: bool) -> None:
         self.rounds += 1
@@ -63,7 +69,7 @@ class GenerationStats:
         return self.rows / self.rounds if self.rounds else 0.0
 
     def summary(self) -> dict[str, float | int]:
-        d = {k: v for k, v in asdict(self).items() if k != "records"}
+        d = {k: v for k, v in asdict(self).items() if k != "records"}  # sources included
         d.update(
             tokens_per_forward=round(self.tokens_per_forward, 4),
             tokens_per_s=round(self.tokens_per_s, 3),

@@ -67,31 +67,33 @@ def test_column_blocks_worked_example_and_w_below_p():
 
 
 @pytest.mark.parametrize(
-    "n,base,suffix_len,expected",
+    "lengths,base,expected",
     [
-        (5, [10, 4], 4, [[2, 4], [0, 1, 3]]),  # docstring example: loads 18 and 16
-        (0, [10, 4], 4, [[], []]),  # no candidates: nothing assigned
-        (1, [3, 3, 3], 2, [[0], [], []]),  # fewer candidates than ranks: ties go to the lowest rank
-        (3, [0, 0, 0], 4, [[0], [1], [2]]),
+        ([4] * 5, [10, 4], [[2, 4], [0, 1, 3]]),  # docstring example: loads 18 and 16
+        ([], [10, 4], [[], []]),  # no candidates: nothing assigned
+        ([2], [3, 3, 3], [[0], [], []]),  # fewer candidates than ranks: ties go to the lowest rank
+        ([4, 4, 4], [0, 0, 0], [[0], [1], [2]]),
+        ([10, 4, 4], [0, 0], [[0], [1, 2]]),  # a long context candidate weighs its length
     ],
 )
-def test_assign_candidates(n, base, suffix_len, expected):
-    assert assign_candidates(n, base, suffix_len) == expected
+def test_assign_candidates(lengths, base, expected):
+    assert assign_candidates(lengths, base) == expected
 
 
 def test_assign_candidates_keeps_groups_on_one_rank():
-    out = assign_candidates(4, [0, 0], 3, groups=[7, 8, 7, 8])  # groups by first token
+    out = assign_candidates([3] * 4, [0, 0], groups=[7, 8, 7, 8])  # groups by first token
     assert sorted(map(sorted, out)) == [[0, 2], [1, 3]]
 
 
 def test_exchange_roundtrip_and_winner_ties_to_lowest_rank():
-    a = pack(2, (5, 6, 7), 99, {0: 11, 1: 12}, n=5, w=4)
-    b = pack(2, (5, 6, 8), 99, {2: 13, 3: 14}, n=5, w=4)
-    reports = unpack(torch.stack([a, b]), n=5, w=4)
+    a = pack(2, (5, 6, 7), 99, 0, {0: 11, 1: 12}, max_emit=5, w=4)
+    b = pack(2, (5, 6, 8), 99, 3, {2: 13, 3: 14}, max_emit=5, w=4)
+    reports = unpack(torch.stack([a, b]), max_emit=5, w=4)
     assert reports[1].emitted == (5, 6, 8) and reports[1].columns == {2: 13, 3: 14}
+    assert reports[1].candidate == 3 and reports[0].plan_digest == 99
     assert winner(reports) == 0  # equal hits: lowest rank
-    c = pack(3, (1, 2, 3, 4), 99, {}, n=5, w=4)
-    assert winner(unpack(torch.stack([a, b, c]), n=5, w=4)) == 2
+    c = pack(3, (1, 2, 3, 4), 99, -1, {}, max_emit=5, w=4)
+    assert winner(unpack(torch.stack([a, b, c]), max_emit=5, w=4)) == 2
 
 
 # ---------------------------------------------------------------- real torchrun runs

@@ -12,16 +12,22 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from lp_runner.config import LookaheadConfig
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 from lp_runner.pool import NGramPool, Suffix, sequence_ngrams
+from lp_runner.sources import CandidateSource, ContextSource, PoolSource, merge_candidates
+
+NO_COLUMNS = (0, 0)
 
 
 @dataclass(frozen=True)
 class RoundPlan:
     live_key: int
     candidates: tuple[Suffix, ...]  # all candidates this round, in verification order
+    sources: tuple[str, ...]  # which source proposed each candidate
     columns: tuple[tuple[int, int], ...]  # per rank: [lo, hi)
     assignment: tuple[tuple[int, ...], ...]  # per rank: indices into candidates
+    proposed: tuple[tuple[str, int], ...] = ()  # per source: suffixes proposed before dedup and budget
 
     def for_rank(self, rank: int) -> tuple[tuple[int, int], list[Suffix]]:
         return self.columns[rank], [self.candidates[c] for c in self.assignment[rank]]
@@ -34,23 +40,44 @@ class RoundPlan:
 
 
 class Coordinator:
-    def __init__(self, window_size: int, ngram_size: int, guess_set_size: int, world_size: int) -> None:
-        self.window_size = window_size
-        self.ngram_size = ngram_size
-        self.guess_set_size = guess_set_size
+    """Global pool, context index and per-round plan; see the module docstring for why it is replicated."""
+
+    def __init__(self, la: LookaheadConfig, world_size: int, prompt_ids: Sequence[int]) -> None:
+        self.la = la
         self.world_size = world_size
-        self.pool = NGramPool(cap=guess_set_size, suffix_len=ngram_size - 1)
+        self.pool = NGramPool(cap=la.verification_set_size, suffix_len=la.ngram_size - 1)
+        if la.pool_from_prompt:
+            self.pool.insert_many(sequence_ngrams(prompt_ids, la.ngram_size))
+        self.sources: list[CandidateSource] = [PoolSource(self.pool, la.ngram_size, la.pool_from_output)]
+        if la.context_lookup:
+            context = ContextSource(la.context_max_ngram, la.context_tokens)
+            context.observe(prompt_ids, len(prompt_ids))
+            self.sources.insert(0 if la.candidate_policy == "context_first" else 1, context)
 
-    def seed(self, tokens: Sequence[int]) -> None:
-        """Insert every n-gram of ``tokens`` (the prompt) into the pool."""
-        self.pool.insert_many(sequence_ngrams(tokens, self.ngram_size))
+    def observe(self, trajectory_ngrams: Iterable[tuple[int, Sequence[int]]], history: Sequence[int], num_new: int):
+        """After a round: the window's n-grams, then the committed tokens, reach the pool and the context index."""
+        self.pool.insert_many(trajectory_ngrams)
+        for source in self.sources:
+            source.observe(history, num_new)
 
-    def observe(self, ngrams: Iterable[tuple[int, Sequence[int]]]) -> None:
-        self.pool.insert_many(ngrams)
-
-    def plan(self, live_key: int, depth: int) -> RoundPlan:
-        candidates = tuple(self.pool.candidates(live_key, self.guess_set_size))
-        blocks = column_blocks(self.window_size, self.world_size, depth)
-        base = [lookahead_rows(b, depth) for b in blocks]
-        assignment = assign_candidates(len(candidates), base, self.ngram_size - 1)
-        return RoundPlan(live_key, candidates, blocks, tuple(tuple(a) for a in assignment))
+    def plan(self, history: Sequence[int], depth: int | None) -> RoundPlan:
+        """depth None: the lookahead branch is off (no window rows on any rank)."""
+        budget = self.la.verification_set_size
+        proposals = [(src.name, src.propose(history, budget)) for src in self.sources]
+        merged = merge_candidates(proposals, budget)
+        candidates = tuple(s for _, s in merged)
+        if depth is None:
+            blocks = (NO_COLUMNS,) * self.world_size
+            base = [0] * self.world_size
+        else:
+            blocks = column_blocks(self.la.window_size, self.world_size, depth)
+            base = [lookahead_rows(b, depth) for b in blocks]
+        assignment = assign_candidates([len(c) for c in candidates], base)
+        return RoundPlan(
+            live_key=history[-1],
+            candidates=candidates,
+            sources=tuple(n for n, _ in merged),
+            columns=blocks,
+            assignment=tuple(tuple(a) for a in assignment),
+            proposed=tuple((n, len(p)) for n, p in proposals),
+        )

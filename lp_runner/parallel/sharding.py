@@ -53,21 +53,21 @@ def column_blocks(window_size: int, world_size: int, depth: int) -> tuple[tuple[
 
 
 def assign_candidates(
-    num_candidates: int,
+    lengths: Sequence[int],
     base_rows: Sequence[int],
-    suffix_len: int,
     groups: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Candidate indices per rank: each goes to the least-loaded rank (ties to the lowest rank).
 
-    base_rows: rows each rank already feeds (lookahead rows). groups: optional group id per candidate; a group
-    (for exact sampling: all candidates sharing a first token) is never split across ranks.
+    lengths: rows each candidate costs (its length). base_rows: rows each rank already feeds (lookahead rows).
+    groups: optional group id per candidate; a group (for exact sampling: all candidates sharing a first token)
+    is never split across ranks.
     Example: 5 candidates of 4 rows, base rows [10, 4] -> [[2, 4], [0, 1, 3]] (loads 18 and 16).
     """
     load = list(base_rows)
     out: list[list[int]] = [[] for _ in load]
     if groups is None:
-        units = [[c] for c in range(num_candidates)]
+        units = [[c] for c in range(len(lengths))]
     else:
         order: dict[int, list[int]] = {}
         for c, g in enumerate(groups):
@@ -76,5 +76,5 @@ def assign_candidates(
     for unit in units:
         r = min(range(len(load)), key=lambda k: (load[k], k))
         out[r].extend(unit)
-        load[r] += suffix_len * len(unit)
+        load[r] += sum(lengths[c] for c in unit)
     return out

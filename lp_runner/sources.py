@@ -1,0 +1,120 @@
+"""Candidate sources: who proposes the suffixes a round verifies, and how they share one budget of G.
+
+Two sources, one small interface (``CandidateSource``):
+* ``PoolSource``: the Jacobi n-gram pool keyed by the last committed token (trajectory n-grams, optionally seeded
+  with the prompt's n-grams and repaired with the committed text's n-grams).
+* ``ContextSource``: prompt-lookup style; the longest suffix of the committed tokens (prompt and generated text)
+  that occurred earlier proposes the tokens that followed it there. Code and chat repeat their context; Jacobi
+  trajectories find what the context does not contain.
+
+``merge_candidates`` deduplicates (identical suffixes once; a suffix that is a prefix of a kept one adds nothing:
+verifying the longer one checks it too) and fills the budget in policy order. Proposals never affect exactness:
+every candidate is verified by the target in its own branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from lp_runner.pool import NGramPool, Suffix, sequence_ngrams
+
+
+class CandidateSource(Protocol):
+    name: str
+
+    def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
+        """Up to ``limit`` suffixes that may follow ``history`` (whose last token is the live key)."""
+        ...
+
+    def observe(self, history: Sequence[int], num_new: int) -> None:
+        """``history`` grew by its last ``num_new`` committed tokens."""
+        ...
+
+
+class PoolSource:
+    name = "pool"
+
+    def __init__(self, pool: NGramPool, ngram_size: int, from_output: bool) -> None:
+        self.pool = pool
+        self.ngram_size = ngram_size
+        self.from_output = from_output
+
+    def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
+        return self.pool.candidates(history[-1], limit)
+
+    def observe(self, history: Sequence[int], num_new: int) -> None:
+        """Repair: the committed text's newly completed n-grams are verified continuations."""
+        if self.from_output and num_new > 0:
+            tail = history[-(num_new + self.ngram_size - 1) :]
+            self.pool.insert_many(sequence_ngrams(tail, self.ngram_size))
+
+
+class ContextSource:
+    """Longest-suffix match against earlier positions, most recent occurrence first.
+
+    Index: for each match length k in 1..max_ngram, k-gram -> end positions (ascending). A lookup tries k from
+    max_ngram down to 1 and stops at the first k with an earlier occurrence; each occurrence (most recent first)
+    proposes the up to ``num_tokens`` tokens that followed it; distinct continuations become distinct candidates.
+    Example: history [5, 6, 7, 9, 5, 6, 7, 8, 5, 6], max_ngram 2, num_tokens 3 -> the suffix (5, 6) occurred at
+    ends 1 and 5: candidates (7, 8, 5) (most recent) then (7, 9, 5).
+    """
+
+    name = "context"
+
+    def __init__(self, max_ngram: int, num_tokens: int) -> None:
+        self.max_ngram = max_ngram
+        self.num_tokens = num_tokens
+        self._index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram + 1)]
+        self._indexed = 0  # history positions indexed so far
+
+    def observe(self, history: Sequence[int], num_new: int) -> None:
+        for end in range(self._indexed, len(history)):
+            for k in range(1, self.max_ngram + 1):
+                if end - k + 1 < 0:
+                    break
+                self._index[k].setdefault(tuple(history[end - k + 1 : end + 1]), []).append(end)
+        self._indexed = len(history)
+
+    def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
+        if limit <= 0 or self.num_tokens <= 0:
+            return []
+        last = len(history) - 1
+        for k in range(min(self.max_ngram, len(history)), 0, -1):
+            ends = self._index[k].get(tuple(history[last - k + 1 :]))
+            earlier = [e for e in reversed(ends or ()) if e < last]
+            if not earlier:
+                continue
+            out: list[Suffix] = []
+            for end in earlier:
+                cont = tuple(history[end + 1 : end + 1 + self.num_tokens])
+                if cont and cont not in out:
+                    out.append(cont)
+                if len(out) == limit:
+                    break
+            return out
+        return []
+
+
+def merge_candidates(proposals: Sequence[tuple[str, Sequence[Suffix]]], budget: int) -> list[tuple[str, Suffix]]:
+    """Policy order in, at most ``budget`` (source, suffix) out, without redundant suffixes.
+
+    A suffix equal to, or a prefix of, one already kept is dropped; a kept suffix that is a prefix of a new one is
+    replaced by it (in place, keeping its source), since verifying the longer one verifies both.
+    Example: [("context", [(1, 2, 3)]), ("pool", [(1, 2), (4, 5), (1, 2, 3, 9)])], budget 2 ->
+    [("context", (1, 2, 3, 9)), ("pool", (4, 5))].
+    """
+    kept: list[tuple[str, Suffix]] = []
+    for name, suffixes in proposals:
+        for suffix in suffixes:
+            if not suffix:
+                continue
+            if any(k[: len(suffix)] == suffix for _, k in kept):
+                continue
+            extended = next((i for i, (_, k) in enumerate(kept) if suffix[: len(k)] == k), None)
+            if extended is not None:
+                kept[extended] = (kept[extended][0], suffix)
+                continue
+            if len(kept) < budget:
+                kept.append((name, suffix))
+    return kept
