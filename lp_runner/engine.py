@@ -11,6 +11,7 @@ A round has four stages (nothing is published before verification is complete):
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from lp_runner.metrics import GenerationStats, RoundRecord
 from lp_runner.model import ModelAdapter, crop, move_rows
 from lp_runner.parallel.comm import Communicator, SoloCommunicator
 from lp_runner.parallel.coordinator import Coordinator
-from lp_runner.parallel.exchange import pack, unpack, winner
+from lp_runner.parallel.exchange import pack, sampling_winner, unpack, winner
+from lp_runner.sampling import NO_CANDIDATE, sample_first, sample_verify, warp_logits
 from lp_runner.verify import Verdict, cut_emitted, greedy_verify
 from lp_runner.window import JacobiWindow
 
@@ -72,6 +74,7 @@ class LookaheadEngine:
         self.gen = generation
         self.eos_ids = frozenset(eos_ids) if generation.stop_on_eos else frozenset()
         self.comm = comm or SoloCommunicator()
+        self._generations = 0  # seeds each generation's verifier streams: same seed and prompt order, same samples
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         if not prompt_ids:
@@ -95,7 +98,9 @@ class LookaheadEngine:
         la, comm = self.la, self.comm
         n, w = la.ngram_size, la.window_size
         max_emit = max(n - 1, la.context_tokens if la.context_lookup else 0) + 1  # longest candidate + 1
-        coord = Coordinator(la, comm.world_size, prompt_ids)
+        coord = Coordinator(la, comm.world_size, prompt_ids, group_by_first_token=self.gen.do_sample)
+        generation_index = self._generations
+        self._generations += 1
         window = JacobiWindow(w, n, [*prompt_ids, *committed])
         cache = self.adapter.new_cache()
         past_len = 0
@@ -125,11 +130,14 @@ class LookaheadEngine:
                 raise
             forward_s = time.perf_counter() - t_fwd
 
-            verdict = greedy_verify(
-                preds[layout.ordinary_logit],
-                candidates,
-                [[preds[i] for i in rows] for rows in layout.verify_logits],
-            )
+            if self.gen.do_sample:
+                verdict = self._sample(logits, layout, plan, candidates, (generation_index, stats.rounds))
+            else:
+                verdict = greedy_verify(
+                    preds[layout.ordinary_logit],
+                    candidates,
+                    [[preds[i] for i in rows] for rows in layout.verify_logits],
+                )
             global_candidate = plan.assignment[comm.rank][verdict.candidate] if verdict.candidate >= 0 else -1
             own_columns = dict(zip(range(*columns), (preds[i] for i in layout.column_logits), strict=True))
             payload = pack(verdict.hits, verdict.emitted, plan.digest, global_candidate, own_columns, max_emit, w)
@@ -139,7 +147,7 @@ class LookaheadEngine:
             comm_s = time.perf_counter() - t_comm
             if any(r.plan_digest != plan.digest for r in reports):
                 raise DistributedError(f"rank {comm.rank}: coordinator replicas disagree on the round plan")
-            win = winner(reports)
+            win = sampling_winner(reports) if self.gen.do_sample else winner(reports)
             budget = self.gen.max_new_tokens - (len(history) - len(prompt_ids))
             emitted, finished = cut_emitted(reports[win].emitted, self.eos_ids, budget)
 
@@ -163,6 +171,32 @@ class LookaheadEngine:
         stats.collectives = comm.collectives - collectives_before
         stats.host_s = sum(r.host_s for r in stats.records)
         return GenerationResult(history[len(prompt_ids) :], stats)
+
+    def _sample(self, logits, layout: RoundLayout, plan, candidates, round_key: tuple[int, int]) -> Verdict:
+        """Exact sampling verification (see ``sampling.py``), split so that LP needs no extra collective.
+
+        The first token is decided on every rank from a stream shared by all ranks (seed, generation, round) over
+        the round's distinct first tokens; the continuation uses a second stream and only the local candidates that
+        start with that token (grouping puts them all on one rank). The lookahead rows stay greedy proposals.
+        """
+        gen = self.gen
+        shared = random.Random(f"{gen.seed}:{round_key[0]}:{round_key[1]}:first")
+        local = random.Random(f"{gen.seed}:{round_key[0]}:{round_key[1]}:rest")
+        rows = [layout.ordinary_logit, *(i for r in layout.verify_logits for i in r)]
+        probs = warp_logits(logits[rows], gen.temperature, gen.top_k, gen.top_p)  # [1 + verify rows, V]
+        first = sample_first(probs[0], [c[0] for c in plan.candidates], shared.random)
+        survivors = [c for c, cand in enumerate(candidates) if cand[0] == first]
+        if not survivors:
+            return Verdict(NO_CANDIDATE, 0, (first,))
+        offsets = [1 + sum(len(candidates[k]) for k in range(c)) for c in survivors]  # row of each survivor's g[0]
+        cont = sample_verify(
+            probs[offsets[0]],  # the distribution after reading ``first`` (same on every survivor)
+            [candidates[c][1:] for c in survivors],
+            [probs[o + 1 : o + len(candidates[c])] for c, o in zip(survivors, offsets, strict=True)],
+            local.random,
+        )
+        winner_local = survivors[cont.candidate] if cont.candidate >= 0 else survivors[0]
+        return Verdict(winner_local, 1 + cont.hits, (first, *cont.emitted))
 
     @staticmethod
     def _count(stats, plan, win_report, layout, num_local, num_emitted, forward_s, comm_s) -> None:

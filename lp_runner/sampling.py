@@ -148,6 +148,22 @@ def sample_verify(
     return Verdict(path[0] if hits else NO_CANDIDATE, hits, tuple(emitted))
 
 
+def sample_first(first_probs: torch.Tensor, tokens: Sequence[int], draw: Draw) -> int:
+    """Offset 0 of ``sample_verify`` alone: one-hot residual tests of the distinct ``tokens``, else a residual draw.
+
+    Under LP every rank runs this on the same shared draws over the round's distinct first tokens (all ranks know
+    the plan); the rank holding the candidates that start with the result continues with ``sample_verify`` on the
+    distribution after it. Together that is exactly ``sample_verify`` on all candidates.
+    """
+    target = _host(first_probs)  # [V]
+    accepted = _test_tokens(target, list(dict.fromkeys(tokens)), draw)
+    if accepted is not None:
+        return accepted
+    residual = target.copy()  # [V]
+    residual[list(tokens)] = 0.0
+    return _sample_host(residual, draw())
+
+
 def _host(probs: torch.Tensor) -> np.ndarray:
     """[..., vocab] probabilities as a float64 host array, a view when they already are one on the CPU.
 

@@ -42,9 +42,12 @@ class RoundPlan:
 class Coordinator:
     """Global pool, context index and per-round plan; see the module docstring for why it is replicated."""
 
-    def __init__(self, la: LookaheadConfig, world_size: int, prompt_ids: Sequence[int]) -> None:
+    def __init__(
+        self, la: LookaheadConfig, world_size: int, prompt_ids: Sequence[int], group_by_first_token: bool = False
+    ) -> None:
         self.la = la
         self.world_size = world_size
+        self.group_by_first_token = group_by_first_token  # exact sampling under LP: a group never spans ranks
         self.pool = NGramPool(cap=la.verification_set_size, suffix_len=la.ngram_size - 1)
         if la.pool_from_prompt:
             self.pool.insert_many(sequence_ngrams(prompt_ids, la.ngram_size))
@@ -72,7 +75,8 @@ class Coordinator:
         else:
             blocks = column_blocks(self.la.window_size, self.world_size, depth)
             base = [lookahead_rows(b, depth) for b in blocks]
-        assignment = assign_candidates([len(c) for c in candidates], base)
+        groups = [c[0] for c in candidates] if self.group_by_first_token else None
+        assignment = assign_candidates([len(c) for c in candidates], base, groups)
         return RoundPlan(
             live_key=history[-1],
             candidates=candidates,

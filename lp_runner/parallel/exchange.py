@@ -65,3 +65,13 @@ def unpack(gathered: torch.Tensor, max_emit: int, w: int) -> list[RankReport]:
 def winner(reports: Sequence[RankReport]) -> int:
     """Longest hit wins; ties go to the lowest rank (so P = 1 and P > 1 agree when hits tie)."""
     return max(range(len(reports)), key=lambda r: (reports[r].hits, -r))
+
+
+def sampling_winner(reports: Sequence[RankReport]) -> int:
+    """Under sampling, rank 0's first token is the authority; the rank that continued from that same token (it
+    holds every candidate starting with it) wins, else rank 0 (its first token alone is an exact sample)."""
+    first = reports[0].emitted[0]
+    for r, rep in enumerate(reports):
+        if rep.hits > 0 and rep.emitted[0] == first:
+            return r
+    return 0
