@@ -41,11 +41,14 @@ CONFIGS: dict[str, LookaheadConfig] = {
     "la-7-5-7+prompt": LookaheadConfig(7, 5, 7, True, **PLAIN),
     "la-15-5-15": LookaheadConfig(15, 5, 15, False, **PLAIN),
     "la-15-5-15+prompt": LookaheadConfig(15, 5, 15, True, **PLAIN),
+    # the Jacobi pool alone, without repair by the committed text (the published algorithm's pool)
     "la-7-5-7-pure": LookaheadConfig(7, 5, 7, False, pool_from_output=False, context_lookup=False),
-    # context lookup + Jacobi pool under one budget (configs/default.yaml)
-    "default": LookaheadConfig(4, 4, 3, True, context_tokens=10),
-    # context lookup only, through the same engine (no window rows)
-    "lean": LookaheadConfig(4, 4, 2, True, lookahead_branch=False, context_tokens=10),
+    # context lookup + Jacobi pool under one budget (configs/lookahead.yaml)
+    "ctx-7-5-7": LookaheadConfig(7, 5, 7, False),
+    "ctx-2-3-2": LookaheadConfig(2, 3, 2, False),
+    # context lookup + prompt/output pool, no window rows (configs/default.yaml: the CPU default)
+    "lean-g1": LookaheadConfig(7, 5, 1, True, lookahead_branch=False),
+    "lean-g2": LookaheadConfig(7, 5, 2, True, lookahead_branch=False),
 }
 
 

@@ -40,7 +40,8 @@ class LookaheadConfig:
     lookahead_branch: bool = True  # false: no Jacobi window rows (pure pool / context lookup, like prompt lookup)
     context_lookup: bool = True  # propose continuations of earlier occurrences of the committed suffix
     context_max_ngram: int = 3  # longest suffix matched against the context
-    context_tokens: int = 10  # tokens proposed per context match
+    context_tokens: int = 10  # tokens proposed per context match (at most)
+    context_adaptive: bool = True  # grow / shrink the proposal length with its acceptance (2..context_tokens)
     candidate_policy: str = "context_first"  # context_first | pool_first: who fills the budget G first
 
 
@@ -61,6 +62,13 @@ class ParallelConfig:
     workers: int = 1  # P; under torchrun it must equal WORLD_SIZE
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     timeout_s: float = 120.0  # every collective fails after this long instead of hanging
+    # Ray backend (parallel.backend=ray): one actor per worker, placed through one placement group.
+    ray_address: str = ""  # "" = $RAY_ADDRESS if set, else a local Ray instance started (and stopped) for the run
+    cpus_per_worker: float = 1.0  # CPUs reserved per actor
+    gpus_per_worker: float = -1.0  # GPUs per actor; -1 = auto (1 when the cluster has GPUs, else 0)
+    resources_per_worker: str = ""  # extra custom Ray resources per actor: "name=amount,name=amount"
+    placement_timeout_s: float = 60.0  # wait at most this long for the cluster to free the workers' resources
+    max_restarts: int = 2  # lost-worker recoveries allowed per run before the run fails
 
 
 @dataclass
@@ -246,6 +254,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.workers must be >= 1, got {par.workers}")
     if par.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s must be > 0, got {par.timeout_s}")
+    if par.cpus_per_worker < 0:
+        raise ConfigError(f"parallel.cpus_per_worker must be >= 0, got {par.cpus_per_worker}")
+    if par.gpus_per_worker < 0 and par.gpus_per_worker != -1:
+        raise ConfigError(f"parallel.gpus_per_worker must be >= 0 or -1 (auto), got {par.gpus_per_worker}")
+    if par.placement_timeout_s <= 0:
+        raise ConfigError(f"parallel.placement_timeout_s must be > 0, got {par.placement_timeout_s}")
+    if par.max_restarts < 0:
+        raise ConfigError(f"parallel.max_restarts must be >= 0, got {par.max_restarts}")
     if cfg.model.threads < 0:
         raise ConfigError(f"model.threads must be >= 0, got {cfg.model.threads}")
     for key, choices in _CHOICES.items():

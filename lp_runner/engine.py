@@ -160,6 +160,7 @@ class LookaheadEngine:
                 if la.lookahead_branch:
                     new_row = [tok for _, tok in sorted(_merge_columns(reports).items())]
                     ngrams = window.step(live, new_row)
+                coord.feedback(plan, reports[win].candidate, reports[win].hits)
                 coord.observe(ngrams, history, len(emitted))
             stats.records[-1].host_s = time.perf_counter() - t_round - forward_s - comm_s
             if on_commit is not None:  # after timing: streaming is the caller's cost, not the engine's

@@ -131,11 +131,17 @@ def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], res
 class TextStreamer:
     """Prints committed tokens as text as soon as they decode to complete characters."""
 
-    def __init__(self, tokenizer: Any, write: Callable[[str], None]) -> None:
+    def __init__(
+        self, tokenizer: Any, write: Callable[[str], None], shown: Sequence[int] = (), printed: int | None = None
+    ) -> None:
+        """``shown``: tokens already on screen (a resumed generation); ``printed``: how many characters of their
+        text were written, when known exactly (default: all complete characters)."""
         self.tokenizer = tokenizer
         self.write = write
-        self.ids: list[int] = []
-        self.printed = 0
+        self.ids: list[int] = list(shown)
+        if printed is None:
+            printed = len(tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")) if shown else 0
+        self.printed = printed
 
     def __call__(self, tokens: Sequence[int]) -> None:
         self.ids.extend(tokens)
@@ -151,21 +157,46 @@ def run_prompts(
     specs: Sequence[PromptSpec],
     on_record: Callable[[dict], None] | None = None,
     stream: Callable[[str], None] | None = None,
+    committed: Sequence[Sequence[int]] | None = None,
+    on_commit: Callable[[int, Sequence[int]], None] | None = None,
 ) -> list[dict]:
-    """Generate for every prompt on every rank; records (and callbacks) only on rank 0."""
+    """Generate for every prompt on every rank; records (and callbacks) only on rank 0.
+
+    ``committed[i]`` resumes prompt i from tokens already generated (e.g. before a worker was lost); its record
+    holds the whole output, as if never interrupted, and ``stream`` shows only what follows the prefix.
+    ``on_commit(i, tokens)`` sees the tokens committed by every round of prompt i (rank 0 only)."""
     engine = LookaheadEngine(
         worker.adapter, worker.cfg.lookahead, worker.cfg.generation, eos_token_ids(worker), worker.comm
     )
     prompt_ids = [encode(worker.tokenizer, s) for s in specs]
+    prefixes = [list(c) for c in committed] if committed is not None else [[] for _ in specs]
+    if len(prefixes) != len(specs):
+        raise ValueError(f"committed has {len(prefixes)} entries for {len(specs)} prompts")
     for ids in prompt_ids:  # fail on over-long prompts before any generation starts
         engine.check_prompt(ids)
     records = []
-    for spec, ids in zip(specs, prompt_ids, strict=True):
-        streamer = TextStreamer(worker.tokenizer, stream) if (stream and worker.is_main) else None
-        result = engine.generate(ids, on_commit=streamer)
+    for i, (spec, ids, prefix) in enumerate(zip(specs, prompt_ids, prefixes, strict=True)):
+        callbacks: list[Callable[[Sequence[int]], None]] = []
+        if stream and worker.is_main:
+            callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefix))
+        if on_commit is not None and worker.is_main:
+            callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
+        result = engine.generate(ids, on_commit=_chain(callbacks), committed=prefix)
         if worker.is_main:
             rec = make_record(worker, spec, ids, result)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
     return records
+
+
+def _chain(callbacks: list[Callable[[Sequence[int]], None]]) -> Callable[[Sequence[int]], None] | None:
+    """One on_commit callback that calls each of ``callbacks`` in order (None when there are none)."""
+    if not callbacks:
+        return None
+
+    def call_all(tokens: Sequence[int]) -> None:
+        for callback in callbacks:
+            callback(tokens)
+
+    return call_all

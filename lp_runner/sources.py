@@ -31,6 +31,10 @@ class CandidateSource(Protocol):
         """``history`` grew by its last ``num_new`` committed tokens."""
         ...
 
+    def feedback(self, proposed: int, accepted: int) -> None:
+        """The round's winning candidate came from this source: ``accepted`` of its ``proposed`` tokens held."""
+        ...
+
 
 class PoolSource:
     name = "pool"
@@ -42,6 +46,9 @@ class PoolSource:
 
     def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
         return self.pool.candidates(history[-1], limit)
+
+    def feedback(self, proposed: int, accepted: int) -> None:
+        pass  # pool suffixes have a fixed length
 
     def observe(self, history: Sequence[int], num_new: int) -> None:
         """Repair: the committed text's newly completed n-grams are verified continuations."""
@@ -62,9 +69,11 @@ class ContextSource:
 
     name = "context"
 
-    def __init__(self, max_ngram: int, num_tokens: int) -> None:
+    def __init__(self, max_ngram: int, num_tokens: int, adaptive: bool = True) -> None:
         self.max_ngram = max_ngram
         self.num_tokens = num_tokens
+        self.adaptive = adaptive
+        self.length = num_tokens  # current proposal length, adapted to how much of it gets accepted
         self._index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram + 1)]
         self._indexed = 0  # history positions indexed so far
 
@@ -75,6 +84,16 @@ class ContextSource:
                     break
                 self._index[k].setdefault(tuple(history[end - k + 1 : end + 1]), []).append(end)
         self._indexed = len(history)
+
+    def feedback(self, proposed: int, accepted: int) -> None:
+        """Every verified row is paid for: grow proposals after a full accept, shrink them after a partial one
+        (HF assisted generation's heuristic schedule), between 2 and ``num_tokens``."""
+        if not self.adaptive:
+            return
+        if accepted >= proposed:
+            self.length = min(self.num_tokens, self.length + 2)
+        else:
+            self.length = max(2, self.length - 1)
 
     def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
         if limit <= 0 or self.num_tokens <= 0:
@@ -87,7 +106,7 @@ class ContextSource:
                 continue
             out: list[Suffix] = []
             for end in earlier:
-                cont = tuple(history[end + 1 : end + 1 + self.num_tokens])
+                cont = tuple(history[end + 1 : end + 1 + self.length])
                 if cont and cont not in out:
                     out.append(cont)
                 if len(out) == limit:

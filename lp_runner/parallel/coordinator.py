@@ -53,7 +53,7 @@ class Coordinator:
             self.pool.insert_many(sequence_ngrams(prompt_ids, la.ngram_size))
         self.sources: list[CandidateSource] = [PoolSource(self.pool, la.ngram_size, la.pool_from_output)]
         if la.context_lookup:
-            context = ContextSource(la.context_max_ngram, la.context_tokens)
+            context = ContextSource(la.context_max_ngram, la.context_tokens, la.context_adaptive)
             context.observe(prompt_ids, len(prompt_ids))
             self.sources.insert(0 if la.candidate_policy == "context_first" else 1, context)
 
@@ -62,6 +62,14 @@ class Coordinator:
         self.pool.insert_many(trajectory_ngrams)
         for source in self.sources:
             source.observe(history, num_new)
+
+    def feedback(self, plan: RoundPlan, candidate: int, hits: int) -> None:
+        """The round's winner (global candidate index, -1 if none) tells its source how its proposal fared."""
+        if candidate < 0:
+            return
+        for source in self.sources:
+            if source.name == plan.sources[candidate]:
+                source.feedback(len(plan.candidates[candidate]), hits)
 
     def plan(self, history: Sequence[int], depth: int | None) -> RoundPlan:
         """depth None: the lookahead branch is off (no window rows on any rank)."""

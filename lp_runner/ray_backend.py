@@ -1,0 +1,615 @@
+"""Ray backend: P actors hold full replicas, form ONE torch.distributed group and run the torchrun worker code.
+
+Each actor is one rank: the driver sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in its
+environment (the rendezvous is the first actor's node IP and a free port it picks) and calls the same
+``runner.start_worker`` and ``runner.run_prompts`` as a torchrun worker, so there is one round protocol. Rank 0
+queues its per-round committed tokens, streamed text and per-prompt records (made by ``runner.make_record``); the
+driver polls them and writes, streams and summarises exactly as the torchrun path does.
+
+Elastic recovery, worked example (P = 2, prompts a b c, the rank-1 actor is killed while b is generating):
+    group 0   ranks 0,1 run [a, b, c]; the driver holds a's record and b's first 37 committed tokens
+    loss      rank 1's ``run`` raises ActorDiedError (a stalled rank: rank 0 raises DistributedError within
+              parallel.timeout_s); the driver drains rank 0 once more, kills it and frees the placement group
+    group 1   as many workers as the cluster now holds (P, or fewer after a node loss) run [b, c] with
+              committed = [b's 37 tokens, []]; greedy output is a function of the prefix, so b's record equals the
+              uninterrupted one. The record gains a ``recovery`` list; the summary counts the events and seconds.
+At most ``parallel.max_restarts`` recoveries, then the run fails with the last cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from lp_runner.config import Config, ParallelConfig, config_from_dict
+from lp_runner.errors import ConfigError, DistributedError, InputError, LPError
+from lp_runner.prompts import PromptSpec
+
+RAY_MISSING = "parallel.backend=ray needs ray: pip install 'lp_runner[ray]'"
+POLL_S = 0.1  # how often the driver collects rank 0's tokens and records
+CONNECT_TIMEOUT_S = 10.0  # TCP check of a cluster address: ray.init itself retries an unreachable one for minutes
+START_GRACE_S = 5.0  # after a start-up failure, how long to wait for the other ranks to report theirs
+
+
+class RayClusterError(LPError):
+    """The Ray cluster is unreachable, or cannot place the requested workers."""
+
+
+class _WorkerLost(Exception):
+    """Internal: an actor died, stalled, or a surviving rank saw its peer fail; the group is rebuilt."""
+
+
+# ---------------------------------------------------------------- resources (pure)
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """``"accel=1,mem_gb=16"`` -> {"accel": 1.0, "mem_gb": 16.0} (parallel.resources_per_worker)."""
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not sep or not name.strip() or value < 0:
+            raise ConfigError(f"parallel.resources_per_worker expects name=amount[,name=amount], got {item!r}")
+        out[name.strip()] = value
+    return out
+
+
+def worker_bundle(par: ParallelConfig, cluster_gpus: float, device: str) -> dict[str, float]:
+    """One actor's resources: CPUs, GPUs (auto: 1 when the cluster has GPUs and the model may use them), custom."""
+    gpus = par.gpus_per_worker
+    if gpus < 0:
+        gpus = 1.0 if cluster_gpus > 0 and device != "cpu" else 0.0
+    bundle = {"CPU": par.cpus_per_worker, "GPU": gpus, **parse_resources(par.resources_per_worker)}
+    bundle = {name: amount for name, amount in bundle.items() if amount > 0}
+    if not bundle:
+        raise ConfigError("a Ray worker must reserve something: set parallel.cpus_per_worker or gpus_per_worker > 0")
+    return bundle
+
+
+def placeable(nodes: Sequence[dict[str, float]], bundle: dict[str, float]) -> int:
+    """How many ``bundle``s the nodes (total resources of each alive node) hold, each bundle on one node.
+
+    Example: nodes [{CPU: 8, GPU: 2}, {CPU: 2}] and bundle {CPU: 1, GPU: 1} -> 2 (the second node has no GPU).
+    """
+    return sum(min(int(res.get(name, 0.0) / amount + 1e-9) for name, amount in bundle.items()) for res in nodes)
+
+
+def shortfall(nodes: Sequence[dict[str, float]], bundle: dict[str, float], workers: int) -> str:
+    """Names the resources that keep ``workers`` bundles from fitting, e.g. 'GPU: 2 needed (1 per worker), 0 in
+    the cluster'."""
+    missing = []
+    for name, amount in bundle.items():
+        if placeable(nodes, {name: amount}) < workers:
+            total = sum(res.get(name, 0.0) for res in nodes)
+            missing.append(f"{name}: {amount * workers:g} needed ({amount:g} per worker), {total:g} in the cluster")
+    if missing:
+        return "; ".join(missing)
+    return f"no node holds a whole worker ({_fmt(bundle)}) often enough for {workers} workers"
+
+
+def _fmt(bundle: dict[str, float]) -> str:
+    return ", ".join(f"{name}={amount:g}" for name, amount in bundle.items())
+
+
+# ---------------------------------------------------------------- the actor: one rank
+
+
+class Replica:
+    """One Ray actor = one rank with a full model replica. Threaded (max_concurrency=2): ``poll`` answers while
+    ``run`` generates. Only rank 0 queues messages; they are drained by the driver in order."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.outbox: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        return {"ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "pid": os.getpid()}
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def check_model(self, path: str, cache_dir: str, rank: int) -> None:
+        """Before loading anything: is the model path visible on this node? Names the node when it is not."""
+        from lp_runner.loading import ModelError, resolve_model_path
+
+        try:
+            resolve_model_path(path, cache_dir or None)
+        except ModelError as exc:
+            info = self.node()
+            raise ModelError(f"worker rank {rank} on node {info['ip']} ({info['host']}): {exc}") from None
+
+    def start(self, cfg_data: dict, env: dict[str, str]) -> float:
+        """Join the group and load the replica: exactly what a torchrun worker does. Returns the load seconds."""
+        from lp_runner.runner import start_worker
+
+        os.environ.update(env)
+        self.worker = start_worker(config_from_dict(cfg_data))
+        return self.worker.load_s
+
+    def run(
+        self,
+        specs: list[PromptSpec],
+        indices: list[int],
+        committed: list[list[int]],
+        printed: list[int],
+        stream: bool,
+    ) -> int:
+        """run_prompts on this rank; rank 0 queues ("tokens", i, ids), ("text", i, str) and ("record", i, rec)
+        with i the prompt's index in the driver's list."""
+        from lp_runner.runner import TextStreamer, run_prompts
+
+        streamers: dict[int, TextStreamer] = {}
+        done = [0]
+
+        def on_commit(i: int, tokens: Sequence[int]) -> None:
+            self._send(("tokens", indices[i], list(tokens)))
+            if stream:
+                if i not in streamers:
+                    write = lambda text, at=indices[i]: text and self._send(("text", at, text))  # noqa: E731
+                    streamers[i] = TextStreamer(self.worker.tokenizer, write, shown=committed[i], printed=printed[i])
+                streamers[i](tokens)
+
+        def on_record(rec: dict) -> None:
+            self._send(("record", indices[done[0]], rec))
+            done[0] += 1
+
+        run_prompts(self.worker, specs, on_record=on_record, committed=committed, on_commit=on_commit)
+        return done[0]
+
+    def poll(self) -> list[tuple]:
+        with self.lock:
+            out, self.outbox = self.outbox, []
+        return out
+
+    def _send(self, message: tuple) -> None:
+        with self.lock:
+            self.outbox.append(message)
+
+
+# ---------------------------------------------------------------- driver side
+
+
+@dataclass
+class _Group:
+    """One generation of actors: a placement group and P ranks in one torch.distributed group."""
+
+    ray: Any
+    pg: Any
+    actors: list[Any]
+    load_s: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def teardown(self) -> None:
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already dead
+                self.ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+            self.pg = None
+
+
+@dataclass
+class _Progress:
+    """What the driver knows from rank 0: finished prompts and the committed prefix of unfinished ones."""
+
+    total: int
+    records: dict[int, dict] = field(default_factory=dict)
+    committed: dict[int, list[int]] = field(default_factory=dict)
+    printed: dict[int, int] = field(default_factory=dict)  # characters of streamed text per prompt
+    rounds: dict[int, int] = field(default_factory=dict)  # rounds (forwards) seen per prompt since its start
+    recovery: dict[int, list[dict]] = field(default_factory=dict)  # per prompt: the recoveries it went through
+
+    def todo(self) -> list[int]:
+        return [i for i in range(self.total) if i not in self.records]
+
+
+def run_on_ray(cfg: Config, specs: list[PromptSpec], output: str | None, single: bool | None = None) -> int:
+    """``parallel.backend=ray``: run the prompts on P Ray actors; same outputs, stream and summary as torchrun.
+
+    ``single`` (stream the text) defaults to "one prompt given with --prompt" (the CLI names it 'prompt')."""
+    ray = _import_ray()
+    if single is None:
+        single = len(specs) == 1 and specs[0].id == "prompt"
+    out_file = _open_output(output)
+    connected = ray.is_initialized()  # an embedding program's own connection: reused, left open
+    try:
+        local = False if connected else _connect(ray, cfg)
+        return _Driver(ray, cfg, specs, out_file, single, local).run()
+    finally:
+        if out_file is not None:
+            out_file.close()
+        if not connected and ray.is_initialized():
+            ray.shutdown()  # stops the local instance we started; only disconnects from a cluster
+
+
+class _Driver:
+    def __init__(
+        self, ray: Any, cfg: Config, specs: list[PromptSpec], out_file: Any, single: bool, local: bool
+    ) -> None:
+        self.ray = ray
+        self.local = local  # actors run on a local instance started by this process
+        self.load_s = 0.0
+        self.cfg = cfg
+        self.specs = specs
+        self.out_file = out_file
+        self.stream = single and cfg.run.stream
+        self.progress = _Progress(len(specs))
+        self.recoveries: list[dict] = []
+        self.run_id = uuid.uuid4().hex[:8]
+        self.bar = None
+        if not single and cfg.run.progress and len(specs) > 1:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(specs), desc="prompts", unit="prompt", file=sys.stderr)
+
+    # -- the elastic loop
+
+    def run(self) -> int:
+        par = self.cfg.parallel
+        self.bundle = worker_bundle(par, self.ray.cluster_resources().get("GPU", 0.0), self.cfg.model.device)
+        nodes = self._nodes()
+        if placeable(nodes, self.bundle) < par.workers:
+            raise RayClusterError(
+                f"the Ray cluster cannot hold {par.workers} workers with {_fmt(self.bundle)} each: "
+                f"{shortfall(nodes, self.bundle, par.workers)}; lower parallel.workers or the per-worker resources"
+            )
+        self.runtime_env = self._runtime_env()
+        workers, generation, group, lost_at = par.workers, 0, None, None
+        while self.progress.todo():
+            try:
+                group = self._start_group(workers, generation, shrink=generation > 0)
+                self.load_s = group.load_s
+                if lost_at is not None:
+                    self.recoveries[-1].update(seconds=round(time.monotonic() - lost_at, 3), workers_after=group.size)
+                    lost_at = None
+                self._run_group(group)
+            except _WorkerLost as lost:
+                lost_at = time.monotonic()
+                self._recover(group, str(lost), workers)
+                workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
+            finally:
+                if group is not None:
+                    group.teardown()
+                group = None
+            generation += 1
+        self._finish()
+        return 0
+
+    def _recover(self, group: _Group | None, reason: str, workers: int) -> None:
+        if group is not None and group.actors:
+            # tokens rank 0 committed after the last poll (it cannot pass the round its peer failed in)
+            with contextlib.suppress(Exception):
+                self._take(self.ray.get(group.actors[0].poll.remote(), timeout=min(5.0, self.cfg.parallel.timeout_s)))
+        limit = self.cfg.parallel.max_restarts
+        if len(self.recoveries) >= limit:
+            raise DistributedError(
+                f"gave up after {len(self.recoveries)} recoveries (parallel.max_restarts={limit}); last failure: "
+                f"{reason}"
+            )
+        todo = self.progress.todo()
+        at = todo[0]
+        event = {
+            "lost": reason,
+            "prompt": self.specs[at].id,
+            "resumed_at_token": len(self.progress.committed.get(at, [])),
+            "rounds_before": self.progress.rounds.get(at, 0),
+            "workers_before": group.size if group is not None else workers,
+            "workers_after": None,
+            "seconds": None,
+        }
+        self.recoveries.append(event)
+        self.progress.recovery.setdefault(at, []).append(event)
+        print(
+            f"warning: {reason}; resuming prompt '{event['prompt']}' at token {event['resumed_at_token']} "
+            f"(recovery {len(self.recoveries)}/{limit})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    # -- one group
+
+    def _start_group(self, workers: int, generation: int, shrink: bool) -> _Group:
+        """Place ``workers`` actors (fewer, down to 1, when ``shrink`` and the cluster lost capacity), check the
+        model path on each, then start them together: they rendezvous and load their replicas."""
+        ray, par = self.ray, self.cfg.parallel
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        while True:
+            pg = placement_group([dict(self.bundle) for _ in range(workers)], strategy="PACK")
+            ready, _ = ray.wait([pg.ready()], timeout=par.placement_timeout_s)
+            if ready:
+                break
+            remove_placement_group(pg)
+            if not shrink or workers == 1:
+                avail = ray.available_resources()
+                have = _fmt({k: avail.get(k, 0.0) for k in self.bundle})
+                raise RayClusterError(
+                    f"the Ray cluster did not free {workers} x ({_fmt(self.bundle)}) within "
+                    f"parallel.placement_timeout_s={par.placement_timeout_s:g} s (available now: {have})"
+                )
+            workers -= 1
+        group = _Group(ray, pg, [])
+        custom = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
+        actor_cls = ray.remote(Replica)
+        for rank in range(workers):
+            options = dict(
+                num_cpus=self.bundle.get("CPU", 0.0),
+                num_gpus=self.bundle.get("GPU", 0.0),
+                resources=custom,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                name=f"lp_runner-{self.run_id}-g{generation}-rank{rank}",
+                max_restarts=0,
+                max_concurrency=2,
+            )
+            if self.runtime_env:
+                options["runtime_env"] = self.runtime_env
+            group.actors.append(actor_cls.options(**options).remote())
+        try:
+            infos = self._gather([a.node.remote() for a in group.actors], "start", par.placement_timeout_s)
+            self._gather(
+                [
+                    a.check_model.remote(self.cfg.model.path, self.cfg.model.cache_dir, rank)
+                    for rank, a in enumerate(group.actors)
+                ],
+                "model check",
+                par.placement_timeout_s,
+            )
+            port = self._gather([group.actors[0].free_port.remote()], "start", par.timeout_s)[0]
+            cfg_data = self.cfg.to_dict()
+            cfg_data["parallel"]["workers"] = workers
+            refs = []
+            for rank, actor in enumerate(group.actors):
+                same_node = [r for r, info in enumerate(infos) if info["ip"] == infos[rank]["ip"]]
+                env = {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(workers),
+                    # a GPU actor sees only its own GPU(s) (CUDA_VISIBLE_DEVICES), so its device index is 0
+                    "LOCAL_RANK": "0" if self.bundle.get("GPU") else str(same_node.index(rank)),
+                    "LOCAL_WORLD_SIZE": "1" if self.bundle.get("GPU") else str(len(same_node)),
+                    "MASTER_ADDR": infos[0]["ip"],
+                    "MASTER_PORT": str(port),
+                }
+                refs.append(actor.start.remote(cfg_data, env))
+            group.load_s = self._gather(refs, "start", None)[0]
+        except BaseException:
+            group.teardown()
+            raise
+        return group
+
+    def _gather(self, refs: list, phase: str, timeout: float | None) -> list:
+        """All results, or: _WorkerLost when an actor died (or stalled past ``timeout``); the cause's LPError when
+        a rank refused (e.g. model not visible, config mismatch). A rank that only saw its peer fail waits for the
+        peer's own report (START_GRACE_S), so the real cause wins."""
+        ray = self.ray
+        pending, results, failure = list(refs), {}, None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                if failure is not None:
+                    break
+                raise _WorkerLost(f"a worker did not answer during {phase} within {timeout:g} s")
+            ref = ready[0]
+            try:
+                results[ref] = ray.get(ref)
+            except Exception as exc:
+                kind = self._classify(exc, refs.index(ref))
+                if isinstance(kind, _WorkerLost):
+                    raise kind from None
+                if failure is None or isinstance(failure, DistributedError):  # the root cause beats "peer failed"
+                    failure = kind
+                grace = time.monotonic() + START_GRACE_S
+                deadline = grace if deadline is None else min(deadline, grace)
+        if failure is not None:
+            raise failure
+        return [results[r] for r in refs]
+
+    def _classify(self, exc: BaseException, rank: int) -> BaseException:
+        """A Ray failure -> _WorkerLost (recoverable) or the LPError to show (fatal); other errors are bugs."""
+        ex = self.ray.exceptions
+        lost_types = (ex.RayActorError, ex.WorkerCrashedError, ex.NodeDiedError, ex.OutOfMemoryError)
+        if isinstance(exc, lost_types):
+            return _WorkerLost(f"worker rank {rank} was lost ({_first_line(exc)})")
+        if isinstance(exc, ex.RayTaskError):
+            cause = exc.cause
+            if isinstance(cause, LPError):
+                return cause
+            if isinstance(cause, lost_types):
+                return _WorkerLost(f"worker rank {rank} was lost ({_first_line(cause)})")
+        raise exc
+
+    def _run_group(self, group: _Group) -> None:
+        ray, progress = self.ray, self.progress
+        todo = progress.todo()
+        specs = [self.specs[i] for i in todo]
+        committed = [progress.committed.get(i, []) for i in todo]
+        printed = [progress.printed.get(i, 0) for i in todo]
+        refs = [a.run.remote(specs, todo, committed, printed, self.stream) for a in group.actors]
+        pending = list(refs)
+        timeout = self.cfg.parallel.timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            self._take(self._poll(group, timeout))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as exc:
+                    kind = self._classify(exc, refs.index(ref))
+                    if isinstance(kind, DistributedError):  # a surviving rank saw its peer fail
+                        raise _WorkerLost(f"worker rank {refs.index(ref)} reported: {kind}") from None
+                    raise kind from None
+        self._take(self._poll(group, timeout))
+
+    def _poll(self, group: _Group, timeout: float) -> list[tuple]:
+        try:
+            return self.ray.get(group.actors[0].poll.remote(), timeout=timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            raise _WorkerLost(f"worker rank 0 did not answer within parallel.timeout_s={timeout:g} s") from None
+        except Exception as exc:
+            kind = self._classify(exc, 0)
+            raise kind from None
+
+    # -- results
+
+    def _take(self, messages: list[tuple]) -> None:
+        progress = self.progress
+        for kind, i, payload in messages:
+            if i in progress.records:
+                continue
+            if kind == "tokens":
+                progress.committed.setdefault(i, []).extend(payload)
+                progress.rounds[i] = progress.rounds.get(i, 0) + 1
+            elif kind == "text":
+                print(payload, end="", flush=True)
+                progress.printed[i] = progress.printed.get(i, 0) + len(payload)
+            elif kind == "record":
+                self._write(i, payload)
+
+    def _write(self, i: int, rec: dict) -> None:
+        if i in self.progress.recovery:
+            rec["recovery"] = self.progress.recovery[i]
+        self.progress.records[i] = rec
+        self.progress.committed.pop(i, None)
+        if self.out_file is not None:
+            import json
+
+            self.out_file.write(json.dumps(rec) + "\n")
+            self.out_file.flush()  # nothing is lost if a later prompt fails
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(tok_per_fwd=f"{rec['tokens_per_forward']:.2f}", tok_s=f"{rec['tokens_per_s']:.1f}")
+
+    def _finish(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.stream:
+            print(flush=True)
+        if not self.cfg.run.summary:
+            return
+        from lp_runner.__main__ import format_summary
+        from lp_runner.metrics import combine
+
+        records = [self.progress.records[i] for i in range(len(self.specs))]
+        summary = combine(SimpleNamespace(**r["stats"]) for r in records)
+        workers = records[-1]["workers"] if records else self.cfg.parallel.workers
+        lines = format_summary(self.cfg, summary, self.load_s, workers).split("\n")
+        if self.recoveries:
+            spent = sum(r["seconds"] or 0.0 for r in self.recoveries)
+            lines.insert(-1, f"recoveries {len(self.recoveries)} (lost workers, {spent:.2f} s to rebuild)")
+            for r in self.recoveries:
+                lines.insert(
+                    -1,
+                    f"  {r['lost'][:80]} -> prompt '{r['prompt']}' resumed at token {r['resumed_at_token']} "
+                    f"on {r['workers_after']} workers",
+                )
+        print("\n".join(lines), file=sys.stderr)
+
+    # -- cluster queries
+
+    def _nodes(self) -> list[dict[str, float]]:
+        return [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
+
+    def _runtime_env(self) -> dict | None:
+        """Ship this lp_runner package to the actors unless the job already carries the code (working_dir or
+        py_modules, as ``ray job submit --working-dir .`` does) or the actors run on this machine's local
+        instance (they inherit this process's environment)."""
+        if self.local:
+            return None
+        try:
+            job_env = self.ray.get_runtime_context().runtime_env or {}
+        except Exception:
+            job_env = {}
+        if job_env.get("working_dir") or job_env.get("py_modules"):
+            return None
+        return {"py_modules": [str(Path(__file__).resolve().parent)]}
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(RAY_MISSING) from None
+    return ray
+
+
+def _connect(ray: Any, cfg: Config) -> bool:
+    """Connect to parallel.ray_address or $RAY_ADDRESS; with neither, start a local instance (returns True)."""
+    par = cfg.parallel
+    address = par.ray_address or os.environ.get("RAY_ADDRESS", "")
+    if not address or address == "local":
+        cpus = max(os.cpu_count() or 1, math.ceil(par.workers * par.cpus_per_worker))
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+        return True
+    if address.startswith(("http://", "https://")):
+        raise RayClusterError(
+            f"Ray address {address} is a dashboard (job submission) address: submit with `ray job submit` "
+            "(launch/ray_submit.sh), or give the cluster's GCS address host:port (usually port 6379)"
+        )
+    _check_reachable(address)
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except Exception as exc:  # ConnectionError, RuntimeError: no cluster there, or a version mismatch
+        raise RayClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(exc)}") from None
+    return False
+
+
+def _check_reachable(address: str) -> None:
+    """A TCP connect to host:port first: ray.init retries an unreachable GCS for minutes before giving up."""
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" and friends: ray.init resolves them and fails fast itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise RayClusterError(
+            f"cannot reach the Ray cluster at {address} ({exc.strerror or exc}); check parallel.ray_address / "
+            "RAY_ADDRESS, or start a cluster with `ray start --head`"
+        ) from None
+
+
+def _open_output(output: str | None) -> Any:
+    if output is None:
+        return None
+    try:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        return open(output, "w", encoding="utf-8")  # noqa: SIM115 - closed by run_on_ray
+    except OSError as exc:
+        raise InputError(f"cannot write output file {output}: {exc.strerror or exc}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
