@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.parallel.backend == "ray":
             from lp_runner.ray_backend import run_on_ray  # imported lazily: ray is optional
 
-            return run_on_ray(cfg, specs, args.output)
+            return run_on_ray(cfg, specs, args.output, single=args.prompt is not None)
         if cfg.parallel.workers > 1 and "WORLD_SIZE" not in os.environ:
             return relaunch_with_torchrun(cfg, argv)
         return run_local(cfg, specs, args.output, single=args.prompt is not None)

@@ -19,6 +19,7 @@ At most ``parallel.max_restarts`` recoveries, then the run fails with the last c
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +41,7 @@ from lp_runner.prompts import PromptSpec
 RAY_MISSING = "parallel.backend=ray needs ray: pip install 'lp_runner[ray]'"
 POLL_S = 0.1  # how often the driver collects rank 0's tokens and records
 CONNECT_TIMEOUT_S = 10.0  # TCP check of a cluster address: ray.init itself retries an unreachable one for minutes
-START_GRACE_S = 5.0  # after a start-up failure, how long to wait for the other ranks to report theirs
+START_GRACE_S = 5.0  # after a rank fails, how long the others get to report theirs (the root cause wins)
 
 
 class RayClusterError(LPError):
@@ -167,8 +168,12 @@ class Replica:
         def on_commit(i: int, tokens: Sequence[int]) -> None:
             self._send(("tokens", indices[i], list(tokens)))
             if stream:
-                if i not in streamers:
-                    write = lambda text, at=indices[i]: text and self._send(("text", at, text))  # noqa: E731
+                if i not in streamers:  # resumed: continue after the text the driver already printed
+
+                    def write(text: str, at: int = indices[i]) -> None:
+                        if text:
+                            self._send(("text", at, text))
+
                     streamers[i] = TextStreamer(self.worker.tokenizer, write, shown=committed[i], printed=printed[i])
                 streamers[i](tokens)
 
@@ -243,8 +248,9 @@ def run_on_ray(cfg: Config, specs: list[PromptSpec], output: str | None, single:
     out_file = _open_output(output)
     connected = ray.is_initialized()  # an embedding program's own connection: reused, left open
     try:
-        local = False if connected else _connect(ray, cfg)
-        return _Driver(ray, cfg, specs, out_file, single, local).run()
+        if not connected:
+            _connect(ray, cfg)
+        return _Driver(ray, cfg, specs, out_file, single).run()
     finally:
         if out_file is not None:
             out_file.close()
@@ -253,11 +259,8 @@ def run_on_ray(cfg: Config, specs: list[PromptSpec], output: str | None, single:
 
 
 class _Driver:
-    def __init__(
-        self, ray: Any, cfg: Config, specs: list[PromptSpec], out_file: Any, single: bool, local: bool
-    ) -> None:
+    def __init__(self, ray: Any, cfg: Config, specs: list[PromptSpec], out_file: Any, single: bool) -> None:
         self.ray = ray
-        self.local = local  # actors run on a local instance started by this process
         self.load_s = 0.0
         self.cfg = cfg
         self.specs = specs
@@ -283,7 +286,6 @@ class _Driver:
                 f"the Ray cluster cannot hold {par.workers} workers with {_fmt(self.bundle)} each: "
                 f"{shortfall(nodes, self.bundle, par.workers)}; lower parallel.workers or the per-worker resources"
             )
-        self.runtime_env = self._runtime_env()
         workers, generation, group, lost_at = par.workers, 0, None, None
         while self.progress.todo():
             try:
@@ -295,8 +297,8 @@ class _Driver:
                 self._run_group(group)
             except _WorkerLost as lost:
                 lost_at = time.monotonic()
-                self._recover(group, str(lost), workers)
-                workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
+                if self._recover(group, str(lost), workers):
+                    workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
             finally:
                 if group is not None:
                     group.teardown()
@@ -305,18 +307,21 @@ class _Driver:
         self._finish()
         return 0
 
-    def _recover(self, group: _Group | None, reason: str, workers: int) -> None:
+    def _recover(self, group: _Group | None, reason: str, workers: int) -> bool:
+        """Account for a lost worker before the group is rebuilt; False when nothing is left to run."""
         if group is not None and group.actors:
             # tokens rank 0 committed after the last poll (it cannot pass the round its peer failed in)
             with contextlib.suppress(Exception):
                 self._take(self.ray.get(group.actors[0].poll.remote(), timeout=min(5.0, self.cfg.parallel.timeout_s)))
+        todo = self.progress.todo()
+        if not todo:  # lost after rank 0 had reported every record: nothing to redo
+            return False
         limit = self.cfg.parallel.max_restarts
         if len(self.recoveries) >= limit:
             raise DistributedError(
                 f"gave up after {len(self.recoveries)} recoveries (parallel.max_restarts={limit}); last failure: "
                 f"{reason}"
             )
-        todo = self.progress.todo()
         at = todo[0]
         event = {
             "lost": reason,
@@ -335,6 +340,7 @@ class _Driver:
             file=sys.stderr,
             flush=True,
         )
+        return True
 
     # -- one group
 
@@ -372,8 +378,6 @@ class _Driver:
                 max_restarts=0,
                 max_concurrency=2,
             )
-            if self.runtime_env:
-                options["runtime_env"] = self.runtime_env
             group.actors.append(actor_cls.options(**options).remote())
         try:
             infos = self._gather([a.node.remote() for a in group.actors], "start", par.placement_timeout_s)
@@ -407,38 +411,61 @@ class _Driver:
             raise
         return group
 
-    def _gather(self, refs: list, phase: str, timeout: float | None) -> list:
-        """All results, or: _WorkerLost when an actor died (or stalled past ``timeout``); the cause's LPError when
-        a rank refused (e.g. model not visible, config mismatch). A rank that only saw its peer fail waits for the
-        peer's own report (START_GRACE_S), so the real cause wins."""
+    def _gather(self, refs: list, phase: str, timeout: float | None, tick: Callable[[], None] | None = None) -> list:
+        """Every ref's result, calling ``tick`` every POLL_S while waiting (rank 0's messages during a run).
+
+        Failures: an actor that died, or did not answer within ``timeout``, raises _WorkerLost. After the first
+        failure the other ranks get START_GRACE_S to report theirs, so the root cause wins over its echo: rank 1
+        killed -> rank 0 raises DistributedError at once, and the driver still reports "rank 1 was lost". A
+        rank's own LPError (model not visible, bad prompt) is fatal; a DistributedError (a rank saw its peer
+        fail) means a lost worker during a run, and is fatal during start-up (config or weights mismatch).
+        """
         ray = self.ray
-        pending, results, failure = list(refs), {}, None
+        pending, results, failures, grace_started = list(refs), {}, [], False
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            if not ready:
-                if failure is not None:
-                    break
-                raise _WorkerLost(f"a worker did not answer during {phase} within {timeout:g} s")
-            ref = ready[0]
-            try:
-                results[ref] = ray.get(ref)
-            except Exception as exc:
-                kind = self._classify(exc, refs.index(ref))
-                if isinstance(kind, _WorkerLost):
-                    raise kind from None
-                if failure is None or isinstance(failure, DistributedError):  # the root cause beats "peer failed"
-                    failure = kind
+            wait_s = POLL_S if tick is not None else None
+            if deadline is not None:
+                wait_s = max(0.0, min(math.inf if wait_s is None else wait_s, deadline - time.monotonic()))
+            ready, pending = ray.wait(pending, num_returns=len(pending) if tick else 1, timeout=wait_s)
+            if tick is not None and not failures:
+                tick()
+            for ref in ready:
+                try:
+                    results[ref] = ray.get(ref)
+                except Exception as exc:
+                    failures.append((refs.index(ref), self._classify(exc, refs.index(ref))))
+            if failures and not grace_started:
+                grace_started = True
                 grace = time.monotonic() + START_GRACE_S
                 deadline = grace if deadline is None else min(deadline, grace)
-        if failure is not None:
-            raise failure
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                break
+        if failures:
+            raise self._root_cause(failures, during_run=tick is not None)
+        if pending:
+            raise _WorkerLost(f"a worker did not answer during {phase} within {timeout:g} s")
+        if tick is not None:
+            tick()
         return [results[r] for r in refs]
+
+    @staticmethod
+    def _root_cause(failures: list[tuple[int, BaseException]], during_run: bool) -> BaseException:
+        failures = sorted(failures, key=lambda f: f[0])  # the lowest rank's report when several ranks failed
+        for _, exc in failures:
+            if isinstance(exc, _WorkerLost):
+                return exc
+        for _, exc in failures:
+            if not isinstance(exc, DistributedError):
+                return exc
+        rank, exc = failures[0]
+        return _WorkerLost(f"worker rank {rank} reported: {exc}") if during_run else exc
 
     def _classify(self, exc: BaseException, rank: int) -> BaseException:
         """A Ray failure -> _WorkerLost (recoverable) or the LPError to show (fatal); other errors are bugs."""
         ex = self.ray.exceptions
+        if isinstance(exc, ex.RuntimeEnvSetupError):
+            return RayClusterError(f"the Ray workers' environment could not be set up: {_first_line(exc)}")
         lost_types = (ex.RayActorError, ex.WorkerCrashedError, ex.NodeDiedError, ex.OutOfMemoryError)
         if isinstance(exc, lost_types):
             return _WorkerLost(f"worker rank {rank} was lost ({_first_line(exc)})")
@@ -451,26 +478,14 @@ class _Driver:
         raise exc
 
     def _run_group(self, group: _Group) -> None:
-        ray, progress = self.ray, self.progress
+        """Run every unfinished prompt on the group; resumed ones start from their committed prefix."""
+        progress = self.progress
         todo = progress.todo()
         specs = [self.specs[i] for i in todo]
         committed = [progress.committed.get(i, []) for i in todo]
         printed = [progress.printed.get(i, 0) for i in todo]
         refs = [a.run.remote(specs, todo, committed, printed, self.stream) for a in group.actors]
-        pending = list(refs)
-        timeout = self.cfg.parallel.timeout_s
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            self._take(self._poll(group, timeout))
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except Exception as exc:
-                    kind = self._classify(exc, refs.index(ref))
-                    if isinstance(kind, DistributedError):  # a surviving rank saw its peer fail
-                        raise _WorkerLost(f"worker rank {refs.index(ref)} reported: {kind}") from None
-                    raise kind from None
-        self._take(self._poll(group, timeout))
+        self._gather(refs, "the run", None, tick=lambda: self._take(self._poll(group, self.cfg.parallel.timeout_s)))
 
     def _poll(self, group: _Group, timeout: float) -> list[tuple]:
         try:
@@ -503,8 +518,6 @@ class _Driver:
         self.progress.records[i] = rec
         self.progress.committed.pop(i, None)
         if self.out_file is not None:
-            import json
-
             self.out_file.write(json.dumps(rec) + "\n")
             self.out_file.flush()  # nothing is lost if a later prompt fails
         if self.bar is not None:
@@ -541,20 +554,6 @@ class _Driver:
     def _nodes(self) -> list[dict[str, float]]:
         return [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
 
-    def _runtime_env(self) -> dict | None:
-        """Ship this lp_runner package to the actors unless the job already carries the code (working_dir or
-        py_modules, as ``ray job submit --working-dir .`` does) or the actors run on this machine's local
-        instance (they inherit this process's environment)."""
-        if self.local:
-            return None
-        try:
-            job_env = self.ray.get_runtime_context().runtime_env or {}
-        except Exception:
-            job_env = {}
-        if job_env.get("working_dir") or job_env.get("py_modules"):
-            return None
-        return {"py_modules": [str(Path(__file__).resolve().parent)]}
-
 
 def _import_ray() -> Any:
     try:
@@ -564,14 +563,14 @@ def _import_ray() -> Any:
     return ray
 
 
-def _connect(ray: Any, cfg: Config) -> bool:
-    """Connect to parallel.ray_address or $RAY_ADDRESS; with neither, start a local instance (returns True)."""
+def _connect(ray: Any, cfg: Config) -> None:
+    """Connect to parallel.ray_address or $RAY_ADDRESS; with neither, start a local instance (stopped at exit)."""
     par = cfg.parallel
     address = par.ray_address or os.environ.get("RAY_ADDRESS", "")
     if not address or address == "local":
         cpus = max(os.cpu_count() or 1, math.ceil(par.workers * par.cpus_per_worker))
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
-        return True
+        return
     if address.startswith(("http://", "https://")):
         raise RayClusterError(
             f"Ray address {address} is a dashboard (job submission) address: submit with `ray job submit` "
@@ -579,10 +578,20 @@ def _connect(ray: Any, cfg: Config) -> bool:
         )
     _check_reachable(address)
     try:
-        ray.init(address=address, logging_level=logging.WARNING)
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=_code_runtime_env())
     except Exception as exc:  # ConnectionError, RuntimeError: no cluster there, or a version mismatch
         raise RayClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(exc)}") from None
-    return False
+
+
+def _code_runtime_env() -> dict | None:
+    """Ship this lp_runner package to the cluster's workers, unless the job already carries the code: a job
+    submitted with a working_dir or py_modules (``ray job submit --working-dir .``). A local instance needs
+    nothing: its workers inherit this process's environment."""
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    job_env = job.get("runtime_env") or {}
+    if job_env.get("working_dir") or job_env.get("py_modules"):
+        return None
+    return {"py_modules": [str(Path(__file__).resolve().parent)]}
 
 
 def _check_reachable(address: str) -> None:
