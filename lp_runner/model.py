@@ -32,6 +32,11 @@ class ModelAdapter:
             raise TypeError(f"{type(model).__name__}.forward takes neither 'cache' nor 'past_key_values'")
         if "logits_to_keep" not in params:
             raise TypeError(f"{type(model).__name__}.forward has no 'logits_to_keep'; lp_runner needs it")
+        # Sliding-window layers drop positions the packed mask assumes visible, and cannot be cropped once full:
+        # runs are exact only while everything fits in the window (checked per prompt by the engine).
+        sliding = [getattr(layer, "sliding_window", None) for layer in self.new_cache().layers]
+        sliding = [w for w, layer in zip(sliding, self.new_cache().layers, strict=True) if layer.is_sliding and w]
+        self.sliding_window: int | None = min(sliding) if sliding else None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.get_text_config().vocab_size
@@ -67,12 +72,17 @@ def cache_length(cache: DynamicCache) -> int:
 
 
 def crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` cached positions (negative-count crop: valid on every transformers 5.x)."""
-    remove = cache_length(cache) - length
-    if remove < 0:
-        raise ValueError(f"cannot crop a cache of {cache_length(cache)} positions to {length}")
-    if remove:
-        cache.crop(-remove)
+    """Keep the first ``length`` cached positions of every layer (negative-count crop: valid on every 5.x).
+
+    Each layer is cropped by its own length: after a forward that failed part-way, the layers before the failure
+    hold this round's K/V and the later ones do not, so one count for all layers would cut committed positions.
+    """
+    for layer in cache.layers:
+        remove = layer.get_seq_length() - length
+        if remove < 0:
+            raise ValueError(f"cannot crop a cache of {layer.get_seq_length()} positions to {length}")
+        if remove:
+            layer.crop(-remove)
 
 
 @torch.inference_mode()  # cache tensors are inference tensors: in-place writes must happen in this mode

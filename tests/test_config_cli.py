@@ -1,0 +1,322 @@
+"""Configuration loading and the command line, run for real (``python -m lp_runner`` in a subprocess).
+
+User errors must end the process with exit code 2 and a single ``error: ...`` line on stderr, never a traceback.
+The end-to-end CLI runs (marked slow) use the embedded model and check every output field, the tokens against HF
+greedy, the summary and the streamed text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import hf_greedy
+
+import lp_runner
+from lp_runner.config import Config, load_config, parse_override
+from lp_runner.errors import ConfigError
+
+REPO_ROOT = Path(lp_runner.__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------------------------------
+# load_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["lookahead.ngram_size=2"], "lookahead.ngram_size (N) must be >= 3, got 2"),
+        (["lookahead.window_size=0"], "lookahead.window_size (W) must be >= 1, got 0"),
+        (["lookahead.verification_set_size=-1"], "lookahead.verification_set_size (G) must be >= 0, got -1"),
+        (
+            ["lookahead.windw_size=3"],
+            "unknown config key 'lookahead.windw_size' (did you mean 'lookahead.window_size'?)",
+        ),
+        (["lookahead.window_size=abc"], "lookahead.window_size must be an integer, got 'abc'"),
+        (["lookahead.window_size=1.5"], "lookahead.window_size must be an integer, got 1.5"),
+        (["lookahead.window_size=true"], "lookahead.window_size must be an integer, got True"),
+        (["lookahead.pool_from_prompt=maybe"], "lookahead.pool_from_prompt must be true or false, got 'maybe'"),
+        (["generation.temperature=warm"], "generation.temperature must be a number, got 'warm'"),
+        (["model.path=[1, 2]"], "model.path must be a string, got [1, 2]"),
+        (["nosection.key=1"], "unknown config key 'nosection.key'"),
+        (["lookahead=3"], "unknown config key 'lookahead'"),
+        (["lookahead.window_size"], "--set expects section.key=value, got 'lookahead.window_size'"),
+        (["generation.max_new_tokens=0"], "generation.max_new_tokens must be >= 1, got 0"),
+        (["generation.top_p=0"], "generation.top_p must be in (0, 1], got 0.0"),
+        (["model.dtype=float64"], "model.dtype must be one of float32, bfloat16, float16, got 'float64'"),
+    ],
+)
+def test_override_errors(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_override_types() -> None:
+    cfg = load_config(
+        None,
+        [
+            "lookahead.window_size=15",
+            "lookahead.pool_from_prompt=false",
+            "generation.temperature=0.7",
+            "generation.top_p=1",  # an int literal for a float field
+            "model.path=/some/folder",
+            "model.cache_dir=",  # empty value: the empty string
+            "run.stream=off",  # YAML 1.1 style booleans are accepted
+            "lookahead.ngram_size= 4",  # whitespace around the value
+        ],
+    )
+    assert cfg.lookahead.window_size == 15 and type(cfg.lookahead.window_size) is int
+    assert cfg.lookahead.pool_from_prompt is False
+    assert cfg.generation.temperature == 0.7
+    assert cfg.generation.top_p == 1.0 and type(cfg.generation.top_p) is float
+    assert cfg.model.path == "/some/folder"
+    assert cfg.model.cache_dir == ""
+    assert cfg.run.stream is False
+    assert cfg.lookahead.ngram_size == 4
+    assert parse_override("model.path=123") == ("model.path", 123)
+    assert load_config(None, ["model.path=123"]).model.path == "123"  # numbers become strings for str fields
+
+
+def test_defaults_and_later_override_wins(tmp_path: Path) -> None:
+    assert load_config().lookahead.window_size == Config().lookahead.window_size == 7
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("lookahead:\n  window_size: 9\n  ngram_size: 4\n")
+    cfg = load_config(cfg_file, ["lookahead.window_size=11", "lookahead.window_size=12"])
+    assert (cfg.lookahead.window_size, cfg.lookahead.ngram_size) == (12, 4)  # file, then overrides in order
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("lookahed:\n  window_size: 3\n", "unknown config key 'lookahed'"),
+        ("lookahead:\n  ngram_size: 2\n", "lookahead.ngram_size (N) must be >= 3, got 2"),
+        ("lookahead:\n  widow_size: 3\n", "unknown config key 'lookahead.widow_size' (did you mean"),
+        ("lookahead: 3\n", "config section 'lookahead' must be a mapping"),
+        ("- 1\n- 2\n", "must hold a mapping of sections"),
+        ("lookahead: {window_size: [\n", "is not valid YAML"),
+    ],
+)
+def test_config_file_errors(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert message in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(missing)
+
+
+def test_empty_config_file_means_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == Config()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lp_runner", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr  # one line, nothing else on stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert fragment in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path):
+    def write(*lines: str) -> Path:
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+
+    return write
+
+
+def test_cli_rejects_n2() -> None:
+    assert_user_error(run_cli("--prompt", "hi", "--set", "lookahead.ngram_size=2"), "ngram_size (N) must be >= 3")
+
+
+def test_cli_unknown_key() -> None:
+    assert_user_error(
+        run_cli("--prompt", "hi", "--set", "lookahead.window=3"),
+        "unknown config key 'lookahead.window' (did you mean 'lookahead.window_size'?)",
+    )
+
+
+def test_cli_missing_config_file(tmp_path: Path) -> None:
+    assert_user_error(run_cli("--prompt", "hi", "--config", str(tmp_path / "x.yaml")), "config file not found")
+
+
+def test_cli_needs_a_prompt() -> None:
+    assert_user_error(run_cli(), "give --prompt TEXT or --prompts FILE.jsonl")
+
+
+def test_cli_unreadable_prompts_file(tmp_path: Path) -> None:
+    assert_user_error(run_cli("--prompts", str(tmp_path / "missing.jsonl")), "cannot read prompts file")
+    assert_user_error(run_cli("--prompts", str(tmp_path)), "cannot read prompts file")  # a directory
+
+
+def test_cli_invalid_jsonl_line(prompts_file) -> None:
+    path = prompts_file('{"id": "a", "prompt": "x"}', '{"id": "b", "prompt": ')
+    assert_user_error(run_cli("--prompts", str(path)), f"{path}:2: invalid JSON")
+
+
+@pytest.mark.parametrize(
+    ("line", "fragment"),
+    [
+        ('{"prompt": "x"}', "missing 'id'"),
+        ('{"id": 1, "prompt": "x", "messages": []}', "needs exactly one of 'prompt' or 'messages'"),
+        ('{"id": 1, "messages": [{"role": "user"}]}', "'messages' must be a list of"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_cli_invalid_prompt_objects(prompts_file, line: str, fragment: str) -> None:
+    assert_user_error(run_cli("--prompts", str(prompts_file(line))), fragment)
+
+
+def test_cli_duplicate_ids(prompts_file) -> None:
+    path = prompts_file('{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}')
+    assert_user_error(run_cli("--prompts", str(path)), "duplicate id 'a'")
+
+
+def test_cli_missing_model() -> None:
+    assert_user_error(run_cli("--prompt", "hi", "--set", "model.path=/nonexistent"), "model path not found")
+
+
+def test_cli_hub_like_id_is_refused() -> None:
+    proc = run_cli("--prompt", "hi", "--set", "model.path=HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert_user_error(proc, "looks like a hub id")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End-to-end on the embedded model
+
+
+@pytest.mark.slow
+def test_cli_prompt_beyond_context(embedded) -> None:
+    # the embedded model has 8192 positions; checked before anything is generated
+    proc = run_cli("--prompt", "def f(x):", "--set", "generation.max_new_tokens=9000")
+    assert_user_error(proc, "exceeds the model's context of 8192 positions")
+
+
+RECORD_FIELDS = {
+    "id",
+    "prompt_ids",
+    "output_ids",
+    "text",
+    "new_tokens",
+    "forwards",
+    "seconds",
+    "model",
+    "window_size",
+    "ngram_size",
+    "verification_set_size",
+    "pool_from_prompt",
+}
+
+
+@pytest.mark.slow
+def test_cli_prompts_file_end_to_end(embedded, prompts_file, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = prompts_file(
+        json.dumps({"id": "code", "prompt": "def fibonacci(n):\n    "}),
+        json.dumps({"id": "chat", "messages": [{"role": "user", "content": "List three primary colors."}]}),
+    )
+    out = tmp_path / "out" / "records.jsonl"  # the parent folder does not exist yet
+    proc = run_cli(
+        "--prompts",
+        str(path),
+        "--output",
+        str(out),
+        "--set",
+        "generation.max_new_tokens=32",
+        "--set",
+        "lookahead.window_size=5",
+        "--set",
+        "lookahead.ngram_size=4",
+        "--set",
+        "lookahead.verification_set_size=5",
+        "--set",
+        "model.threads=1",  # one intra-op thread: far faster than two on a machine whose cores are busy
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "lp_runner  W=5 N=4 G=5 pool_from_prompt=True  workers=1" in proc.stderr  # the summary, on stderr
+    assert "tokens/forward" in proc.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["code", "chat"]
+
+    # the records name a model folder that from_pretrained loads as it is
+    model = AutoModelForCausalLM.from_pretrained(records[0]["model"], dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    _, tokenizer = embedded
+    for rec in records:
+        assert rec.keys() >= RECORD_FIELDS, RECORD_FIELDS - rec.keys()
+        assert (rec["window_size"], rec["ngram_size"], rec["verification_set_size"]) == (5, 4, 5)
+        assert rec["pool_from_prompt"] is True
+        assert rec["new_tokens"] == len(rec["output_ids"]) > 0
+        assert 1 <= rec["forwards"] <= rec["new_tokens"]
+        assert rec["seconds"] > 0
+        assert rec["text"] == tokenizer.decode(rec["output_ids"], skip_special_tokens=True)
+        assert rec["output_ids"] == hf_greedy(model, rec["prompt_ids"], 32, eos_ids), rec["id"]
+    # the chat prompt went through the chat template (it starts with the template's first special token)
+    chat_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "List three primary colors."}], add_generation_prompt=True, tokenize=True
+    )
+    if hasattr(chat_ids, "input_ids"):
+        chat_ids = chat_ids["input_ids"]
+    assert records[1]["prompt_ids"] == list(chat_ids)
+    assert records[0]["prompt_ids"] == tokenizer("def fibonacci(n):\n    ")["input_ids"]
+
+
+@pytest.mark.slow
+def test_cli_single_prompt_streams_the_text(embedded, tmp_path: Path) -> None:
+    out = tmp_path / "one.jsonl"
+    proc = run_cli(
+        "--prompt",
+        "def add(a, b):",
+        "--output",
+        str(out),
+        "--set",
+        "generation.max_new_tokens=24",
+        "--set",
+        "model.threads=1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["id"] == "prompt"
+    _, tokenizer = embedded
+    text = tokenizer.decode(rec["output_ids"], skip_special_tokens=True)
+    assert rec["text"] == text
+    assert proc.stdout == text + "\n"  # streamed chunk by chunk, then one newline
+    assert len(text) > 0

@@ -1,0 +1,130 @@
+"""ModelAdapter and the cache helpers on every tiny family, version-agnostic (transformers 5.17 .. 5.24).
+
+Nothing here names a transformers keyword or class: the adapter must find its way from the model's signature,
+and the checks are behavioural (the cache we pass really receives the rows, no deprecated keyword is used).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from helpers import FAMILIES, TINY_VOCAB, plain_cache, random_prompt
+
+from lp_runner.model import ModelAdapter, cache_length, crop, move_rows
+
+VERSION = transformers.__version__
+# the installed transformers version is part of every test id, so a CI log says which version passed
+FAMILY_IDS = [f"{f}-transformers{VERSION}" for f in FAMILIES]
+
+
+def causal(t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
+
+
+def prefill(adapter: ModelAdapter, tokens: list[int], logit_rows: list[int] | None = None):
+    cache = adapter.new_cache()
+    t = len(tokens)
+    rows = torch.tensor(logit_rows if logit_rows is not None else list(range(t)))
+    logits = adapter.forward(torch.tensor(tokens), torch.arange(t), causal(t), cache, rows)
+    return cache, logits
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
+def test_adapter_reads_the_model(tiny, family: str) -> None:
+    model = tiny(family)
+    adapter = ModelAdapter(model)
+    assert adapter.vocab_size == TINY_VOCAB
+    assert adapter.max_positions == 512
+    assert adapter.dtype == torch.float32
+    assert adapter.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
+def test_forward_matches_plain_forward_and_fills_our_cache(tiny, family: str) -> None:
+    model = tiny(family)
+    adapter = ModelAdapter(model)
+    tokens = random_prompt(14, seed=3)
+    with warnings.catch_warnings():
+        # a deprecated keyword (e.g. past_key_values on 5.24) would warn with a FutureWarning: fail on it
+        warnings.simplefilter("error", FutureWarning)
+        cache, logits = prefill(adapter, tokens)
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([tokens])).logits[0]  # [T, vocab]
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    assert cache_length(cache) == len(tokens), f"transformers {VERSION}: the adapter's cache was not filled"
+
+    # decoding on from that cache equals a plain forward of the longer sequence: the cache really is used
+    nxt = int(ref[-1].argmax())
+    t = len(tokens)
+    step = adapter.forward(torch.tensor([nxt]), torch.tensor([t]), causal(1), cache, torch.tensor([0]))
+    with torch.inference_mode():
+        ref2 = model(input_ids=torch.tensor([[*tokens, nxt]])).logits[0, -1]
+    torch.testing.assert_close(step[0], ref2, atol=1e-5, rtol=1e-5)
+    assert cache_length(cache) == t + 1
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
+def test_logit_rows_select_exactly_those_rows(tiny, family: str) -> None:
+    model = tiny(family)
+    adapter = ModelAdapter(model)
+    tokens = random_prompt(10, seed=4)
+    _, full = prefill(adapter, tokens)  # [T, vocab]
+    for rows in ([9], [0, 4, 9], [2, 3, 5, 7], [6, 1, 3]):  # the last one out of order
+        _, some = prefill(adapter, tokens, rows)
+        assert some.shape == (len(rows), TINY_VOCAB)
+        torch.testing.assert_close(some, full[rows], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
+def test_crop(tiny, family: str) -> None:
+    model = tiny(family)
+    adapter = ModelAdapter(model)
+    tokens = random_prompt(12, seed=5)
+    cache, _ = prefill(adapter, tokens, [11])
+    ref = plain_cache(model, tokens[:7])
+    crop(cache, 12)  # no-op
+    assert cache_length(cache) == 12
+    crop(cache, 7)
+    assert cache_length(cache) == 7
+    for layer, ref_layer in zip(cache.layers, ref.layers, strict=True):
+        torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-5, rtol=0)  # (B, H, 7, D)
+        torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="cannot crop a cache of 7 positions to 9"):
+        crop(cache, 9)
+    crop(cache, 0)
+    assert cache_length(cache) == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
+def test_move_rows(tiny, family: str) -> None:
+    model = tiny(family)
+    cache = plain_cache(model, random_prompt(9, seed=6))
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    move_rows(cache, [7, 8], [3, 4])
+    for layer, (k0, v0) in zip(cache.layers, before, strict=True):
+        torch.testing.assert_close(layer.keys[:, :, [3, 4]], k0[:, :, [7, 8]], atol=0, rtol=0)
+        torch.testing.assert_close(layer.values[:, :, [3, 4]], v0[:, :, [7, 8]], atol=0, rtol=0)
+        untouched = [0, 1, 2, 5, 6, 7, 8]
+        torch.testing.assert_close(layer.keys[:, :, untouched], k0[:, :, untouched], atol=0, rtol=0)
+    move_rows(cache, [], [])  # nothing to copy is fine
+    with pytest.raises(ValueError, match="equal length"):
+        move_rows(cache, [1, 2], [3])
+
+
+def test_model_without_a_cache_keyword_is_refused() -> None:
+    # A real forward signature that no supported transformers version has; nothing else of the model is used.
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids, logits_to_keep=0):
+            return input_ids
+
+    with pytest.raises(TypeError, match="neither 'cache' nor 'past_key_values'"):
+        ModelAdapter(NoCache())
+
+
+def test_installed_transformers_is_supported() -> None:
+    # pyproject pins transformers>=5.17,<5.25; this suite is meant to pass on both ends
+    major, minor = (int(x) for x in VERSION.split(".")[:2])
+    assert (major, minor) >= (5, 17) and (major, minor) < (5, 25), VERSION
