@@ -108,7 +108,10 @@ def main() -> None:
         prompts = [p for s in ("humaneval", "mtbench") for p in [q for q in prompts if q["set"] == s][: args.limit]]
     pfile = out.with_suffix(".prompts.jsonl")
     pfile.write_text("".join(json.dumps({k: v for k, v in p.items() if k != "set"}) + "\n" for p in prompts))
-    extra = ["--set", f"lookahead.context_lookup={args.context_lookup}", "--set", "lookahead.pool_from_prompt=false"]
+    extra = [
+        "--set", f"lookahead.context_lookup={args.context_lookup}", "--set", "lookahead.pool_from_prompt=false",
+        "--set", "lookahead.lookahead_branch=true",
+    ]  # fmt: skip
     setups = {"P1-1thread": (1, 1), "P1-2threads": (1, 2), "P2-1thread-each": (2, 1)}
     results = {}
     for name, (workers, threads) in setups.items():

@@ -1,0 +1,106 @@
+"""Candidate sources on hand-made sequences: context lookup, the pool source, dedup and the shared budget."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import hf_greedy, random_prompt, run_lookahead, tiny_model
+
+from lp_runner.pool import NGramPool
+from lp_runner.sources import ContextSource, PoolSource, merge_candidates
+
+
+def context(history, max_ngram=3, num_tokens=3, adaptive=False) -> ContextSource:
+    src = ContextSource(max_ngram, num_tokens, adaptive)
+    src.observe(history, len(history))
+    return src
+
+
+@pytest.mark.parametrize(
+    "history,max_ngram,num_tokens,limit,expected",
+    [
+        # docstring example: (5, 6) occurred at ends 1 and 5 -> most recent first, distinct continuations
+        ([5, 6, 7, 9, 5, 6, 7, 8, 5, 6], 2, 3, 2, [(7, 8, 5), (7, 9, 5)]),
+        # longest match wins: (1, 2, 3) matches once (-> 4, 4); the 1-gram (3) alone would also match -> 9
+        ([1, 2, 3, 4, 4, 3, 9, 9, 1, 2, 3], 3, 2, 2, [(4, 4)]),
+        # most recent occurrence first when the same suffix occurred several times with the same continuation
+        ([7, 1, 7, 2, 7], 1, 1, 3, [(2,), (1,)]),
+        # nothing matches: nothing proposed
+        ([1, 2, 3, 4], 3, 3, 2, []),
+        # the live occurrence itself is never a match; the continuation may be short near the end
+        ([8, 9, 8], 1, 5, 1, [(9, 8)]),
+        # limit 0: nothing
+        ([5, 6, 5], 2, 2, 0, []),
+    ],
+)
+def test_context_lookup(history, max_ngram, num_tokens, limit, expected):
+    assert context(history, max_ngram, num_tokens).propose(history, limit) == expected
+
+
+def test_context_index_grows_incrementally():
+    history = [1, 2, 3]
+    src = context(history, 2, 2)
+    assert src.propose(history, 1) == []
+    history += [1, 2]  # two committed tokens arrive
+    src.observe(history, 2)
+    assert src.propose(history, 1) == [(3, 1)]
+
+
+def test_adaptive_length_grows_after_full_accepts_and_shrinks_after_partial():
+    src = ContextSource(1, 10, adaptive=True)
+    assert src.length == 10
+    src.feedback(proposed=10, accepted=3)
+    assert src.length == 9
+    for _ in range(20):
+        src.feedback(proposed=9, accepted=1)
+    assert src.length == 2  # floor
+    src.feedback(proposed=2, accepted=2)
+    assert src.length == 4
+
+
+def test_pool_source_repairs_with_committed_ngrams():
+    pool = NGramPool(cap=2, suffix_len=2)
+    src = PoolSource(pool, ngram_size=3, from_output=True)
+    history = [4, 5, 6, 7]
+    src.observe(history, 2)  # tokens 6, 7 are new: n-grams (4,5,6) and (5,6,7) completed
+    assert pool.bucket(4) == [(5, 6)] and pool.bucket(5) == [(6, 7)]
+    assert src.propose([9, 5], 2) == [(6, 7)]
+    off = PoolSource(NGramPool(cap=2, suffix_len=2), ngram_size=3, from_output=False)
+    off.observe(history, 2)
+    assert len(off.pool) == 0
+
+
+@pytest.mark.parametrize(
+    "proposals,budget,expected",
+    [
+        # docstring example: a pool prefix of a context suffix is dropped; a longer pool suffix replaces it
+        (
+            [("context", [(1, 2, 3)]), ("pool", [(1, 2), (4, 5), (1, 2, 3, 9)])],
+            2,
+            [("context", (1, 2, 3, 9)), ("pool", (4, 5))],
+        ),
+        # identical suffixes are verified once, first source keeps it
+        ([("context", [(1, 2)]), ("pool", [(1, 2), (3, 4)])], 3, [("context", (1, 2)), ("pool", (3, 4))]),
+        # the budget counts distinct kept suffixes, in policy order
+        (
+            [("context", [(1,), (2,)]), ("pool", [(3,), (4,)])],
+            3,
+            [("context", (1,)), ("context", (2,)), ("pool", (3,))],
+        ),
+        # budget 0: nothing
+        ([("context", [(1,)])], 0, []),
+    ],
+)
+def test_merge_candidates(proposals, budget, expected):
+    assert merge_candidates(proposals, budget) == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_context_lookup_exact_and_accepting(family):
+    model = tiny_model(family)
+    prompt = random_prompt(24, seed=3)
+    prompt = prompt + prompt[:12]  # a repeated span: context lookup has something to propose from the start
+    expected = hf_greedy(model, prompt, 48)
+    for branch in (True, False):
+        result = run_lookahead(model, prompt, 4, 4, 3, True, 48, lookahead_branch=branch)
+        assert result.output_ids == expected
+        assert result.stats.sources["context"]["accepted"] > 0  # guard: the context source really contributed
