@@ -26,6 +26,7 @@ from dist_helpers import (
     wait_for_file_lines,
     write_prompts,
 )
+from helpers import hf_greedy
 
 from lp_runner.parallel.exchange import pack, unpack, winner
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
@@ -121,19 +122,11 @@ def _run_torchrun(nproc: int, model: Path, prompts: Path, out: Path, wng, extra=
 
 
 def _hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The shared oracle (helpers.hf_greedy) on a model loaded from the folder the CLI ran."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,  # greedy: the oracle
-        eos_token_id=2,  # stop where lp_runner stops
-        pad_token_id=2,
-    )
-    return out[0, len(prompt_ids) :].tolist()
+    return hf_greedy(model, prompt_ids, max_new_tokens, eos_ids=[2])  # 2: the EOS lp_runner stops at
 
 
 @pytest.mark.slow

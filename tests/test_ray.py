@@ -32,6 +32,7 @@ if importlib.util.find_spec("ray") is None:  # not imported here: the cluster fi
 
 import torch  # noqa: E402
 from dist_helpers import REPO, env_with_repo, free_port, make_tiny_folder, read_jsonl, write_prompts  # noqa: E402
+from helpers import hf_greedy
 
 from lp_runner.config import load_config  # noqa: E402
 from lp_runner.ray_backend import parse_resources, placeable, shortfall, worker_bundle  # noqa: E402
@@ -168,17 +169,10 @@ def _hf_model(model_dir: Path):
 
 
 def _hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The shared oracle (helpers.hf_greedy), stopping at the model's own EOS as lp_runner does."""
     model = _hf_model(model_dir)
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,  # greedy: the oracle
-        eos_token_id=model.generation_config.eos_token_id,  # stop where lp_runner stops
-        pad_token_id=model.generation_config.eos_token_id,
-    )
-    return out[0, len(prompt_ids) :].tolist()
+    eos = model.generation_config.eos_token_id
+    return hf_greedy(model, prompt_ids, max_new_tokens, eos_ids=[eos] if isinstance(eos, int) else list(eos or []))
 
 
 def _same_generation(a: list[dict], b: list[dict], ignore: frozenset[str] = frozenset()) -> None:
