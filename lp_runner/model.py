@@ -34,9 +34,8 @@ class ModelAdapter:
             raise TypeError(f"{type(model).__name__}.forward has no 'logits_to_keep'; lp_runner needs it")
         # Sliding-window layers drop positions the packed mask assumes visible, and cannot be cropped once full:
         # runs are exact only while everything fits in the window (checked per prompt by the engine).
-        sliding = [getattr(layer, "sliding_window", None) for layer in self.new_cache().layers]
-        sliding = [w for w, layer in zip(sliding, self.new_cache().layers, strict=True) if layer.is_sliding and w]
-        self.sliding_window: int | None = min(sliding) if sliding else None
+        windows = [getattr(layer, "sliding_window", None) for layer in self.new_cache().layers if layer.is_sliding]
+        self.sliding_window: int | None = min((w for w in windows if w), default=None)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.get_text_config().vocab_size
