@@ -86,6 +86,10 @@ def format_summary(cfg: Config, summary: dict, load_s: float, workers: int) -> s
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tune"]:
+        from lp_runner.tune import main as tune_main
+
+        return tune_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -95,7 +95,10 @@ class LookaheadEngine:
 
     def max_round_rows(self) -> int:
         """An upper bound on the rows one round appends to the cache (window rows + verification rows)."""
-        la = self.la
+        return self.max_round_rows_for(self.la)
+
+    @staticmethod
+    def max_round_rows_for(la: LookaheadConfig) -> int:
         window_rows = (la.window_size - 1) + la.window_size * (la.ngram_size - 2) if la.lookahead_branch else 0
         longest = max(la.ngram_size - 1, la.context_tokens if la.context_lookup else 0)
         return 1 + window_rows + la.verification_set_size * longest
@@ -168,6 +171,9 @@ class LookaheadEngine:
             # publish
             history.extend(emitted)
             self._count(stats, plan, reports[win], layout, len(candidates), len(emitted), forward_s, comm_s)
+            rec = stats.records[-1]
+            rec.past_len, rec.ordinary = past_len, layout.num_ordinary
+            rec.depth = window.depth if la.lookahead_branch else -1
             if not finished:
                 past_len, pending = self._publish_kv(cache, past_len, layout, verdict, win, reports[win].emitted)
                 ngrams = []
@@ -225,6 +231,8 @@ class LookaheadEngine:
                 forward_s=forward_s,
                 comm_s=comm_s,
                 host_s=0.0,
+                plan_candidates=tuple(len(c) for c in plan.candidates),
+                winner_candidate=win_report.candidate,
             ),
             verified_anywhere=bool(plan.candidates),
         )

@@ -17,6 +17,12 @@ class RoundRecord:
     forward_s: float
     comm_s: float
     host_s: float
+    # the round's plan, the same on every rank (what ``costmodel.RoundShape`` replays at other P):
+    past_len: int = 0  # cached positions before the round on this rank
+    ordinary: int = 1  # ordinary (uncached / re-fed) rows on this rank
+    depth: int = -1  # window depth, -1 when the lookahead branch is off
+    plan_candidates: tuple[int, ...] = ()  # length of every candidate of the round, all ranks
+    winner_candidate: int = -1  # global index of the winning candidate, -1 if none held
 
 
 @dataclass

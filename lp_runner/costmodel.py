@@ -1,0 +1,279 @@
+"""Cost model: what one round costs on this device, and so what a token costs at any (W, N, G) and any P.
+
+Lookahead wins only where a packed round of Q rows buys more tokens than Q rows cost relative to one row. The
+model has three measured inputs and no free parameters:
+
+* ``CostCurve``: seconds of one target forward versus packed rows Q, at one or more K/V lengths, with the LM
+  head on one row ("body") and on every row ("all"); a round with L logit rows costs body + (all - body) * L/Q.
+  Measured by ``measure_curve`` (interleaved repetitions, so slow drifts of a noisy machine hit every Q alike).
+* ``RoundShape``s: what each round of a real greedy run planned (candidate lengths, window depth, the winning
+  candidate, tokens emitted). Greedy output does not depend on P (LP is exact and plans the same rounds), so one
+  P = 1 run gives every rank's rows at any P through the real sharding functions.
+* the per-round communication (all_gather) cost and host overhead, measured elsewhere and passed in.
+
+``predict`` turns these into seconds per token; ``benchmarks/scaling.py --simulate`` and ``lp_runner tune`` are
+its users. Every prediction carries the inputs it came from.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    kv_len: int  # cached positions before the forward
+    rows: int  # packed rows Q
+    body_s: float  # median seconds, LM head on one row
+    all_s: float  # median seconds, LM head on every row
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Forward seconds as a function of (rows, logit rows, K/V length); piecewise linear between measurements."""
+
+    points: tuple[CurvePoint, ...]
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a cost curve needs at least one measured point")
+
+    @property
+    def kv_lens(self) -> list[int]:
+        return sorted({p.kv_len for p in self.points})
+
+    def _at(self, kv_len: int, rows: float, which: str) -> float:
+        pts = sorted((p for p in self.points if p.kv_len == kv_len), key=lambda p: p.rows)
+        xs = [p.rows for p in pts]
+        ys = [getattr(p, which) for p in pts]
+        return _interp(xs, ys, rows)
+
+    def seconds(self, rows: int, logit_rows: int | None = None, kv_len: int | None = None) -> float:
+        """Predicted forward seconds; ``logit_rows`` defaults to every row, ``kv_len`` to the first measured."""
+        if rows <= 0:
+            return 0.0
+        logit_rows = rows if logit_rows is None else min(max(logit_rows, 1), rows)
+        kvs = self.kv_lens
+        kv = kvs[0] if kv_len is None else kv_len
+
+        def at(k: int) -> float:
+            body = self._at(k, rows, "body_s")
+            full = self._at(k, rows, "all_s")
+            if rows == 1:
+                return full  # the one row's logits are always computed
+            return body + max(full - body, 0.0) * (logit_rows - 1) / (rows - 1)
+
+        return max(_interp(kvs, [at(k) for k in kvs], kv), 0.0)
+
+    def ratio(self, rows: int, kv_len: int | None = None) -> float:
+        """Cost of ``rows`` (head on all rows) relative to a one-row forward."""
+        return self.seconds(rows, kv_len=kv_len) / self.seconds(1, kv_len=kv_len)
+
+    def to_dict(self) -> dict:
+        return {"points": [asdict(p) for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        return cls(tuple(CurvePoint(**p) for p in d["points"]))
+
+    @classmethod
+    def linear(cls, one_row_s: float, per_row_s: float, max_rows: int = 512, kv_len: int = 0) -> CostCurve:
+        """A synthetic curve (tests, what-if studies): t(Q) = one_row_s + per_row_s * (Q - 1), head included."""
+        qs = sorted({1, 2, max_rows})
+        return cls(
+            tuple(CurvePoint(kv_len, q, one_row_s + per_row_s * (q - 1), one_row_s + per_row_s * (q - 1)) for q in qs)
+        )
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation; linear extrapolation past either end (a single point is constant)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def measure_curve(
+    adapter, kv_lens: Sequence[int], rows: Sequence[int], reps: int = 7, sync=None, seed: int = 0
+) -> CostCurve:
+    """Median forward seconds for every (K/V length, Q), head on one row and on all rows.
+
+    Repetitions are interleaved (every Q once per sweep, sweep order rotated), so a slow drift of a shared
+    machine spreads over all Q instead of bending the curve. ``sync`` (e.g. ``torch.cuda.synchronize``) runs
+    before each clock read on asynchronous devices.
+    """
+    from lp_runner.model import crop  # local: the adapter module imports transformers
+
+    gen = torch.Generator().manual_seed(seed)
+    sync = sync or (lambda: None)
+    points = []
+    for kv_len in kv_lens:
+        cache = adapter.new_cache()
+        pre = torch.randint(0, adapter.vocab_size, (max(kv_len, 1),), generator=gen)
+        tril = torch.ones(len(pre), len(pre), dtype=torch.bool).tril()
+        adapter.forward(pre, torch.arange(len(pre)), tril, cache, torch.tensor([len(pre) - 1]))
+        base = len(pre)
+        cases = [(q, head) for q in rows for head in ("body_s", "all_s")]
+        times: dict[tuple[int, str], list[float]] = {c: [] for c in cases}
+        for rep in range(reps + 1):
+            k = rep % len(cases)
+            for q, head in cases[k:] + cases[:k]:
+                ids = torch.randint(0, adapter.vocab_size, (q,), generator=gen)
+                vis = torch.ones(q, q, dtype=torch.bool).tril()
+                logit_rows = torch.arange(q - 1, q) if head == "body_s" else torch.arange(q)
+                sync()
+                start = time.perf_counter()
+                adapter.forward(ids, torch.arange(base, base + q), vis, cache, logit_rows)
+                sync()
+                elapsed = time.perf_counter() - start
+                crop(cache, base)
+                if rep > 0:  # the first sweep warms allocators and kernels
+                    times[(q, head)].append(elapsed)
+        for q in rows:
+            points.append(CurvePoint(base, q, _median(times[(q, "body_s")]), _median(times[(q, "all_s")])))
+    return CostCurve(tuple(points))
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What one round planned and produced; independent of P (see the module docstring)."""
+
+    kv_len: int  # cached positions before the round (on the winner's rank)
+    ordinary: int  # ordinary rows at P = 1 (the prompt at prefill, else 1)
+    window_size: int
+    depth: int  # window depth this round; -1 when the lookahead branch is off
+    candidates: tuple[int, ...]  # length of every candidate, in plan order
+    winner: int  # global index of the winning candidate, -1 if none held
+    emitted: int  # tokens committed
+
+
+def rank_rows(shapes: Sequence[RoundShape], world_size: int) -> list[list[tuple[int, int]]]:
+    """(rows, logit rows) per rank for every round at P = ``world_size``, by the engine's own sharding.
+
+    Ordinary rows at P > 1: the previous round's winning rank has its K/V and feeds the live key alone; every
+    other rank re-feeds the emitted tokens (the LP protocol in ``engine.py``). A round's winning rank is the owner
+    of its winning candidate, rank 0 when none held (ties go to the lowest rank).
+    """
+    out: list[list[tuple[int, int]]] = []
+    prev_winner_rank, prev_emitted = 0, 1
+    for i, s in enumerate(shapes):
+        if s.depth >= 0:
+            blocks = column_blocks(s.window_size, world_size, s.depth)
+            base = [lookahead_rows(b, s.depth) for b in blocks]
+        else:
+            blocks = ((0, 0),) * world_size
+            base = [0] * world_size
+        assignment = assign_candidates(list(s.candidates), base)
+        per_rank = []
+        for r in range(world_size):
+            refed = r != prev_winner_rank and i > 0  # LP: this rank lacks the last round's K/V
+            ordinary = prev_emitted if refed and world_size > 1 else s.ordinary
+            cand_rows = sum(s.candidates[c] for c in assignment[r])
+            lo, hi = blocks[r]
+            own = (hi - lo) - (1 if s.depth == 0 and lo == 0 < hi else 0)  # depth 0: column 0's output is the key
+            per_rank.append((ordinary + base[r] + cand_rows, 1 + own + cand_rows))
+        out.append(per_rank)
+        owner = next((r for r in range(world_size) if s.winner in assignment[r]), 0)
+        prev_winner_rank, prev_emitted = owner, s.emitted
+    return out
+
+
+@dataclass
+class Prediction:
+    """Predicted time of a recorded run replayed at P ranks; ``simulated`` marks it as not measured."""
+
+    world_size: int
+    rounds: int
+    tokens: int
+    forward_s: float
+    comm_s: float
+    host_s: float
+    mean_rows_max_rank: float
+    simulated: bool = True
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s + self.comm_s + self.host_s
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1e3 * self.seconds / self.tokens if self.tokens else float("inf")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(seconds=round(self.seconds, 6), ms_per_token=round(self.ms_per_token, 3))
+        return d
+
+
+def comm_seconds(world_size: int, allgather_2_s: float) -> float:
+    """Per-round all_gather cost at P ranks from the measured 2-rank cost: a ring all_gather of a tiny payload
+    takes P - 1 latency-bound steps, so (P - 1) x the 2-rank figure (an assumption, recorded with predictions)."""
+    return 0.0 if world_size <= 1 else (world_size - 1) * allgather_2_s
+
+
+def predict(
+    shapes: Sequence[RoundShape],
+    curve: CostCurve,
+    world_size: int = 1,
+    allgather_2_s: float = 0.0,
+    host_s_per_round: float = 0.0,
+    skip_prefill: bool = True,
+) -> Prediction:
+    """Seconds for the recorded rounds at P = ``world_size``: per round the slowest rank's forward (each rank
+    waits for it in the all_gather), plus communication and host time. The prefill round is left out by default:
+    it is the same for every method and only prompt-length dependent."""
+    per_round = rank_rows(shapes, world_size)
+    first = 1 if skip_prefill and len(shapes) > 1 else 0
+    fwd = 0.0
+    rows_max = 0
+    for s, ranks in zip(shapes[first:], per_round[first:], strict=True):
+        fwd += max(curve.seconds(q, lg, s.kv_len) for q, lg in ranks)
+        rows_max += max(q for q, _ in ranks)
+    rounds = len(shapes) - first
+    tokens = sum(s.emitted for s in shapes[first:])
+    return Prediction(
+        world_size=world_size,
+        rounds=rounds,
+        tokens=tokens,
+        forward_s=fwd,
+        comm_s=rounds * comm_seconds(world_size, allgather_2_s),
+        host_s=rounds * host_s_per_round,
+        mean_rows_max_rank=rows_max / rounds if rounds else 0.0,
+        inputs={
+            "allgather_2_rank_us": round(1e6 * allgather_2_s, 1),
+            "comm_assumption": "ring all_gather: (P - 1) x the measured 2-rank latency",
+            "host_us_per_round": round(1e6 * host_s_per_round, 1),
+            "curve_kv_lens": curve.kv_lens,
+        },
+    )
+
+
+def shapes_from_records(records: Sequence, window_size: int) -> list[RoundShape]:
+    """The replayable shape of every round of one generation (``GenerationStats.records`` on any rank)."""
+    return [
+        RoundShape(
+            kv_len=r.past_len,
+            ordinary=r.ordinary,
+            window_size=window_size,
+            depth=r.depth,
+            candidates=tuple(r.plan_candidates),
+            winner=r.winner_candidate,
+            emitted=r.emitted,
+        )
+        for r in records
+    ]

@@ -1,0 +1,348 @@
+"""``python -m lp_runner tune``: pick the lookahead settings (and P) that minimise time per token on this device.
+
+Calibration, then a search, both cheap and mostly deterministic:
+1. measure this device's forward-cost curve (``costmodel.measure_curve``) over the row counts the search can
+   produce;
+2. run each considered setting greedily on the calibration prompts and record every round's shape (greedy output,
+   and so the shapes, depend only on the setting, not on timing noise);
+3. predict seconds per token = (forward cost of each round from the curve at its rows and K/V length + the
+   setting's measured host time + communication at P > 1) / tokens; ``costmodel.predict``;
+4. coordinate search: improve one knob at a time from the base config until a full pass changes nothing.
+
+The winner is written as a complete YAML config (the base config with the chosen keys) with the predicted
+figures in its header. ``benchmarks/compare.py --tuned`` checks it against the default on held-back prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+import yaml
+
+from lp_runner.config import Config, LookaheadConfig, check_lookahead, load_config
+from lp_runner.costmodel import CostCurve, RoundShape, predict, shapes_from_records
+from lp_runner.errors import ConfigError, InputError, LPError
+
+# Knobs in search order, each with the values tried. W only matters when the lookahead branch is on.
+DEFAULT_SPACE: dict[str, tuple] = {
+    "lookahead_branch": (False, True),
+    "verification_set_size": (0, 1, 2, 3, 4, 6),
+    "context_tokens": (4, 6, 8, 10, 14),
+    "context_max_ngram": (1, 2, 3, 4),
+    "window_size": (2, 3, 4, 5, 7),
+    "ngram_size": (3, 4, 5),
+    "pool_from_prompt": (False, True),
+    "pool_from_output": (False, True),
+    "candidate_policy": ("context_first", "pool_first"),
+}
+WINDOW_KNOBS = ("window_size",)  # N also sets the pool's suffix length, so it matters without the window
+
+
+@dataclass
+class Calibration:
+    """One setting run on the calibration prompts: its round shapes and measured host time."""
+
+    lookahead: LookaheadConfig
+    shapes: list[list[RoundShape]]  # per prompt
+    host_s_per_round: float
+    tokens: int
+
+    @property
+    def tokens_per_forward(self) -> float:
+        rounds = sum(len(s) for s in self.shapes)
+        return self.tokens / rounds if rounds else 0.0
+
+
+@dataclass
+class Scored:
+    lookahead: LookaheadConfig
+    workers: int
+    ms_per_token: float
+    tokens_per_forward: float
+    mean_rows: float
+
+
+@dataclass
+class TuneResult:
+    best: Scored
+    base: Scored
+    evaluated: list[Scored] = field(default_factory=list)
+
+
+def score(cal: Calibration, curve: CostCurve, workers: int, allgather_2_s: float) -> Scored:
+    """Predicted ms per token of a calibrated setting at P = ``workers`` (prefill rounds excluded)."""
+    preds = [predict(s, curve, workers, allgather_2_s, cal.host_s_per_round) for s in cal.shapes]
+    seconds = sum(p.seconds for p in preds)
+    tokens = sum(p.tokens for p in preds)
+    rounds = sum(p.rounds for p in preds)
+    rows = sum(p.mean_rows_max_rank * p.rounds for p in preds)
+    return Scored(
+        lookahead=cal.lookahead,
+        workers=workers,
+        ms_per_token=1e3 * seconds / tokens if tokens else float("inf"),
+        tokens_per_forward=tokens / rounds if rounds else 0.0,
+        mean_rows=rows / rounds if rounds else 0.0,
+    )
+
+
+def _key(la: LookaheadConfig) -> tuple:
+    """Settings that behave identically share a key (W and N are inert without the lookahead branch)."""
+    d = dataclasses.asdict(la)
+    if not la.lookahead_branch:
+        for k in WINDOW_KNOBS:
+            d.pop(k)
+    if la.verification_set_size == 0:  # nothing is verified: the candidate sources are inert
+        for k in ("context_lookup", "context_max_ngram", "context_tokens", "context_adaptive", "candidate_policy"):
+            d.pop(k)
+        d.pop("pool_from_prompt")
+        d.pop("pool_from_output")
+    elif not la.context_lookup:
+        for k in ("context_max_ngram", "context_tokens", "context_adaptive"):
+            d.pop(k)
+    return tuple(sorted(d.items()))
+
+
+def coordinate_search(
+    base: LookaheadConfig,
+    evaluate: Callable[[LookaheadConfig], tuple[float, int] | None],
+    space: dict[str, Sequence] | None = None,
+    max_passes: int = 3,
+) -> tuple[LookaheadConfig, dict[tuple, tuple[LookaheadConfig, float, int]]]:
+    """Improve one knob at a time; ``evaluate`` returns (ms per token, workers) or None for an invalid setting.
+
+    Returns the best setting and every evaluation (memoised by behaviour, so each distinct setting runs once).
+    Ties keep the current setting, so the search never moves without a predicted gain.
+    """
+    space = DEFAULT_SPACE if space is None else space
+    seen: dict[tuple, tuple[LookaheadConfig, float, int]] = {}
+
+    def value(la: LookaheadConfig) -> float:
+        k = _key(la)
+        if k not in seen:
+            try:
+                check_lookahead(la)
+            except ConfigError:
+                return float("inf")
+            got = evaluate(la)
+            if got is None:
+                return float("inf")
+            seen[k] = (la, got[0], got[1])
+        return seen[k][1]
+
+    best = base
+    best_v = value(best)
+    for _ in range(max_passes):
+        changed = False
+        for knob, values in space.items():
+            if knob in WINDOW_KNOBS and not best.lookahead_branch:
+                continue
+            for v in values:
+                cand = dataclasses.replace(best, **{knob: v})
+                cv = value(cand)
+                if cv < best_v:
+                    best, best_v, changed = cand, cv, True
+        if not changed:
+            break
+    return best, seen
+
+
+def calibrate_setting(adapter, prompts: Sequence[Sequence[int]], la: LookaheadConfig, gen, eos_ids) -> Calibration:
+    """Run one setting greedily on the calibration prompts (P = 1; shapes at other P are replayed)."""
+    from lp_runner.engine import LookaheadEngine
+
+    engine = LookaheadEngine(adapter, la, gen, eos_ids)
+    shapes, host, rounds, tokens = [], 0.0, 0, 0
+    for ids in prompts:
+        res = engine.generate(ids)
+        shapes.append(shapes_from_records(res.stats.records, la.window_size))
+        host += sum(r.host_s for r in res.stats.records[1:])
+        rounds += max(res.stats.rounds - 1, 0)
+        tokens += sum(r.emitted for r in res.stats.records[1:])
+    return Calibration(la, shapes, host / rounds if rounds else 0.0, tokens)
+
+
+def tune(
+    adapter,
+    prompts: Sequence[Sequence[int]],
+    base: LookaheadConfig,
+    gen,
+    eos_ids: Sequence[int],
+    curve: CostCurve,
+    workers: Sequence[int] = (1,),
+    allgather_2_s: float = 0.0,
+    space: dict[str, Sequence] | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> TuneResult:
+    """Search settings (and P among ``workers``) by predicted time per token on ``prompts``."""
+    scored: dict[tuple, list[Scored]] = {}
+
+    def evaluate(la: LookaheadConfig) -> tuple[float, int] | None:
+        start = time.perf_counter()
+        cal = calibrate_setting(adapter, prompts, la, gen, eos_ids)
+        options = [score(cal, curve, p, allgather_2_s) for p in workers]
+        scored[_key(la)] = options
+        pick = min(options, key=lambda s: (s.ms_per_token, s.workers))
+        log(
+            f"{describe(la):58s} tokens/forward {pick.tokens_per_forward:5.2f}  rows {pick.mean_rows:5.1f}  "
+            f"P={pick.workers}  predicted {pick.ms_per_token:7.2f} ms/token  ({time.perf_counter() - start:.0f} s)"
+        )
+        return pick.ms_per_token, pick.workers
+
+    best, seen = coordinate_search(base, evaluate, space)
+    flat = [s for options in scored.values() for s in options]
+
+    def pick(la: LookaheadConfig) -> Scored:
+        return min(scored[_key(la)], key=lambda s: (s.ms_per_token, s.workers))
+
+    return TuneResult(best=pick(best), base=pick(base), evaluated=flat)
+
+
+def describe(la: LookaheadConfig) -> str:
+    window = f"W={la.window_size} N={la.ngram_size}" if la.lookahead_branch else "no window"
+    ctx = f"ctx {la.context_max_ngram}/{la.context_tokens}" if la.context_lookup else "no ctx"
+    pool = ("p" if la.pool_from_prompt else "-") + ("o" if la.pool_from_output else "-")
+    return f"{window} G={la.verification_set_size} {ctx} pool {pool} {la.candidate_policy}"
+
+
+def tuned_config(base: Config, result: TuneResult) -> Config:
+    cfg = dataclasses.replace(base, lookahead=result.best.lookahead)
+    cfg.parallel = dataclasses.replace(base.parallel, workers=result.best.workers)
+    return cfg
+
+
+def write_config(cfg: Config, result: TuneResult, path: Path, header: Sequence[str]) -> None:
+    """A complete config (every key, so it does not depend on later changes of defaults) with the why on top."""
+    d = cfg.to_dict()
+    lines = [f"# {h}" for h in header]
+    lines.append(
+        f"# predicted: {result.best.ms_per_token:.2f} ms/token at P={result.best.workers} "
+        f"(tokens/forward {result.best.tokens_per_forward:.2f}, rows {result.best.mean_rows:.1f}); "
+        f"base config: {result.base.ms_per_token:.2f} ms/token"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n" + yaml.safe_dump(d, sort_keys=False))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lp_runner tune",
+        description="Pick lookahead settings that minimise predicted time per token on this device.",
+    )
+    p.add_argument("--config", help="base YAML config (its model, device and threads are used)")
+    p.add_argument("--prompts", required=True, help="calibration prompts (JSONL); keep them apart from test prompts")
+    p.add_argument("--output", required=True, help="where to write the tuned YAML config")
+    p.add_argument("--report", help="also write every evaluated setting to this JSON file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per calibration prompt")
+    p.add_argument("--workers", default="1", help="comma-separated P values to consider, e.g. 1,2,4")
+    p.add_argument("--allgather-us", type=float, default=350.0, help="measured 2-rank all_gather cost per round")
+    p.add_argument("--curve", help="a saved cost curve (JSON from --save-curve); measured when omitted")
+    p.add_argument("--save-curve", help="write the measured cost curve here")
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per curve point")
+    return p
+
+
+def curve_rows(space: dict[str, Sequence], base: LookaheadConfig) -> list[int]:
+    """Row counts the search can produce, up to the largest setting's round (the curve interpolates between)."""
+    from lp_runner.engine import LookaheadEngine
+
+    w, n = max(space.get("window_size", (base.window_size,))), max(space.get("ngram_size", (base.ngram_size,)))
+    g = max(space.get("verification_set_size", (base.verification_set_size,)))
+    c = max(space.get("context_tokens", (base.context_tokens,)))
+    big = dataclasses.replace(base, window_size=w, ngram_size=n, verification_set_size=g, context_tokens=c)
+    top = LookaheadEngine.max_round_rows_for(big)
+    grid = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    return [q for q in grid if q < top] + [top]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except LPError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import torch
+
+    from lp_runner.costmodel import measure_curve
+    from lp_runner.model import ModelAdapter
+    from lp_runner.prompts import encode, read_prompts
+    from lp_runner.runner import eos_token_ids, start_worker
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        workers = sorted({int(x) for x in args.workers.split(",")})
+    except ValueError:
+        raise InputError(f"--workers expects comma-separated integers, got {args.workers!r}") from None
+    if not workers or workers[0] < 1:
+        raise InputError(f"--workers values must be >= 1, got {args.workers!r}")
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    specs = read_prompts(args.prompts)
+    solo = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=1))
+    worker = start_worker(solo)
+    adapter: ModelAdapter = worker.adapter
+    prompts = [encode(worker.tokenizer, s) for s in specs]
+    gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    if args.curve:
+        try:
+            curve = CostCurve.from_dict(json.loads(Path(args.curve).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"cannot read cost curve {args.curve}: {exc}") from None
+    else:
+        rows = curve_rows(DEFAULT_SPACE, cfg.lookahead)
+        kv = sorted({min(len(p) for p in prompts), max(len(p) for p in prompts) + args.max_new_tokens})
+        log(f"measuring the forward-cost curve: rows {rows}, K/V lengths {kv}")
+        sync = torch.cuda.synchronize if adapter.device.type == "cuda" else None
+        curve = measure_curve(adapter, kv, rows, reps=args.reps, sync=sync)
+        if args.save_curve:
+            Path(args.save_curve).write_text(json.dumps(curve.to_dict(), indent=2))
+    log(f"calibrating on {len(prompts)} prompts x {args.max_new_tokens} tokens")
+    result = tune(
+        adapter, prompts, cfg.lookahead, gen, eos_token_ids(worker), curve, workers, 1e-6 * args.allgather_us, log=log
+    )
+    chosen = tuned_config(cfg, result)
+    header = [
+        f"written by `python -m lp_runner tune` on {date.today().isoformat()}: "
+        f"{len(prompts)} calibration prompts from {args.prompts}, {args.max_new_tokens} tokens each,",
+        f"device {adapter.device}, {torch.get_num_threads()} threads, base config {args.config or '(defaults)'}",
+    ]
+    write_config(chosen, result, Path(args.output), header)
+    if args.report:
+        report = {
+            "date": date.today().isoformat(),
+            "curve": curve.to_dict(),
+            "workers": workers,
+            "allgather_2_rank_us": args.allgather_us,
+            "best": _scored_dict(result.best),
+            "base": _scored_dict(result.base),
+            "evaluated": [_scored_dict(s) for s in result.evaluated],
+        }
+        Path(args.report).write_text(json.dumps(report, indent=2))
+    log(f"base:  {describe(result.base.lookahead)}  {result.base.ms_per_token:.2f} ms/token (predicted)")
+    log(f"tuned: {describe(result.best.lookahead)}  P={result.best.workers}  {result.best.ms_per_token:.2f} ms/token")
+    log(f"wrote {args.output}")
+    return 0
+
+
+def _scored_dict(s: Scored) -> dict:
+    return {
+        "lookahead": dataclasses.asdict(s.lookahead),
+        "workers": s.workers,
+        "ms_per_token": round(s.ms_per_token, 3),
+        "tokens_per_forward": round(s.tokens_per_forward, 3),
+        "mean_rows": round(s.mean_rows, 2),
+    }
