@@ -40,7 +40,9 @@ class LookaheadConfig:
     lookahead_branch: bool = True  # false: no Jacobi window rows (pure pool / context lookup, like prompt lookup)
     context_lookup: bool = True  # propose continuations of earlier occurrences of the committed suffix
     context_max_ngram: int = 3  # longest suffix matched against the context
+    context_min_ngram: int = 1  # shortest match that proposes (1-token matches are cheap to find, rarely right)
     context_tokens: int = 10  # tokens proposed per context match (at most)
+    max_verify_rows: int = 0  # cap on verification rows per round, all candidates together (0: no cap)
     context_adaptive: bool = True  # grow / shrink the proposal length with its acceptance (2..context_tokens)
     candidate_policy: str = "context_first"  # context_first | pool_first: who fills the budget G first
 
@@ -234,6 +236,13 @@ def check_lookahead(la: LookaheadConfig) -> None:
         raise ConfigError(f"lookahead.verification_set_size (G) must be >= 0, got {la.verification_set_size}")
     if la.context_max_ngram < 1:
         raise ConfigError(f"lookahead.context_max_ngram must be >= 1, got {la.context_max_ngram}")
+    if not 1 <= la.context_min_ngram <= la.context_max_ngram:
+        raise ConfigError(
+            f"lookahead.context_min_ngram must be between 1 and context_max_ngram={la.context_max_ngram}, "
+            f"got {la.context_min_ngram}"
+        )
+    if la.max_verify_rows < 0:
+        raise ConfigError(f"lookahead.max_verify_rows must be >= 0 (0: no cap), got {la.max_verify_rows}")
     if la.context_tokens < 1:
         raise ConfigError(f"lookahead.context_tokens must be >= 1, got {la.context_tokens}")
 

@@ -115,31 +115,34 @@ def measure_curve(
 
     gen = torch.Generator().manual_seed(seed)
     sync = sync or (lambda: None)
-    points = []
-    for kv_len in kv_lens:
+    caches = {}
+    for kv_len in kv_lens:  # one cache per K/V length, all alive: every sweep visits every (K/V, Q, head) case
         cache = adapter.new_cache()
         pre = torch.randint(0, adapter.vocab_size, (max(kv_len, 1),), generator=gen)
         tril = torch.ones(len(pre), len(pre), dtype=torch.bool).tril()
         adapter.forward(pre, torch.arange(len(pre)), tril, cache, torch.tensor([len(pre) - 1]))
-        base = len(pre)
-        cases = [(q, head) for q in rows for head in ("body_s", "all_s")]
-        times: dict[tuple[int, str], list[float]] = {c: [] for c in cases}
-        for rep in range(reps + 1):
-            k = rep % len(cases)
-            for q, head in cases[k:] + cases[:k]:
-                ids = torch.randint(0, adapter.vocab_size, (q,), generator=gen)
-                vis = torch.ones(q, q, dtype=torch.bool).tril()
-                logit_rows = torch.arange(q - 1, q) if head == "body_s" else torch.arange(q)
-                sync()
-                start = time.perf_counter()
-                adapter.forward(ids, torch.arange(base, base + q), vis, cache, logit_rows)
-                sync()
-                elapsed = time.perf_counter() - start
-                crop(cache, base)
-                if rep > 0:  # the first sweep warms allocators and kernels
-                    times[(q, head)].append(elapsed)
-        for q in rows:
-            points.append(CurvePoint(base, q, _median(times[(q, "body_s")]), _median(times[(q, "all_s")])))
+        caches[len(pre)] = cache
+    cases = [(kv, q, head) for kv in caches for q in rows for head in ("body_s", "all_s")]
+    times: dict[tuple[int, int, str], list[float]] = {c: [] for c in cases}
+    for rep in range(reps + 1):
+        k = (rep * 7) % len(cases)
+        for kv, q, head in cases[k:] + cases[:k]:
+            ids = torch.randint(0, adapter.vocab_size, (q,), generator=gen)
+            vis = torch.ones(q, q, dtype=torch.bool).tril()
+            logit_rows = torch.arange(q - 1, q) if head == "body_s" else torch.arange(q)
+            sync()
+            start = time.perf_counter()
+            adapter.forward(ids, torch.arange(kv, kv + q), vis, caches[kv], logit_rows)
+            sync()
+            elapsed = time.perf_counter() - start
+            crop(caches[kv], kv)
+            if rep > 0:  # the first sweep warms allocators and kernels
+                times[(kv, q, head)].append(elapsed)
+    points = [
+        CurvePoint(kv, q, _median(times[(kv, q, "body_s")]), _median(times[(kv, q, "all_s")]))
+        for kv in caches
+        for q in rows
+    ]
     return CostCurve(tuple(points))
 
 

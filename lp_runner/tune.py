@@ -35,8 +35,10 @@ from lp_runner.errors import ConfigError, InputError, LPError
 DEFAULT_SPACE: dict[str, tuple] = {
     "lookahead_branch": (False, True),
     "verification_set_size": (0, 1, 2, 3, 4, 6),
-    "context_tokens": (4, 6, 8, 10, 14),
+    "max_verify_rows": (0, 2, 3, 4, 6, 8),
+    "context_tokens": (2, 3, 4, 6, 8, 10, 14),
     "context_max_ngram": (1, 2, 3, 4),
+    "context_min_ngram": (1, 2, 3),
     "window_size": (2, 3, 4, 5, 7),
     "ngram_size": (3, 4, 5),
     "pool_from_prompt": (False, True),
@@ -100,12 +102,13 @@ def _key(la: LookaheadConfig) -> tuple:
         for k in WINDOW_KNOBS:
             d.pop(k)
     if la.verification_set_size == 0:  # nothing is verified: the candidate sources are inert
-        for k in ("context_lookup", "context_max_ngram", "context_tokens", "context_adaptive", "candidate_policy"):
+        for k in ("context_lookup", "context_max_ngram", "context_min_ngram", "context_tokens", "context_adaptive"):
             d.pop(k)
+        d.pop("candidate_policy")
         d.pop("pool_from_prompt")
         d.pop("pool_from_output")
     elif not la.context_lookup:
-        for k in ("context_max_ngram", "context_tokens", "context_adaptive"):
+        for k in ("context_max_ngram", "context_min_ngram", "context_tokens", "context_adaptive"):
             d.pop(k)
     return tuple(sorted(d.items()))
 
@@ -180,6 +183,7 @@ def tune(
     allgather_2_s: float = 0.0,
     space: dict[str, Sequence] | None = None,
     log: Callable[[str], None] = lambda s: None,
+    max_passes: int = 3,
 ) -> TuneResult:
     """Search settings (and P among ``workers``) by predicted time per token on ``prompts``."""
     scored: dict[tuple, list[Scored]] = {}
@@ -196,7 +200,7 @@ def tune(
         )
         return pick.ms_per_token, pick.workers
 
-    best, seen = coordinate_search(base, evaluate, space)
+    best, _ = coordinate_search(base, evaluate, space, max_passes)
     flat = [s for options in scored.values() for s in options]
 
     def pick(la: LookaheadConfig) -> Scored:
@@ -207,9 +211,10 @@ def tune(
 
 def describe(la: LookaheadConfig) -> str:
     window = f"W={la.window_size} N={la.ngram_size}" if la.lookahead_branch else "no window"
-    ctx = f"ctx {la.context_max_ngram}/{la.context_tokens}" if la.context_lookup else "no ctx"
+    ctx = f"ctx {la.context_min_ngram}-{la.context_max_ngram}/{la.context_tokens}" if la.context_lookup else "no ctx"
     pool = ("p" if la.pool_from_prompt else "-") + ("o" if la.pool_from_output else "-")
-    return f"{window} G={la.verification_set_size} {ctx} pool {pool} {la.candidate_policy}"
+    cap = f" rows<={la.max_verify_rows}" if la.max_verify_rows else ""
+    return f"{window} G={la.verification_set_size}{cap} {ctx} pool {pool} {la.candidate_policy}"
 
 
 def tuned_config(base: Config, result: TuneResult) -> Config:
@@ -247,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve", help="a saved cost curve (JSON from --save-curve); measured when omitted")
     p.add_argument("--save-curve", help="write the measured cost curve here")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per curve point")
+    p.add_argument("--passes", type=int, default=2, help="coordinate-search passes over all knobs (at most)")
     return p
 
 
@@ -312,7 +318,16 @@ def _run(args) -> int:
             Path(args.save_curve).write_text(json.dumps(curve.to_dict(), indent=2))
     log(f"calibrating on {len(prompts)} prompts x {args.max_new_tokens} tokens")
     result = tune(
-        adapter, prompts, cfg.lookahead, gen, eos_token_ids(worker), curve, workers, 1e-6 * args.allgather_us, log=log
+        adapter,
+        prompts,
+        cfg.lookahead,
+        gen,
+        eos_token_ids(worker),
+        curve,
+        workers,
+        1e-6 * args.allgather_us,
+        log=log,
+        max_passes=args.passes,
     )
     chosen = tuned_config(cfg, result)
     header = [

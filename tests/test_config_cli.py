@@ -47,6 +47,10 @@ REPO_ROOT = Path(lp_runner.__file__).resolve().parents[1]
         (["lookahead=3"], "unknown config key 'lookahead'"),
         (["lookahead.window_size"], "--set expects section.key=value, got 'lookahead.window_size'"),
         (["generation.max_new_tokens=0"], "generation.max_new_tokens must be >= 1, got 0"),
+        (
+            ["lookahead.context_min_ngram=4"],
+            "lookahead.context_min_ngram must be between 1 and context_max_ngram=3, got 4",
+        ),
         (["generation.top_p=0"], "generation.top_p must be in (0, 1], got 0.0"),
         (["model.dtype=float64"], "model.dtype must be one of float32, bfloat16, float16, got 'float64'"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import hf_greedy, random_prompt, run_lookahead, tiny_model
 
+from lp_runner.parallel.coordinator import cap_rows
 from lp_runner.pool import NGramPool
 from lp_runner.sources import ContextSource, PoolSource, merge_candidates
 
@@ -34,6 +35,33 @@ def context(history, max_ngram=3, num_tokens=3, adaptive=False) -> ContextSource
 )
 def test_context_lookup(history, max_ngram, num_tokens, limit, expected):
     assert context(history, max_ngram, num_tokens).propose(history, limit) == expected
+
+
+def test_context_min_ngram_drops_short_matches():
+    history = [1, 2, 3, 4, 4, 3, 9, 9, 1, 2, 3]  # the suffix (1, 2, 3) occurred once, (3) twice
+    assert context(history, 3, 2).propose(history, 2) == [(4, 4)]
+    src = ContextSource(3, 2, adaptive=False, min_ngram=3)
+    src.observe(history, len(history))
+    assert src.propose(history, 2) == [(4, 4)]  # a 3-token match is long enough
+    short = [7, 1, 7, 2, 7]  # only the 1-token suffix (7) ever matched
+    assert context(short, 3, 1).propose(short, 1) == [(2,)]
+    src = ContextSource(3, 1, adaptive=False, min_ngram=2)
+    src.observe(short, len(short))
+    assert src.propose(short, 1) == []
+
+
+@pytest.mark.parametrize(
+    "max_rows,expected",
+    [
+        (0, [("context", (1, 2, 3)), ("pool", (4, 5))]),  # no cap
+        (4, [("context", (1, 2, 3)), ("pool", (4,))]),  # docstring example
+        (3, [("context", (1, 2, 3))]),  # the cap is spent: later candidates are dropped
+        (2, [("context", (1, 2))]),
+        (9, [("context", (1, 2, 3)), ("pool", (4, 5))]),
+    ],
+)
+def test_cap_rows(max_rows, expected):
+    assert cap_rows([("context", (1, 2, 3)), ("pool", (4, 5))], max_rows) == expected
 
 
 def test_context_index_grows_incrementally():
@@ -100,7 +128,12 @@ def test_context_lookup_exact_and_accepting(family):
     prompt = random_prompt(24, seed=3)
     prompt = prompt + prompt[:12]  # a repeated span: context lookup has something to propose from the start
     expected = hf_greedy(model, prompt, 48)
-    for branch in (True, False):
-        result = run_lookahead(model, prompt, 4, 4, 3, True, 48, lookahead_branch=branch)
+    for branch, min_ngram, cap in ((True, 1, 0), (False, 1, 0), (False, 2, 0), (True, 1, 3), (False, 1, 2)):
+        result = run_lookahead(
+            model, prompt, 4, 4, 3, True, 48, lookahead_branch=branch, context_min_ngram=min_ngram, max_verify_rows=cap
+        )
         assert result.output_ids == expected
+        if cap:
+            assert all(sum(r.plan_candidates) <= cap for r in result.stats.records)
+            assert any(sum(r.plan_candidates) == cap for r in result.stats.records)  # the cap did bind
         assert result.stats.sources["context"]["accepted"] > 0  # guard: the context source really contributed

@@ -53,7 +53,9 @@ class Coordinator:
             self.pool.insert_many(sequence_ngrams(prompt_ids, la.ngram_size))
         self.sources: list[CandidateSource] = [PoolSource(self.pool, la.ngram_size, la.pool_from_output)]
         if la.context_lookup:
-            context = ContextSource(la.context_max_ngram, la.context_tokens, la.context_adaptive)
+            context = ContextSource(
+                la.context_max_ngram, la.context_tokens, la.context_adaptive, min_ngram=la.context_min_ngram
+            )
             context.observe(prompt_ids, len(prompt_ids))
             self.sources.insert(0 if la.candidate_policy == "context_first" else 1, context)
 
@@ -75,7 +77,7 @@ class Coordinator:
         """depth None: the lookahead branch is off (no window rows on any rank)."""
         budget = self.la.verification_set_size
         proposals = [(src.name, src.propose(history, budget)) for src in self.sources]
-        merged = merge_candidates(proposals, budget)
+        merged = cap_rows(merge_candidates(proposals, budget), self.la.max_verify_rows)
         candidates = tuple(s for _, s in merged)
         if depth is None:
             blocks = (NO_COLUMNS,) * self.world_size
@@ -93,3 +95,21 @@ class Coordinator:
             assignment=tuple(tuple(a) for a in assignment),
             proposed=tuple((n, len(p)) for n, p in proposals),
         )
+
+
+def cap_rows(merged: list[tuple[str, Suffix]], max_rows: int) -> list[tuple[str, Suffix]]:
+    """Truncate candidates, in verification order, to at most ``max_rows`` rows together (0: no cap).
+
+    Where a forward's cost steps up at some row count (``benchmarks/forward_cost.py``), rows past the step cost
+    more than the tokens they rarely add; a truncated candidate is still an exact one.
+    Example: [("context", (1, 2, 3)), ("pool", (4, 5))], max_rows 4 -> [("context", (1, 2, 3)), ("pool", (4,))].
+    """
+    if max_rows <= 0:
+        return merged
+    out, left = [], max_rows
+    for name, suffix in merged:
+        if left <= 0:
+            break
+        out.append((name, suffix[:left]))
+        left -= len(out[-1][1])
+    return out
