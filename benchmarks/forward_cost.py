@@ -3,10 +3,17 @@
 This is the curve that decides whether lookahead can win on a device: a round of Q rows must buy more tokens
 than Q rows cost relative to one. Timings are medians of repeated forwards on a fixed cached prefix, with the
 LM head computed for one row (``head=last``) or all rows (``head=all``), as a lookahead round computes it only
-for the rows whose logits are used.
+for the rows whose logits are used. Measured by ``lp_runner.costmodel.measure_curve`` (repetitions interleaved
+over Q, so a drifting machine bends no part of the curve; CUDA synchronised around each forward), the same
+function ``lp_runner tune`` calibrates with.
 
     python benchmarks/forward_cost.py --out results/forward_cost            # embedded model, 2 threads
     python benchmarks/forward_cost.py --model /path/to/folder --prefix 300 1000
+    python benchmarks/forward_cost.py --random-llama 1b --device cuda --dtype bfloat16 --out results/gpu/forward_cost
+
+``--random-llama 1b`` builds a ~1.2B-parameter Llama-shaped model (Llama-3.2-1B shapes) with random weights
+instead of loading one: a forward's cost does not depend on the weight values, so no checkpoint is needed.
+``--random-llama tiny`` is a few-layer toy of the same family, for a quick CPU smoke test.
 """
 
 from __future__ import annotations
@@ -14,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
@@ -22,37 +28,70 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lp_runner.costmodel import measure_curve  # noqa: E402
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
-from lp_runner.model import ModelAdapter, crop  # noqa: E402
+from lp_runner.model import ModelAdapter  # noqa: E402
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 56, 64, 96, 120)
 
+# LlamaConfig keyword sets for --random-llama. "1b" has Llama-3.2-1B's shapes (1.24B parameters, tied head).
+RANDOM_LLAMA: dict[str, dict[str, int | bool]] = {
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+}
 
-def measure(adapter: ModelAdapter, prefix: int, rows: int, head_rows: int, reps: int) -> float:
-    """Median seconds of a forward of ``rows`` new rows after a cached prefix of ``prefix`` tokens."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = adapter.vocab_size
-    cache = adapter.new_cache()
-    pre = torch.randint(0, vocab, (prefix,), generator=gen)
-    adapter.forward(pre, torch.arange(prefix), torch.ones(prefix, prefix, dtype=torch.bool).tril(), cache, pre[:1] * 0)
-    ids = torch.randint(0, vocab, (rows,), generator=gen)
-    pos = torch.arange(prefix, prefix + rows)
-    vis = torch.ones(rows, rows, dtype=torch.bool).tril()  # [Q, Q]
-    logit_rows = torch.arange(rows - head_rows, rows)  # [R]
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        logits = adapter.forward(ids, pos, vis, cache, logit_rows)
-        logits[0, 0].item()  # synchronise (CUDA); a no-op on CPU
-        times.append(time.perf_counter() - start)
-        crop(cache, prefix)
-    times = sorted(times[1:])  # drop the first (allocator warm-up)
-    return times[len(times) // 2]
+
+def build_random_llama(size: str, dtype: torch.dtype, device: str | torch.device):
+    """A Llama-shaped causal LM with random weights, created directly on ``device`` in ``dtype``.
+
+    ``from_config`` takes ``dtype=`` in transformers 5.x (and late 4.x) and ``torch_dtype=`` in older 4.x; an
+    unknown keyword reaches the model's ``__init__`` as a TypeError, so try one, then the other.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**RANDOM_LLAMA[size])
+    torch.manual_seed(0)
+    model = None
+    for kw in ("dtype", "torch_dtype"):
+        try:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", **{kw: dtype})
+            break
+        except TypeError:
+            continue
+    if model is None:
+        raise RuntimeError("AutoModelForCausalLM.from_config accepts neither dtype= nor torch_dtype=")
+    if next(model.parameters()).dtype != dtype:  # a transformers that ignored the keyword: cast the weights only
+        model = model.to(dtype=dtype)
+    return model.to(device).eval()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded")
+    ap.add_argument(
+        "--random-llama",
+        choices=sorted(RANDOM_LLAMA),
+        help="build a Llama-shaped model with random weights instead of loading --model",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
@@ -62,32 +101,39 @@ def main() -> None:
     ap.add_argument("--out", default="results/forward_cost")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, _, folder = load_model_and_tokenizer(resolve_model_path(args.model), dtype=args.dtype, device=args.device)
+    if args.random_llama:
+        model = build_random_llama(args.random_llama, getattr(torch, args.dtype), args.device)
+        folder = f"random-llama-{args.random_llama}"
+    else:
+        path = resolve_model_path(args.model)
+        model, _, folder = load_model_and_tokenizer(path, dtype=args.dtype, device=args.device)
     adapter = ModelAdapter(model)
+    rows = sorted({1, *args.rows})  # Q=1 is every ratio's reference
+    sync = (lambda: torch.cuda.synchronize(adapter.device)) if adapter.device.type == "cuda" else None
+    curve = measure_curve(adapter, args.prefix, rows, reps=args.reps, sync=sync)
     curves = []
-    for prefix in args.prefix:
-        base = measure(adapter, prefix, 1, 1, args.reps)
-        for q in args.rows:
-            last = measure(adapter, prefix, q, 1, args.reps)
-            full = measure(adapter, prefix, q, q, args.reps)
-            row = {
-                "prefix": prefix,
-                "rows": q,
-                "ms_head_last": round(1e3 * last, 2),
-                "ms_head_all": round(1e3 * full, 2),
-            }
-            row["ratio_head_all"] = round(full / base, 3)
-            curves.append(row)
-            print(json.dumps(row), flush=True)
+    for p in curve.points:
+        one = next(q for q in curve.points if q.kv_len == p.kv_len and q.rows == 1)
+        row = {
+            "prefix": p.kv_len,
+            "rows": p.rows,
+            "ms_head_last": round(1e3 * p.body_s, 2),
+            "ms_head_all": round(1e3 * p.all_s, 2),
+            "ratio_head_all": round(p.all_s / one.all_s, 3),
+        }
+        curves.append(row)
+        print(json.dumps(row), flush=True)
     report = {
         "date": date.today().isoformat(),
         "model": str(folder),
         "dtype": args.dtype,
         "device": args.device,
         "threads": args.threads,
+        "parameters": sum(p.numel() for p in model.parameters()),
         "x_label": "packed rows Q",
         "y_label": "forward ms",
         "curves": curves,
+        "curve": curve.to_dict(),  # lp_runner.costmodel.CostCurve.from_dict() reads this back (tune --curve)
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

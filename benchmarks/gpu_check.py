@@ -1,0 +1,369 @@
+"""Helpers for ``benchmarks/gpu_check.sh`` (the prepared check for a lent GPU machine).
+
+    python benchmarks/gpu_check.py env --out OUT/env.json [--require-cuda]
+    python benchmarks/gpu_check.py make-model --size 1b --device cuda --dtype bfloat16 --out DIR --prompts P.jsonl
+    torchrun --standalone --nproc-per-node=1 benchmarks/gpu_check.py nccl-probe --backend nccl --out OUT/nccl.json
+    python benchmarks/gpu_check.py summarize --out OUT
+
+``env`` fails with one line when torch or transformers is missing or too old. ``make-model`` saves a random-weight
+Llama with a small byte-level BPE tokenizer (trained here on a few sentences; the target machine has no network)
+into a folder ``python -m lp_runner`` loads like any local model. ``nccl-probe`` forms a process group through
+lp_runner's own ``init_process_group`` and times ``TorchCommunicator.all_gather`` (the CLI with one rank uses no
+process group, so this is what exercises NCCL there). ``summarize`` needs only the standard library, so it
+writes ``gpu_check_summary.md`` even when torch could not be imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MIN_TRANSFORMERS = os.environ.get("GPU_CHECK_MIN_TRANSFORMERS", "5.17")
+MAX_TESTED_TRANSFORMERS = "5.25"  # pyproject: transformers>=5.17,<5.25
+
+# Prompts for the CLI runs. "warmup" goes first (CUDA/cuBLAS start-up) and is left out of the summary figures.
+PROMPTS = [
+    {"id": "warmup", "prompt": "Hello, world."},
+    {
+        "id": "code",
+        "prompt": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    },
+    {"id": "prose", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"},
+    {"id": "list", "prompt": "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,"},
+    {"id": "chat", "prompt": "Question: what is lookahead decoding?\nAnswer: it guesses several tokens and verifies"},
+]
+
+# Text the tokenizer's byte-level BPE is trained on (a handful of merges is enough: the weights are random).
+_TOKENIZER_TEXT = [p["prompt"] for p in PROMPTS] + [
+    "import torch\nfrom transformers import AutoModelForCausalLM\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "Lookahead decoding verifies n-grams guessed by Jacobi iteration in the same forward pass.",
+]
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    info: dict = {"date": datetime.now().isoformat(timespec="seconds"), "python": platform.python_version()}
+    info["platform"] = platform.platform()
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"error: torch is not importable ({exc}); this check needs the machine's preinstalled torch")
+        return 2
+    info["torch"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda
+    info["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["compute_capability"] = f"{props.major}.{props.minor}"
+        info["cudnn"] = torch.backends.cudnn.version()
+        try:
+            version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in old ones
+            info["nccl"] = ".".join(str(x) for x in version) if isinstance(version, tuple) else str(version)
+        except Exception as exc:  # torch built without NCCL
+            info["nccl"] = f"unavailable ({type(exc).__name__})"
+        info["bf16_supported"] = torch.cuda.is_bf16_supported()
+    try:
+        import transformers
+    except ImportError as exc:
+        print(f"error: transformers is not importable ({exc}); lp_runner needs transformers>={MIN_TRANSFORMERS}")
+        return 2
+    info["transformers"] = transformers.__version__
+    for name in ("tokenizers", "accelerate", "yaml", "tqdm", "matplotlib"):
+        try:
+            module = __import__(name)
+            info[name] = getattr(module, "__version__", "present")
+        except ImportError:
+            info[name] = None
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(info, indent=2) + "\n")
+    for key, value in info.items():
+        print(f"{key}: {value}")
+    if _version_tuple(transformers.__version__) < _version_tuple(MIN_TRANSFORMERS):
+        print(
+            f"error: transformers {transformers.__version__} is too old; lp_runner needs >= {MIN_TRANSFORMERS} "
+            "(set GPU_CHECK_MIN_TRANSFORMERS to try anyway)"
+        )
+        return 2
+    if _version_tuple(transformers.__version__) >= _version_tuple(MAX_TESTED_TRANSFORMERS):
+        print(
+            f"note: transformers {transformers.__version__} is newer than lp_runner's tested range "
+            f"(<{MAX_TESTED_TRANSFORMERS})"
+        )
+    missing = [name for name in ("tokenizers", "yaml", "tqdm") if info[name] is None]
+    if missing:
+        print(f"error: missing Python packages needed by lp_runner: {', '.join(missing)}")
+        return 2
+    if args.require_cuda and not info["cuda_available"]:
+        print(f"error: torch {torch.__version__} sees no CUDA device (torch.version.cuda={torch.version.cuda})")
+        return 2
+    return 0
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on a few sentences, as a transformers fast tokenizer (works offline).
+
+    Its vocabulary (a few hundred tokens) is smaller than the model's: ids the random model emits beyond it
+    decode to nothing, which only affects the (meaningless) text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(vocab_size, 400),
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TOKENIZER_TEXT * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from benchmarks.forward_cost import build_random_llama
+
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_random_llama(args.size, getattr(torch, args.dtype), args.device)
+    build_s = time.perf_counter() - t0
+    tokenizer = build_tokenizer(model.config.vocab_size)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    for cfg in (model.config, model.generation_config):
+        cfg.bos_token_id = eos
+        cfg.eos_token_id = eos
+        cfg.pad_token_id = eos
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if args.prompts:
+        Path(args.prompts).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.prompts).write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    params = sum(p.numel() for p in model.parameters())
+    size_gb = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 1e9
+    print(
+        f"random Llama '{args.size}': {params / 1e9:.3f}B parameters, {args.dtype} on {args.device}, built in "
+        f"{build_s:.1f}s, saved to {out} ({size_gb:.2f} GB, total {time.perf_counter() - t0:.1f}s); "
+        f"tokenizer vocab {len(tokenizer)}"
+    )
+    return 0
+
+
+def cmd_nccl_probe(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from lp_runner.parallel.comm import TorchCommunicator, init_process_group
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    t0 = time.perf_counter()
+    backend = init_process_group(args.backend, 60.0)
+    init_s = time.perf_counter() - t0
+    comm = TorchCommunicator(device if device.type == "cuda" else torch.device("cpu"))
+    result: dict = {
+        "backend": backend,
+        "world_size": comm.world_size,
+        "device": str(comm.device),
+        "init_s": round(init_s, 3),
+        "strings": comm.all_gather_strings(f"rank{comm.rank}"),
+        "all_gather_us": {},
+    }
+    ok = result["strings"] == [f"rank{r}" for r in range(comm.world_size)]
+    for length in args.lengths:
+        payload = torch.arange(length, dtype=torch.long)
+        for _ in range(10):
+            comm.all_gather(payload)
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            got = comm.all_gather(payload)  # [P, L] on CPU: includes the copies a real round makes
+            times.append(time.perf_counter() - start)
+        ok = ok and bool((got == payload.unsqueeze(0)).all())
+        result["all_gather_us"][str(length)] = round(1e6 * statistics.median(times), 1)
+    result["ok"] = ok
+    dist.destroy_process_group()
+    if comm.rank == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result))
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Summary (standard library only)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _cli_figures(path: Path) -> dict | None:
+    """Totals over a CLI output JSONL, the warm-up prompt left out."""
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    records = [r for r in records if r.get("id") != "warmup"]
+    if not records:
+        return None
+    stats = [r.get("stats", {}) for r in records]
+
+    def total(key: str) -> float:
+        return sum(float(s.get(key, 0) or 0) for s in stats)
+
+    new, fwd, secs = sum(r["new_tokens"] for r in records), sum(r["forwards"] for r in records), total("seconds")
+    return {
+        "prompts": len(records),
+        "new_tokens": new,
+        "forwards": fwd,
+        "seconds": round(secs, 3),
+        "tokens_per_s": round(new / secs, 2) if secs else 0.0,
+        "tokens_per_forward": round(new / fwd, 3) if fwd else 0.0,
+        "ms_per_forward": round(1e3 * total("forward_s") / fwd, 2) if fwd else 0.0,
+        "forward_share": round(total("forward_s") / secs, 3) if secs else 0.0,
+        "host_share": round(total("host_s") / secs, 3) if secs else 0.0,
+        "comm_share": round(total("comm_s") / secs, 3) if secs else 0.0,
+        "mean_rows": round(total("rows") / total("rounds"), 2) if total("rounds") else 0.0,
+    }
+
+
+def _cli_summary_block(log: Path) -> str:
+    """The summary lp_runner printed (between its two dashed lines), or ''."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    match = re.search(r"^-{20,}\n(lp_runner .*?)\n-{20,}$", text, flags=re.S | re.M)
+    return match.group(1) if match else ""
+
+
+def cmd_summarize(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    md = [f"# GPU check ({'smoke test' if args.smoke else 'GPU'}), {datetime.now().isoformat(timespec='seconds')}", ""]
+    steps = out / "steps.tsv"
+    if steps.is_file():
+        md += ["## Steps", "", "| step | status | exit | seconds | timeout s |", "|---|---|---|---|---|"]
+        for line in steps.read_text().splitlines()[1:]:  # below the header line
+            md.append("| " + " | ".join(line.split("\t")) + " |")
+        md.append("")
+    env = _read_json(out / "env.json")
+    if env:
+        md += ["## Environment", ""] + [f"- {k}: {v}" for k, v in env.items()] + [""]
+    smi = out / "nvidia-smi.txt"
+    if smi.is_file():
+        md += ["## nvidia-smi", "", "```", smi.read_text().rstrip(), "```", ""]
+    fc = _read_json(out / "forward_cost.json")
+    if fc:
+        params = fc.get("parameters") or 0
+        size = f"{params / 1e9:.3f}B parameters, " if params >= 1e8 else f"{params / 1e6:.2f}M parameters, "
+        md += [
+            "## Forward cost vs packed rows",
+            "",
+            f"{fc.get('model')} ({size}random weights), {fc.get('dtype')} on {fc.get('device')}; median of repeated "
+            "forwards after a cached prefix, CUDA synchronised before each clock read.",
+            "",
+        ]
+        md += [(out / "forward_cost.md").read_text().rstrip(), ""]
+    probe = _read_json(out / "nccl_probe.json")
+    if probe:
+        lat = ", ".join(f"L={k}: {v} us" for k, v in probe.get("all_gather_us", {}).items())
+        md += [
+            "## Process group probe (torchrun, one rank)",
+            "",
+            f"backend {probe.get('backend')}, world size {probe.get('world_size')}, device {probe.get('device')}, "
+            f"init {probe.get('init_s')} s, TorchCommunicator.all_gather median per call ({lat}), "
+            f"results correct: {probe.get('ok')}",
+            "",
+        ]
+    runs = []
+    for name in args.runs:
+        figures = _cli_figures(out / f"cli_{name}.jsonl")
+        if figures:
+            runs.append((name, figures))
+    if runs:
+        cols = ["prompts", "new_tokens", "forwards", "tokens_per_s", "tokens_per_forward", "ms_per_forward"]
+        cols += ["forward_share", "host_share", "comm_share", "mean_rows"]
+        md += [
+            "## CLI runs (torchrun, one rank, random-weight model)",
+            "",
+            "Random weights: the text is meaningless and greedy output tends to repeat, so tokens/forward is not "
+            "representative of a real model; tokens/s and the time split show the device and host costs. The "
+            "warm-up prompt is left out of these figures (it is in lp_runner's own summary below).",
+            "",
+            "| run | " + " | ".join(cols) + " |",
+            "|---|" + "---|" * len(cols),
+        ]
+        md += [f"| {name} | " + " | ".join(str(f[c]) for c in cols) + " |" for name, f in runs]
+        md.append("")
+        for name, _ in runs:
+            block = _cli_summary_block(out / "logs" / f"cli-{name}.log")
+            if block:
+                md += [f"lp_runner summary, {name}:", "", "```", block, "```", ""]
+        (out / "cli_summary.json").write_text(json.dumps(dict(runs), indent=2) + "\n")
+    compare = out / "compare.md"
+    if compare.is_file():
+        md += ["## benchmarks/compare.py (embedded model)", "", compare.read_text().rstrip(), ""]
+    text = "\n".join(md) + "\n"
+    (out / "gpu_check_summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("env", help="versions and devices; one-line failure when something is missing")
+    p.add_argument("--out", required=True)
+    p.add_argument("--require-cuda", action="store_true")
+    p = sub.add_parser("make-model", help="save a random-weight Llama + tokenizer folder")
+    p.add_argument("--size", default="1b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", help="also write the CLI prompts JSONL here")
+    p = sub.add_parser("nccl-probe", help="process group + all_gather timing (run under torchrun)")
+    p.add_argument("--backend", default="nccl")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--lengths", type=int, nargs="+", default=[32, 512])
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("summarize", help="write gpu_check_summary.md from what the steps left in --out")
+    p.add_argument("--out", required=True)
+    p.add_argument("--runs", nargs="*", default=["default", "lookahead", "greedy"])
+    p.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    handler = {"env": cmd_env, "make-model": cmd_make_model, "nccl-probe": cmd_nccl_probe}
+    handler["summarize"] = cmd_summarize
+    return handler[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# Prepared check for a lent GPU machine (one GPU, no network, preinstalled torch + transformers).
+#
+#   bash benchmarks/gpu_check.sh                          # on the GPU machine, from the repo root (< 6 min)
+#   GPU_CHECK_SMOKE=1 bash benchmarks/gpu_check.sh        # CPU smoke test of the same steps (tiny model, ~1 min)
+#
+# Writes everything under ${OUT:-benchmarks/results/gpu}: gpu_check_summary.md (all tables), env.json,
+# nvidia-smi.txt, forward_cost.{json,md,png}, nccl_probe.json, cli_*.jsonl, steps.tsv, logs/*.log.
+# Steps:
+#   1. versions + nvidia-smi; stop early (one line) if torch/transformers are missing or too old, or no CUDA
+#   2. forward cost vs packed rows Q for a random-weight ~1.2B Llama (bf16, prefixes 512 and 2048)
+#   3. torch.distributed process group (NCCL) + TorchCommunicator.all_gather timing, torchrun with one rank
+#   4. the real CLI under torchrun (one rank) on a saved random-weight Llama: configs/default.yaml,
+#      configs/lookahead.yaml and a plain-greedy reference (no candidates)
+#   5. benchmarks/compare.py, only where the embedded model exists and compare.py takes --device
+# Every step runs under `timeout` inside one overall budget (GPU_CHECK_BUDGET_S, default 420 s); a failed step is
+# logged and the next one runs; the exit status is 1 if any step failed.
+# Knobs: PYTHON (interpreter; default: the first of python3/python that imports torch), GPU_CHECK_BUDGET_S,
+# GPU_CHECK_MIN_TRANSFORMERS (default 5.17), GPU_CHECK_KEEP_MODEL=1 (keep the saved random model folder).
+
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$(pwd)
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT/logs" || exit 2
+OUT=$(cd "$OUT" && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export MPLBACKEND=Agg
+
+SMOKE=${GPU_CHECK_SMOKE:-0}
+BUDGET=${GPU_CHECK_BUDGET_S:-420}
+RESERVE=25 # seconds kept back for the summary
+START=$SECONDS
+
+if [[ $SMOKE == 1 ]]; then
+    SIZE=tiny DEVICE=cpu DTYPE=bfloat16 DIST=gloo THREADS=1 REPS=3 MAX_NEW=16
+    ROWS="1 4 16" PREFIX="32"
+else
+    SIZE=1b DEVICE=cuda DTYPE=bfloat16 DIST=nccl THREADS=4 REPS=21 MAX_NEW=128
+    ROWS="1 2 4 8 16 32 64 128 256 512" PREFIX="512 2048"
+fi
+
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+echo "gpu_check: $(date -Is)  smoke=$SMOKE  out=$OUT  budget=${BUDGET}s  host=$(uname -n)"
+printf 'step\tstatus\texit\tseconds\ttimeout_s\n' >"$OUT/steps.tsv"
+FAILED=0
+
+record() { # NAME STATUS RC SECONDS TIMEOUT
+    printf '%s\t%s\t%s\t%s\t%s\n' "$@" >>"$OUT/steps.tsv"
+    [[ $2 == ok || $2 == skipped ]] || FAILED=1
+}
+
+# step NAME MAX_SECONDS CMD...: run CMD under timeout (capped by the remaining budget), output to the terminal
+# and logs/NAME.log; record the outcome and never stop the script.
+step() {
+    local name=$1 max=$2
+    shift 2
+    local left=$((BUDGET - (SECONDS - START) - RESERVE))
+    local limit=$((max < left ? max : left))
+    if ((limit < 10)); then
+        echo "== $name: not run, the time budget is spent"
+        record "$name" no-time - 0 "$limit"
+        return 1
+    fi
+    echo
+    echo "== [$(date +%T)] $name (timeout ${limit}s): $*"
+    local t0=$SECONDS rc status
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/logs/$name.log"
+    rc=${PIPESTATUS[0]}
+    case $rc in
+    0) status=ok ;;
+    124 | 137) status=timeout ;;
+    *) status=failed ;;
+    esac
+    echo "== $name: $status (exit $rc, $((SECONDS - t0))s)"
+    record "$name" "$status" "$rc" "$((SECONDS - t0))" "$limit"
+    return "$rc"
+}
+
+skip() { # NAME REASON
+    echo "== $1: skipped ($2)"
+    record "$1" skipped - 0 -
+}
+
+# ---- 1. environment -----------------------------------------------------------------------------------------
+PY=""
+for cand in "${PYTHON:-}" python3 python; do
+    if [[ -n $cand ]] && command -v "$cand" >/dev/null && timeout 120 "$cand" -c "import torch" 2>/dev/null; then
+        PY=$cand
+        break
+    fi
+done
+if [[ -z $PY ]]; then
+    echo "error: no python with torch found (tried \$PYTHON, python3, python); set PYTHON=/path/to/python"
+    record python failed - 0 -
+    PY=$(command -v python3 || command -v python || echo python3)
+fi
+echo "python: $PY ($(command -v "$PY" 2>/dev/null))"
+
+if command -v nvidia-smi >/dev/null; then
+    step nvidia-smi 60 bash -c "nvidia-smi; echo; nvidia-smi --query-gpu=name,driver_version,memory.total,\
+memory.used,clocks.max.sm,power.limit,mig.mode.current --format=csv" && cp "$OUT/logs/nvidia-smi.log" "$OUT/nvidia-smi.txt"
+elif [[ $SMOKE == 1 ]]; then
+    skip nvidia-smi "not installed (smoke test)"
+else
+    echo "error: nvidia-smi not found"
+    record nvidia-smi failed - 0 -
+fi
+
+ENV_ARGS=(--out "$OUT/env.json")
+[[ $SMOKE == 1 ]] || ENV_ARGS+=(--require-cuda)
+ENV_OK=1
+step env 120 "$PY" benchmarks/gpu_check.py env "${ENV_ARGS[@]}" || ENV_OK=0
+
+run_py() { # NAME MAX_SECONDS ARGS...: a Python step, skipped when the environment check failed
+    if ((ENV_OK)); then
+        step "$@"
+    else
+        echo "== $1: not run, the environment check failed"
+        record "$1" not-run - 0 -
+        return 1
+    fi
+}
+
+# ---- 2. forward cost vs packed rows -------------------------------------------------------------------------
+# shellcheck disable=SC2086 # ROWS and PREFIX are word lists
+run_py forward-cost 240 "$PY" benchmarks/forward_cost.py --random-llama "$SIZE" --device "$DEVICE" \
+    --dtype "$DTYPE" --threads "$THREADS" --prefix $PREFIX --rows $ROWS --reps "$REPS" --out "$OUT/forward_cost"
+
+# ---- 3. process group probe under torchrun (one rank) -------------------------------------------------------
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=1)
+run_py nccl-probe 120 "${TORCHRUN[@]}" benchmarks/gpu_check.py nccl-probe --backend "$DIST" --device "$DEVICE" \
+    --out "$OUT/nccl_probe.json"
+
+# ---- 4. the CLI on a saved random-weight model --------------------------------------------------------------
+MODEL_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_model.XXXXXX")
+[[ ${GPU_CHECK_KEEP_MODEL:-0} == 1 ]] || trap 'rm -rf "$MODEL_DIR"' EXIT
+MODEL_OK=0
+run_py make-model 180 "$PY" benchmarks/gpu_check.py make-model --size "$SIZE" --device "$DEVICE" --dtype "$DTYPE" \
+    --out "$MODEL_DIR" --prompts "$OUT/prompts.jsonl" && MODEL_OK=1
+
+cli() { # NAME CONFIG EXTRA_SETS...
+    local name=$1 config=$2
+    shift 2
+    if ((!MODEL_OK)); then
+        echo "== cli-$name: not run, no model folder"
+        record "cli-$name" not-run - 0 -
+        return 1
+    fi
+    run_py "cli-$name" 150 "${TORCHRUN[@]}" -m lp_runner --config "$config" --prompts "$OUT/prompts.jsonl" \
+        --output "$OUT/cli_$name.jsonl" --set model.path="$MODEL_DIR" --set model.device="$DEVICE" \
+        --set model.dtype="$DTYPE" --set parallel.workers=1 --set parallel.dist_backend="$DIST" \
+        --set generation.max_new_tokens="$MAX_NEW" --set generation.stop_on_eos=false --set run.progress=false "$@"
+}
+cli default configs/default.yaml
+cli lookahead configs/lookahead.yaml
+cli greedy configs/default.yaml --set lookahead.verification_set_size=0 --set lookahead.lookahead_branch=false \
+    --set lookahead.context_lookup=false
+
+# ---- 5. compare.py on the embedded model (only where it exists and compare.py can use the GPU) ---------------
+EMBEDDED="${LP_RUNNER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lp_runner}/models/SmolLM2-135M-Instruct"
+if [[ ! -f $EMBEDDED/lp_runner_model.json ]]; then
+    skip compare "no embedded model at $EMBEDDED (fetching needs network)"
+elif ((!ENV_OK)); then
+    skip compare "the environment check failed"
+elif ! timeout 120 "$PY" benchmarks/compare.py --help 2>/dev/null | grep -q -- "--device"; then
+    skip compare "benchmarks/compare.py has no --device option; it would measure the CPU"
+else
+    step compare 180 "$PY" benchmarks/compare.py --configs lean-g2,ctx-7-5-7,la-7-5-7 --limit 2 \
+        --device "$DEVICE" --out "$OUT/compare"
+fi
+
+# ---- summary ------------------------------------------------------------------------------------------------
+SUM_ARGS=(--out "$OUT")
+[[ $SMOKE == 1 ]] && SUM_ARGS+=(--smoke)
+echo
+echo "== [$(date +%T)] summary (total so far $((SECONDS - START))s)"
+timeout -k 5 60 "$PY" benchmarks/gpu_check.py summarize "${SUM_ARGS[@]}" || {
+    echo "error: the summary step failed"
+    FAILED=1
+}
+echo "gpu_check: finished in $((SECONDS - START))s; $( ((FAILED)) && echo 'SOME STEPS FAILED' || echo 'all steps ok')"
+echo "results: $OUT"
+exit "$FAILED"
