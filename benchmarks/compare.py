@@ -4,17 +4,21 @@ Same model, prompts and threads for every method; each method runs every prompt 
 generation, and every lp_runner output is checked against HF greedy (a mismatch is reported, not hidden).
 
     python benchmarks/compare.py --out results/compare            # 8 HumanEval + 8 MT-bench, 128 new tokens
-    python benchmarks/compare.py --configs lean,default --limit 4   # a quicker look
+    python benchmarks/compare.py --configs lean-g2 --limit 4        # a quicker look
+    python benchmarks/compare.py --config-file tuned=configs/tuned-cpu.yaml --lp 2:configs/default.yaml
 
-Writes ``<out>.json`` (every figure) and ``<out>.md`` (the table in the README).
+Writes ``<out>.json`` (every figure), ``<out>.md`` (the table in the README) and ``<out>.png`` (the plots).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -24,10 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompt_sets import bench16  # noqa: E402
-from lp_runner.config import (
-    GenerationConfig,  # noqa: E402
-    LookaheadConfig,  # noqa: E402
-)
+from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402
 from lp_runner.engine import LookaheadEngine  # noqa: E402
 from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
@@ -61,6 +62,32 @@ def hf_generate(model, ids: list[int], max_new: int, eos: int, **kw) -> list[int
     return out[0, len(ids) :].tolist()
 
 
+def run_lp_cli(config: str, prompts: list[dict], workers: int, threads: int, max_new: int) -> list[dict]:
+    """LP through the real CLI (torchrun, gloo), ``threads`` per rank; a short warm-up prompt goes first and is
+    dropped (it absorbs each rank's start-up). Returns one row per prompt, in the rows format of ``main``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pfile, ofile = Path(tmp) / "prompts.jsonl", Path(tmp) / "out.jsonl"
+        warm = {"id": "warmup", "prompt": "def f(x):"}
+        pfile.write_text("".join(json.dumps(p) + "\n" for p in [warm, *prompts]))
+        cmd = [
+            sys.executable, "-m", "lp_runner", "--config", config, "--prompts", str(pfile), "--output", str(ofile),
+            "--set", f"parallel.workers={workers}", "--set", f"model.threads={threads}",
+            "--set", f"generation.max_new_tokens={max_new}", "--set", "run.progress=false",
+        ]  # fmt: skip
+        repo = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS=str(threads))
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        records = [json.loads(line) for line in ofile.read_text().splitlines()][1:]
+    return [
+        {
+            "tokens": r["new_tokens"], "seconds": r["seconds"], "forwards": r["forwards"], "rows": r["stats"]["rows"],
+            "rounds": r["stats"]["rounds"], "host_s": r["stats"]["host_s"], "forward_s": r["stats"]["forward_s"],
+            "sources": r["stats"].get("sources", {}), "out": r["output_ids"],
+        }
+        for r in records
+    ]  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/compare")
@@ -69,6 +96,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each set")
+    ap.add_argument(
+        "--config-file", action="append", default=[], metavar="NAME=PATH",
+        help="also run the lookahead settings of a YAML config (e.g. tuned=configs/tuned-cpu.yaml); repeatable",
+    )  # fmt: skip
+    ap.add_argument(
+        "--lp", action="append", default=[], metavar="P:CONFIG",
+        help="also run LP through the CLI under torchrun: P workers with threads/P threads each, e.g. "
+        "2:configs/default.yaml; repeatable",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -105,8 +141,11 @@ def main() -> None:
             methods["hf-prompt-lookup"] = run_hf(prompt_lookup_num_tokens=10)
         print(f"{name} done", file=sys.stderr, flush=True)
 
-    for name in args.configs.split(","):
-        la = CONFIGS[name]
+    settings = {name: CONFIGS[name] for name in args.configs.split(",") if name}
+    for item in args.config_file:
+        name, _, path = item.partition("=")
+        settings[name] = load_config(path).lookahead
+    for name, la in settings.items():
         engine = LookaheadEngine(adapter, la, gen, eos_ids=[eos])
         engine.generate(encoded[0][1][:16])  # warm-up
         rows = []
@@ -123,9 +162,23 @@ def main() -> None:
         methods[name] = rows
         print(f"{name} done", file=sys.stderr, flush=True)
 
+    for item in args.lp:
+        workers, _, config = item.partition(":")
+        p = int(workers)
+        rows = run_lp_cli(config, [{k: v for k, v in q.items() if k != "set"} for q in prompts], p,
+                          max(args.threads // p, 1), args.max_new_tokens)  # fmt: skip
+        for r, (set_name, _) in zip(rows, encoded, strict=True):
+            r["set"] = set_name
+        for i, r in enumerate(rows):
+            r["exact"] = reference is None or r.pop("out") == reference[i]
+        name = f"LP P={p} {Path(config).stem}"
+        methods[name] = rows
+        print(f"{name} done", file=sys.stderr, flush=True)
+
     report = summarize(methods, args, folder)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    plot(report, out.with_suffix(".png"))
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
@@ -171,6 +224,43 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
             entry["sources"] = srcs
         report["methods"][name] = entry
     return report
+
+
+def plot(report: dict, path: Path) -> None:
+    """Speedup over HF greedy per method and prompt set (left) and tokens per forward (right); the axes labels
+    are recorded in ``report["plot"]`` so the JSON says what the picture shows."""
+    report["plot"] = {
+        "file": path.name,
+        "left": {"x_label": "method", "y_label": "speedup vs HF greedy (tokens/s ratio)"},
+        "right": {"x_label": "method", "y_label": "tokens per forward"},
+    }
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    names = list(report["methods"])
+    sets = ("all", "humaneval", "mtbench")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.27
+    for k, s in enumerate(sets):
+        xs = [i + (k - 1) * width for i in range(len(names))]
+        ax1.bar(xs, [report["methods"][n][s]["speedup"] for n in names], width, label=s)
+        ax2.bar(xs, [report["methods"][n][s].get("tokens_per_forward", 0) for n in names], width, label=s)
+    for ax, side in ((ax1, "left"), (ax2, "right")):
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        ax.set_xlabel(report["plot"][side]["x_label"])
+        ax.set_ylabel(report["plot"][side]["y_label"])
+        ax.legend(fontsize=8)
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    fig.suptitle(f"{report['date']}, {report['machine']}, fp32, {report['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def markdown(report: dict) -> str:

@@ -6,7 +6,8 @@
   installed). We take the first question of each of the 8 categories (writing, roleplay, reasoning, math,
   coding, extraction, stem, humanities), applied through the chat template as a ``messages`` prompt.
 
-``python benchmarks/prompt_sets.py --out FILE`` writes the combined 16-prompt JSONL the benchmarks use.
+``python benchmarks/prompt_sets.py --out FILE`` writes the combined 16-prompt JSONL the benchmarks use;
+``--set calibration8`` writes 8 other prompts of the same two sets, for tuning without touching the test prompts.
 """
 
 from __future__ import annotations
@@ -82,11 +83,19 @@ def bench16() -> list[dict]:
     return humaneval(8) + mtbench(1)
 
 
+def calibration8() -> list[dict]:
+    """Held apart from ``bench16`` (for ``lp_runner tune``): HumanEval problems 8-11 and the second question of
+    the writing, reasoning, coding and stem categories."""
+    second = [p for p in mtbench(2) if p["id"] not in {q["id"] for q in mtbench(1)}]
+    return humaneval(12)[8:] + second[::2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--set", choices=("bench16", "calibration8"), default="bench16")
     args = ap.parse_args()
-    rows = bench16()
+    rows = bench16() if args.set == "bench16" else calibration8()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         for r in rows:
