@@ -43,7 +43,7 @@ class LookaheadConfig:
     context_min_ngram: int = 1  # shortest match that proposes (1-token matches are cheap to find, rarely right)
     context_tokens: int = 10  # tokens proposed per context match (at most)
     max_verify_rows: int = 0  # cap on verification rows per round, all candidates together (0: no cap)
-    context_adaptive: bool = True  # grow / shrink the proposal length with its acceptance (2..context_tokens)
+    context_adaptive: bool = True  # grow / shrink proposals with their acceptance (1..context_tokens), per match length
     candidate_policy: str = "context_first"  # context_first | pool_first: who fills the budget G first
 
 

@@ -76,7 +76,10 @@ class ContextSource:
         self.min_ngram = min_ngram
         self.num_tokens = num_tokens
         self.adaptive = adaptive
-        self.length = num_tokens  # current proposal length, adapted to how much of it gets accepted
+        # Proposal length per match length k, each adapted to how much of its proposals gets accepted: a 4-token
+        # match in code is usually followed by a long copy, a 1-token match rarely by more than a token or two.
+        self.lengths = [num_tokens] * (max_ngram + 1)
+        self._last_k = max_ngram  # match length of the latest proposal (the one the next feedback is about)
         self._index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram + 1)]
         self._indexed = 0  # history positions indexed so far
 
@@ -88,15 +91,21 @@ class ContextSource:
                 self._index[k].setdefault(tuple(history[end - k + 1 : end + 1]), []).append(end)
         self._indexed = len(history)
 
+    @property
+    def length(self) -> int:
+        """The proposal length for the latest proposal's match length."""
+        return self.lengths[self._last_k]
+
     def feedback(self, proposed: int, accepted: int) -> None:
         """Every verified row is paid for: grow proposals after a full accept, shrink them after a partial one
-        (HF assisted generation's heuristic schedule), between 2 and ``num_tokens``."""
+        (HF assisted generation's heuristic schedule), between 1 and ``num_tokens``, per match length."""
         if not self.adaptive:
             return
+        k = self._last_k
         if accepted >= proposed:
-            self.length = min(self.num_tokens, self.length + 2)
+            self.lengths[k] = min(self.num_tokens, self.lengths[k] + 2)
         else:
-            self.length = max(min(2, self.num_tokens), self.length - 1)
+            self.lengths[k] = max(1, self.lengths[k] - 1)
 
     def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
         if limit <= 0 or self.num_tokens <= 0:
@@ -107,9 +116,10 @@ class ContextSource:
             earlier = [e for e in reversed(ends or ()) if e < last]
             if not earlier:
                 continue
+            self._last_k = k
             out: list[Suffix] = []
             for end in earlier:
-                cont = tuple(history[end + 1 : end + 1 + self.length])
+                cont = tuple(history[end + 1 : end + 1 + self.lengths[k]])
                 if cont and cont not in out:
                     out.append(cont)
                 if len(out) == limit:

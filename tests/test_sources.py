@@ -79,10 +79,27 @@ def test_adaptive_length_grows_after_full_accepts_and_shrinks_after_partial():
     src.feedback(proposed=10, accepted=3)
     assert src.length == 9
     for _ in range(20):
-        src.feedback(proposed=9, accepted=1)
-    assert src.length == 2  # floor
-    src.feedback(proposed=2, accepted=2)
-    assert src.length == 4
+        src.feedback(proposed=9, accepted=0)
+    assert src.length == 1  # floor
+    src.feedback(proposed=1, accepted=1)
+    assert src.length == 3
+
+
+def test_adaptive_length_is_kept_per_match_length():
+    """A long match's proposals keep their length while 1-token matches shrink theirs."""
+    src = ContextSource(2, 6, adaptive=True)
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # suffix (1, 2) matched: k = 2
+    src.observe(history, len(history))
+    assert src.propose(history, 1) == [(3, 4, 5, 6, 7, 8)]
+    history += [9]  # suffix (2, 9) unseen, (9) seen at 8: k = 1
+    src.observe(history, 1)
+    assert src.propose(history, 1) == [(1, 2, 9)]  # what followed position 8, up to the live key
+    for _ in range(5):
+        src.feedback(proposed=2, accepted=0)  # about the k = 1 proposal
+    assert src.lengths[1] == 1 and src.lengths[2] == 6
+    history += [3, 1, 2]  # (1, 2) again: k = 2 keeps its length
+    src.observe(history, 3)
+    assert src.propose(history, 1) == [(9, 3, 1, 2)]
 
 
 def test_pool_source_repairs_with_committed_ngrams():
