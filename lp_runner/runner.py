@@ -58,14 +58,20 @@ def distributed_env() -> tuple[int, int, int]:
 
 
 def start_worker(cfg: Config) -> Worker:
-    """Join the process group (WORLD_SIZE > 1), load the model, and check that all ranks agree."""
+    """Join the process group, load the model, and check that all ranks agree.
+
+    Under a launcher (torchrun or the Ray backend: MASTER_ADDR is set) the process group is formed even with one
+    rank, so ``torchrun --nproc-per-node=1`` runs the same collective path as P > 1 (NCCL on a GPU); a plain
+    ``python -m lp_runner`` uses the no-op communicator.
+    """
     _, world, local_rank = distributed_env()
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     if world > 1 and cfg.parallel.workers not in (1, world):
         raise ConfigError(f"parallel.workers={cfg.parallel.workers} but the launcher started {world} workers")
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     device = resolve_device(cfg.model.device, local_rank)
-    if world > 1:
+    if world > 1 or launched:
         init_process_group(cfg.parallel.dist_backend, cfg.parallel.timeout_s)
         comm: Communicator = TorchCommunicator(device if device.type == "cuda" else torch.device("cpu"))
     else:
@@ -123,6 +129,7 @@ def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], res
         "verification_set_size": la.verification_set_size,
         "pool_from_prompt": la.pool_from_prompt,
         "workers": worker.comm.world_size,
+        "dist_backend": worker.comm.backend,
         "do_sample": cfg.generation.do_sample,
         "stats": s.summary(),
     }

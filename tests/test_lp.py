@@ -138,6 +138,7 @@ def test_lp_matches_single_worker_and_hf_greedy(tmp_path, tiny_dir, wng):
         records, proc = _run_torchrun(nproc, tiny_dir, prompts, tmp_path / f"out{nproc}.jsonl", wng)
         results[nproc] = records
         assert all(r["workers"] == nproc for r in records)
+        assert all(r["dist_backend"] == "gloo" for r in records)  # a launched job forms its group even at P=1
         assert "tokens/forward" in proc.stderr  # the summary is printed (by rank 0 only)
         assert proc.stderr.count("tokens/forward") == 1
     for rec in results[1]:

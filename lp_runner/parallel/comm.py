@@ -21,6 +21,7 @@ from lp_runner.errors import DistributedError
 class Communicator(Protocol):
     rank: int
     world_size: int
+    backend: str  # "none" without a process group, else gloo | nccl
     collectives: int  # collectives issued so far (telemetry)
     seconds: float  # time spent inside collectives
 
@@ -36,6 +37,7 @@ class Communicator(Protocol):
 class SoloCommunicator:
     rank = 0
     world_size = 1
+    backend = "none"  # no process group: a plain ``python -m lp_runner``
 
     def __init__(self) -> None:
         self.collectives = 0
@@ -54,6 +56,7 @@ class TorchCommunicator:
     def __init__(self, device: torch.device) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.backend = str(dist.get_backend())  # gloo | nccl
         self.device = device  # NCCL needs tensors on the rank's GPU; gloo takes CPU tensors
         self.collectives = 0
         self.seconds = 0.0
