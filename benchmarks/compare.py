@@ -1,7 +1,8 @@
 """Side by side in one process: HF greedy generate, HF prompt lookup, and lp_runner configurations.
 
-Same model, prompts and threads for every method; each method runs every prompt once after one warm-up
-generation, and every lp_runner output is checked against HF greedy (a mismatch is reported, not hidden).
+Same model, prompts and threads for every method; after one warm-up generation each, the methods run
+interleaved prompt by prompt (a drifting shared machine then slows every method alike), and every lp_runner
+output is checked against HF greedy (a mismatch is reported, not hidden).
 
     python benchmarks/compare.py --out results/compare            # 8 HumanEval + 8 MT-bench, 128 new tokens
     python benchmarks/compare.py --configs lean-g2 --limit 4        # a quicker look
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.prompt_sets import bench16  # noqa: E402
+from benchmarks.prompt_sets import bench16, calibration8  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402
 from lp_runner.engine import LookaheadEngine  # noqa: E402
 from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
@@ -88,6 +89,28 @@ def run_lp_cli(config: str, prompts: list[dict], workers: int, threads: int, max
     ]  # fmt: skip
 
 
+def _hf_row(model, ids: list[int], max_new: int, eos: int, **kw) -> dict:
+    t = time.perf_counter()
+    out = hf_generate(model, ids, max_new, eos, **kw)
+    row = {"tokens": len(out), "seconds": time.perf_counter() - t, "out": out}
+    if not kw:
+        row["forwards"] = len(out)  # plain greedy: one forward per new token
+    return row
+
+
+def _engine_runner(engine: LookaheadEngine):
+    def run(ids: list[int]) -> dict:
+        res = engine.generate(ids)
+        s = res.stats
+        return {
+            "tokens": len(res.output_ids), "seconds": s.seconds, "forwards": s.forwards, "rows": s.rows,
+            "rounds": s.rounds, "host_s": s.host_s, "forward_s": s.forward_s, "sources": s.sources,
+            "out": res.output_ids,
+        }  # fmt: skip
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/compare")
@@ -96,6 +119,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each set")
+    ap.add_argument("--prompt-set", choices=("bench16", "calibration8"), default="bench16")
     ap.add_argument(
         "--config-file", action="append", default=[], metavar="NAME=PATH",
         help="also run the lookahead settings of a YAML config (e.g. tuned=configs/tuned-cpu.yaml); repeatable",
@@ -111,7 +135,7 @@ def main() -> None:
     fetch_embedded_model()
     model, tok, folder = load_model_and_tokenizer(embedded_model_dir())
     eos = tok.eos_token_id
-    prompts = bench16()
+    prompts = bench16() if args.prompt_set == "bench16" else calibration8()
     if args.limit:
         prompts = [p for s in ("humaneval", "mtbench") for p in [q for q in prompts if q["set"] == s][: args.limit]]
     encoded = [
@@ -120,47 +144,35 @@ def main() -> None:
     adapter = ModelAdapter(model)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
 
-    def run_hf(**kw):
-        hf_generate(model, encoded[0][1], 8, eos, **kw)  # warm-up
-        rows = []
-        for set_name, ids in encoded:
-            t = time.perf_counter()
-            out = hf_generate(model, ids, args.max_new_tokens, eos, **kw)
-            rows.append({"set": set_name, "tokens": len(out), "seconds": time.perf_counter() - t, "out": out})
-        return rows
-
-    methods: dict[str, list[dict]] = {}
-    reference = None
+    # Every method as a callable on one prompt; methods run interleaved, prompt by prompt, so a slow drift of a
+    # shared machine hits every method alike instead of whichever happened to run during it.
+    runners: dict[str, object] = {}
     for name in args.baselines.split(","):
         if name == "greedy":
-            methods["hf-greedy"] = run_hf()
-            reference = [r["out"] for r in methods["hf-greedy"]]
-            for r in methods["hf-greedy"]:
-                r["forwards"] = r["tokens"]  # one forward per new token
+            runners["hf-greedy"] = lambda ids: _hf_row(model, ids, args.max_new_tokens, eos)
         elif name == "prompt_lookup":
-            methods["hf-prompt-lookup"] = run_hf(prompt_lookup_num_tokens=10)
-        print(f"{name} done", file=sys.stderr, flush=True)
-
+            runners["hf-prompt-lookup"] = lambda ids: _hf_row(
+                model, ids, args.max_new_tokens, eos, prompt_lookup_num_tokens=10
+            )
     settings = {name: CONFIGS[name] for name in args.configs.split(",") if name}
     for item in args.config_file:
         name, _, path = item.partition("=")
         settings[name] = load_config(path).lookahead
     for name, la in settings.items():
-        engine = LookaheadEngine(adapter, la, gen, eos_ids=[eos])
-        engine.generate(encoded[0][1][:16])  # warm-up
-        rows = []
-        for i, (set_name, ids) in enumerate(encoded):
-            res = engine.generate(ids)
-            s = res.stats
-            rows.append(
-                {
-                    "set": set_name, "tokens": len(res.output_ids), "seconds": s.seconds, "forwards": s.forwards,
-                    "rows": s.rows, "rounds": s.rounds, "host_s": s.host_s, "forward_s": s.forward_s,
-                    "sources": s.sources, "exact": reference is None or res.output_ids == reference[i],
-                }
-            )  # fmt: skip
-        methods[name] = rows
-        print(f"{name} done", file=sys.stderr, flush=True)
+        runners[name] = _engine_runner(LookaheadEngine(adapter, la, gen, eos_ids=[eos]))
+    for run in runners.values():
+        run(encoded[0][1][:16])  # warm-up
+    methods: dict[str, list[dict]] = {name: [] for name in runners}
+    for i, (set_name, ids) in enumerate(encoded):
+        for name, run in runners.items():
+            methods[name].append({"set": set_name, **run(ids)})
+        print(f"prompt {i + 1}/{len(encoded)} done", file=sys.stderr, flush=True)
+    reference = [r["out"] for r in methods["hf-greedy"]] if "hf-greedy" in methods else None
+    for name, rows in methods.items():
+        for i, r in enumerate(rows):
+            out = r.pop("out")
+            if name not in ("hf-greedy", "hf-prompt-lookup"):
+                r["exact"] = reference is None or out == reference[i]
 
     for item in args.lp:
         workers, _, config = item.partition(":")
@@ -203,6 +215,8 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         "model": str(folder),
         "max_new_tokens": args.max_new_tokens,
+        "prompts": f"{args.prompt_set}" + (f", first {args.limit} of each set" if args.limit else ""),
+        "order": "interleaved: every method on prompt 1, then every method on prompt 2, ... (LP runs after)",
         "torch": torch.__version__,
         "methods": {},
     }
@@ -266,7 +280,7 @@ def plot(report: dict, path: Path) -> None:
 def markdown(report: dict) -> str:
     lines = [
         f"{report['date']}, {report['machine']}, fp32, {report['max_new_tokens']} new tokens, "
-        "8 HumanEval + 8 MT-bench prompts",
+        f"prompts: {report.get('prompts', 'bench16')}, methods interleaved per prompt",
         "",
         "| method | tok/s | speedup vs HF greedy | HumanEval speedup | MT-bench speedup | tokens/forward "
         "(HE / MT) | mean rows | host share | exact |",

@@ -118,11 +118,13 @@ def coordinate_search(
     evaluate: Callable[[LookaheadConfig], tuple[float, int] | None],
     space: dict[str, Sequence] | None = None,
     max_passes: int = 3,
+    min_gain: float = 0.0,
 ) -> tuple[LookaheadConfig, dict[tuple, tuple[LookaheadConfig, float, int]]]:
     """Improve one knob at a time; ``evaluate`` returns (ms per token, workers) or None for an invalid setting.
 
     Returns the best setting and every evaluation (memoised by behaviour, so each distinct setting runs once).
-    Ties keep the current setting, so the search never moves without a predicted gain.
+    The search moves only on a predicted gain larger than ``min_gain`` (relative): predictions carry measured
+    host time, and a move on noise would only make the written config harder to read.
     """
     space = DEFAULT_SPACE if space is None else space
     seen: dict[tuple, tuple[LookaheadConfig, float, int]] = {}
@@ -150,7 +152,7 @@ def coordinate_search(
             for v in values:
                 cand = dataclasses.replace(best, **{knob: v})
                 cv = value(cand)
-                if cv < best_v:
+                if cv < best_v * (1.0 - min_gain):
                     best, best_v, changed = cand, cv, True
         if not changed:
             break
@@ -184,6 +186,7 @@ def tune(
     space: dict[str, Sequence] | None = None,
     log: Callable[[str], None] = lambda s: None,
     max_passes: int = 3,
+    min_gain: float = 0.01,
 ) -> TuneResult:
     """Search settings (and P among ``workers``) by predicted time per token on ``prompts``."""
     scored: dict[tuple, list[Scored]] = {}
@@ -200,7 +203,7 @@ def tune(
         )
         return pick.ms_per_token, pick.workers
 
-    best, _ = coordinate_search(base, evaluate, space, max_passes)
+    best, _ = coordinate_search(base, evaluate, space, max_passes, min_gain)
     flat = [s for options in scored.values() for s in options]
 
     def pick(la: LookaheadConfig) -> Scored:
@@ -253,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-curve", help="write the measured cost curve here")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per curve point")
     p.add_argument("--passes", type=int, default=2, help="coordinate-search passes over all knobs (at most)")
+    p.add_argument("--min-gain", type=float, default=0.01, help="smallest relative predicted gain that moves")
     return p
 
 
@@ -328,6 +332,7 @@ def _run(args) -> int:
         1e-6 * args.allgather_us,
         log=log,
         max_passes=args.passes,
+        min_gain=args.min_gain,
     )
     chosen = tuned_config(cfg, result)
     header = [

@@ -148,10 +148,19 @@ def test_coordinate_search_finds_a_known_optimum():
     assert len(calls) == len(seen)  # each distinct setting evaluated once
 
 
-def test_coordinate_search_keeps_the_base_on_ties():
+def test_coordinate_search_keeps_the_base_on_ties_and_small_gains():
     base = LookaheadConfig(7, 5, 2, True, lookahead_branch=False)
     best, _ = coordinate_search(base, lambda la: (1.0, 1), {"verification_set_size": (1, 2, 3)})
     assert best == base
+    gains = {1: 0.995, 2: 1.0, 3: 0.9}  # G=1 is 0.5% better, G=3 10%
+
+    def evaluate(la):
+        return gains[la.verification_set_size], 1
+
+    best, _ = coordinate_search(base, evaluate, {"verification_set_size": (1, 2)}, min_gain=0.01)
+    assert best == base
+    best, _ = coordinate_search(base, evaluate, {"verification_set_size": (1, 2, 3)}, min_gain=0.01)
+    assert best.verification_set_size == 3
 
 
 SPACE = {"lookahead_branch": (False, True), "verification_set_size": (0, 2, 4), "context_tokens": (2, 6)}
