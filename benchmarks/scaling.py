@@ -108,17 +108,19 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
     la = LookaheadConfig(w, n, g, **extra_la)
     engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=args.max_new_tokens), [tok.eos_token_id])
     encoded = [encode(tok, spec_from_obj({k: v for k, v in p.items() if k != "set"}, p["id"])) for p in prompts]
-    shapes, host, rounds = [], 0.0, 0
+    shapes, host, rounds, forward_measured = [], 0.0, 0, 0.0
     for ids in encoded:
         res = engine.generate(ids)
         shapes.append(shapes_from_records(res.stats.records, w))
         host += sum(r.host_s for r in res.stats.records[1:])
+        forward_measured += sum(r.forward_s for r in res.stats.records[1:])
         rounds += res.stats.rounds - 1
     top = engine.max_round_rows() + 1
     rows = [q for q in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if q < top] + [top]
     kv = sorted({min(len(e) for e in encoded), max(len(e) for e in encoded) + args.max_new_tokens})
     curve = measure_curve(adapter, kv, rows, reps=args.reps)
     allgather = measured.get("all_gather_us", 0.0) * 1e-6
+    p1_forward = sum(predict(sh, curve, 1).forward_s for sh in shapes)
     out = []
     for p in range(1, args.max_workers + 1):
         preds = [predict(s, curve, p, allgather, host / rounds) for s in shapes]
@@ -145,6 +147,11 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
             "comm_assumption": "ring all_gather: (P - 1) x the measured 2-rank latency",
             "shapes_from": f"a real P=1 run of the same job, {len(prompts)} prompts (greedy rounds do not depend on P)",
             "excluded": "prefill rounds (the same for every P)",
+        },
+        "validation": {
+            "p1_forward_ms_per_round_measured": round(1e3 * forward_measured / rounds, 2),
+            "p1_forward_ms_per_round_predicted": round(1e3 * p1_forward / rounds, 2),
+            "what": "the same P=1 run's own forward time (1 thread) against the model's prediction for its rounds",
         },
         "x_label": "workers P",
         "y_label": "per-token latency (ms)",
@@ -212,6 +219,7 @@ def main() -> None:
     extra = [
         "--set", f"lookahead.context_lookup={context}", "--set", "lookahead.pool_from_prompt=false",
         "--set", "lookahead.lookahead_branch=true", "--set", f"generation.max_new_tokens={args.max_new_tokens}",
+        "--set", "lookahead.max_verify_rows=0",  # the full window and candidate set, whatever the default caps
     ]  # fmt: skip
     setups = {} if args.skip_measured else {"P1-1thread": (1, 1), "P1-2threads": (1, 2), "P2-1thread-each": (2, 1)}
     results = {}
@@ -282,6 +290,9 @@ def markdown(report: dict) -> str:
             f"**Simulated** (cost model; inputs: forward-cost curve at {inp['curve_threads']} thread, round shapes of "
             f"a real P=1 run, host {inp['host_us_per_round']} us/round, all_gather {inp['allgather_2_rank_us']} us "
             f"at 2 ranks, {inp['comm_assumption']}; prefill excluded):",
+            "",
+            f"Check at P=1 (same run, same moment): forward {sim['validation']['p1_forward_ms_per_round_measured']} "
+            f"ms/round measured, {sim['validation']['p1_forward_ms_per_round_predicted']} predicted.",
             "",
             "| P (simulated) | token ms | vs P=1 | round ms | rows on the busiest rank | comm ms/round |",
             "|---|---|---|---|---|---|",

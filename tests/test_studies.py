@@ -61,6 +61,7 @@ def test_scaling_plot_and_simulated_labels(tmp_path):
                 "allgather_2_rank_us": 300.0,
                 "comm_assumption": "ring",
             },
+            "validation": {"p1_forward_ms_per_round_measured": 210.0, "p1_forward_ms_per_round_predicted": 200.0},
             "x_label": "workers P",
             "y_label": "per-token latency (ms)",
             "points": [
@@ -81,6 +82,7 @@ def test_scaling_plot_and_simulated_labels(tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     md = scaling.markdown({**report, "setups": {}})
     assert "**Simulated**" in md and "| 4 | 50.0 | 0.50x |" in md
+    assert "forward 210.0 ms/round measured, 200.0 predicted" in md
     assert all(p["simulated"] for p in report["simulation"]["points"])
 
 
