@@ -45,7 +45,7 @@ PROMPTS = [
 # The kill tests: enough work that a kill after the second record lands mid-run (seconds of it remain).
 MANY, MANY_TOKENS = 40, 48
 # Fields that measure time or placement rather than what was generated.
-TIMING = {"seconds", "tokens_per_s", "stats", "workers", "recovery"}
+TIMING = {"seconds", "tokens_per_s", "stats", "workers", "recovery", "dist_backend"}  # timing and placement
 RAY_PORT_FLAGS = (
     "port", "dashboard-port", "node-manager-port", "object-manager-port", "ray-client-server-port",
     "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
@@ -267,7 +267,7 @@ def test_job_p2_matches_single_worker_and_hf_greedy(cluster, tiny_dir, tmp_path)
     assert single.returncode == 0, err[-2000:]
     ray_records, single_records = read_jsonl(tmp_path / "ray.jsonl"), read_jsonl(tmp_path / "single.jsonl")
     _same_generation(ray_records, single_records)  # same JSONL fields and values, timing aside
-    assert all(r["workers"] == 2 and "recovery" not in r for r in ray_records)
+    assert all(r["workers"] == 2 and r["dist_backend"] == "gloo" and "recovery" not in r for r in ray_records)
     for ray_rec, single_rec in zip(ray_records, single_records, strict=True):
         assert ray_rec["forwards"] == single_rec["forwards"]  # LP: same tokens per forward as one worker
         assert ray_rec["stats"]["collectives"] == ray_rec["stats"]["rounds"]  # a real 2-rank group
