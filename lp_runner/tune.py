@@ -96,7 +96,8 @@ def score(cal: Calibration, curve: CostCurve, workers: int, allgather_2_s: float
 
 
 def _key(la: LookaheadConfig) -> tuple:
-    """Settings that behave identically share a key (W and N are inert without the lookahead branch)."""
+    """Settings that behave identically share a key (W is inert without the lookahead branch, the sources without
+    a budget G, the context knobs without context lookup)."""
     d = dataclasses.asdict(la)
     if not la.lookahead_branch:
         for k in WINDOW_KNOBS:
