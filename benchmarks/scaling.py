@@ -94,11 +94,12 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
     import torch
 
     from lp_runner.config import GenerationConfig, LookaheadConfig
-    from lp_runner.costmodel import measure_curve, predict, shapes_from_records
+    from lp_runner.costmodel import measure_curve, predict
     from lp_runner.engine import LookaheadEngine
     from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer
     from lp_runner.model import ModelAdapter
     from lp_runner.prompts import encode, spec_from_obj
+    from lp_runner.tune import calibrate_setting
 
     torch.set_num_threads(1)
     fetch_embedded_model()
@@ -106,24 +107,20 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
     adapter = ModelAdapter(model)
     w, n, g = wng
     la = LookaheadConfig(w, n, g, **extra_la)
-    engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=args.max_new_tokens), [tok.eos_token_id])
     encoded = [encode(tok, spec_from_obj({k: v for k, v in p.items() if k != "set"}, p["id"])) for p in prompts]
-    shapes, host, rounds, forward_measured = [], 0.0, 0, 0.0
-    for ids in encoded:
-        res = engine.generate(ids)
-        shapes.append(shapes_from_records(res.stats.records, w))
-        host += sum(r.host_s for r in res.stats.records[1:])
-        forward_measured += sum(r.forward_s for r in res.stats.records[1:])
-        rounds += res.stats.rounds - 1
-    top = engine.max_round_rows() + 1
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    cal = calibrate_setting(adapter, encoded, la, gen, [tok.eos_token_id])  # the tuner's own P=1 run
+    shapes = cal.shapes
+    top = LookaheadEngine.max_round_rows_for(la) + 1
     rows = [q for q in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if q < top] + [top]
     kv = sorted({min(len(e) for e in encoded), max(len(e) for e in encoded) + args.max_new_tokens})
     curve = measure_curve(adapter, kv, rows, reps=args.reps)
     allgather = measured.get("all_gather_us", 0.0) * 1e-6
-    p1_forward = sum(predict(sh, curve, 1).forward_s for sh in shapes)
+    p1 = [predict(sh, curve, 1) for sh in shapes]
+    p1_forward_per_round = sum(x.forward_s for x in p1) / sum(x.rounds for x in p1)
     out = []
     for p in range(1, args.max_workers + 1):
-        preds = [predict(s, curve, p, allgather, host / rounds) for s in shapes]
+        preds = [predict(s, curve, p, allgather, cal.host_s_per_round) for s in shapes]
         secs, toks = sum(x.seconds for x in preds), sum(x.tokens for x in preds)
         r = sum(x.rounds for x in preds)
         out.append(
@@ -142,15 +139,15 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
         "inputs": {
             "curve": curve.to_dict(),
             "curve_threads": 1,
-            "host_us_per_round": round(1e6 * host / rounds, 1),
+            "host_us_per_round": round(1e6 * cal.host_s_per_round, 1),
             "allgather_2_rank_us": measured.get("all_gather_us"),
             "comm_assumption": "ring all_gather: (P - 1) x the measured 2-rank latency",
             "shapes_from": f"a real P=1 run of the same job, {len(prompts)} prompts (greedy rounds do not depend on P)",
             "excluded": "prefill rounds (the same for every P)",
         },
         "validation": {
-            "p1_forward_ms_per_round_measured": round(1e3 * forward_measured / rounds, 2),
-            "p1_forward_ms_per_round_predicted": round(1e3 * p1_forward / rounds, 2),
+            "p1_forward_ms_per_round_measured": round(1e3 * cal.forward_s_per_round, 2),
+            "p1_forward_ms_per_round_predicted": round(1e3 * p1_forward_per_round, 2),
             "what": "the same P=1 run's own forward time (1 thread) against the model's prediction for its rounds",
         },
         "x_label": "workers P",

@@ -50,12 +50,14 @@ WINDOW_KNOBS = ("window_size",)  # N also sets the pool's suffix length, so it m
 
 @dataclass
 class Calibration:
-    """One setting run on the calibration prompts: its round shapes and measured host time."""
+    """One setting run on the calibration prompts: its round shapes and measured host and forward time
+    (prefill rounds excluded, as ``costmodel.predict`` excludes them)."""
 
     lookahead: LookaheadConfig
     shapes: list[list[RoundShape]]  # per prompt
     host_s_per_round: float
     tokens: int
+    forward_s_per_round: float = 0.0  # measured: checks the cost model against the same rounds
 
     @property
     def tokens_per_forward(self) -> float:
@@ -165,14 +167,16 @@ def calibrate_setting(adapter, prompts: Sequence[Sequence[int]], la: LookaheadCo
     from lp_runner.engine import LookaheadEngine
 
     engine = LookaheadEngine(adapter, la, gen, eos_ids)
-    shapes, host, rounds, tokens = [], 0.0, 0, 0
+    shapes, host, forward, rounds, tokens = [], 0.0, 0.0, 0, 0
     for ids in prompts:
         res = engine.generate(ids)
         shapes.append(shapes_from_records(res.stats.records, la.window_size))
         host += sum(r.host_s for r in res.stats.records[1:])
+        forward += sum(r.forward_s for r in res.stats.records[1:])
         rounds += max(res.stats.rounds - 1, 0)
         tokens += sum(r.emitted for r in res.stats.records[1:])
-    return Calibration(la, shapes, host / rounds if rounds else 0.0, tokens)
+    n = max(rounds, 1)  # no rounds beyond the prefill: nothing was timed either
+    return Calibration(la, shapes, host / n, tokens, forward / n)
 
 
 def tune(
