@@ -43,6 +43,8 @@ class LookaheadConfig:
     context_min_ngram: int = 1  # shortest match that proposes (1-token matches are cheap to find, rarely right)
     context_tokens: int = 10  # tokens proposed per context match (at most)
     max_verify_rows: int = 0  # cap on verification rows per round, all candidates together (0: no cap)
+    long_match_ngram: int = 0  # a context match at least this long lifts the cap to long_match_rows (0: never)
+    long_match_rows: int = 0  # the cap after a long context match (0: no cap); long copies earn long proposals
     context_adaptive: bool = True  # grow / shrink proposals with their acceptance (1..context_tokens), per match length
     candidate_policy: str = "context_first"  # context_first | pool_first: who fills the budget G first
 
@@ -245,6 +247,13 @@ def check_lookahead(la: LookaheadConfig) -> None:
         raise ConfigError(f"lookahead.max_verify_rows must be >= 0 (0: no cap), got {la.max_verify_rows}")
     if la.context_tokens < 1:
         raise ConfigError(f"lookahead.context_tokens must be >= 1, got {la.context_tokens}")
+    if not 0 <= la.long_match_ngram <= la.context_max_ngram:
+        raise ConfigError(
+            f"lookahead.long_match_ngram must be between 0 (off) and context_max_ngram={la.context_max_ngram}, "
+            f"got {la.long_match_ngram}"
+        )
+    if la.long_match_rows < 0:
+        raise ConfigError(f"lookahead.long_match_rows must be >= 0 (0: no cap), got {la.long_match_rows}")
 
 
 def validate(cfg: Config) -> None:

@@ -80,6 +80,7 @@ class ContextSource:
         # match in code is usually followed by a long copy, a 1-token match rarely by more than a token or two.
         self.lengths = [num_tokens] * (max_ngram + 1)
         self._last_k = max_ngram  # match length of the latest proposal (the one the next feedback is about)
+        self.match_len = 0  # match length behind the latest call of propose (0: it proposed nothing)
         self._index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram + 1)]
         self._indexed = 0  # history positions indexed so far
 
@@ -108,6 +109,7 @@ class ContextSource:
             self.lengths[k] = max(1, self.lengths[k] - 1)
 
     def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
+        self.match_len = 0
         if limit <= 0 or self.num_tokens <= 0:
             return []
         last = len(history) - 1
@@ -116,7 +118,7 @@ class ContextSource:
             earlier = [e for e in reversed(ends or ()) if e < last]
             if not earlier:
                 continue
-            self._last_k = k
+            self._last_k = self.match_len = k
             out: list[Suffix] = []
             for end in earlier:
                 cont = tuple(history[end + 1 : end + 1 + self.lengths[k]])

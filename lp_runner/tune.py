@@ -36,6 +36,8 @@ DEFAULT_SPACE: dict[str, tuple] = {
     "lookahead_branch": (False, True),
     "verification_set_size": (0, 1, 2, 3, 4, 6),
     "max_verify_rows": (0, 2, 3, 4, 6, 8),
+    "long_match_ngram": (0, 2, 3, 4),
+    "long_match_rows": (0, 4, 6, 8, 12),
     "context_tokens": (2, 3, 4, 6, 8, 10, 14),
     "context_max_ngram": (1, 2, 3, 4),
     "context_min_ngram": (1, 2, 3),
@@ -101,12 +103,18 @@ def _key(la: LookaheadConfig) -> tuple:
     """Settings that behave identically share a key (W is inert without the lookahead branch, the sources without
     a budget G, the context knobs without context lookup)."""
     d = dataclasses.asdict(la)
+    if la.long_match_ngram == 0 or not la.context_lookup:  # the cap is never lifted
+        d.pop("long_match_ngram")
+        d.pop("long_match_rows")
     if not la.lookahead_branch:
         for k in WINDOW_KNOBS:
             d.pop(k)
     if la.verification_set_size == 0:  # nothing is verified: the candidate sources are inert
         for k in ("context_lookup", "context_max_ngram", "context_min_ngram", "context_tokens", "context_adaptive"):
             d.pop(k)
+        d.pop("max_verify_rows")
+        d.pop("long_match_ngram", None)
+        d.pop("long_match_rows", None)
         d.pop("candidate_policy")
         d.pop("pool_from_prompt")
         d.pop("pool_from_output")
@@ -218,10 +226,12 @@ def tune(
 
 
 def describe(la: LookaheadConfig) -> str:
-    window = f"W={la.window_size} N={la.ngram_size}" if la.lookahead_branch else "no window"
+    window = f"W={la.window_size} N={la.ngram_size}" if la.lookahead_branch else f"no window N={la.ngram_size}"
     ctx = f"ctx {la.context_min_ngram}-{la.context_max_ngram}/{la.context_tokens}" if la.context_lookup else "no ctx"
     pool = ("p" if la.pool_from_prompt else "-") + ("o" if la.pool_from_output else "-")
     cap = f" rows<={la.max_verify_rows}" if la.max_verify_rows else ""
+    if la.long_match_ngram and la.context_lookup:
+        cap += f" (match>={la.long_match_ngram}: rows<={la.long_match_rows or 'any'})"
     return f"{window} G={la.verification_set_size}{cap} {ctx} pool {pool} {la.candidate_policy}"
 
 

@@ -51,6 +51,11 @@ REPO_ROOT = Path(lp_runner.__file__).resolve().parents[1]
             ["lookahead.context_min_ngram=4"],
             "lookahead.context_min_ngram must be between 1 and context_max_ngram=3, got 4",
         ),
+        (
+            ["lookahead.long_match_ngram=4"],
+            "lookahead.long_match_ngram must be between 0 (off) and context_max_ngram=3, got 4",
+        ),
+        (["lookahead.long_match_rows=-1"], "lookahead.long_match_rows must be >= 0 (0: no cap), got -1"),
         (["generation.top_p=0"], "generation.top_p must be in (0, 1], got 0.0"),
         (["model.dtype=float64"], "model.dtype must be one of float32, bfloat16, float16, got 'float64'"),
     ],

@@ -26,7 +26,7 @@ from lp_runner.costmodel import (
 from lp_runner.model import ModelAdapter
 from lp_runner.parallel.coordinator import Coordinator
 from lp_runner.parallel.sharding import lookahead_rows
-from lp_runner.tune import coordinate_search, tune
+from lp_runner.tune import _key, coordinate_search, tune
 
 
 def test_curve_interpolates_rows_logit_rows_and_kv():
@@ -232,3 +232,15 @@ def test_tune_command_bad_input(tmp_path):
         [*cmd, "--set", "lookahead.window_size=0"], capture_output=True, text=True, timeout=120, env=env_with_repo()
     )
     assert proc.returncode == 2 and "window_size" in proc.stderr
+
+
+def test_settings_that_behave_alike_are_evaluated_once():
+    """The search's memo key drops inert knobs: no cap is lifted without long_match_ngram, nothing is verified or
+    capped at G=0; a knob that matters keeps settings apart."""
+    off = LookaheadConfig(long_match_ngram=0, long_match_rows=4)
+    assert _key(off) == _key(dataclasses.replace(off, long_match_rows=8))
+    on = dataclasses.replace(off, long_match_ngram=2)
+    assert _key(on) != _key(dataclasses.replace(on, long_match_rows=8))
+    g0 = LookaheadConfig(verification_set_size=0, max_verify_rows=2, long_match_ngram=2)
+    assert _key(g0) == _key(dataclasses.replace(g0, max_verify_rows=4, long_match_rows=6, context_tokens=3))
+    assert _key(LookaheadConfig(max_verify_rows=2)) != _key(LookaheadConfig(max_verify_rows=4))

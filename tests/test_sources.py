@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers import hf_greedy, random_prompt, run_lookahead, tiny_model
 
-from lp_runner.parallel.coordinator import cap_rows
+from lp_runner.config import LookaheadConfig
+from lp_runner.parallel.coordinator import Coordinator, cap_rows
 from lp_runner.pool import NGramPool
 from lp_runner.sources import ContextSource, PoolSource, merge_candidates
 
@@ -62,6 +63,33 @@ def test_context_min_ngram_drops_short_matches():
 )
 def test_cap_rows(max_rows, expected):
     assert cap_rows([("context", (1, 2, 3)), ("pool", (4, 5))], max_rows) == expected
+
+
+@pytest.mark.parametrize(
+    "history,long_match_ngram,long_match_rows,expected",
+    [
+        # the suffix (1, 2, 3) matched: a 3-token match lifts the cap of 2 to 5
+        ([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], 3, 5, (4, 5, 6, 7, 8)),
+        # ... and to no cap at all with long_match_rows 0 (the proposal's own length, 6, is the limit)
+        ([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], 3, 0, (4, 5, 6, 7, 8, 1)),
+        # only the 1-token suffix (3) matched: the cap of 2 stays
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9, 3], 3, 5, (4, 5)),
+        # long_match_ngram 0: never lifted
+        ([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], 0, 5, (4, 5)),
+    ],
+)
+def test_long_context_match_lifts_the_row_cap(history, long_match_ngram, long_match_rows, expected):
+    la = LookaheadConfig(
+        verification_set_size=1,
+        context_tokens=6,
+        context_adaptive=False,
+        max_verify_rows=2,
+        long_match_ngram=long_match_ngram,
+        long_match_rows=long_match_rows,
+        pool_from_prompt=False,
+    )
+    plan = Coordinator(la, 1, history).plan(history, None)
+    assert plan.candidates == (expected,) and plan.sources == ("context",)
 
 
 def test_context_index_grows_incrementally():
@@ -145,12 +173,27 @@ def test_context_lookup_exact_and_accepting(family):
     prompt = random_prompt(24, seed=3)
     prompt = prompt + prompt[:12]  # a repeated span: context lookup has something to propose from the start
     expected = hf_greedy(model, prompt, 48)
-    for branch, min_ngram, cap in ((True, 1, 0), (False, 1, 0), (False, 2, 0), (True, 1, 3), (False, 1, 2)):
+    cases = ((True, 1, 0, 0), (False, 1, 0, 0), (False, 2, 0, 0), (True, 1, 3, 0), (False, 1, 2, 0), (False, 1, 1, 2))
+    for branch, min_ngram, cap, long_match in cases:
         result = run_lookahead(
-            model, prompt, 4, 4, 3, True, 48, lookahead_branch=branch, context_min_ngram=min_ngram, max_verify_rows=cap
+            model,
+            prompt,
+            4,
+            4,
+            3,
+            True,
+            48,
+            lookahead_branch=branch,
+            context_min_ngram=min_ngram,
+            max_verify_rows=cap,
+            long_match_ngram=long_match,
+            long_match_rows=0,
         )
         assert result.output_ids == expected
-        if cap:
+        if cap and not long_match:
             assert all(sum(r.plan_candidates) <= cap for r in result.stats.records)
             assert any(sum(r.plan_candidates) == cap for r in result.stats.records)  # the cap did bind
+        if long_match:  # both regimes occurred: capped rounds and rounds lifted by a long match
+            assert any(sum(r.plan_candidates) == cap for r in result.stats.records)
+            assert any(sum(r.plan_candidates) > cap for r in result.stats.records)
         assert result.stats.sources["context"]["accepted"] > 0  # guard: the context source really contributed
