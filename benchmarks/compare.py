@@ -51,6 +51,8 @@ CONFIGS: dict[str, LookaheadConfig] = {
     # context lookup + prompt/output pool, no window rows (configs/default.yaml: the CPU default)
     "lean-g1": LookaheadConfig(7, 5, 1, True, lookahead_branch=False),
     "lean-g2": LookaheadConfig(7, 5, 2, True, lookahead_branch=False),
+    # the tuner's first choice: one candidate on at most 2 rows, whatever the match length
+    "cap2": LookaheadConfig(7, 5, 1, True, lookahead_branch=False, max_verify_rows=2),
 }
 
 

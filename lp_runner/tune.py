@@ -161,13 +161,23 @@ def coordinate_search(
             if knob in WINDOW_KNOBS and not best.lookahead_branch:
                 continue
             for v in values:
-                cand = dataclasses.replace(best, **{knob: v})
-                cv = value(cand)
-                if cv < best_v * (1.0 - min_gain):
-                    best, best_v, changed = cand, cv, True
+                for cand in _moves(best, knob, v, space):
+                    cv = value(cand)
+                    if cv < best_v * (1.0 - min_gain):
+                        best, best_v, changed = cand, cv, True
         if not changed:
             break
     return best, seen
+
+
+def _moves(best: LookaheadConfig, knob: str, v, space: dict[str, Sequence]) -> list[LookaheadConfig]:
+    """The settings one coordinate step tries for ``knob = v``. Switching the window on is tried at every W in the
+    space: W was inert while it was off, so the base's W (sized for a GPU) would otherwise decide alone whether a
+    window pays, and a small window can pay where a large one cannot."""
+    if knob == "lookahead_branch" and v and not best.lookahead_branch:
+        widths = space.get("window_size", (best.window_size,))
+        return [dataclasses.replace(best, lookahead_branch=True, window_size=w) for w in widths]
+    return [dataclasses.replace(best, **{knob: v})]
 
 
 def calibrate_setting(adapter, prompts: Sequence[Sequence[int]], la: LookaheadConfig, gen, eos_ids) -> Calibration:

@@ -244,3 +244,17 @@ def test_settings_that_behave_alike_are_evaluated_once():
     g0 = LookaheadConfig(verification_set_size=0, max_verify_rows=2, long_match_ngram=2)
     assert _key(g0) == _key(dataclasses.replace(g0, max_verify_rows=4, long_match_rows=6, context_tokens=3))
     assert _key(LookaheadConfig(max_verify_rows=2)) != _key(LookaheadConfig(max_verify_rows=4))
+
+
+def test_coordinate_search_tries_the_window_at_every_width():
+    """A window that pays only at W=2: found from a base with the window off and W=7 (W is inert while off)."""
+
+    def evaluate(la):
+        if not la.lookahead_branch:
+            return 10.0, 1
+        return (5.0 if la.window_size == 2 else 20.0), 1
+
+    base = LookaheadConfig(7, 5, 2, True, lookahead_branch=False)
+    space = {"lookahead_branch": (False, True), "window_size": (2, 4, 7)}
+    best, _ = coordinate_search(base, evaluate, space)
+    assert best.lookahead_branch and best.window_size == 2
