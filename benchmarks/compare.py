@@ -47,12 +47,15 @@ CONFIGS: dict[str, LookaheadConfig] = {
     "la-7-5-7-pure": LookaheadConfig(7, 5, 7, False, pool_from_output=False, context_lookup=False),
     # context lookup + Jacobi pool under one budget (configs/lookahead.yaml)
     "ctx-7-5-7": LookaheadConfig(7, 5, 7, False),
+    "ctx-15-5-15": LookaheadConfig(15, 5, 15, False),
     "ctx-2-3-2": LookaheadConfig(2, 3, 2, False),
     # context lookup + prompt/output pool, no window rows (configs/default.yaml: the CPU default)
     "lean-g1": LookaheadConfig(7, 5, 1, True, lookahead_branch=False),
     "lean-g2": LookaheadConfig(7, 5, 2, True, lookahead_branch=False),
     # the tuner's first choice: one candidate on at most 2 rows, whatever the match length
     "cap2": LookaheadConfig(7, 5, 1, True, lookahead_branch=False, max_verify_rows=2),
+    # ... plus the cap lifted after a 3-token match (context proposals up to 10 tokens)
+    "cap2-long": LookaheadConfig(7, 5, 1, True, lookahead_branch=False, max_verify_rows=2, long_match_ngram=3),
 }
 
 

@@ -38,7 +38,7 @@ DEFAULT_SPACE: dict[str, tuple] = {
     "max_verify_rows": (0, 2, 3, 4, 6, 8),
     "long_match_ngram": (0, 2, 3, 4),
     "long_match_rows": (0, 4, 6, 8, 12),
-    "context_tokens": (2, 3, 4, 6, 8, 10, 14),
+    "context_tokens": (2, 3, 4, 6, 8, 10, 14, 20),
     "context_max_ngram": (1, 2, 3, 4),
     "context_min_ngram": (1, 2, 3),
     "window_size": (2, 3, 4, 5, 7),
@@ -135,7 +135,8 @@ def coordinate_search(
 
     Returns the best setting and every evaluation (memoised by behaviour, so each distinct setting runs once).
     The search moves only on a predicted gain larger than ``min_gain`` (relative): predictions carry measured
-    host time, and a move on noise would only make the written config harder to read.
+    host time, and calibration prompts are not the prompts a config will serve. ``tune`` uses 2%: on SmolLM2 a
+    predicted 3.5% gain held on held-back prompts (+4% measured, twice) and a predicted 1.9% gain did not (-3%).
     """
     space = DEFAULT_SPACE if space is None else space
     seen: dict[tuple, tuple[LookaheadConfig, float, int]] = {}
@@ -209,7 +210,7 @@ def tune(
     space: dict[str, Sequence] | None = None,
     log: Callable[[str], None] = lambda s: None,
     max_passes: int = 3,
-    min_gain: float = 0.01,
+    min_gain: float = 0.02,
 ) -> TuneResult:
     """Search settings (and P among ``workers``) by predicted time per token on ``prompts``."""
     scored: dict[tuple, list[Scored]] = {}
@@ -281,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-curve", help="write the measured cost curve here")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per curve point")
     p.add_argument("--passes", type=int, default=2, help="coordinate-search passes over all knobs (at most)")
-    p.add_argument("--min-gain", type=float, default=0.01, help="smallest relative predicted gain that moves")
+    p.add_argument(
+        "--min-gain", type=float, default=0.02, help="smallest relative predicted gain that moves (default 2%%)"
+    )
     return p
 
 

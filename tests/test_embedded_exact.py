@@ -12,16 +12,21 @@ on a dedicated machine ``LP_TEST_THREADS=2`` may be faster (not measured here).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import hf_greedy, humaneval_prompts, run_lookahead
 
+from lp_runner.config import load_config
+
 NEW_TOKENS = 128
 THREADS = int(os.environ.get("LP_TEST_THREADS", "1"))
 
+SHIPPED = Path(__file__).resolve().parent.parent / "configs"
 CASES = [(7, 5, 7, i) for i in range(8)] + [(4, 3, 4, i) for i in range(2)]  # (W, N, G, HumanEval index)
 
 
@@ -64,4 +69,35 @@ def test_embedded_matches_hf_greedy(embedded, threads, W: int, N: int, G: int, i
     # guards: candidates were verified and accepted, so the run took fewer forwards than tokens
     assert result.stats.verified_rounds > 0
     assert result.stats.accepted_tokens > 0
+    assert result.stats.forwards < result.stats.new_tokens
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SHIPPED.glob("*.yaml")))
+def test_shipped_configs_load(name: str) -> None:
+    load_config(SHIPPED / name)
+
+
+def test_default_config_is_the_tuners_output() -> None:
+    """The README says configs/default.yaml holds the tuner's choice (configs/tuned-cpu.yaml)."""
+    assert load_config(SHIPPED / "default.yaml").lookahead == load_config(SHIPPED / "tuned-cpu.yaml").lookahead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [0, 2])
+def test_default_config_matches_hf_greedy(embedded, threads, index: int) -> None:
+    """The shipped default (row cap, long-match lift, adaptive context proposals) on the real model."""
+    model, tokenizer = embedded
+    la = load_config(SHIPPED / "default.yaml").lookahead
+    rest = dataclasses.asdict(la)
+    w, n, g, from_prompt = (
+        rest.pop(k) for k in ("window_size", "ngram_size", "verification_set_size", "pool_from_prompt")
+    )
+    want = list(expected(model, tokenizer, index))
+    result = run_lookahead(
+        model, prompt_ids(tokenizer, index), w, n, g, from_prompt, NEW_TOKENS, eos_ids_of(model), **rest
+    )
+    assert result.output_ids == want
+    rows = [sum(r.plan_candidates) for r in result.stats.records]
+    assert any(0 < r <= la.max_verify_rows for r in rows)  # capped rounds ...
+    assert any(r > la.max_verify_rows for r in rows)  # ... and rounds a long context match lifted
     assert result.stats.forwards < result.stats.new_tokens
