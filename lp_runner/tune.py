@@ -101,9 +101,11 @@ def score(cal: Calibration, curve: CostCurve, workers: int, allgather_2_s: float
 
 def _key(la: LookaheadConfig) -> tuple:
     """Settings that behave identically share a key (W is inert without the lookahead branch, the sources without
-    a budget G, the context knobs without context lookup)."""
+    a budget G, the context knobs without context lookup, the long-match lift without long_match_ngram or when
+    it would set no cap where there is none)."""
     d = dataclasses.asdict(la)
-    if la.long_match_ngram == 0 or not la.context_lookup:  # the cap is never lifted
+    no_change = la.max_verify_rows == 0 and la.long_match_rows == 0
+    if la.long_match_ngram == 0 or not la.context_lookup or no_change:  # the cap is never changed
         d.pop("long_match_ngram")
         d.pop("long_match_rows")
     if not la.lookahead_branch:

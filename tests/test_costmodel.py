@@ -241,6 +241,8 @@ def test_settings_that_behave_alike_are_evaluated_once():
     assert _key(off) == _key(dataclasses.replace(off, long_match_rows=8))
     on = dataclasses.replace(off, long_match_ngram=2)
     assert _key(on) != _key(dataclasses.replace(on, long_match_rows=8))
+    uncapped = LookaheadConfig(max_verify_rows=0, long_match_ngram=3, long_match_rows=0)  # no cap either way
+    assert _key(uncapped) == _key(dataclasses.replace(uncapped, long_match_ngram=0))
     g0 = LookaheadConfig(verification_set_size=0, max_verify_rows=2, long_match_ngram=2)
     assert _key(g0) == _key(dataclasses.replace(g0, max_verify_rows=4, long_match_rows=6, context_tokens=3))
     assert _key(LookaheadConfig(max_verify_rows=2)) != _key(LookaheadConfig(max_verify_rows=4))
