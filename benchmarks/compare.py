@@ -76,7 +76,14 @@ def hf_generate(model, ids: list[int], max_new: int, eos: int, **kw) -> list[int
     return out[0, len(ids) :].tolist()
 
 
-def run_lp_cli(config: str, prompts: list[dict], workers: int, threads: int, max_new: int) -> list[dict]:
+def baseline_name(sample: bool) -> str:
+    """The HF method every speedup is relative to: plain generate, greedy or sampling like the methods."""
+    return "hf-sample" if sample else "hf-greedy"
+
+
+def run_lp_cli(
+    config: str, prompts: list[dict], workers: int, threads: int, max_new: int, sample: bool = False
+) -> list[dict]:
     """LP through the real CLI (torchrun, gloo), ``threads`` per rank; a short warm-up prompt goes first and is
     dropped (it absorbs each rank's start-up). Returns one row per prompt, in the rows format of ``main``."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,6 +95,8 @@ def run_lp_cli(config: str, prompts: list[dict], workers: int, threads: int, max
             "--set", f"parallel.workers={workers}", "--set", f"model.threads={threads}",
             "--set", f"generation.max_new_tokens={max_new}", "--set", "run.progress=false",
         ]  # fmt: skip
+        for key, value in (SAMPLING if sample else {}).items():
+            cmd += ["--set", f"generation.{key}={str(value).lower()}"]
         repo = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS=str(threads))
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -158,7 +167,7 @@ def main() -> None:
     adapter = ModelAdapter(model)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, **(SAMPLING if args.sample else {}))
     hf_kw = dict(SAMPLING) if args.sample else {}
-    base = "hf-sample" if args.sample else "hf-greedy"
+    base = baseline_name(args.sample)
 
     # Every method as a callable on one prompt; methods run interleaved, prompt by prompt, so a slow drift of a
     # shared machine hits every method alike instead of whichever happened to run during it.
@@ -195,11 +204,13 @@ def main() -> None:
         workers, _, config = item.partition(":")
         p = int(workers)
         rows = run_lp_cli(config, [{k: v for k, v in q.items() if k != "set"} for q in prompts], p,
-                          max(args.threads // p, 1), args.max_new_tokens)  # fmt: skip
+                          max(args.threads // p, 1), args.max_new_tokens, args.sample)  # fmt: skip
         for r, (set_name, _) in zip(rows, encoded, strict=True):
             r["set"] = set_name
         for i, r in enumerate(rows):
-            r["exact"] = reference is None or r.pop("out") == reference[i]
+            out = r.pop("out")
+            if not args.sample:
+                r["exact"] = reference is None or out == reference[i]
         name = f"LP P={p} {Path(config).stem}"
         methods[name] = rows
         print(f"{name} done", file=sys.stderr, flush=True)
@@ -236,11 +247,10 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
         "prompts": f"{args.prompt_set}" + (f", first {args.limit} of each set" if args.limit else ""),
         "order": "interleaved: every method on prompt 1, then every method on prompt 2, ... (LP runs after)",
         "torch": torch.__version__,
-        "decoding": "sampling (temperature 1, no top-k / top-p)" if getattr(args, "sample", False) else "greedy",
+        "decoding": "sampling (temperature 1, no top-k / top-p)" if args.sample else "greedy",
         "methods": {},
     }
-    base = "hf-sample" if "hf-sample" in methods else "hf-greedy"
-    report["baseline"] = base
+    base = report["baseline"] = baseline_name(args.sample)
     greedy = {s: _agg([r for r in methods[base] if s in (r["set"], "all")]) for s in ("humaneval", "mtbench")}
     greedy["all"] = _agg(methods[base])
     for name, rows in methods.items():
@@ -299,7 +309,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def _base_label(report: dict) -> str:
-    return "HF sampling" if report.get("baseline") == "hf-sample" else "HF greedy"
+    return "HF sampling" if report.get("baseline") == baseline_name(True) else "HF greedy"
 
 
 def markdown(report: dict) -> str:
