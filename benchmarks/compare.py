@@ -61,6 +61,9 @@ CONFIGS: dict[str, LookaheadConfig] = {
     "cap2": LookaheadConfig(7, 5, 1, True, lookahead_branch=False, max_verify_rows=2),
     # ... plus the cap lifted after a 3-token match (context proposals up to 10 tokens)
     "cap2-long": LookaheadConfig(7, 5, 1, True, lookahead_branch=False, max_verify_rows=2, long_match_ngram=3),
+    # nothing to verify: one-row decoding through lp_runner's own forward and K/V cache, so a table shows how much
+    # of a speedup is the engine's forward itself rather than the tokens that verification adds
+    "engine-only": LookaheadConfig(7, 5, 0, False, lookahead_branch=False, context_lookup=False),
 }
 
 

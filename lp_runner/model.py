@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from lp_runner.layout import additive_mask
 
@@ -42,7 +43,10 @@ class ModelAdapter:
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        """A DynamicCache whose full-attention layers append into a growing buffer (see ``AppendBufferLayer``)."""
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [AppendBufferLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        return cache
 
     @torch.inference_mode()
     def forward(
@@ -64,6 +68,44 @@ class ModelAdapter:
             **{self._cache_kw: cache},
         )
         return out.logits[0]  # [R, vocab]
+
+
+class AppendBufferLayer(DynamicLayer):
+    """A DynamicLayer that writes new K/V into spare capacity instead of concatenating.
+
+    ``DynamicLayer.update`` builds a new tensor with ``torch.cat`` every forward, copying the whole cached context
+    per layer per round, a cost that grows with the context (``benchmarks/kv_append.py`` times both). Here ``keys`` / ``values`` are views of the first positions of a
+    buffer that doubles when full, so a round writes only its own rows. ``crop`` (inherited) narrows the view, and
+    the next update overwrites the rejected rows in place. The cached values are the same bits either way; only
+    the copy is gone. Sliding-window layers keep their own class (they roll their buffer).
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._key_buffer = self._value_buffer = None
+        cached = self.get_seq_length()
+        total = cached + key_states.shape[-2]
+        if self._key_buffer is None or total > self._key_buffer.shape[-2]:
+            self._key_buffer = _grown(self.keys, key_states, total)
+            self._value_buffer = _grown(self.values, value_states, total)
+        self._key_buffer[..., cached:total, :] = key_states
+        self._value_buffer[..., cached:total, :] = value_states
+        self.keys = self._key_buffer[..., :total, :]
+        self.values = self._value_buffer[..., :total, :]
+        return self.keys, self.values
+
+
+def _grown(cached: torch.Tensor, new: torch.Tensor, needed: int) -> torch.Tensor:
+    """A buffer of at least twice ``needed`` positions holding ``cached`` at its start (amortised O(1) appends)."""
+    shape = list(new.shape)
+    shape[-2] = max(2 * needed, 256)
+    grown = new.new_empty(shape)
+    if cached.numel():
+        grown[..., : cached.shape[-2], :] = cached
+    return grown
 
 
 def cache_length(cache: DynamicCache) -> int:

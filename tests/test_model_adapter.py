@@ -13,7 +13,7 @@ import torch
 import transformers
 from helpers import FAMILIES, TINY_VOCAB, plain_cache, random_prompt
 
-from lp_runner.model import ModelAdapter, cache_length, crop, move_rows
+from lp_runner.model import AppendBufferLayer, ModelAdapter, cache_length, crop, move_rows
 
 VERSION = transformers.__version__
 # the installed transformers version is part of every test id, so a CI log says which version passed
@@ -112,6 +112,46 @@ def test_move_rows(tiny, family: str) -> None:
     move_rows(cache, [], [])  # nothing to copy is fine
     with pytest.raises(ValueError, match="equal length"):
         move_rows(cache, [1, 2], [3])
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
+def test_append_buffer_cache_holds_the_bits_a_dynamic_cache_holds(tiny, family: str) -> None:
+    """The adapter's cache against transformers' own DynamicCache, round by round, past a buffer growth.
+
+    Rounds of 3 rows are cropped back by 0-2 rows (a rejected tail that the next round overwrites in place) and
+    K/V rows are moved (the commit of a verified branch); logits and every cached tensor must stay bit-equal.
+    """
+    from transformers import DynamicCache
+
+    model = tiny(family)
+    adapter = ModelAdapter(model)
+    ours = adapter.new_cache()
+    ref = DynamicCache(config=model.config)
+    full = [layer for layer in ours.layers if not layer.is_sliding]
+    assert full or adapter.sliding_window, "a model without sliding layers got no append buffer"
+    assert all(isinstance(layer, AppendBufferLayer) for layer in full)
+    tokens = random_prompt(200, seed=8)
+    for cache in (ours, ref):
+        adapter.forward(torch.tensor(tokens), torch.arange(200), causal(200), cache, torch.tensor([199]))
+    capacity = {id(layer): layer._key_buffer.shape[-2] for layer in full}
+    gen = torch.Generator().manual_seed(9)
+    for step in range(120):
+        t = cache_length(ref)
+        ids = torch.randint(0, TINY_VOCAB, (3,), generator=gen)
+        got = adapter.forward(ids, torch.arange(t, t + 3), causal(3), ours, torch.arange(3))
+        want = adapter.forward(ids, torch.arange(t, t + 3), causal(3), ref, torch.arange(3))
+        assert torch.equal(got, want), f"round {step}: logits differ"
+        if step % 5 == 0:
+            for cache in (ours, ref):
+                move_rows(cache, [t + 2], [t + 1])
+        keep = t + 3 - step % 3
+        for cache in (ours, ref):
+            crop(cache, keep)
+        assert cache_length(ours) == keep
+        for layer, ref_layer in zip(ours.layers, ref.layers, strict=True):
+            assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(layer.values, ref_layer.values), step
+    assert cache_length(ours) > 400
+    assert all(layer._key_buffer.shape[-2] > capacity[id(layer)] for layer in full), "the buffer never grew"
 
 
 def test_model_without_a_cache_keyword_is_refused() -> None:
