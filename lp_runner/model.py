@@ -5,25 +5,35 @@ old name still works there, with a deprecation); ``DynamicCache.crop`` takes onl
 (negative counts work in every 5.x); ``cache_position`` left Llama's forward in 5.4. This adapter resolves those
 once, from the model's own signature (no class-name sniffing), and ``tests/test_model_adapter.py`` checks each
 operation on every supported model family and on the oldest supported transformers.
+
+Two of transformers' defaults are replaced for the adapter's own forwards, to save copies, not arithmetic: the
+cache appends into a growing buffer instead of concatenating (``AppendBufferLayer``; the same bits), and
+grouped-query attention over a packed round reads K/V heads in place instead of repeating them
+(``lp_runner.attention``; the same kernel and dot products, equal to fp32 rounding).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from lp_runner.attention import packed_gqa, supports_packed_gqa
 from lp_runner.layout import additive_mask
 
 
 class ModelAdapter:
     """forward(ids, positions, visibility, cache, logit_rows) -> logits of those rows only."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, append_buffer: bool = True, packed_gqa: bool = True) -> None:
+        """``append_buffer`` / ``packed_gqa`` off: transformers' own DynamicLayer / sdpa path (benchmarks A/B them)."""
         self.model = model
+        self.append_buffer = append_buffer
+        self.packed_gqa = packed_gqa
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self._cache_kw = "cache"
@@ -45,7 +55,8 @@ class ModelAdapter:
     def new_cache(self) -> DynamicCache:
         """A DynamicCache whose full-attention layers append into a growing buffer (see ``AppendBufferLayer``)."""
         cache = DynamicCache(config=self.model.config)
-        cache.layers = [AppendBufferLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        if self.append_buffer:
+            cache.layers = [AppendBufferLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
         return cache
 
     @torch.inference_mode()
@@ -59,14 +70,17 @@ class ModelAdapter:
     ) -> torch.Tensor:  # [R, vocab]
         past = cache_length(cache)
         mask = additive_mask(visibility, past, self.dtype).to(self.device)  # [1, 1, Q, past + Q]
-        out = self.model(
-            input_ids=input_ids.to(self.device).unsqueeze(0),
-            position_ids=position_ids.to(self.device).unsqueeze(0),
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=logit_rows.to(self.device),
-            **{self._cache_kw: cache},
-        )
+        switch = self.packed_gqa and supports_packed_gqa(self.model.config)
+        attention = packed_gqa(self.model.config) if switch else nullcontext()
+        with attention:
+            out = self.model(
+                input_ids=input_ids.to(self.device).unsqueeze(0),
+                position_ids=position_ids.to(self.device).unsqueeze(0),
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=logit_rows.to(self.device),
+                **{self._cache_kw: cache},
+            )
         return out.logits[0]  # [R, vocab]
 
 
@@ -74,10 +88,11 @@ class AppendBufferLayer(DynamicLayer):
     """A DynamicLayer that writes new K/V into spare capacity instead of concatenating.
 
     ``DynamicLayer.update`` builds a new tensor with ``torch.cat`` every forward, copying the whole cached context
-    per layer per round, a cost that grows with the context (``benchmarks/kv_append.py`` times both). Here ``keys`` / ``values`` are views of the first positions of a
-    buffer that doubles when full, so a round writes only its own rows. ``crop`` (inherited) narrows the view, and
-    the next update overwrites the rejected rows in place. The cached values are the same bits either way; only
-    the copy is gone. Sliding-window layers keep their own class (they roll their buffer).
+    per layer per round, a cost that grows with the context (``benchmarks/forward_paths.py`` times both). Here
+    ``keys`` / ``values`` are views of the first positions of a buffer that doubles when full, so a round writes
+    only its own rows. ``crop`` (inherited) narrows the view, and the next update overwrites the rejected rows in
+    place. The cached values are the same bits either way; only the copy is gone. Sliding-window layers keep their
+    own class (they roll their buffer).
     """
 
     def update(

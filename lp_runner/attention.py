@@ -1,0 +1,74 @@
+"""Grouped-query sdpa for packed rounds: cached K/V heads are read in place, not repeated per query head.
+
+transformers' sdpa path (``integrations/sdpa_attention.py``) serves a model whose query heads share K/V heads
+(GQA; SmolLM2 has 9 query heads on 3 K/V heads) in one of three ways: ``enable_gqa`` when no mask is given,
+packing the query heads onto their K/V head when one row is queried (``generate``'s decode steps), and otherwise
+``repeat_kv``, which copies every cached K and V head ``groups`` times, in every layer, on every forward. A
+packed round always passes a mask and queries several rows, so it always took the copying path, a cost that
+grows with the context. ``packed_gqa_sdpa`` extends the one-row packing to Q rows: the ``groups`` query heads of
+a K/V head become ``groups * Q`` rows of that head and the mask is tiled to match, so the same kernel computes
+the same per-row dot products without the copy (``benchmarks/forward_paths.py`` times both).
+
+The adapter switches a model to it for its own forwards only (the ``packed_gqa`` context), and only from plain
+``sdpa``: every other caller of the same model object (HF ``generate``, the tests' oracles) keeps transformers'
+path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PACKED_GQA = "lp_runner_packed_gqa_sdpa"
+
+
+def packed_gqa_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, H_kv, K, D]
+    value: torch.Tensor,  # [B, H_kv, K, D]
+    attention_mask: torch.Tensor | None,  # [B or 1, 1, Q, K]
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # ([B, Q, H, D], no weights)
+    """transformers' sdpa attention, minus the K/V repeat for a masked multi-row query (see the module doc)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    rows = query.shape[2]
+    special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+    if groups == 1 or rows == 1 or attention_mask is None or attention_mask.shape[1] != 1 or special:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    batch, heads, _, dim = query.shape
+    packed_query = query.reshape(batch, key.shape[1], groups * rows, dim)  # head h = kv * groups + g -> row g*Q + i
+    packed_mask = attention_mask.repeat(1, 1, groups, 1)  # row g*Q + i reads the mask of query row i
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed_query, key, value, attn_mask=packed_mask, dropout_p=dropout, scale=scaling
+    )  # [B, H_kv, groups * Q, D]
+    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_GQA, packed_gqa_sdpa)
+AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)  # the same masks as sdpa, should one ever be built
+
+
+def supports_packed_gqa(config) -> bool:
+    """True where the switch is safe: plain sdpa on a config without sub-configs (whose settings it could clobber)."""
+    return getattr(config, "_attn_implementation", None) == "sdpa" and not getattr(config, "sub_configs", None)
+
+
+@contextmanager
+def packed_gqa(config) -> Iterator[None]:
+    """Run the model with ``packed_gqa_sdpa`` inside the block; transformers' sdpa is restored on exit."""
+    config._attn_implementation = PACKED_GQA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"

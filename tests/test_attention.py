@@ -1,0 +1,106 @@
+"""packed_gqa_sdpa against transformers' own sdpa attention, and the adapter's switch to it and back.
+
+The engine-level oracle (HF greedy on every family and the embedded model, whose 9 query heads share 3 K/V
+heads) runs through this path in the other test files; here the attention function itself is compared with
+transformers' on masked multi-row queries, where transformers repeats K/V and the packed path does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FAMILIES, random_prompt
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from lp_runner.attention import PACKED_GQA, packed_gqa_sdpa, supports_packed_gqa
+from lp_runner.layout import additive_mask
+from lp_runner.model import ModelAdapter
+
+
+class _Attention(torch.nn.Module):
+    """The two attributes the attention functions read from a model's attention module."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 3, 6])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_packed_gqa_equals_transformers_sdpa(kv_heads: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(10 * kv_heads + rows)
+    heads, past, dim = 6, 11, 8
+    query = torch.randn(1, heads, rows, dim, generator=gen)
+    key = torch.randn(1, kv_heads, past + rows, dim, generator=gen)
+    value = torch.randn(1, kv_heads, past + rows, dim, generator=gen)
+    visibility = torch.rand(rows, rows, generator=gen) < 0.5
+    visibility |= torch.eye(rows, dtype=torch.bool)  # every row sees itself, as in every round layout
+    mask = additive_mask(visibility, past, torch.float32)  # [1, 1, Q, past + Q]
+    module = _Attention(heads // kv_heads)
+    got, _ = packed_gqa_sdpa(module, query, key, value, mask, scaling=dim**-0.5)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
+    assert got.shape == want.shape == (1, rows, heads, dim)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # and the reference itself: a masked softmax per query head over its K/V head, written out
+    group = heads // kv_heads
+    k, v = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    ref = torch.softmax(query @ k.transpose(-1, -2) * dim**-0.5 + mask, dim=-1) @ v  # [1, H, Q, D]
+    torch.testing.assert_close(got, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_uses_packed_gqa_for_its_own_forwards_only(tiny, family: str) -> None:
+    model = tiny(family)
+    assert supports_packed_gqa(model.config)
+    adapter = ModelAdapter(model)
+    seen: list[str] = []
+    attention = model.model.layers[0].self_attn
+    hook = attention.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    try:
+        tokens = random_prompt(6, seed=1)
+        adapter.forward(torch.tensor(tokens), torch.arange(6), torch.ones(6, 6).bool().tril(), adapter.new_cache(),
+                        torch.tensor([5]))  # fmt: skip
+        assert seen == [PACKED_GQA]
+        assert model.config._attn_implementation == "sdpa"  # restored: HF generate on this model is untouched
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([tokens]))
+        assert seen == [PACKED_GQA, "sdpa"]
+    finally:
+        hook.remove()
+
+
+def test_switch_is_undone_when_the_forward_fails(tiny) -> None:
+    model = tiny("llama")
+    adapter = ModelAdapter(model)
+
+    def fail(module, args):
+        raise RuntimeError("injected")
+
+    hook = model.model.layers[1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            adapter.forward(torch.tensor([1, 2]), torch.arange(2), torch.ones(2, 2).bool().tril(),
+                            adapter.new_cache(), torch.tensor([1]))  # fmt: skip
+    finally:
+        hook.remove()
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_other_implementations_are_left_alone(tiny) -> None:
+    model = tiny("qwen2")
+    model.config._attn_implementation = "eager"
+    try:
+        assert not supports_packed_gqa(model.config)
+        adapter = ModelAdapter(model)
+        seen: list[str] = []
+        attention = model.model.layers[0].self_attn
+        hook = attention.register_forward_pre_hook(lambda m, a: seen.append(m.config._attn_implementation))
+        try:
+            adapter.forward(torch.tensor([3]), torch.arange(1), torch.ones(1, 1).bool(), adapter.new_cache(),
+                            torch.tensor([0]))  # fmt: skip
+        finally:
+            hook.remove()
+        assert seen == ["eager"]
+    finally:
+        model.config._attn_implementation = "sdpa"
