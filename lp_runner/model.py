@@ -103,7 +103,10 @@ class AppendBufferLayer(DynamicLayer):
             self._key_buffer = self._value_buffer = None
         cached = self.get_seq_length()
         total = cached + key_states.shape[-2]
-        if self._key_buffer is None or total > self._key_buffer.shape[-2]:
+        # A method inherited from DynamicLayer that rebinds keys (reorder, batch select, offload) detaches them
+        # from the buffer: start a new buffer from them rather than write into a stale one.
+        stale = self._key_buffer is None or self.keys.data_ptr() != self._key_buffer.data_ptr()
+        if stale or total > self._key_buffer.shape[-2]:
             self._key_buffer = _grown(self.keys, key_states, total)
             self._value_buffer = _grown(self.values, value_states, total)
         self._key_buffer[..., cached:total, :] = key_states

@@ -154,6 +154,28 @@ def test_append_buffer_cache_holds_the_bits_a_dynamic_cache_holds(tiny, family: 
     assert all(layer._key_buffer.shape[-2] > capacity[id(layer)] for layer in full), "the buffer never grew"
 
 
+def test_append_buffer_survives_a_rebound_tensor(tiny) -> None:
+    """Inherited DynamicLayer methods (beam reorder, batch select, offload) rebind keys to a new tensor."""
+    from transformers import DynamicCache
+
+    model = tiny("llama")
+    adapter = ModelAdapter(model)
+    ours, ref = adapter.new_cache(), DynamicCache(config=model.config)
+    tokens = torch.tensor(random_prompt(9, seed=2))
+    for cache in (ours, ref):
+        adapter.forward(tokens, torch.arange(9), causal(9), cache, torch.tensor([8]))
+        for layer in cache.layers:
+            layer.batch_select_indices(torch.tensor([0]))  # same contents, a new tensor
+        move_rows(cache, [8], [2])  # written into the new tensor only
+        crop(cache, 7)
+    nxt = torch.tensor([5, 6])
+    got = adapter.forward(nxt, torch.arange(7, 9), causal(2), ours, torch.arange(2))
+    want = adapter.forward(nxt, torch.arange(7, 9), causal(2), ref, torch.arange(2))
+    assert torch.equal(got, want)
+    for layer, ref_layer in zip(ours.layers, ref.layers, strict=True):
+        assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(layer.values, ref_layer.values)
+
+
 def test_model_without_a_cache_keyword_is_refused() -> None:
     # A real forward signature that no supported transformers version has; nothing else of the model is used.
     class NoCache(torch.nn.Module):
