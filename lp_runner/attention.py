@@ -39,7 +39,7 @@ def packed_gqa_sdpa(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # ([B, Q, H, D], no weights)
     """transformers' sdpa attention, minus the K/V repeat for a masked multi-row query (see the module doc)."""
-    groups = getattr(module, "num_key_value_groups", 1)
+    groups = query.shape[1] // key.shape[1]  # query heads per K/V head, read from the tensors themselves
     rows = query.shape[2]
     special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
     if groups == 1 or rows == 1 or attention_mask is None or attention_mask.shape[1] != 1 or special:
