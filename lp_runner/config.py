@@ -25,7 +25,7 @@ class ModelConfig:
     path: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct), a local HF folder, or a .gguf file
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun, cuda means cuda:LOCAL_RANK)
-    threads: int = 0  # torch intra-op threads per worker; 0 keeps torch's default
+    threads: int = 0  # torch intra-op threads per worker; 0 = the process's cores / ranks on this node
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 

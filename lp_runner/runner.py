@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lp_runner.config import Config
+from lp_runner.device import resolve_threads
 from lp_runner.engine import GenerationResult, LookaheadEngine
 from lp_runner.errors import ConfigError, DistributedError
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path, weights_checksum
@@ -68,8 +69,7 @@ def start_worker(cfg: Config) -> Worker:
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     if world > 1 and cfg.parallel.workers not in (1, world):
         raise ConfigError(f"parallel.workers={cfg.parallel.workers} but the launcher started {world} workers")
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
+    torch.set_num_threads(resolve_threads(cfg.model.threads))
     device = resolve_device(cfg.model.device, local_rank)
     if world > 1 or launched:
         init_process_group(cfg.parallel.dist_backend, cfg.parallel.timeout_s)
