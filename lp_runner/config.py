@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ class RunConfig:
     stream: bool = True  # stream text for a single prompt
     progress: bool = True  # progress bar over a prompts file
     summary: bool = True  # one-screen summary at the end
+    on_error: str = "stop"  # stop | skip: a bad prompt ends the run, or becomes an error record {id, error}
 
 
 @dataclass
@@ -112,7 +114,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "lookahead.candidate_policy": ("context_first", "pool_first"),
     "parallel.backend": ("torch", "ray"),
     "parallel.dist_backend": ("auto", "gloo", "nccl"),
+    "run.on_error": ("stop", "skip"),
 }
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # model.device
 
 
 def _known_keys() -> list[str]:
@@ -201,10 +205,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config path {p} is a folder, not a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
         if not isinstance(data, dict):
@@ -280,6 +288,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.placement_timeout_s must be > 0, got {par.placement_timeout_s}")
     if par.max_restarts < 0:
         raise ConfigError(f"parallel.max_restarts must be >= 0, got {par.max_restarts}")
+    if not _DEVICE.fullmatch(cfg.model.device):
+        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
     if cfg.model.threads < 0:
         raise ConfigError(f"model.threads must be >= 0, got {cfg.model.threads}")
     for key, choices in _CHOICES.items():
