@@ -7,20 +7,30 @@ this machine, so a single-machine LP run needs no launcher knowledge.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from lp_runner.config import Config, load_config
-from lp_runner.errors import InputError, LPError
-from lp_runner.metrics import combine
-from lp_runner.prompts import PromptSpec, read_prompts
+from lp_runner.errors import DistributedError, InputError, LPError
+from lp_runner.output import LOCK_HOLDER_ENV, OutputFile
+from lp_runner.prompts import PromptSpec, prompt_problem, read_prompts
 
 EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 3
+EXIT_INTERRUPTED = 130
+EXIT_DIR_ENV = "LP_RUNNER_EXIT_DIR"  # where each self-launched rank leaves its exit code for the parent
+STOP_GRACE_S = 15.0  # after Ctrl-C / SIGTERM, how long torchrun and the ranks get before SIGKILL
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="a single plain-text prompt (streamed to the terminal)")
     src.add_argument("--prompts", help="JSONL file: one {id, prompt | messages} object per line")
     p.add_argument("--output", help="write one JSON record per prompt to this JSONL file")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume", action="store_true", help="--output exists: keep its records, run only the prompts it lacks"
+    )
+    again.add_argument(
+        "--overwrite", action="store_true", help="--output exists: replace it (once the first new record is ready)"
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -49,8 +66,100 @@ def rank_prefix() -> str:
     return f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
 
 
-def relaunch_with_torchrun(cfg: Config, argv: list[str]) -> int:
-    """parallel.workers > 1 without a launcher: run the same command as P local torchrun workers."""
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tune"]:
+        from lp_runner.tune import main as tune_main
+
+        return tune_main(argv[1:])
+    code = _run(argv)
+    _leave_exit_code(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    launched = "WORLD_SIZE" in os.environ
+    # A rank leaves at once on torchrun's SIGTERM; a top-level run ends on a scheduler's SIGTERM as on Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, _on_sigterm if launched else _interrupt)
+    output = None
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.prompt is not None:
+            specs = [PromptSpec(id="prompt", prompt=args.prompt, where="--prompt")]
+        elif args.prompts is not None:
+            specs = read_prompts(args.prompts)
+        else:
+            raise InputError("give --prompt TEXT or --prompts FILE.jsonl")
+        if (args.resume or args.overwrite) and args.output is None:
+            raise InputError(f"{'--resume' if args.resume else '--overwrite'} needs --output FILE")
+        if cfg.run.on_error == "stop":  # the whole input, before any weights are loaded
+            for spec in specs:
+                if (problem := prompt_problem(spec)) is not None:
+                    raise InputError(f"{spec.describe()}: {problem}")
+        single = args.prompt is not None
+        if args.output is not None and int(os.environ.get("RANK", "0")) == 0:
+            mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
+            output = OutputFile.open(args.output, mode, cfg)  # checked and locked before anything is loaded
+        if cfg.parallel.backend == "ray":
+            from lp_runner.ray_backend import run_on_ray  # imported lazily: ray is optional
+
+            code = run_on_ray(cfg, specs, output, single=single)
+        elif cfg.parallel.workers > 1 and not launched:
+            code = relaunch_with_torchrun(cfg, argv, output)
+        else:
+            code = run_local(cfg, specs, output, single=single)
+        if output is not None:
+            output.close(complete=code == 0)
+            output = None
+        return code
+    except LPError as exc:
+        print(f"error: {rank_prefix()}{exc}", file=sys.stderr, flush=True)
+        return EXIT_PEER_FAILURE if isinstance(exc, DistributedError) else EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"error: {rank_prefix()}interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        if output is not None:
+            output.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """torchrun stops the surviving workers with SIGTERM when one fails: say so instead of dying silently.
+
+    A rank may sit in a collective that only returns at its timeout, so it leaves at once (records already
+    written are flushed; the kernel drops the output lock)."""
+    print(
+        f"error: {rank_prefix()}stopped by the launcher (SIGTERM): another worker failed or the job was cancelled",
+        file=sys.stderr,
+        flush=True,
+    )
+    _leave_exit_code(128 + signum)
+    os._exit(128 + signum)
+
+
+def _leave_exit_code(code: int) -> None:
+    """A self-launched rank tells the parent its own exit code (torchrun reports 1 for any failure)."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if folder and "RANK" in os.environ:
+        with contextlib.suppress(OSError):
+            Path(folder, f"rank{os.environ['RANK']}").write_text(str(code))
+
+
+# ---------------------------------------------------------------- parallel.workers=P: torchrun started for you
+
+
+def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | None) -> int:
+    """parallel.workers > 1 without a launcher: run the same command as P local torchrun workers.
+
+    This process holds the output's lock for the ranks (rank 0 writes), forwards Ctrl-C / SIGTERM to torchrun
+    and every rank, waits for them (at most STOP_GRACE_S, then SIGKILL), and leaves no process behind: it is
+    their subreaper, so ranks orphaned by a dying torchrun come back to it. Its exit code is the ranks' own."""
     cmd = [
         sys.executable,
         "-m",
@@ -61,126 +170,158 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str]) -> int:
         "lp_runner",
         *argv,
     ]
-    rc = subprocess.call(cmd)
-    if rc != 0:
-        print(f"error: LP workers failed (torchrun exited with {rc}); see the worker messages above", file=sys.stderr)
-    return rc
+    _become_subreaper()
+    signals: list[int] = []
 
+    def forward(signum: int, frame: object) -> None:
+        signals.append(signum)
+        _signal_all(_descendants(), signum)
 
-def format_summary(cfg: Config, summary: dict, load_s: float, workers: int) -> str:
-    la = cfg.lookahead
-    lines = [
-        "-" * 64,
-        f"lp_runner  W={la.window_size} N={la.ngram_size} G={la.verification_set_size} "
-        f"pool_from_prompt={la.pool_from_prompt}  workers={workers}",
-        f"prompts {summary['generations']}  new tokens {summary['new_tokens']}  forwards {summary['forwards']}  "
-        f"tokens/forward {summary['tokens_per_forward']:.2f}",
-        f"tokens/s {summary['tokens_per_s']:.2f}  generation {summary['seconds']:.2f} s  model load {load_s:.2f} s",
-        f"time split: forward {100 * summary['forward_share']:.1f}%  host {100 * summary['host_share']:.1f}%  "
-        f"comm {100 * summary['comm_share']:.1f}% ({summary['comm_us_per_round']:.0f} us/round)  "
-        f"mean packed rows {summary['mean_rows']:.1f}",
-        "-" * 64,
-    ]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["tune"]:
-        from lp_runner.tune import main as tune_main
-
-        return tune_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.prompt is not None:
-            specs = [PromptSpec(id="prompt", prompt=args.prompt)]
-        elif args.prompts is not None:
-            specs = read_prompts(args.prompts)
-        else:
-            raise InputError("give --prompt TEXT or --prompts FILE.jsonl")
-        if cfg.parallel.backend == "ray":
-            from lp_runner.ray_backend import run_on_ray  # imported lazily: ray is optional
-
-            return run_on_ray(cfg, specs, args.output, single=args.prompt is not None)
-        if cfg.parallel.workers > 1 and "WORLD_SIZE" not in os.environ:
-            return relaunch_with_torchrun(cfg, argv)
-        return run_local(cfg, specs, args.output, single=args.prompt is not None)
-    except LPError as exc:
-        from lp_runner.errors import DistributedError
-
-        print(f"error: {rank_prefix()}{exc}", file=sys.stderr, flush=True)
-        return EXIT_PEER_FAILURE if isinstance(exc, DistributedError) else EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print(f"error: {rank_prefix()}interrupted", file=sys.stderr)
-        return 130
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    """torchrun stops the surviving workers with SIGTERM when one fails: say so instead of dying silently."""
-    print(
-        f"error: {rank_prefix()}stopped by the launcher (SIGTERM): another worker failed or the job was cancelled",
-        file=sys.stderr,
-        flush=True,
-    )
-    os._exit(128 + signum)
-
-
-def run_local(cfg: Config, specs: list[PromptSpec], output: str | None, single: bool) -> int:
-    """This process is one rank (or the only one): run all prompts, rank 0 writes and reports."""
-    from lp_runner.runner import run_prompts, start_worker  # heavy imports after argument checks
-
-    if "WORLD_SIZE" in os.environ:
-        signal.signal(signal.SIGTERM, _on_sigterm)
-
-    out_file = None
-    if output is not None and int(os.environ.get("RANK", "0")) == 0:
+    with tempfile.TemporaryDirectory(prefix="lp_runner-exit-") as codes:
+        env = {**os.environ, EXIT_DIR_ENV: codes}
+        if output is not None:
+            env[LOCK_HOLDER_ENV] = str(os.getpid())
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            Path(output).parent.mkdir(parents=True, exist_ok=True)
-            out_file = open(output, "w", encoding="utf-8")  # noqa: SIM115 - closed in finally
-        except OSError as exc:
-            raise InputError(f"cannot write output file {output}: {exc.strerror or exc}") from None
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+            relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, signals), daemon=True)
+            relay.start()
+            rc = _wait_bounded(proc, signals)
+            relay.join(timeout=5.0)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            _stop_leftovers()
+        ranks = {int(f.name[4:]): int(f.read_text() or 1) for f in Path(codes).glob("rank*")}
+    if signals:
+        print("error: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    if rc == 0:
+        return 0
+    code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in ranks.values()), EXIT_PEER_FAILURE)
+    print(f"error: LP workers failed (exit code {code}); see the worker messages above", file=sys.stderr)
+    return code
+
+
+def _wait_bounded(proc: subprocess.Popen, signals: list[int]) -> int:
+    """torchrun's exit code; after the first forwarded signal it gets STOP_GRACE_S, then it and the ranks are
+    killed."""
+    while proc.poll() is None and not signals:
+        time.sleep(0.1)  # short sleeps: the signal handler runs between them
+    deadline = time.monotonic() + STOP_GRACE_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if proc.poll() is None:
+        _signal_all(_descendants(), signal.SIGKILL)
+    return proc.wait()
+
+
+def _relay_stderr(pipe: Any, signals: list[int]) -> None:
+    """The ranks' and torchrun's stderr, as it comes (progress bars included); once the job is interrupted only
+    the ``error:`` lines pass: torchrun's own traceback of the signal says nothing the user does not know."""
+    out = sys.stderr.buffer
+    pending = b""
+    while chunk := os.read(pipe.fileno(), 65536):
+        if not signals:
+            out.write(chunk)
+            out.flush()
+            continue
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.lstrip(b"\r").startswith(b"error: "):
+                out.write(line.lstrip(b"\r") + b"\n")
+                out.flush()
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants (ranks whose torchrun died) are re-parented to this process, not to init."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants() -> list[int]:
+    """Pids of every process below this one (from /proc; Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def _stop_leftovers() -> None:
+    """Ranks that outlived torchrun (it was killed): SIGTERM, a bounded wait, SIGKILL; then reap them all."""
+    left = _descendants()
+    if left:
+        _signal_all(left, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while _descendants() and time.monotonic() < deadline:
+            _reap()
+            time.sleep(0.1)
+        _signal_all(_descendants(), signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while _descendants() and time.monotonic() < deadline:
+            _reap()
+            time.sleep(0.05)
+    _reap()
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+# ---------------------------------------------------------------- this process runs the prompts
+
+
+def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, single: bool) -> int:
+    """This process is one rank (or the only one): run the prompts the output lacks; rank 0 writes and reports."""
+    from lp_runner.report import Report
+    from lp_runner.runner import model_checksum, run_prompts, start_worker  # heavy imports after argument checks
+
+    worker = None
     try:
         worker = start_worker(cfg)
+        done = output.done if output is not None else set()
+        if output is not None and done:
+            output.check_weights(model_checksum(worker))
+        if worker.comm.world_size > 1:  # every rank runs the prompts rank 0's output lacks
+            done = set(json.loads(worker.comm.all_gather_strings(json.dumps(sorted(done)))[0]))
+        todo = [s for s in specs if s.id not in done]
         stream = None
         if single and cfg.run.stream and worker.is_main:
             stream = lambda text: print(text, end="", flush=True)  # noqa: E731
-        bar = None
-        if not single and cfg.run.progress and worker.is_main and len(specs) > 1:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(specs), desc="prompts", unit="prompt", file=sys.stderr)
-        stats = []
-
-        def on_record(rec: dict) -> None:
-            stats.append(rec)
-            if out_file is not None:
-                out_file.write(json.dumps(rec) + "\n")
-                out_file.flush()  # nothing is lost if a later prompt fails
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(tok_per_fwd=f"{rec['tokens_per_forward']:.2f}", tok_s=f"{rec['tokens_per_s']:.1f}")
-
-        run_prompts(worker, specs, on_record=on_record, stream=stream)
-        if bar is not None:
-            bar.close()
+        report = Report(cfg, output, len(specs), len(specs) - len(todo), progress=worker.is_main and not single)
+        try:
+            run_prompts(worker, todo, on_record=report.record, stream=stream)
+        finally:
+            report.close_bar()
         if stream is not None:
             print(flush=True)
-        if worker.is_main and cfg.run.summary:
-            summary = combine(_StatsView(r["stats"]) for r in stats)
-            print(format_summary(cfg, summary, worker.load_s, worker.comm.world_size), file=sys.stderr)
+        if worker.is_main:
+            report.finish(worker.load_s, worker.comm.world_size)
         return 0
     finally:
-        if out_file is not None:
-            out_file.close()
         _shutdown_group()
-
-
-class _StatsView:
-    """Adapts a record's ``stats`` dict to the attribute access ``combine`` expects."""
-
-    def __init__(self, d: dict) -> None:
-        self.__dict__.update(d)
 
 
 def _shutdown_group() -> None:

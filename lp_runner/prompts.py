@@ -2,6 +2,10 @@
 
 JSONL: one object per line with ``id`` and either ``prompt`` (plain text, tokenized with the tokenizer's
 defaults) or ``messages`` (a chat; the chat template is applied with the generation prompt).
+
+Errors that make the file unreadable (not UTF-8, not JSON, no id, a duplicate id) always end the run: they name
+the file and line. Errors of one prompt (empty, too long for the model) name its id and line, and follow
+``run.on_error``: ``stop`` ends the run before anything is generated, ``skip`` turns them into error records.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ class PromptSpec:
     id: str
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    where: str = ""  # "FILE:LINE" of a prompts file, "--prompt" for the command line's
+
+    def describe(self) -> str:
+        """How errors name this prompt: ``prompt 'b' (p.jsonl:3)``."""
+        return f"prompt {self.id!r} ({self.where})" if self.where else f"prompt {self.id!r}"
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id}
@@ -40,38 +49,48 @@ def spec_from_obj(obj: Any, where: str) -> PromptSpec:
     if has_prompt:
         if not isinstance(obj["prompt"], str):
             raise InputError(f"{where}: 'prompt' must be a string")
-        return PromptSpec(id=str(obj["id"]), prompt=obj["prompt"])
+        return PromptSpec(id=str(obj["id"]), prompt=obj["prompt"], where=where)
     msgs = obj["messages"]
     if not isinstance(msgs, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
     ):
         raise InputError(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}}")
-    return PromptSpec(id=str(obj["id"]), messages=tuple(dict(m) for m in msgs))
+    return PromptSpec(id=str(obj["id"]), messages=tuple(dict(m) for m in msgs), where=where)
+
+
+def prompt_problem(spec: PromptSpec) -> str | None:
+    """What makes this prompt unusable before any tokenizer is loaded (None: nothing found)."""
+    if spec.prompt == "" or spec.messages == ():
+        return "empty prompt: at least one token is needed"
+    return None
 
 
 def read_prompts(path: str | Path) -> list[PromptSpec]:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = p.read_bytes()
     except OSError as exc:
         raise InputError(f"cannot read prompts file {p}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"prompts file {p} is not UTF-8 text") from None
-    specs = []
-    for i, line in enumerate(text.splitlines(), start=1):
+    specs: list[PromptSpec] = []
+    first_line: dict[str, int] = {}
+    for i, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{p}:{i}: not UTF-8 text (byte {exc.start} of the line: {exc.reason})") from None
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise InputError(f"{p}:{i}: invalid JSON ({exc.msg})") from None
-        specs.append(spec_from_obj(obj, f"{p}:{i}"))
+        spec = spec_from_obj(obj, f"{p}:{i}")
+        if spec.id in first_line:
+            raise InputError(f"{p}:{i}: duplicate id {spec.id!r} (first on line {first_line[spec.id]})")
+        first_line[spec.id] = i
+        specs.append(spec)
     if not specs:
         raise InputError(f"prompts file {p} holds no prompts")
-    ids = [s.id for s in specs]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise InputError(f"prompts file {p}: duplicate id {dup!r}")
     return specs
 
 

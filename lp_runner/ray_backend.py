@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -31,12 +32,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from lp_runner.config import Config, ParallelConfig, config_from_dict
-from lp_runner.errors import ConfigError, DistributedError, InputError, LPError
+from lp_runner.errors import ConfigError, DistributedError, LPError
+from lp_runner.output import OutputFile
 from lp_runner.prompts import PromptSpec
+from lp_runner.report import Report
 
 RAY_MISSING = "parallel.backend=ray needs ray: pip install 'lp_runner[ray]'"
 POLL_S = 0.1  # how often the driver collects rank 0's tokens and records
@@ -150,6 +152,12 @@ class Replica:
         self.worker = start_worker(config_from_dict(cfg_data))
         return self.worker.load_s
 
+    def fingerprint(self) -> str:
+        """The loaded model's weights checksum (what ``--resume`` compares with the output's records)."""
+        from lp_runner.runner import model_checksum
+
+        return model_checksum(self.worker)
+
     def run(
         self,
         specs: list[PromptSpec],
@@ -238,42 +246,54 @@ class _Progress:
         return [i for i in range(self.total) if i not in self.records]
 
 
-def run_on_ray(cfg: Config, specs: list[PromptSpec], output: str | None, single: bool | None = None) -> int:
+def run_on_ray(
+    cfg: Config, specs: list[PromptSpec], output: OutputFile | str | None, single: bool | None = None
+) -> int:
     """``parallel.backend=ray``: run the prompts on P Ray actors; same outputs, stream and summary as torchrun.
 
-    ``single`` (stream the text) defaults to "one prompt given with --prompt" (the CLI names it 'prompt')."""
+    ``output``: the CLI's opened (locked, checked) output file, or a path to a new one. ``single`` (stream the
+    text) defaults to "one prompt given with --prompt" (the CLI names it 'prompt'). SIGTERM to the driver ends
+    the run like Ctrl-C (KeyboardInterrupt): the actors are killed and a local instance is stopped."""
     ray = _import_ray()
     if single is None:
         single = len(specs) == 1 and specs[0].id == "prompt"
-    out_file = _open_output(output)
+    opened = isinstance(output, (str, Path))
+    sink = OutputFile.open(output, "new", cfg) if opened else output
     connected = ray.is_initialized()  # an embedding program's own connection: reused, left open
+    previous = signal.getsignal(signal.SIGTERM)
+    code = 1
     try:
         if not connected:
             _connect(ray, cfg)
-        return _Driver(ray, cfg, specs, out_file, single).run()
+        # after ray.init, which installs its own SIGTERM handler (a C++ stack dump and no message)
+        signal.signal(signal.SIGTERM, _interrupt)
+        code = _Driver(ray, cfg, specs, sink, single).run()
+        return code
     finally:
-        if out_file is not None:
-            out_file.close()
+        if opened and sink is not None:
+            sink.close(complete=code == 0)
         if not connected and ray.is_initialized():
             ray.shutdown()  # stops the local instance we started; only disconnects from a cluster
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 class _Driver:
-    def __init__(self, ray: Any, cfg: Config, specs: list[PromptSpec], out_file: Any, single: bool) -> None:
+    def __init__(self, ray: Any, cfg: Config, specs: list[PromptSpec], output: OutputFile | None, single: bool):
         self.ray = ray
         self.load_s = 0.0
         self.cfg = cfg
-        self.specs = specs
-        self.out_file = out_file
+        done = output.done if output is not None else set()
+        self.output = output
+        self.specs = [s for s in specs if s.id not in done]  # --resume: only what the output lacks
         self.stream = single and cfg.run.stream
-        self.progress = _Progress(len(specs))
+        self.progress = _Progress(len(self.specs))
         self.recoveries: list[dict] = []
         self.run_id = uuid.uuid4().hex[:8]
-        self.bar = None
-        if not single and cfg.run.progress and len(specs) > 1:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=len(specs), desc="prompts", unit="prompt", file=sys.stderr)
+        self.report = Report(cfg, output, len(specs), len(specs) - len(self.specs), progress=not single)
 
     # -- the elastic loop
 
@@ -291,6 +311,8 @@ class _Driver:
             try:
                 group = self._start_group(workers, generation, shrink=generation > 0)
                 self.load_s = group.load_s
+                if generation == 0 and self.output is not None and self.output.done:
+                    self.output.check_weights(self.ray.get(group.actors[0].fingerprint.remote()))
                 if lost_at is not None:
                     self.recoveries[-1].update(seconds=round(time.monotonic() - lost_at, 3), workers_after=group.size)
                     lost_at = None
@@ -515,44 +537,39 @@ class _Driver:
     def _write(self, i: int, rec: dict) -> None:
         if i in self.progress.recovery:
             rec["recovery"] = self.progress.recovery[i]
+            whole_generation(rec, self.progress.recovery[i][-1]["rounds_before"])
         self.progress.records[i] = rec
         self.progress.committed.pop(i, None)
-        if self.out_file is not None:
-            self.out_file.write(json.dumps(rec) + "\n")
-            self.out_file.flush()  # nothing is lost if a later prompt fails
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(tok_per_fwd=f"{rec['tokens_per_forward']:.2f}", tok_s=f"{rec['tokens_per_s']:.1f}")
+        self.report.record(rec)
 
     def _finish(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.report.close_bar()
         if self.stream:
             print(flush=True)
-        if not self.cfg.run.summary:
-            return
-        from lp_runner.__main__ import format_summary
-        from lp_runner.metrics import combine
-
         records = [self.progress.records[i] for i in range(len(self.specs))]
-        summary = combine(SimpleNamespace(**r["stats"]) for r in records)
-        workers = records[-1]["workers"] if records else self.cfg.parallel.workers
-        lines = format_summary(self.cfg, summary, self.load_s, workers).split("\n")
-        if self.recoveries:
-            spent = sum(r["seconds"] or 0.0 for r in self.recoveries)
-            lines.insert(-1, f"recoveries {len(self.recoveries)} (lost workers, {spent:.2f} s to rebuild)")
-            for r in self.recoveries:
-                lines.insert(
-                    -1,
-                    f"  {r['lost'][:80]} -> prompt '{r['prompt']}' resumed at token {r['resumed_at_token']} "
-                    f"on {r['workers_after']} workers",
-                )
-        print("\n".join(lines), file=sys.stderr)
+        workers = next((r["workers"] for r in reversed(records) if "workers" in r), self.cfg.parallel.workers)
+        self.report.finish(self.load_s, workers, self.recoveries)
 
     # -- cluster queries
 
     def _nodes(self) -> list[dict[str, float]]:
         return [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
+
+
+def whole_generation(rec: dict, rounds_before: int) -> None:
+    """A record resumed after a lost worker counts the whole generation (mutates ``rec``).
+
+    The resumed group's record counts only its own forwards and tokens; ``rounds_before``: the forwards the
+    lost group(s) ran for this prompt (one per committed round the driver saw). Example: 3 rounds (20 tokens)
+    before the loss, 13 forwards for the remaining 76 tokens -> forwards 16, new tokens 96 in record and stats.
+    ``seconds`` stays the resumed part's (the lost part's time is not known exactly)."""
+    stats = rec["stats"]
+    stats["forwards"] += rounds_before
+    stats["rounds"] += rounds_before
+    stats["new_tokens"] = rec["new_tokens"]
+    rec["forwards"] = stats["forwards"]
+    tpf = round(rec["new_tokens"] / rec["forwards"], 4) if rec["forwards"] else 0.0
+    rec["tokens_per_forward"] = stats["tokens_per_forward"] = tpf
 
 
 def _import_ray() -> Any:
@@ -568,8 +585,8 @@ def _connect(ray: Any, cfg: Config) -> None:
     par = cfg.parallel
     address = par.ray_address or os.environ.get("RAY_ADDRESS", "")
     if not address or address == "local":
-        cpus = max(os.cpu_count() or 1, math.ceil(par.workers * par.cpus_per_worker))
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+        # the machine's real cores: workers that need more fail the capacity check instead of oversubscribing
+        ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False, logging_level=logging.WARNING)
         return
     if address.startswith(("http://", "https://")):
         raise RayClusterError(
@@ -581,6 +598,14 @@ def _connect(ray: Any, cfg: Config) -> None:
         ray.init(address=address, logging_level=logging.WARNING, runtime_env=_code_runtime_env())
     except Exception as exc:  # ConnectionError, RuntimeError: no cluster there, or a version mismatch
         raise RayClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(exc)}") from None
+
+
+def local_cpus() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _code_runtime_env() -> dict | None:
@@ -607,16 +632,6 @@ def _check_reachable(address: str) -> None:
             f"cannot reach the Ray cluster at {address} ({exc.strerror or exc}); check parallel.ray_address / "
             "RAY_ADDRESS, or start a cluster with `ray start --head`"
         ) from None
-
-
-def _open_output(output: str | None) -> Any:
-    if output is None:
-        return None
-    try:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        return open(output, "w", encoding="utf-8")  # noqa: SIM115 - closed by run_on_ray
-    except OSError as exc:
-        raise InputError(f"cannot write output file {output}: {exc.strerror or exc}") from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,12 @@ import torch
 from lp_runner.config import Config
 from lp_runner.device import resolve_threads
 from lp_runner.engine import GenerationResult, LookaheadEngine
-from lp_runner.errors import ConfigError, DistributedError
+from lp_runner.errors import ConfigError, DistributedError, InputError
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path, weights_checksum
 from lp_runner.model import ModelAdapter
+from lp_runner.output import output_digest, output_settings
 from lp_runner.parallel.comm import Communicator, SoloCommunicator, TorchCommunicator, init_process_group
-from lp_runner.prompts import PromptSpec, encode
+from lp_runner.prompts import PromptSpec, encode, prompt_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -110,6 +112,28 @@ def eos_token_ids(worker: Worker) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
+_CHECKSUMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_checksum(worker: Worker) -> str:
+    """``weights_checksum`` of the worker's model, computed once per model (one pass over the weights)."""
+    model = worker.adapter.model
+    if model not in _CHECKSUMS:
+        _CHECKSUMS[model] = weights_checksum(model)
+    return _CHECKSUMS[model]
+
+
+def make_error_record(worker: Worker, spec: PromptSpec, error: str) -> dict:
+    """``run.on_error=skip``: what the output keeps of a prompt that could not run (resume skips it too)."""
+    return {
+        "id": spec.id,
+        "error": error,
+        "config_digest": output_digest(worker.cfg),
+        "weights_checksum": model_checksum(worker),
+        "config": output_settings(worker.cfg),
+    }
+
+
 def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], result: GenerationResult) -> dict:
     cfg, s = worker.cfg, result.stats
     la = cfg.lookahead
@@ -132,6 +156,9 @@ def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], res
         "dist_backend": worker.comm.backend,
         "do_sample": cfg.generation.do_sample,
         "stats": s.summary(),
+        "config_digest": output_digest(cfg),  # what ``--resume`` checks: same settings, same weights
+        "weights_checksum": model_checksum(worker),
+        "config": output_settings(cfg),
     }
 
 
@@ -171,18 +198,33 @@ def run_prompts(
 
     ``committed[i]`` resumes prompt i from tokens already generated (e.g. before a worker was lost); its record
     holds the whole output, as if never interrupted, and ``stream`` shows only what follows the prefix.
-    ``on_commit(i, tokens)`` sees the tokens committed by every round of prompt i (rank 0 only)."""
+    ``on_commit(i, tokens)`` sees the tokens committed by every round of prompt i (rank 0 only).
+
+    Every prompt is tokenized and checked before the first is generated; a bad one (empty, too long for the
+    model) ends the run with an InputError naming its id and line (``run.on_error=stop``), or gets an error
+    record ``{id, error}`` in its place (``skip``)."""
     engine = LookaheadEngine(
         worker.adapter, worker.cfg.lookahead, worker.cfg.generation, eos_token_ids(worker), worker.comm
     )
-    prompt_ids = [encode(worker.tokenizer, s) for s in specs]
     prefixes = [list(c) for c in committed] if committed is not None else [[] for _ in specs]
     if len(prefixes) != len(specs):
         raise ValueError(f"committed has {len(prefixes)} entries for {len(specs)} prompts")
-    for ids in prompt_ids:  # fail on over-long prompts before any generation starts
-        engine.check_prompt(ids)
+    prompt_ids, problems = [], []
+    for spec in specs:
+        ids, problem = check_prompt(worker, engine, spec)
+        if problem is not None and worker.cfg.run.on_error == "stop":
+            raise InputError(f"{spec.describe()}: {problem}")
+        prompt_ids.append(ids)
+        problems.append(problem)
     records = []
     for i, (spec, ids, prefix) in enumerate(zip(specs, prompt_ids, prefixes, strict=True)):
+        if problems[i] is not None:  # every rank skips it alike
+            if worker.is_main:
+                rec = make_error_record(worker, spec, f"{spec.describe()}: {problems[i]}")
+                records.append(rec)
+                if on_record is not None:
+                    on_record(rec)
+            continue
         callbacks: list[Callable[[Sequence[int]], None]] = []
         if stream and worker.is_main:
             callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefix))
@@ -195,6 +237,22 @@ def run_prompts(
             if on_record is not None:
                 on_record(rec)
     return records
+
+
+def check_prompt(worker: Worker, engine: LookaheadEngine, spec: PromptSpec) -> tuple[list[int], str | None]:
+    """(token ids, None) for a usable prompt, ([], what is wrong) otherwise."""
+    problem = prompt_problem(spec)
+    if problem is not None:
+        return [], problem
+    try:
+        ids = encode(worker.tokenizer, spec)
+    except ValueError as exc:  # e.g. messages for a tokenizer without a chat template
+        return [], f"cannot tokenize: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    try:
+        engine.check_prompt(ids)
+    except InputError as exc:
+        return [], str(exc)
+    return ids, None
 
 
 def _chain(callbacks: list[Callable[[Sequence[int]], None]]) -> Callable[[Sequence[int]], None] | None:
