@@ -53,22 +53,28 @@ def test_affinity_narrower_than_the_machine_is_honoured() -> None:
 
 
 def test_start_worker_applies_the_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runner sets torch's intra-op threads from the resolved value (here: 2 local ranks, no process group)."""
+    """The runner sets torch's intra-op threads from the resolved value (here: 2 local ranks, no process group).
+
+    Threads are set before the model is resolved and loaded (loading runs on them), so a missing model path stops
+    the worker right after, with nothing loaded or calibrated: the test reads the setting there.
+    """
     import torch
-    from test_loading import make_safetensors_folder
 
     from lp_runner.config import load_config
+    from lp_runner.loading import ModelError
     from lp_runner.runner import start_worker
 
-    folder = make_safetensors_folder(tmp_path / "tiny")
+    missing = tmp_path / "no-model"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(5)  # neither value expected below: start_worker must set it
-        start_worker(load_config(None, [f"model.path={folder}", "model.device=cpu"]))
+        with pytest.raises(ModelError, match="not found"):
+            start_worker(load_config(None, [f"model.path={missing}", "model.device=cpu"]))
         assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
-        start_worker(load_config(None, [f"model.path={folder}", "model.device=cpu", "model.threads=3"]))
+        with pytest.raises(ModelError, match="not found"):
+            start_worker(load_config(None, [f"model.path={missing}", "model.device=cpu", "model.threads=3"]))
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
