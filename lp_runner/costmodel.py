@@ -103,13 +103,23 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 def measure_curve(
-    adapter, kv_lens: Sequence[int], rows: Sequence[int], reps: int = 7, sync=None, seed: int = 0
+    adapter,
+    kv_lens: Sequence[int],
+    rows: Sequence[int],
+    reps: int = 7,
+    sync=None,
+    seed: int = 0,
+    head_rows: Sequence[int] | None = None,
 ) -> CostCurve:
     """Median forward seconds for every (K/V length, Q), head on one row and on all rows.
 
     Repetitions are interleaved (every Q once per sweep, sweep order rotated), so a slow drift of a shared
     machine spreads over all Q instead of bending the curve. ``sync`` (e.g. ``torch.cuda.synchronize``) runs
     before each clock read on asynchronous devices.
+
+    ``head_rows``: measure the head on every row only at these Q (the quick start-up calibration); elsewhere
+    ``all_s`` is ``body_s`` plus the measured cost of one more logit row times (Q - 1). The LM head is one
+    matrix product per logit row, independent of how many rows the body ran, so one large Q measures it best.
     """
     from lp_runner.model import crop  # local: the adapter module imports transformers
 
@@ -122,7 +132,11 @@ def measure_curve(
         tril = torch.ones(len(pre), len(pre), dtype=torch.bool).tril()
         adapter.forward(pre, torch.arange(len(pre)), tril, cache, torch.tensor([len(pre) - 1]))
         caches[len(pre)] = cache
-    cases = [(kv, q, head) for kv in caches for q in rows for head in ("body_s", "all_s")]
+    head_at = set(rows) if head_rows is None else set(head_rows)
+    if not head_at <= set(rows):
+        raise ValueError(f"head_rows {sorted(head_at)} must be among the measured rows {sorted(rows)}")
+    cases = [(kv, q, "body_s") for kv in caches for q in rows]
+    cases += [(kv, q, "all_s") for kv in caches for q in sorted(head_at)]
     times: dict[tuple[int, int, str], list[float]] = {c: [] for c in cases}
     for rep in range(reps + 1):
         k = (rep * 7) % len(cases)
@@ -138,8 +152,13 @@ def measure_curve(
             crop(caches[kv], kv)
             if rep > 0:  # the first sweep warms allocators and kernels
                 times[(kv, q, head)].append(elapsed)
+    body = {(kv, q): _median(times[(kv, q, "body_s")]) for kv in caches for q in rows}
+    full = {(kv, q): _median(times[(kv, q, "all_s")]) for kv in caches for q in head_at}
+    per_logit_row = {  # seconds of one more logit row, per K/V length (from the largest Q with a head measured)
+        kv: max(full[(kv, q)] - body[(kv, q)], 0.0) / (q - 1) if q > 1 else 0.0 for kv in caches for q in [max(head_at)]
+    }
     points = [
-        CurvePoint(kv, q, _median(times[(kv, q, "body_s")]), _median(times[(kv, q, "all_s")]))
+        CurvePoint(kv, q, body[(kv, q)], full.get((kv, q), body[(kv, q)] + per_logit_row[kv] * (q - 1)))
         for kv in caches
         for q in rows
     ]
@@ -149,6 +168,63 @@ def measure_curve(
 def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2]
+
+
+PAD_MARGIN = 0.05  # pad only where the curve says the larger row count is at least this much cheaper
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The row count each round runs at: the cheapest measured count at or above its own (``layout.pad_layout``).
+
+    A forward's cost is not monotone in its rows on every device: on one 2-core CPU 2-3 rows cost 1.6-1.9x one
+    row while 8 rows cost 1.35x, so a 3-row round is cheaper run as 8 rows. The filler rows compute no logits, so
+    both sides of the comparison are the body cost (head on one row). A target must beat the round's own count
+    by ``margin`` (a 3-repetition median is noisy), and no round is padded past the largest measured count.
+
+    Example (body ms at K/V 512: 1 -> 56, 2 -> 89, 3 -> 108, 4 -> 85, 8 -> 76, 16 -> 88):
+    rows_for(1) = 1, rows_for(2..6) = 8, rows_for(7) = 7 (8 rows within the margin), rows_for(9..16) unchanged.
+    """
+
+    kv_lens: tuple[int, ...]  # measured K/V lengths, ascending
+    targets: tuple[tuple[int, ...], ...]  # per K/V length: targets[k][q - 1] is the row count for q rows
+
+    @classmethod
+    def from_curve(cls, curve: CostCurve, margin: float = PAD_MARGIN) -> RowPlan:
+        kvs = curve.kv_lens
+        targets = []
+        for kv in kvs:
+            measured = sorted({p.rows for p in curve.points if p.kv_len == kv})
+            row = []
+            for q in range(1, measured[-1] + 1):
+                own = curve._at(kv, q, "body_s")
+                best, best_s = q, own * (1.0 - margin)
+                for r in measured:
+                    if r > q and curve._at(kv, r, "body_s") < best_s:
+                        best, best_s = r, curve._at(kv, r, "body_s")
+                row.append(best)
+            targets.append(tuple(row))
+        return cls(tuple(kvs), tuple(targets))
+
+    @classmethod
+    def identity(cls) -> RowPlan:
+        """No padding (a plan for devices where the curve is monotone, or padding switched off)."""
+        return cls((0,), ((1,),))
+
+    def rows_for(self, rows: int, kv_len: int) -> int:
+        """The row count to run a round of ``rows`` rows at, with ``kv_len`` cached positions (the measured K/V
+        length at or below it, else the smallest)."""
+        k = max(bisect.bisect_right(self.kv_lens, kv_len) - 1, 0)
+        table = self.targets[k]
+        return table[rows - 1] if 1 <= rows <= len(table) else rows
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows any padded round can have (bounds the cache a round may touch)."""
+        return max(max(t) for t in self.targets)
+
+    def to_dict(self) -> dict:
+        return {"kv_lens": list(self.kv_lens), "targets": [list(t) for t in self.targets]}
 
 
 @dataclass(frozen=True)
@@ -236,16 +312,22 @@ def predict(
     allgather_2_s: float = 0.0,
     host_s_per_round: float = 0.0,
     skip_prefill: bool = True,
+    row_plan: RowPlan | None = None,
 ) -> Prediction:
     """Seconds for the recorded rounds at P = ``world_size``: per round the slowest rank's forward (each rank
     waits for it in the all_gather), plus communication and host time. The prefill round is left out by default:
-    it is the same for every method and only prompt-length dependent."""
+    it is the same for every method and only prompt-length dependent. With ``row_plan`` each rank's round costs
+    what the engine runs: its rows padded as the plan says (the same function the engine calls)."""
     per_round = rank_rows(shapes, world_size)
     first = 1 if skip_prefill and len(shapes) > 1 else 0
     fwd = 0.0
     rows_max = 0
+
+    def run_rows(q: int, kv_len: int) -> int:
+        return q if row_plan is None else row_plan.rows_for(q, kv_len)
+
     for s, ranks in zip(shapes[first:], per_round[first:], strict=True):
-        fwd += max(curve.seconds(q, lg, s.kv_len) for q, lg in ranks)
+        fwd += max(curve.seconds(run_rows(q, s.kv_len), lg, s.kv_len) for q, lg in ranks)
         rows_max += max(q for q, _ in ranks)
     rounds = len(shapes) - first
     tokens = sum(s.emitted for s in shapes[first:])

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lp_runner.config import GenerationConfig, LookaheadConfig, check_lookahead
+from lp_runner.costmodel import RowPlan
 from lp_runner.errors import DistributedError, InputError
-from lp_runner.layout import RoundLayout, compile_round
+from lp_runner.layout import RoundLayout, compile_round, pad_layout
 from lp_runner.metrics import GenerationStats, RoundRecord
 from lp_runner.model import ModelAdapter, crop, move_rows
 from lp_runner.parallel.comm import Communicator, SoloCommunicator
@@ -67,14 +68,24 @@ class LookaheadEngine:
         generation: GenerationConfig,
         eos_ids: Sequence[int],
         comm: Communicator | None = None,
+        row_plan: RowPlan | None = None,
     ) -> None:
+        """``row_plan``: the row count each round runs at (padding to a cheaper count, ``costmodel.RowPlan``);
+        None runs every round at its own row count."""
         check_lookahead(lookahead)  # before anything is allocated
         self.adapter = adapter
         self.la = lookahead
         self.gen = generation
         self.eos_ids = frozenset(eos_ids) if generation.stop_on_eos else frozenset()
         self.comm = comm or SoloCommunicator()
+        self.row_plan = row_plan
         self._generations = 0  # seeds each generation's verifier streams: same seed and prompt order, same samples
+
+    def set_lookahead(self, lookahead: LookaheadConfig) -> None:
+        """Use another setting from the next generation on (the auto preset adapts between prompts; every
+        setting is exact, so only speed changes). Under LP every rank must make the same call."""
+        check_lookahead(lookahead)
+        self.la = lookahead
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         if not prompt_ids:
@@ -94,8 +105,10 @@ class LookaheadEngine:
             )
 
     def max_round_rows(self) -> int:
-        """An upper bound on the rows one round appends to the cache (window rows + verification rows)."""
-        return self.max_round_rows_for(self.la)
+        """An upper bound on the rows one round appends to the cache (window rows + verification rows, or the
+        row plan's largest padded count)."""
+        rows = self.max_round_rows_for(self.la)
+        return max(rows, self.row_plan.max_rows) if self.row_plan is not None else rows
 
     @staticmethod
     def max_round_rows_for(la: LookaheadConfig) -> int:
@@ -135,6 +148,8 @@ class LookaheadEngine:
             plan = coord.plan(history, window.depth if la.lookahead_branch else None)
             columns, candidates = plan.for_rank(comm.rank)
             layout = compile_round(pending, past_len, window.levels, columns, candidates)
+            if self.row_plan is not None:
+                layout = pad_layout(layout, self.row_plan.rows_for(layout.num_rows, past_len))
 
             t_fwd = time.perf_counter()
             try:
@@ -223,7 +238,8 @@ class LookaheadEngine:
     def _count(stats, plan, win_report, layout, num_local, num_emitted, forward_s, comm_s) -> None:
         stats.add(
             RoundRecord(
-                rows=layout.num_rows,
+                rows=layout.num_rows - layout.num_padding,
+                padded_rows=layout.num_padding,
                 logit_rows=len(layout.logit_rows),
                 candidates=num_local,
                 hits=win_report.hits,

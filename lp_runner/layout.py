@@ -27,13 +27,14 @@ Worked example (one ordinary row at p=9, W=3, depth 1, columns [0, 3), one candi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 ROLE_ORDINARY = 0
 ROLE_LOOKAHEAD = 1
 ROLE_VERIFY = 2
+ROLE_PAD = 3  # filler that makes a round a cheaper row count (``pad_layout``): sees itself only, seen by no one
 NO_INDEX = -1  # level / column / candidate / offset of a row that has none
 
 
@@ -69,6 +70,12 @@ class RoundLayout:
     @property
     def num_rows(self) -> int:
         return len(self.rows)
+
+    @property
+    def num_padding(self) -> int:
+        """Rows appended by ``pad_layout``: they follow every real row, so their K/V lies past anything a round
+        commits and the next crop drops it."""
+        return sum(1 for r in self.rows if r.role == ROLE_PAD)
 
     @property
     def first_verify_row(self) -> int:
@@ -150,6 +157,35 @@ def compile_round(
     )
 
 
+def pad_layout(layout: RoundLayout, num_rows: int) -> RoundLayout:
+    """The same round run as ``num_rows`` rows: filler rows appended after every real row.
+
+    Why: a forward's cost is not monotone in its row count on every device (one 2-core CPU measured 2-3 rows at
+    1.6-1.9x one row and 8 rows at 1.35x), so a round is cheaper run at a larger row count that the calibrated
+    curve says is cheaper (``costmodel.RowPlan``). Exactness: a filler row attends to itself only (a softmax
+    needs one visible key) and no real row attends to it, so every real row computes what it would without it;
+    no logits are computed for it; its K/V sits after the round's own rows, beyond any committed position, and
+    the round's crop drops it. Token and position repeat the live key's (any valid values would do).
+
+    Example: a 3-row round (live key at position 9, one 2-token candidate) padded to 5 rows appends two rows of
+    role ROLE_PAD at position 9; ``logit_rows``, ``verify_row`` and the commit plan are unchanged.
+    """
+    extra = num_rows - layout.num_rows
+    if extra < 0:
+        raise ValueError(f"cannot pad a round of {layout.num_rows} rows down to {num_rows}")
+    if extra == 0:
+        return layout
+    live = layout.rows[layout.num_ordinary - 1]
+    rows = layout.rows + tuple(Row(ROLE_PAD, live.token, live.position) for _ in range(extra))
+    return replace(
+        layout,
+        rows=rows,
+        input_ids=torch.cat([layout.input_ids, layout.input_ids.new_full((extra,), live.token)]),  # [num_rows]
+        position_ids=torch.cat([layout.position_ids, layout.position_ids.new_full((extra,), live.position)]),
+        visibility=visibility_mask(rows),  # [num_rows, num_rows]
+    )
+
+
 def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
     """[Q, Q] bool: which in-round rows each row attends to, from roles alone (see module docstring)."""
     role = torch.tensor([r.role for r in rows])  # [Q]
@@ -174,11 +210,13 @@ def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
     i_la = col(role == ROLE_LOOKAHEAD)
     i_ver = col(role == ROLE_VERIFY)
 
-    sees_ordinary = k_ord & (~i_ord | (k_idx <= i_idx))
+    i_pad = col(role == ROLE_PAD)
+    sees_ordinary = k_ord & ~i_pad & (~i_ord | (k_idx <= i_idx))
     sees_base = i_la & k_la & (row(level) == 0) & (row(column) <= col(column))
     sees_trajectory = i_la & k_la & (row(level) >= 1) & (row(column) == col(column)) & (row(level) <= col(level))
     sees_candidate = i_ver & k_ver & (row(cand) == col(cand)) & (row(offset) <= col(offset))
-    return sees_ordinary | sees_base | sees_trajectory | sees_candidate  # [Q, Q]
+    sees_self_as_pad = i_pad & (k_idx == i_idx)
+    return sees_ordinary | sees_base | sees_trajectory | sees_candidate | sees_self_as_pad  # [Q, Q]
 
 
 def additive_mask(visibility: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:

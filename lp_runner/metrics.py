@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class RoundRecord:
-    rows: int  # packed rows on this rank
+    rows: int  # packed rows on this rank (the round's own, without padding)
     logit_rows: int
     candidates: int  # candidates verified on this rank
     hits: int  # winner's accepted suffix tokens
@@ -23,6 +23,7 @@ class RoundRecord:
     depth: int = -1  # window depth, -1 when the lookahead branch is off
     plan_candidates: tuple[int, ...] = ()  # length of every candidate of the round, all ranks
     winner_candidate: int = -1  # global index of the winning candidate, -1 if none held
+    padded_rows: int = 0  # filler rows that made the round a cheaper row count (``layout.pad_layout``)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class GenerationStats:
     forwards: int = 0  # target forward calls, the prefill included (it is the first round)
     new_tokens: int = 0
     rows: int = 0
+    padded_rows: int = 0
     logit_rows: int = 0
     verified_rounds: int = 0  # rounds that verified at least one candidate (on any rank)
     accepted_tokens: int = 0  # suffix tokens accepted by verification (excludes the ordinary token)
@@ -54,6 +56,7 @@ class GenerationStats:
         self.forwards += 1
         self.new_tokens += rec.emitted
         self.rows += rec.rows
+        self.padded_rows += rec.padded_rows
         self.logit_rows += rec.logit_rows
         self.verified_rounds += int(verified_anywhere)
         self.accepted_tokens += rec.hits
@@ -93,6 +96,7 @@ def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
         "forwards",
         "new_tokens",
         "rows",
+        "padded_rows",
         "logit_rows",
         "verified_rounds",
         "accepted_tokens",
@@ -104,7 +108,7 @@ def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
     for s in stats:
         n += 1
         for k in keys:
-            tot[k] += getattr(s, k)
+            tot[k] += getattr(s, k, 0)  # records written before a counter existed lack it
         for k in times:
             times[k] += getattr(s, k)
     out: dict[str, float | int] = {"generations": n, **tot, **{k: round(v, 4) for k, v in times.items()}}
@@ -112,6 +116,7 @@ def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
     out["tokens_per_forward"] = round(tot["new_tokens"] / tot["forwards"], 4) if tot["forwards"] else 0.0
     out["tokens_per_s"] = round(tot["new_tokens"] / secs, 3) if secs else 0.0
     out["mean_rows"] = round(tot["rows"] / tot["rounds"], 2) if tot["rounds"] else 0.0
+    out["mean_padded_rows"] = round(tot["padded_rows"] / tot["rounds"], 2) if tot["rounds"] else 0.0
     for k in ("forward_s", "comm_s", "host_s"):
         out[k.replace("_s", "_share")] = round(times[k] / secs, 4) if secs else 0.0
     out["comm_us_per_round"] = round(1e6 * times["comm_s"] / tot["rounds"], 1) if tot["rounds"] else 0.0
