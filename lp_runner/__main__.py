@@ -30,6 +30,7 @@ EXIT_PEER_FAILURE = 3
 EXIT_INTERRUPTED = 130
 EXIT_DIR_ENV = "LP_RUNNER_EXIT_DIR"  # where each self-launched rank leaves its exit code for the parent
 STOP_GRACE_S = 15.0  # after Ctrl-C / SIGTERM, how long torchrun and the ranks get before SIGKILL
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     again.add_argument(
         "--overwrite", action="store_true", help="--output exists: replace it (once the first new record is ready)"
+    )
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure this device's forward-cost curve again instead of reusing the cached one (run.recalibrate)",
     )
     p.add_argument(
         "--set",
@@ -84,7 +90,7 @@ def _run(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm if launched else _interrupt)
     output = None
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + (["run.recalibrate=true"] if args.recalibrate else []))
         if args.prompt is not None:
             specs = [PromptSpec(id="prompt", prompt=args.prompt, where="--prompt")]
         elif args.prompts is not None:
@@ -183,7 +189,9 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | No
             env[LOCK_HOLDER_ENV] = str(os.getpid())
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+            proc = subprocess.Popen(
+                cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, preexec_fn=_stop_with_parent
+            )
             relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, signals), daemon=True)
             relay.start()
             rc = _wait_bounded(proc, signals)
@@ -232,6 +240,12 @@ def _relay_stderr(pipe: Any, signals: list[int]) -> None:
             if line.lstrip(b"\r").startswith(b"error: "):
                 out.write(line.lstrip(b"\r") + b"\n")
                 out.flush()
+
+
+def _stop_with_parent() -> None:
+    """In the torchrun child: SIGTERM when this process dies, even by SIGKILL (torchrun then stops its ranks)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _become_subreaper() -> None:

@@ -594,10 +594,39 @@ def _connect(ray: Any, cfg: Config) -> None:
             "(launch/ray_submit.sh), or give the cluster's GCS address host:port (usually port 6379)"
         )
     _check_reachable(address)
-    try:
-        ray.init(address=address, logging_level=logging.WARNING, runtime_env=_code_runtime_env())
-    except Exception as exc:  # ConnectionError, RuntimeError: no cluster there, or a version mismatch
-        raise RayClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(exc)}") from None
+    failure, log = _init_quietly(ray, address=address, logging_level=logging.WARNING, runtime_env=_code_runtime_env())
+    if failure is None:
+        sys.stderr.write(log)
+        return
+    if "InvalidAuthToken" in log or "Unauthenticated" in log:
+        raise RayClusterError(
+            f"the Ray cluster at {address} requires an authentication token: set RAY_AUTH_MODE=token and "
+            "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token"
+        )
+    raise RayClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(failure)}")
+
+
+def _init_quietly(ray: Any, **kwargs: Any) -> tuple[Exception | None, str]:
+    """``ray.init(**kwargs)`` with file descriptor 2 in a temporary file: while Ray's C++ client connects, its
+    retries print one warning a second, and the only word on a missing auth token is in them. Returns (the
+    failure or None, what was printed)."""
+    import tempfile
+
+    failure = None
+    with tempfile.TemporaryFile() as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            ray.init(**kwargs)
+        except Exception as exc:  # ConnectionError, RuntimeError: no cluster there, or a version mismatch
+            failure = exc
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        sink.seek(0)
+        return failure, sink.read().decode(errors="replace")
 
 
 def local_cpus() -> int:

@@ -1,0 +1,322 @@
+"""Jobs that lose nothing: real processes killed, interrupted and raced, then resumed (issue 14).
+
+Every case runs the real CLI on a tiny random model folder (the embedded tokenizer, a 2-layer body) and compares
+the final output file with an uninterrupted run's, record by record by id (order aside). Timing and telemetry
+fields are left out of the comparison: they measure a run, not what it generated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dist_helpers import env_with_repo, make_tiny_folder, read_jsonl, write_prompts
+
+PROMPTS = 40  # enough that a kill after the first record lands mid-run
+MAX_NEW = 16
+# Fields that measure the run (time, placement, per-round telemetry), not what it generated. ``forwards``
+# depends on the lookahead state a process carries from prompt to prompt, which a resumed run starts afresh.
+RUN_FIELDS = {"seconds", "tokens_per_s", "stats", "workers", "dist_backend", "recovery", "forwards"}
+RUN_FIELDS |= {"tokens_per_forward", "policy"}
+LAUNCHERS = {"single": [], "torchrun-self": ["--set", "parallel.workers=2"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    return write_prompts(path, [{"id": f"p{i}", "prompt": f"Item {i}: the list goes on and"} for i in range(PROMPTS)])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, prompts, tmp_path_factory) -> dict[str, dict]:
+    """The uninterrupted run's records by id."""
+    out = tmp_path_factory.mktemp("ref") / "o.jsonl"
+    proc = cli(tiny_dir, prompts, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return by_id(read_jsonl(out))
+
+
+def args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(out),
+        "--set", f"model.path={model}", "--set", "model.threads=1", "--set", f"generation.max_new_tokens={MAX_NEW}",
+        "--set", "run.progress=false", "--set", "parallel.timeout_s=30", *extra,
+    ]  # fmt: skip
+
+
+def cli(model: Path, prompts: Path, out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        args(model, prompts, out, *extra), env=env_with_repo(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(model: Path, prompts: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        args(model, prompts, out, *extra), env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def by_id(records: list[dict]) -> dict[str, dict]:
+    out = {r["id"]: {k: v for k, v in r.items() if k not in RUN_FIELDS} for r in records}
+    assert len(out) == len(records), "an id appears twice in the output"
+    return out
+
+
+def complete_lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return path.read_bytes().count(b"\n")
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(entry.path, "stat").read_text()
+                fields = stat[stat.rfind(")") + 2 :].split()
+                if fields[0] != "Z":
+                    children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pids: set[int]) -> set[int]:
+    left = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":
+                left.add(pid)
+    return left
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+# ---------------------------------------------------------------- refusals (no model is loaded)
+
+
+def test_existing_output_is_refused_and_left_untouched(tiny_dir, prompts, tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": "old"}\n')
+    proc = cli(tiny_dir, prompts, out)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: output file {out} already exists; give --resume to continue it or --overwrite to replace it"
+    ]
+    assert out.read_text() == '{"id": "old"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]  # no lock or sibling left behind
+
+
+def test_resume_with_other_settings_or_weights_is_refused(tiny_dir, prompts, tmp_path, reference):
+    out = tmp_path / "o.jsonl"
+    out.write_text("".join(json.dumps(dict(r, stats={})) + "\n" for r in list(reference.values())[:2]))
+    before = out.read_bytes()
+    proc = cli(tiny_dir, prompts, out, "--resume", "--set", "lookahead.window_size=3")
+    assert proc.returncode == 2
+    assert "error: --resume: " in proc.stderr and "lookahead.window_size: 7 in the file, 3 now" in proc.stderr
+    # the same settings but other weights: the config names the same path, a link swapped to another model
+    other = make_tiny_folder(tmp_path / "other", "llama", seed=4)
+    swapped = tmp_path / "model"
+    swapped.symlink_to(tiny_dir)
+    first = cli(swapped, prompts, tmp_path / "w.jsonl", "--set", "run.summary=false")
+    assert first.returncode == 0, first.stderr[-2000:]
+    lines = (tmp_path / "w.jsonl").read_text().splitlines()
+    (tmp_path / "w.jsonl").write_text(lines[0] + "\n")
+    swapped.unlink()
+    swapped.symlink_to(other)
+    proc = cli(swapped, prompts, tmp_path / "w.jsonl", "--resume")
+    assert proc.returncode == 2
+    assert "was generated from other model weights" in proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "w.jsonl").read_text() == lines[0] + "\n"
+    assert out.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_overwrite_replaces_only_when_the_first_record_is_ready(tiny_dir, prompts, tmp_path, reference):
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": "old"}\n')
+    # fails after the model is loaded (every prompt is too long for the model): the old file stays
+    proc = cli(tiny_dir, prompts, out, "--overwrite", "--set", "generation.max_new_tokens=9000")
+    assert proc.returncode == 2
+    assert "error: prompt 'p0' (" in proc.stderr and ":1): prompt of" in proc.stderr
+    assert out.read_text() == '{"id": "old"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
+    proc = cli(tiny_dir, prompts, out, "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert by_id(read_jsonl(out)) == reference
+
+
+# ---------------------------------------------------------------- kill, interrupt, resume
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_interrupted_run_resumes_to_the_uninterrupted_output(tiny_dir, prompts, tmp_path, reference, launcher, sig):
+    out = tmp_path / "o.jsonl"
+    proc = start(tiny_dir, prompts, out, *LAUNCHERS[launcher])
+    try:
+        wait_for(lambda: complete_lines(out) >= 2, 180, proc)  # mid-run: records are being written
+        below = descendants(proc.pid)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    err = err.decode()
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        end = time.monotonic() + 40  # nothing to forward a kill -9: torchrun gets SIGTERM as its parent dies
+        while alive(below) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not alive(below), "processes outlived the killed launcher"
+    else:
+        assert proc.returncode == 130, err[-3000:]
+        assert err.strip().splitlines()[-1] == "error: interrupted", err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert not alive(below), "processes outlived the launcher"
+    kept = complete_lines(out)
+    assert 1 <= kept < PROMPTS, kept
+    resumed = cli(tiny_dir, prompts, out, "--resume", *LAUNCHERS[launcher])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipped: {kept} already in the output (--resume)" in resumed.stderr
+    assert by_id(read_jsonl(out)) == reference  # nothing lost, nothing twice, the same tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
+
+
+@pytest.mark.slow
+def test_torn_last_line_is_dropped_on_resume(tiny_dir, prompts, tmp_path, reference):
+    out = tmp_path / "o.jsonl"
+    lines = [json.dumps(dict(r, stats={})) for r in list(reference.values())[:3]]
+    out.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:57])  # a kill in the middle of a write
+    proc = cli(tiny_dir, prompts, out, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipped: 2 already in the output" in proc.stderr
+    assert by_id(read_jsonl(out)) == reference
+
+
+@pytest.mark.slow
+def test_failed_peer_exits_3_and_leaves_no_process(tiny_dir, prompts, tmp_path):
+    out = tmp_path / "o.jsonl"
+    proc = start(tiny_dir, prompts, out, "--set", "parallel.workers=2")
+    try:
+        wait_for(lambda: complete_lines(out) >= 2, 180, proc)
+        below = descendants(proc.pid)
+        ranks = [pid for pid in below if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()]
+        rank1 = [pid for pid in ranks if not (descendants(pid) & set(ranks))]  # the rank itself, not a helper
+        assert len(rank1) >= 1, ranks
+        for pid in rank1:
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert proc.returncode == 3, err.decode()[-3000:]
+    assert not alive(below)
+    assert 2 <= complete_lines(out) < PROMPTS
+
+
+# ---------------------------------------------------------------- one writer per file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_second_writer_fails_at_once_naming_the_holder(tiny_dir, prompts, tmp_path, reference, launcher):
+    out = tmp_path / "o.jsonl"
+    first = start(tiny_dir, prompts, out, *LAUNCHERS[launcher])
+    try:
+        wait_for(lambda: (tmp_path / "o.jsonl.lock").exists(), 60, first)
+        began = time.monotonic()
+        second = cli(tiny_dir, prompts, out, "--resume", timeout=120)
+        assert time.monotonic() - began < 30  # before any model is loaded
+        _, err = first.communicate(timeout=300)
+    finally:
+        stop(first)
+    assert second.returncode == 2
+    assert second.stderr.strip() == (
+        f"error: output file {out} is being written by another lp_runner run (pid {first.pid}); wait for it to "
+        "end or choose another --output"
+    )
+    assert first.returncode == 0, err.decode()[-3000:]
+    assert by_id(read_jsonl(out)) == reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]  # the lock went with its holder
+
+
+# ---------------------------------------------------------------- bad prompts
+
+
+def test_bad_prompt_stops_before_the_model_is_loaded(prompts_with_empty, tmp_path):
+    # model.path does not exist: the prompt's error must come first, so it was found before any loading
+    proc = cli(Path("/nonexistent-model"), prompts_with_empty, tmp_path / "o.jsonl")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: prompt 'empty' ({prompts_with_empty}:2): empty prompt: at least one token is needed"
+    )
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.fixture
+def prompts_with_empty(tmp_path) -> Path:
+    return write_prompts(
+        tmp_path / "bad.jsonl",
+        [
+            {"id": "a", "prompt": "Item 1:"},
+            {"id": "empty", "prompt": ""},
+            {"id": "long", "prompt": "word " * 5000},  # beyond the tiny model's 4096 positions
+            {"id": "b", "prompt": "Item 2:"},
+        ],
+    )
+
+
+@pytest.mark.slow
+def test_on_error_skip_writes_error_records_and_counts_them(tiny_dir, prompts_with_empty, tmp_path):
+    out = tmp_path / "o.jsonl"
+    proc = cli(tiny_dir, prompts_with_empty, out, "--set", "run.on_error=skip")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["id"]: r for r in read_jsonl(out)}
+    assert sorted(records) == ["a", "b", "empty", "long"]
+    assert (
+        records["empty"]["error"]
+        == f"prompt 'empty' ({prompts_with_empty}:2): empty prompt: at least one token is needed"
+    )
+    assert records["long"]["error"].startswith(f"prompt 'long' ({prompts_with_empty}:3): prompt of ")
+    assert "output_ids" not in records["long"] and len(records["a"]["output_ids"]) == MAX_NEW
+    assert "prompts 2  new tokens" in proc.stderr and "2 error records (run.on_error=skip)" in proc.stderr
+    # the default stops at the over-long prompt after tokenizing, before generating anything
+    stopped = cli(tiny_dir, prompts_with_empty, tmp_path / "s.jsonl", "--set", "run.on_error=stop")
+    assert stopped.returncode == 2
+    assert f"error: prompt 'empty' ({prompts_with_empty}:2)" in stopped.stderr
+    no_empty = write_prompts(
+        tmp_path / "long.jsonl", [json.loads(x) for x in prompts_with_empty.read_text().split("\n")[2:3]]
+    )
+    stopped = cli(tiny_dir, no_empty, tmp_path / "s.jsonl")
+    assert stopped.returncode == 2
+    assert f"error: prompt 'long' ({no_empty}:1): prompt of " in stopped.stderr
+    assert not (tmp_path / "s.jsonl").exists()
