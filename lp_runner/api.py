@@ -134,6 +134,7 @@ def generate(
     eos_ids = _eos_ids(model, tokenizer, config, eos_override)
 
     engine = LookaheadEngine(ModelAdapter(model), _lookahead_for(model, cfg), cfg.generation, eos_ids)
+    engine.check_prompt(prompt)  # an over-long prompt fails before the streamer sees anything
     on_commit = None
     if streamer is not None:
         streamer.put(input_ids.reshape(1, -1).cpu())  # HF puts the prompt first

@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 import lp_runner
 from lp_runner.api import GenerateArgumentError
 from lp_runner.config import LookaheadConfig, load_config
-from lp_runner.errors import LPError
+from lp_runner.errors import InputError, LPError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "configs"
 
@@ -172,6 +172,13 @@ def test_batch_of_more_than_one_is_refused(tiny) -> None:
         lp_runner.generate(tiny("llama"), ids)
     with pytest.raises(GenerateArgumentError, match="must be a LongTensor"):
         lp_runner.generate(tiny("llama"), [[1, 2, 3]])
+
+
+def test_prompt_too_long_for_the_model_fails_before_streaming(tiny) -> None:
+    streamer = RecordingStreamer()
+    with pytest.raises(InputError, match="exceeds the model's context of 512 positions"):
+        lp_runner.generate(tiny("llama"), _ids(500), max_new_tokens=40, streamer=streamer)
+    assert streamer.puts == [] and streamer.ended == 0
 
 
 def test_one_dimensional_prompt_and_model_left_as_it_was(tiny) -> None:
