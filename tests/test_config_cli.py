@@ -58,6 +58,9 @@ REPO_ROOT = Path(lp_runner.__file__).resolve().parents[1]
         (["lookahead.long_match_rows=-1"], "lookahead.long_match_rows must be >= 0 (0: no cap), got -1"),
         (["generation.top_p=0"], "generation.top_p must be in (0, 1], got 0.0"),
         (["model.dtype=float64"], "model.dtype must be one of float32, bfloat16, float16, got 'float64'"),
+        (["model.device=tpu"], "model.device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (["model.device=cuda:x"], "model.device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+        (["run.on_error=ignore"], "run.on_error must be one of stop, skip, got 'ignore'"),
     ],
 )
 def test_override_errors(overrides: list[str], message: str) -> None:
@@ -184,6 +187,28 @@ def test_cli_missing_config_file(tmp_path: Path) -> None:
     assert_user_error(run_cli("--prompt", "hi", "--config", str(tmp_path / "x.yaml")), "config file not found")
 
 
+def test_cli_config_path_is_a_folder_or_not_utf8(tmp_path: Path) -> None:
+    assert_user_error(run_cli("--prompt", "hi", "--config", str(tmp_path)), f"config path {tmp_path} is a folder")
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"model:\n  path: caf\xe9\n")
+    assert_user_error(run_cli("--prompt", "hi", "--config", str(bad)), f"config file {bad} is not UTF-8 text")
+
+
+def test_cli_device_is_checked_before_loading() -> None:
+    proc = run_cli("--prompt", "hi", "--set", "model.device=tpu")
+    assert_user_error(proc, "model.device must be auto, cpu, cuda or cuda:N, got 'tpu'")
+
+
+def test_cli_output_path_errors(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    proc = run_cli("--prompt", "hi", "--output", str(afile / "sub" / "o.jsonl"))
+    assert_user_error(proc, f"cannot write output file {afile / 'sub' / 'o.jsonl'}: {afile} is a file, not a folder")
+    assert_user_error(run_cli("--prompt", "hi", "--output", str(tmp_path)), f"output path {tmp_path} is a folder")
+    assert_user_error(run_cli("--prompt", "hi", "--resume"), "--resume needs --output FILE")
+    assert afile.read_text() == "x"
+
+
 def test_cli_needs_a_prompt() -> None:
     assert_user_error(run_cli(), "give --prompt TEXT or --prompts FILE.jsonl")
 
@@ -212,8 +237,20 @@ def test_cli_invalid_prompt_objects(prompts_file, line: str, fragment: str) -> N
 
 
 def test_cli_duplicate_ids(prompts_file) -> None:
-    path = prompts_file('{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}')
-    assert_user_error(run_cli("--prompts", str(path)), "duplicate id 'a'")
+    path = prompts_file('{"id": "a", "prompt": "x"}', '{"id": "b", "prompt": "x"}', '{"id": "a", "prompt": "y"}')
+    assert_user_error(run_cli("--prompts", str(path)), f"{path}:3: duplicate id 'a' (first on line 1)")
+
+
+def test_cli_non_utf8_line_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "caf\xe9"}\n')
+    assert_user_error(run_cli("--prompts", str(path)), f"{path}:2: not UTF-8 text")
+
+
+def test_cli_empty_prompt_is_named_before_loading(prompts_file) -> None:
+    path = prompts_file('{"id": "a", "prompt": "x"}', '{"id": "e", "messages": []}')
+    proc = run_cli("--prompts", str(path), "--set", "model.path=/nonexistent")  # the prompt is checked first
+    assert_user_error(proc, f"prompt 'e' ({path}:2): empty prompt")
 
 
 def test_cli_missing_model() -> None:
@@ -222,7 +259,7 @@ def test_cli_missing_model() -> None:
 
 def test_cli_hub_like_id_is_refused() -> None:
     proc = run_cli("--prompt", "hi", "--set", "model.path=HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert_user_error(proc, "looks like a hub id")
+    assert_user_error(proc, "lp_runner never downloads")
 
 
 # ---------------------------------------------------------------------------------------------------------
