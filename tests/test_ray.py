@@ -341,8 +341,15 @@ def test_killed_actor_is_replaced_and_output_is_identical(cluster, tiny_dir, tmp
     records, expected = read_jsonl(out), _uninterrupted(tiny_dir, prompts, MANY_TOKENS)
     hit = [r for r in records if "recovery" in r]
     assert len(hit) == 1, [r["id"] for r in hit]
-    # nothing lost, nothing repeated; the resumed record counts only the forwards after the loss
+    # nothing lost, nothing repeated; the resumed record's forwards differ (the lookahead state restarts)
     _same_generation(records, expected, frozenset({"forwards", "tokens_per_forward"}))
+    # ... but they count the whole generation, before and after the loss, as its tokens do
+    rec, event = hit[0], hit[0]["recovery"][0]
+    assert rec["stats"]["new_tokens"] == rec["new_tokens"] == len(rec["output_ids"])
+    assert rec["forwards"] == rec["stats"]["forwards"] > event["rounds_before"]
+    assert rec["tokens_per_forward"] == round(rec["new_tokens"] / rec["forwards"], 4)
+    total = re.search(r"prompts (\d+)  new tokens (\d+)", err)
+    assert total and int(total[2]) == sum(r["new_tokens"] for r in records), err[-2000:]
     _same_generation([r for r in records if r is not hit[0]], [e for e in expected if e["id"] != hit[0]["id"]])
     assert len(hit[0]["recovery"]) == 1
     event = hit[0]["recovery"][0]
@@ -385,6 +392,86 @@ def test_unreachable_cluster_and_invisible_model_are_clear_errors(cluster, tmp_p
     assert proc.returncode == 2
     assert re.search(
         rf"error: worker rank \d on node \S+ \(.*\): model path not found: {re.escape(str(missing))}\n", proc.stderr
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_interrupted_driver_cleans_up_and_resumes(cluster, tiny_dir, tmp_path, sig):
+    """SIGTERM / Ctrl-C to the driver: one `error: interrupted` line, exit 130, the run's actors gone; a kill -9
+    leaves them to Ray (their owner died). Either way --resume ends with the uninterrupted records."""
+    from ray.util.state import list_actors
+
+    prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
+    cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2))]
+    env = env_with_repo(RAY_ADDRESS=cluster.gcs)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not (out.exists() and len(out.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        run = {a.name.split("-")[1] for a in list_actors(address=cluster.url, limit=1000) if a.name}
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == 130, err[-3000:]
+        assert err.strip().splitlines()[-1] == "error: interrupted", err[-3000:]
+        assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
+
+    def ours_alive() -> list:
+        actors = list_actors(address=cluster.url, filters=[("state", "=", "ALIVE")], limit=1000)
+        return [a for a in actors if a.name and a.name.split("-")[1] in run]
+
+    deadline = time.monotonic() + 60
+    while ours_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ours_alive()
+    kept = len(out.read_bytes().split(b"\n")) - 1
+    assert 2 <= kept < MANY
+    resumed = _cli([*_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2)), "--resume"], RAY_ADDRESS=cluster.gcs)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = read_jsonl(out)
+    expected = {r["id"]: r for r in _uninterrupted(tiny_dir, prompts, MANY_TOKENS)}
+    assert sorted(r["id"] for r in records) == sorted(expected)
+    _same_generation(records, [expected[r["id"]] for r in records], frozenset({"forwards", "tokens_per_forward"}))
+
+
+@pytest.mark.slow
+def test_missing_auth_token_is_named(cluster, tiny_dir, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:1])
+    env = env_with_repo(RAY_ADDRESS=cluster.gcs)
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "o.jsonl", 8, *_ray_args(1))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: the Ray cluster at {cluster.gcs} requires an authentication token: set RAY_AUTH_MODE=token and "
+        "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token"
+    )
+
+
+@pytest.mark.slow
+def test_local_instance_declares_the_real_cores(tiny_dir, tmp_path):
+    """More CPUs per worker than this machine has: a clear error, not an oversubscribed local instance."""
+    cores = len(os.sched_getaffinity(0))
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:1])
+    cpus = ("--set", f"parallel.cpus_per_worker={cores + 1}")
+    env = env_with_repo()
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "o.jsonl", 8, *_ray_args(1), *cpus)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        f"error: the Ray cluster cannot hold 1 workers with CPU={cores + 1} each: CPU: {cores + 1} needed "
+        f"({cores + 1} per worker), {cores} in the cluster" in proc.stderr
     )
 
 
