@@ -149,7 +149,7 @@ cli() { # NAME CONFIG EXTRA_SETS...
         return 1
     fi
     run_py "cli-$name" 150 "${TORCHRUN[@]}" -m lp_runner --config "$config" --prompts "$OUT/prompts.jsonl" \
-        --output "$OUT/cli_$name.jsonl" --set model.path="$MODEL_DIR" --set model.device="$DEVICE" \
+        --output "$OUT/cli_$name.jsonl" --overwrite --set model.path="$MODEL_DIR" --set model.device="$DEVICE" \
         --set model.dtype="$DTYPE" --set parallel.workers=1 --set parallel.dist_backend="$DIST" \
         --set generation.max_new_tokens="$MAX_NEW" --set generation.stop_on_eos=false --set run.progress=false "$@"
 }

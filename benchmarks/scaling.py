@@ -57,6 +57,7 @@ def run_cli(prompts: Path, out: Path, workers: int, threads: int, wng: tuple[int
         "--set", "run.progress=false", *extra,
     ]  # fmt: skip
     args = ["--config", str(REPO / "configs/default.yaml"), "--prompts", str(prompts), "--output", str(out), *sets]
+    args.append("--overwrite")  # a rerun replaces the previous run's records
     if workers == 1:
         cmd = [sys.executable, "-m", "lp_runner", *args]
     else:
