@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_helpers import env_with_repo, make_tiny_folder, read_jsonl, write_prompts
+from dist_helpers import env_with_repo, make_tiny_folder, read_jsonl, torchrun_cmd, write_prompts
 
 PROMPTS = 40  # enough that a kill after the first record lands mid-run
 MAX_NEW = 16
@@ -247,12 +248,19 @@ def test_failed_peer_exits_3_and_leaves_no_process(tiny_dir, prompts, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+@pytest.mark.parametrize("launcher", [*sorted(LAUNCHERS), "torchrun"])
 def test_second_writer_fails_at_once_naming_the_holder(tiny_dir, prompts, tmp_path, reference, launcher):
+    """The lock's holder: the only process, the parallel.workers=P parent, or rank 0 under a user's torchrun."""
     out = tmp_path / "o.jsonl"
-    first = start(tiny_dir, prompts, out, *LAUNCHERS[launcher])
+    if launcher == "torchrun":
+        first = subprocess.Popen(
+            torchrun_cmd(2, *args(tiny_dir, prompts, out)[3:]), env=env_with_repo(), stderr=subprocess.PIPE
+        )
+    else:
+        first = start(tiny_dir, prompts, out, *LAUNCHERS[launcher])
     try:
-        wait_for(lambda: (tmp_path / "o.jsonl.lock").exists(), 60, first)
+        wait_for(lambda: (tmp_path / "o.jsonl.lock").exists(), 120, first)
+        holders = {first.pid} if launcher != "torchrun" else descendants(first.pid)
         began = time.monotonic()
         second = cli(tiny_dir, prompts, out, "--resume", timeout=120)
         assert time.monotonic() - began < 30  # before any model is loaded
@@ -260,10 +268,12 @@ def test_second_writer_fails_at_once_naming_the_holder(tiny_dir, prompts, tmp_pa
     finally:
         stop(first)
     assert second.returncode == 2
-    assert second.stderr.strip() == (
-        f"error: output file {out} is being written by another lp_runner run (pid {first.pid}); wait for it to "
-        "end or choose another --output"
+    message = re.fullmatch(
+        rf"error: output file {re.escape(str(out))} is being written by another lp_runner run \(pid (\d+)\); wait "
+        "for it to end or choose another --output",
+        second.stderr.strip(),
     )
+    assert message and int(message[1]) in holders, second.stderr
     assert first.returncode == 0, err.decode()[-3000:]
     assert by_id(read_jsonl(out)) == reference
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]  # the lock went with its holder
