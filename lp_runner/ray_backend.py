@@ -535,7 +535,7 @@ class _Driver:
                 self._write(i, payload)
 
     def _write(self, i: int, rec: dict) -> None:
-        if i in self.progress.recovery:
+        if i in self.progress.recovery and "error" not in rec:
             rec["recovery"] = self.progress.recovery[i]
             whole_generation(rec, self.progress.recovery[i][-1]["rounds_before"])
         self.progress.records[i] = rec

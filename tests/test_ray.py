@@ -412,6 +412,8 @@ def test_interrupted_driver_cleans_up_and_resumes(cluster, tiny_dir, tmp_path, s
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.1)
         run = {a.name.split("-")[1] for a in list_actors(address=cluster.url, limit=1000) if a.name}
+        second = _cli([*_args(tiny_dir, prompts, out, MANY_TOKENS), "--resume"])  # the driver holds the lock
+        assert second.returncode == 2 and f"another lp_runner run (pid {proc.pid})" in second.stderr, second.stderr
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
