@@ -192,6 +192,8 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | No
             proc = subprocess.Popen(
                 cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, preexec_fn=_stop_with_parent
             )
+            if signals:  # arrived while torchrun was being started
+                _signal_all(_descendants(), signals[0])
             relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, signals), daemon=True)
             relay.start()
             rc = _wait_bounded(proc, signals)

@@ -181,12 +181,29 @@ def test_overwrite_replaces_only_when_the_first_record_is_ready(tiny_dir, prompt
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
-def test_interrupted_run_resumes_to_the_uninterrupted_output(tiny_dir, prompts, tmp_path, reference, launcher, sig):
+@pytest.mark.parametrize(
+    ("point", "sig"),
+    [
+        ("mid-run", signal.SIGKILL),
+        ("mid-run", signal.SIGINT),
+        ("mid-run", signal.SIGTERM),
+        ("start-up", signal.SIGKILL),
+        ("start-up", signal.SIGTERM),
+    ],
+    ids=lambda v: getattr(v, "name", v),
+)
+def test_interrupted_run_resumes_to_the_uninterrupted_output(
+    tiny_dir, prompts, tmp_path, reference, launcher, point, sig
+):
+    """``start-up``: the input is checked and the output locked, the model is loading; ``mid-run``: records are
+    being written."""
     out = tmp_path / "o.jsonl"
     proc = start(tiny_dir, prompts, out, *LAUNCHERS[launcher])
     try:
-        wait_for(lambda: complete_lines(out) >= 2, 180, proc)  # mid-run: records are being written
+        if point == "start-up":
+            wait_for(lambda: (tmp_path / "o.jsonl.lock").exists(), 60, proc)
+        else:
+            wait_for(lambda: complete_lines(out) >= 2, 180, proc)
         below = descendants(proc.pid)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
@@ -205,10 +222,11 @@ def test_interrupted_run_resumes_to_the_uninterrupted_output(tiny_dir, prompts, 
         assert "Traceback" not in err, err[-3000:]
         assert not alive(below), "processes outlived the launcher"
     kept = complete_lines(out)
-    assert 1 <= kept < PROMPTS, kept
+    assert (kept == 0) if point == "start-up" else (1 <= kept < PROMPTS), kept
     resumed = cli(tiny_dir, prompts, out, "--resume", *LAUNCHERS[launcher])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"skipped: {kept} already in the output (--resume)" in resumed.stderr
+    if kept:
+        assert f"skipped: {kept} already in the output (--resume)" in resumed.stderr
     assert by_id(read_jsonl(out)) == reference  # nothing lost, nothing twice, the same tokens
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
 
