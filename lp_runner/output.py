@@ -1,7 +1,7 @@
 """The output JSONL file: one writer per file, nothing lost on a re-run, ``--resume`` after an interruption.
 
-Every launcher writes through ``OutputFile`` (a plain process, torchrun's rank 0, the Ray driver), so the rules
-are the same everywhere:
+Every launcher writes through ``OutputFile`` (a plain process, torchrun's rank 0, the Ray driver; under
+``parallel.workers=P`` the parent holds the lock and its rank 0 writes), so the rules are the same everywhere:
 
 - An existing, non-empty output is refused unless the run says ``resume`` or ``overwrite``.
 - A lock (``OUT.lock``, ``flock``) is held for the run's life; a second run on the same file fails at once and
