@@ -14,8 +14,8 @@ as ``model.generate`` resolves them, highest priority first: keyword overrides, 
 stream. Settings that lp_runner does not implement (beams, repetition penalty, ...) are refused, never ignored.
 
 Lookahead settings come from an lp_runner ``Config`` or ``LookaheadConfig`` passed as ``config``, or keyword
-overrides named as in ``LookaheadConfig`` (``window_size=15``); ``_lookahead_for`` is the one place where they are
-resolved for a model.
+overrides named as in ``LookaheadConfig`` (``window_size=15``), which the auto preset keeps as given; ``_policy_for``
+is the one place where they are resolved for a model.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,10 @@ import torch
 from lp_runner.config import Config, LookaheadConfig, set_key, validate
 from lp_runner.engine import LookaheadEngine
 from lp_runner.errors import ConfigError
+from lp_runner.loading import default_cache_dir, weights_checksum
 from lp_runner.model import ModelAdapter
+from lp_runner.parallel.comm import SoloCommunicator
+from lp_runner.policy import RoundPolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -91,14 +95,27 @@ class GenerateArgumentError(ConfigError, ValueError):
     message names the argument and the fix."""
 
 
-def _lookahead_for(model: PreTrainedModel, cfg: Config) -> LookaheadConfig:
-    """The lookahead settings to run ``model`` with: the one place where they are resolved for the API.
+_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings key: RoundPolicy}
 
-    Today: ``cfg.lookahead`` as given (the config passed, or lp_runner's defaults, with keyword overrides applied).
-    A start-up preset that picks W/N/G from the model's measured forward cost (``lookahead.preset: auto``) plugs in
-    here, and only here.
+
+def _policy_for(model: PreTrainedModel, adapter: ModelAdapter, cfg: Config) -> RoundPolicy:
+    """The round policy to run ``model`` with: the one place where the API resolves lookahead settings.
+
+    As for a job (``runner.start_worker``): with ``lookahead.preset: auto`` (the default) and ``pad_rows`` the
+    device's forward-cost curve is measured on first use (cached on disk, keyed by device, threads, dtype and
+    weights) and the knobs the caller did not set are chosen from it; the policy is kept per model and settings,
+    so later calls reuse it and it adapts to the outputs of earlier calls, as a job adapts between prompts.
     """
-    return cfg.lookahead
+    la = cfg.lookahead
+    if la.preset != "auto" and not la.pad_rows:
+        return RoundPolicy.fixed(la)
+    key = (dataclasses.astuple(la), cfg.pinned_lookahead(), torch.get_num_threads())
+    per_model = _POLICIES.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = RoundPolicy.build(
+            cfg, adapter, SoloCommunicator(), default_cache_dir(), lambda: weights_checksum(model)
+        )
+    return per_model[key]
 
 
 def generate(
@@ -133,7 +150,9 @@ def generate(
     cfg, eos_override = _resolve(model, config, overrides, len(prompt))
     eos_ids = _eos_ids(model, tokenizer, config, eos_override)
 
-    engine = LookaheadEngine(ModelAdapter(model), _lookahead_for(model, cfg), cfg.generation, eos_ids)
+    adapter = ModelAdapter(model)
+    policy = _policy_for(model, adapter, cfg)
+    engine = LookaheadEngine(adapter, policy.lookahead, cfg.generation, eos_ids, None, policy.row_plan)
     engine.check_prompt(prompt)  # an over-long prompt fails before the streamer sees anything
     on_commit = None
     if streamer is not None:
@@ -143,6 +162,7 @@ def generate(
             streamer.put(torch.tensor([list(tokens)], dtype=torch.long))  # [1, n]
 
     result = engine.generate(prompt, on_commit=on_commit)
+    policy.observe(prompt, result.output_ids)  # the next call may use a setting adapted to this output
     if streamer is not None:
         streamer.end()
     new = torch.tensor([result.output_ids], dtype=torch.long, device=input_ids.device)  # [1, new]
@@ -236,6 +256,9 @@ def _resolve(model: PreTrainedModel, config: Any, overrides: dict[str, Any], pro
             cfg.generation.seed = int(torch.randint(0, 2**31 - 1, ()).item())  # torch.manual_seed controls it
         for key, value in lookahead.items():
             set_key(cfg, f"lookahead.{key}", value)
+        if isinstance(config, LookaheadConfig):  # a setting object is run as written: every knob pinned
+            cfg.explicit = tuple(f"lookahead.{f.name}" for f in dataclasses.fields(LookaheadConfig))
+        cfg.explicit = tuple(sorted({*cfg.explicit, *(f"lookahead.{k}" for k in lookahead)}))
         validate(cfg)
     except ConfigError as exc:
         if isinstance(exc, GenerateArgumentError):

@@ -48,6 +48,10 @@ class LookaheadConfig:
     long_match_rows: int = 0  # the cap after a long context match (0: no cap); long copies earn long proposals
     context_adaptive: bool = True  # grow / shrink proposals with their acceptance (1..context_tokens), per match length
     candidate_policy: str = "context_first"  # context_first | pool_first: who fills the budget G first
+    # auto: the knobs above that the config does not set are chosen at start-up from this device's measured
+    # forward-cost curve (``lp_runner.preset``); off: every knob as written
+    preset: str = "auto"
+    pad_rows: bool = True  # run each round at the cheapest measured row count >= its own (exact; needs the curve)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class RunConfig:
     stream: bool = True  # stream text for a single prompt
     progress: bool = True  # progress bar over a prompts file
     summary: bool = True  # one-screen summary at the end
+    recalibrate: bool = False  # measure the forward-cost curve again even if one is cached (``--recalibrate``)
     on_error: str = "stop"  # stop | skip: a bad prompt ends the run, or becomes an error record {id, error}
 
 
@@ -91,9 +96,15 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # "section.key" of every key the YAML file or a --set gave: the auto preset chooses only the others
+    explicit: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def pinned_lookahead(self) -> tuple[str, ...]:
+        """Lookahead knobs the user set (the auto preset keeps them as given)."""
+        return tuple(k.split(".", 1)[1] for k in self.explicit if k.startswith("lookahead."))
 
     def digest(self) -> str:
         """A short stable hash, used to check that every distributed rank runs the same config."""
@@ -101,7 +112,6 @@ class Config:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-_SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig,
     "lookahead": LookaheadConfig,
@@ -111,6 +121,7 @@ _SECTION_TYPES: dict[str, type] = {
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "lookahead.preset": ("auto", "off"),
     "lookahead.candidate_policy": ("context_first", "pool_first"),
     "parallel.backend": ("torch", "ray"),
     "parallel.dist_backend": ("auto", "gloo", "nccl"),
@@ -182,6 +193,8 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
     section_cls = _SECTION_TYPES[section]
     if name not in {f.name for f in dataclasses.fields(section_cls)}:
         raise _unknown(key)
+    if key == "lookahead.preset" and value is False:  # YAML 1.1 reads a bare ``off`` as false
+        value = "off"
     coerced = _coerce(key, value, _field_type(section_cls, name))
     setattr(getattr(cfg, section), name, coerced)
 
@@ -203,6 +216,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file, then the ``--set`` overrides; validated before return."""
     cfg = Config()
+    explicit: set[str] = set()
     if path is not None:
         p = Path(path)
         if p.is_dir():
@@ -226,9 +240,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise ConfigError(f"config section '{section}' must be a mapping")
             for name, value in values.items():
                 set_key(cfg, f"{section}.{name}", value)
+                explicit.add(f"{section}.{name}")
     for text in overrides or []:
         key, value = parse_override(text)
         set_key(cfg, key, value)
+        explicit.add(key)
+    cfg.explicit = tuple(sorted(explicit))
     validate(cfg)
     return cfg
 
@@ -303,6 +320,9 @@ def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
     """Rebuild a Config from ``Config.to_dict()`` output (used to ship configs to Ray actors)."""
     cfg = Config()
     for section, values in data.items():
+        if section == "explicit":
+            cfg.explicit = tuple(values)
+            continue
         for name, value in values.items():
             set_key(cfg, f"{section}.{name}", value)
     validate(cfg)

@@ -7,6 +7,7 @@ produces the same records. Only rank 0 streams, writes and reports.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -20,10 +21,11 @@ from lp_runner.config import Config
 from lp_runner.device import resolve_threads
 from lp_runner.engine import GenerationResult, LookaheadEngine
 from lp_runner.errors import ConfigError, DistributedError, InputError
-from lp_runner.loading import load_model_and_tokenizer, resolve_model_path, weights_checksum
+from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path, weights_checksum
 from lp_runner.model import ModelAdapter
 from lp_runner.output import output_digest, output_settings
 from lp_runner.parallel.comm import Communicator, SoloCommunicator, TorchCommunicator, init_process_group
+from lp_runner.policy import RoundPolicy
 from lp_runner.prompts import PromptSpec, encode, prompt_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,6 +40,7 @@ class Worker:
     model_path: Path
     device: torch.device
     load_s: float
+    policy: RoundPolicy | None = None  # setting and row padding per round; None: the config's setting as written
 
     @property
     def is_main(self) -> bool:
@@ -87,7 +90,19 @@ def start_worker(cfg: Config) -> Worker:
     worker = Worker(cfg, comm, ModelAdapter(model), tokenizer, folder, device, load_s)
     if comm.world_size > 1:
         check_peers(worker)
+    worker.policy = RoundPolicy.build(
+        cfg,
+        worker.adapter,
+        comm,
+        cache_root=default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser(),
+        weights_checksum=lambda: model_checksum(worker),
+        log=_log if worker.is_main else None,
+    )
     return worker
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def check_peers(worker: Worker) -> None:
@@ -136,7 +151,7 @@ def make_error_record(worker: Worker, spec: PromptSpec, error: str) -> dict:
 
 def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], result: GenerationResult) -> dict:
     cfg, s = worker.cfg, result.stats
-    la = cfg.lookahead
+    la = worker.policy.lookahead if worker.policy is not None else cfg.lookahead  # the setting that ran
     return {
         "id": spec.id,
         "prompt_ids": list(prompt_ids),
@@ -156,6 +171,7 @@ def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], res
         "dist_backend": worker.comm.backend,
         "do_sample": cfg.generation.do_sample,
         "stats": s.summary(),
+        "policy": worker.policy.describe() if worker.policy is not None else {"preset": "off"},
         "config_digest": output_digest(cfg),  # what ``--resume`` checks: same settings, same weights
         "weights_checksum": model_checksum(worker),
         "config": output_settings(cfg),
@@ -203,8 +219,9 @@ def run_prompts(
     Every prompt is tokenized and checked before the first is generated; a bad one (empty, too long for the
     model) ends the run with an InputError naming its id and line (``run.on_error=stop``), or gets an error
     record ``{id, error}`` in its place (``skip``)."""
+    policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
     engine = LookaheadEngine(
-        worker.adapter, worker.cfg.lookahead, worker.cfg.generation, eos_token_ids(worker), worker.comm
+        worker.adapter, policy.lookahead, worker.cfg.generation, eos_token_ids(worker), worker.comm, policy.row_plan
     )
     prefixes = [list(c) for c in committed] if committed is not None else [[] for _ in specs]
     if len(prefixes) != len(specs):
@@ -231,8 +248,10 @@ def run_prompts(
         if on_commit is not None and worker.is_main:
             callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
         result = engine.generate(ids, on_commit=_chain(callbacks), committed=prefix)
+        rec = make_record(worker, spec, ids, result) if worker.is_main else {}  # with the setting that ran
+        if policy.observe(ids, result.output_ids):  # every rank observes the same tokens: the same new setting
+            engine.set_lookahead(policy.lookahead)
         if worker.is_main:
-            rec = make_record(worker, spec, ids, result)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)

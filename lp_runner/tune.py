@@ -28,8 +28,9 @@ from pathlib import Path
 import yaml
 
 from lp_runner.config import Config, LookaheadConfig, check_lookahead, load_config
-from lp_runner.costmodel import CostCurve, RoundShape, predict, shapes_from_records
+from lp_runner.costmodel import CostCurve, RoundShape, RowPlan, predict, shapes_from_records
 from lp_runner.errors import ConfigError, InputError, LPError
+from lp_runner.preset import describe
 
 # Knobs in search order, each with the values tried. W only matters when the lookahead branch is on.
 DEFAULT_SPACE: dict[str, tuple] = {
@@ -83,9 +84,12 @@ class TuneResult:
     evaluated: list[Scored] = field(default_factory=list)
 
 
-def score(cal: Calibration, curve: CostCurve, workers: int, allgather_2_s: float) -> Scored:
-    """Predicted ms per token of a calibrated setting at P = ``workers`` (prefill rounds excluded)."""
-    preds = [predict(s, curve, workers, allgather_2_s, cal.host_s_per_round) for s in cal.shapes]
+def score(
+    cal: Calibration, curve: CostCurve, workers: int, allgather_2_s: float, row_plan: RowPlan | None = None
+) -> Scored:
+    """Predicted ms per token of a calibrated setting at P = ``workers`` (prefill rounds excluded); with
+    ``row_plan`` each round is priced at the row count the engine pads it to."""
+    preds = [predict(s, curve, workers, allgather_2_s, cal.host_s_per_round, row_plan=row_plan) for s in cal.shapes]
     seconds = sum(p.seconds for p in preds)
     tokens = sum(p.tokens for p in preds)
     rounds = sum(p.rounds for p in preds)
@@ -220,7 +224,8 @@ def tune(
     def evaluate(la: LookaheadConfig) -> tuple[float, int] | None:
         start = time.perf_counter()
         cal = calibrate_setting(adapter, prompts, la, gen, eos_ids)
-        options = [score(cal, curve, p, allgather_2_s) for p in workers]
+        row_plan = RowPlan.from_curve(curve) if la.pad_rows else None
+        options = [score(cal, curve, p, allgather_2_s, row_plan) for p in workers]
         scored[_key(la)] = options
         pick = min(options, key=lambda s: (s.ms_per_token, s.workers))
         log(
@@ -238,16 +243,6 @@ def tune(
     return TuneResult(best=pick(best), base=pick(base), evaluated=flat)
 
 
-def describe(la: LookaheadConfig) -> str:
-    window = f"W={la.window_size} N={la.ngram_size}" if la.lookahead_branch else f"no window N={la.ngram_size}"
-    ctx = f"ctx {la.context_min_ngram}-{la.context_max_ngram}/{la.context_tokens}" if la.context_lookup else "no ctx"
-    pool = ("p" if la.pool_from_prompt else "-") + ("o" if la.pool_from_output else "-")
-    cap = f" rows<={la.max_verify_rows}" if la.max_verify_rows else ""
-    if la.long_match_ngram and la.context_lookup:
-        cap += f" (match>={la.long_match_ngram}: rows<={la.long_match_rows or 'any'})"
-    return f"{window} G={la.verification_set_size}{cap} {ctx} pool {pool} {la.candidate_policy}"
-
-
 def tuned_config(base: Config, result: TuneResult) -> Config:
     cfg = dataclasses.replace(base, lookahead=result.best.lookahead)
     cfg.parallel = dataclasses.replace(base.parallel, workers=result.best.workers)
@@ -255,8 +250,11 @@ def tuned_config(base: Config, result: TuneResult) -> Config:
 
 
 def write_config(cfg: Config, result: TuneResult, path: Path, header: Sequence[str]) -> None:
-    """A complete config (every key, so it does not depend on later changes of defaults) with the why on top."""
+    """A complete config (every key, so it does not depend on later changes of defaults) with the why on top.
+    The setting is written with ``preset: off``: a tuned setting is a preset of its own, to be run as written."""
     d = cfg.to_dict()
+    d.pop("explicit", None)
+    d["lookahead"]["preset"] = "off"
     lines = [f"# {h}" for h in header]
     lines.append(
         f"# predicted: {result.best.ms_per_token:.2f} ms/token at P={result.best.workers} "
@@ -331,6 +329,9 @@ def _run(args) -> int:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     specs = read_prompts(args.prompts)
     solo = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=1))
+    # the tuner measures its own, finer curve: the worker needs no start-up calibration or auto preset
+    solo.lookahead = dataclasses.replace(cfg.lookahead, preset="off", pad_rows=False)
+    cfg.lookahead = dataclasses.replace(cfg.lookahead, preset="off")  # the base setting runs as written
     worker = start_worker(solo)
     adapter: ModelAdapter = worker.adapter
     prompts = [encode(worker.tokenizer, s) for s in specs]

@@ -77,17 +77,44 @@ def test_shipped_configs_load(name: str) -> None:
     load_config(SHIPPED / name)
 
 
-def test_default_config_is_the_tuners_output() -> None:
-    """The README says configs/default.yaml holds the tuner's choice (configs/tuned-cpu.yaml)."""
-    assert load_config(SHIPPED / "default.yaml").lookahead == load_config(SHIPPED / "tuned-cpu.yaml").lookahead
+def test_default_config_measures_the_device() -> None:
+    """configs/default.yaml leaves every round-shape knob to the auto preset, and means what no --config means."""
+    cfg = load_config(SHIPPED / "default.yaml")
+    assert cfg.lookahead.preset == "auto" and cfg.lookahead.pad_rows
+    assert cfg.pinned_lookahead() == ("pad_rows", "preset")
+    assert cfg.lookahead == load_config(None).lookahead
+    assert load_config(SHIPPED / "fixed-cpu.yaml").lookahead == load_config(SHIPPED / "tuned-cpu.yaml").lookahead
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 2])
-def test_default_config_matches_hf_greedy(embedded, threads, index: int) -> None:
-    """The shipped default (row cap, long-match lift, adaptive context proposals) on the real model."""
+def test_auto_default_matches_hf_greedy(embedded, threads, index: int, tmp_path) -> None:
+    """The default as the runner builds it (calibration, auto preset, padded rounds) on the real model."""
+    from lp_runner.config import GenerationConfig
+    from lp_runner.engine import LookaheadEngine
+    from lp_runner.model import ModelAdapter
+    from lp_runner.parallel.comm import SoloCommunicator
+    from lp_runner.policy import RoundPolicy
+
     model, tokenizer = embedded
-    la = load_config(SHIPPED / "default.yaml").lookahead
+    cfg = load_config(SHIPPED / "default.yaml")
+    adapter = ModelAdapter(model)
+    policy = RoundPolicy.build(cfg, adapter, SoloCommunicator(), tmp_path, lambda: "embedded-test")
+    assert policy.auto is not None and policy.row_plan is not None and policy.calibration.source == "measured"
+    engine = LookaheadEngine(
+        adapter, policy.lookahead, GenerationConfig(max_new_tokens=NEW_TOKENS), eos_ids_of(model), None, policy.row_plan
+    )
+    result = engine.generate(prompt_ids(tokenizer, index))
+    assert result.output_ids == list(expected(model, tokenizer, index))
+    assert result.stats.verified_rounds > 0 and result.stats.forwards < result.stats.new_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [0, 2])
+def test_fixed_cpu_config_matches_hf_greedy(embedded, threads, index: int) -> None:
+    """The previous fixed default (row cap, long-match lift, adaptive context proposals) on the real model."""
+    model, tokenizer = embedded
+    la = load_config(SHIPPED / "fixed-cpu.yaml").lookahead
     rest = dataclasses.asdict(la)
     w, n, g, from_prompt = (
         rest.pop(k) for k in ("window_size", "ngram_size", "verification_set_size", "pool_from_prompt")

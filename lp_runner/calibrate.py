@@ -1,0 +1,156 @@
+"""Start-up calibration: this device's forward-cost curve, measured in seconds and cached.
+
+Why at run time: the cost of a packed forward versus its row count is a property of the device, the dtype, the
+thread count and the model, and two CPUs of the same machine kind can disagree completely (one measured 2-3 rows
+at ~1.07x one row and 8 rows at 1.56x, another 2-3 rows at 1.6-1.9x and 8 rows at 1.35x). A setting tuned on
+one and shipped as a constant is wrong on the other; the curve measured where the job runs is not.
+
+The quick curve: the body cost (LM head on one row) at every row count of ``QUICK_ROWS`` and two K/V lengths,
+plus the head on every row at the largest count (``costmodel.measure_curve(head_rows=...)``); repetitions
+interleaved, medians. About 90 forwards: a few seconds for a small model on a CPU, well under a second on a
+GPU. It is cached under the cache dir, keyed by everything that changes it (device model, threads, dtype,
+weights checksum, torch version, the measured grid), and reused; ``--recalibrate`` measures again.
+
+Under LP only rank 0 measures (the others wait, so the measurement has the machine to itself) and every rank
+uses rank 0's curve: the replicated coordinators must make identical choices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lp_runner.costmodel import CostCurve, measure_curve
+
+CALIBRATION_VERSION = 1  # bump when the measurement changes meaning: older cache entries are then ignored
+QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+QUICK_KV = (64, 512)
+QUICK_HEAD_ROWS = (64,)
+QUICK_REPS = 3
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    curve: CostCurve
+    key: dict  # what the curve was measured for
+    source: str  # "measured" or "cache"
+    seconds: float  # time spent measuring or loading it
+    path: str  # the cache file
+
+    def summary(self) -> dict:
+        return {"source": self.source, "seconds": round(self.seconds, 3), "device": self.key["device"]}
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model name: a GPU's name, else the CPU model as ``lscpu`` prints it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def calibration_key(device: torch.device, dtype: torch.dtype, weights_checksum: str) -> dict:
+    """Everything the curve depends on; a change of any field means a new measurement."""
+    return {
+        "version": CALIBRATION_VERSION,
+        "device": device_name(device),
+        "device_type": device.type,
+        "threads": torch.get_num_threads() if device.type == "cpu" else 0,
+        "dtype": str(dtype).replace("torch.", ""),
+        "weights": weights_checksum,
+        "torch": torch.__version__,
+        "rows": list(QUICK_ROWS),
+        "kv_lens": list(QUICK_KV),
+        "reps": QUICK_REPS,
+    }
+
+
+def cache_file(cache_root: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root / "calibration" / f"curve-{digest}.json"
+
+
+def load_cached(path: Path, key: dict) -> CostCurve | None:
+    """The cached curve for ``key``, or None when absent, unreadable or made for another key."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("key") != key:
+            return None
+        return CostCurve.from_dict(data["curve"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(path: Path, key: dict, curve: CostCurve, seconds: float) -> None:
+    """Write atomically (a rename), so a concurrent job never reads half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = {"key": key, "curve": curve.to_dict(), "measured_s": round(seconds, 3), "when": time.time()}
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def measure_quick(adapter) -> CostCurve:
+    sync = torch.cuda.synchronize if adapter.device.type == "cuda" else None
+    return measure_curve(adapter, QUICK_KV, QUICK_ROWS, reps=QUICK_REPS, sync=sync, head_rows=QUICK_HEAD_ROWS)
+
+
+def calibrate(
+    adapter, cache_root: Path, weights_checksum: str, recalibrate: bool = False, log: Log | None = None
+) -> Calibration:
+    """The curve for this adapter on this device: from the cache, or measured (and cached)."""
+    key = calibration_key(adapter.device, adapter.dtype, weights_checksum)
+    path = cache_file(cache_root, key)
+    start = time.perf_counter()
+    if not recalibrate:
+        curve = load_cached(path, key)
+        if curve is not None:
+            return Calibration(curve, key, "cache", time.perf_counter() - start, str(path))
+    if log is not None:
+        threads = f"{key['threads']} threads, " if key["threads"] else ""
+        log(f"calibrating the forward-cost curve on {key['device']} ({threads}{key['dtype']}); cached for next runs")
+    curve = measure_quick(adapter)
+    seconds = time.perf_counter() - start
+    try:
+        save(path, key, curve, seconds)
+    except OSError as exc:  # a read-only cache costs a re-measurement next time, not the run
+        if log is not None:
+            log(f"warning: cannot cache the calibration at {path}: {exc.strerror or exc}")
+    return Calibration(curve, key, "measured", seconds, str(path))
+
+
+def shared_calibration(comm, measure: Callable[[], Calibration]) -> Calibration:
+    """Rank 0's calibration on every rank (one start-up all_gather of its JSON; ranks > 0 never measure)."""
+    mine = measure() if comm.rank == 0 else None
+    if comm.world_size == 1:
+        return mine
+    blob = json.dumps(
+        {
+            "curve": mine.curve.to_dict(),
+            "key": mine.key,
+            "source": mine.source,
+            "seconds": mine.seconds,
+            "path": mine.path,
+        }
+        if mine is not None
+        else {}
+    )
+    first = json.loads(comm.all_gather_strings(blob)[0])
+    return Calibration(
+        CostCurve.from_dict(first["curve"]), first["key"], first["source"], first["seconds"], first["path"]
+    )

@@ -1,0 +1,111 @@
+"""Start-up calibration: measured once, cached under a key of everything that changes it, shared by LP ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_helpers import env_with_repo, free_port, make_tiny_folder, read_jsonl, write_prompts
+
+from lp_runner.calibrate import QUICK_ROWS, cache_file, calibrate, calibration_key
+from lp_runner.costmodel import CostCurve
+from lp_runner.loading import weights_checksum
+from lp_runner.model import ModelAdapter
+
+
+def test_curve_is_cached_and_keyed(tiny, tmp_path) -> None:
+    model = tiny("llama")
+    adapter = ModelAdapter(model)
+    checksum = weights_checksum(model)
+    first = calibrate(adapter, tmp_path, checksum)
+    assert first.source == "measured"
+    assert sorted({p.rows for p in first.curve.points}) == list(QUICK_ROWS)
+    again = calibrate(adapter, tmp_path, checksum)
+    assert again.source == "cache" and again.curve == first.curve and again.path == first.path
+    assert calibrate(adapter, tmp_path, checksum, recalibrate=True).source == "measured"  # --recalibrate
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # another thread count is another curve
+        assert calibrate(adapter, tmp_path, checksum).source == "measured"
+    finally:
+        torch.set_num_threads(threads)
+    assert calibrate(adapter, tmp_path, "other-weights").source == "measured"  # another model
+    half = ModelAdapter(tiny("llama", seed=5).to(torch.bfloat16))  # another dtype (and weights)
+    key_half = calibration_key(half.device, half.dtype, checksum)
+    assert key_half["dtype"] == "bfloat16"
+    assert cache_file(tmp_path, key_half) != cache_file(
+        tmp_path, calibration_key(adapter.device, adapter.dtype, checksum)
+    )
+    assert calibrate(adapter, tmp_path, checksum).source == "cache"  # the first key is still there
+
+
+def test_unreadable_or_foreign_cache_is_remeasured(tiny, tmp_path) -> None:
+    adapter = ModelAdapter(tiny("llama"))
+    cal = calibrate(adapter, tmp_path, "w")
+    path = cal.path
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert calibrate(adapter, tmp_path, "w").source == "measured"
+    with open(path) as f:
+        data = json.load(f)
+    data["key"]["threads"] = 999  # a file whose key does not match what it is read for
+    with open(path, "w") as f:
+        json.dump(data, f)
+    assert calibrate(adapter, tmp_path, "w").source == "measured"
+
+
+def _plant(cache_root, key: dict, ms: dict[int, float]) -> None:
+    """Write a curve into a cache folder, as if measured there (body = all, ms per row count)."""
+    points = [
+        {"kv_len": kv, "rows": q, "body_s": t / 1e3, "all_s": t / 1e3} for kv in key["kv_lens"] for q, t in ms.items()
+    ]
+    path = cache_file(cache_root, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "curve": {"points": points}}))
+
+
+@pytest.mark.slow
+def test_lp_ranks_use_rank0_curve(tmp_path) -> None:
+    """Two real ranks whose caches hold opposite curves: rank 1 must use rank 0's (else the auto preset makes two
+    different plans and the plan digest stops the run), and the record shows rank 0's choice."""
+    folder = make_tiny_folder(tmp_path / "tiny")
+    from lp_runner.loading import load_model_and_tokenizer
+
+    model, _, _ = load_model_and_tokenizer(folder)
+    key = calibration_key(torch.device("cpu"), torch.float32, weights_checksum(model))
+    key["threads"] = 1
+    dear = {q: 50.0 + 30.0 * (q - 1) for q in QUICK_ROWS}  # no window, few rows
+    free = {q: 50.0 for q in QUICK_ROWS}  # rows cost nothing: the window
+    _plant(tmp_path / "c0", key, dear)
+    _plant(tmp_path / "c1", key, free)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = env_with_repo(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LP_RUNNER_CACHE=str(tmp_path / f"c{rank}"),
+        )  # fmt: skip
+        args = ["--prompts", str(prompts), "--set", f"model.path={folder}", "--set", "model.threads=1",
+                "--set", "generation.max_new_tokens=12", "--set", "parallel.workers=2"]  # fmt: skip
+        if rank == 0:
+            args += ["--output", str(tmp_path / "out.jsonl")]
+        cmd = [sys.executable, "-m", "lp_runner", *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    rec = read_jsonl(tmp_path / "out.jsonl")[0]
+    assert rec["policy"]["calibration"]["source"] == "cache"
+    assert not rec["policy"]["lookahead"]["lookahead_branch"]  # rank 0's dear curve decided
+    assert not os.path.exists(tmp_path / "c1" / "calibration" / "x")  # (rank 1 measured nothing new)
+    assert len(os.listdir(tmp_path / "c1" / "calibration")) == 1
+
+
+def test_curve_roundtrip() -> None:
+    curve = CostCurve.linear(0.01, 0.001)
+    assert CostCurve.from_dict(json.loads(json.dumps(curve.to_dict()))) == curve
