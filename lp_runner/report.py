@@ -16,12 +16,20 @@ from lp_runner.metrics import combine
 from lp_runner.output import OutputFile
 
 
-def format_summary(cfg: Config, summary: dict, load_s: float, workers: int) -> str:
+def format_summary(cfg: Config, summary: dict, load_s: float, workers: int, policy: dict | None = None) -> str:
+    """``policy``: the last record's ``policy`` (the setting that ran, and why it was chosen)."""
     la = cfg.lookahead
+    head = (
+        policy["setting"]
+        if policy and "setting" in policy
+        else (
+            f"W={la.window_size} N={la.ngram_size} G={la.verification_set_size} pool_from_prompt={la.pool_from_prompt}"
+        )
+    )
     lines = [
         "-" * 64,
-        f"lp_runner  W={la.window_size} N={la.ngram_size} G={la.verification_set_size} "
-        f"pool_from_prompt={la.pool_from_prompt}  workers={workers}",
+        f"lp_runner  {head}  workers={workers}",
+        *policy_lines(policy),
         f"prompts {summary['generations']}  new tokens {summary['new_tokens']}  forwards {summary['forwards']}  "
         f"tokens/forward {summary['tokens_per_forward']:.2f}",
         f"tokens/s {summary['tokens_per_s']:.2f}  generation {summary['seconds']:.2f} s  model load {load_s:.2f} s",
@@ -31,6 +39,39 @@ def format_summary(cfg: Config, summary: dict, load_s: float, workers: int) -> s
         "-" * 64,
     ]
     return "\n".join(lines)
+
+
+def policy_lines(policy: dict | None) -> list[str]:
+    """How the setting was chosen (auto preset) and what the device's curve said, in two short lines."""
+    if not policy or policy.get("preset") != "auto" or "choice" not in policy:
+        return []
+    choice, cal = policy["choice"], policy.get("calibration", {})
+    lines = [
+        f"preset auto ({choice['samples']} outputs, {choice['evaluated']} settings priced): predicted "
+        f"{choice['predicted_ms_per_token']:.1f} ms/token, {choice['predicted_tokens_per_forward']:.2f} tokens/forward"
+    ]
+    curve = choice.get("curve_body_ms", {})
+    if curve:
+        one = curve.get("1")
+        pts = "  ".join(f"{q}:{ms / one:.2f}x" if one else f"{q}:{ms}ms" for q, ms in list(curve.items())[:8])
+        pad = policy.get("padding", {}).get("rows_to", {})
+        pad_txt = ", ".join(_ranges(pad)) or "none"
+        lines.append(
+            f"curve ({cal.get('device', '?')}, {cal.get('source', '?')} {cal.get('seconds', 0):.1f} s): rows {pts}"
+            f"  padding {pad_txt}"
+        )
+    return lines
+
+
+def _ranges(targets: dict[str, int]) -> list[str]:
+    """{"2": 8, "3": 8, "4": 8, "9": 16} -> ["2-4->8", "9->16"]: padded row counts, consecutive runs merged."""
+    runs: list[list[int]] = []  # [first, last, target]
+    for q, t in sorted((int(q), t) for q, t in targets.items()):
+        if runs and runs[-1][1] == q - 1 and runs[-1][2] == t:
+            runs[-1][1] = q
+        else:
+            runs.append([q, q, t])
+    return [f"{a}->{t}" if a == b else f"{a}-{b}->{t}" for a, b, t in runs]
 
 
 class Report:
@@ -72,7 +113,8 @@ class Report:
             return
         generated = [r for r in self.records if "error" not in r]
         summary = combine(SimpleNamespace(**r["stats"]) for r in generated)
-        lines = format_summary(self.cfg, summary, load_s, workers).split("\n")
+        policy = next((r["policy"] for r in reversed(generated) if "policy" in r), None)
+        lines = format_summary(self.cfg, summary, load_s, workers, policy).split("\n")
         errors = len(self.records) - len(generated)
         if errors or self.already:
             lines.insert(
