@@ -23,7 +23,8 @@ from lp_runner.errors import ConfigError
 
 @dataclass
 class ModelConfig:
-    path: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct), a local HF folder, or a .gguf file
+    path: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct), a local HF folder, a .gguf file, or org/name[@rev]
+    # from the local Hugging Face cache (never downloaded)
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun, cuda means cuda:LOCAL_RANK)
     threads: int = 0  # torch intra-op threads per worker; 0 = the process's cores / ranks on this node
