@@ -411,7 +411,9 @@ def test_interrupted_driver_cleans_up_and_resumes(cluster, tiny_dir, tmp_path, s
         while not (out.exists() and len(out.read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.1)
-        run = {a.name.split("-")[1] for a in list_actors(address=cluster.url, limit=1000) if a.name}
+        actors = list_actors(address=cluster.url, filters=[("state", "=", "ALIVE")], limit=1000)
+        run = {a.name.split("-")[1] for a in actors if (a.name or "").startswith("lp_runner-")}  # lp_runner-<run>-..
+        assert len(run) == 1, run
         second = _cli([*_args(tiny_dir, prompts, out, MANY_TOKENS), "--resume"])  # the driver holds the lock
         assert second.returncode == 2 and f"another lp_runner run (pid {proc.pid})" in second.stderr, second.stderr
         proc.send_signal(sig)
@@ -429,7 +431,7 @@ def test_interrupted_driver_cleans_up_and_resumes(cluster, tiny_dir, tmp_path, s
 
     def ours_alive() -> list:
         actors = list_actors(address=cluster.url, filters=[("state", "=", "ALIVE")], limit=1000)
-        return [a for a in actors if a.name and a.name.split("-")[1] in run]
+        return [a for a in actors if (a.name or "").startswith("lp_runner-") and a.name.split("-")[1] in run]
 
     deadline = time.monotonic() + 60
     while ours_alive() and time.monotonic() < deadline:
