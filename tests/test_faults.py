@@ -137,6 +137,7 @@ def test_existing_output_is_refused_and_left_untouched(tiny_dir, prompts, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]  # no lock or sibling left behind
 
 
+@pytest.mark.slow
 def test_resume_with_other_settings_or_weights_is_refused(tiny_dir, prompts, tmp_path, reference):
     out = tmp_path / "o.jsonl"
     out.write_text("".join(json.dumps(dict(r, stats={})) + "\n" for r in list(reference.values())[:2]))
