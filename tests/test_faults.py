@@ -263,6 +263,15 @@ def test_failed_peer_exits_3_and_leaves_no_process(tiny_dir, prompts, tmp_path):
     assert 2 <= complete_lines(out) < PROMPTS
 
 
+@pytest.mark.slow
+def test_self_launch_returns_the_ranks_input_error(tiny_dir, prompts, tmp_path):
+    out = tmp_path / "o.jsonl"
+    proc = cli(tiny_dir, prompts, out, "--set", "parallel.workers=2", "--set", "generation.max_new_tokens=9000")
+    assert proc.returncode == 2, proc.stderr[-3000:]  # torchrun itself exits 1 for any failed rank
+    assert f"error: [rank 0] prompt 'p0' ({prompts}:1): prompt of " in proc.stderr
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- one writer per file
 
 
