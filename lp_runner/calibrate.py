@@ -35,6 +35,11 @@ QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 QUICK_KV = (64, 512)
 QUICK_HEAD_ROWS = (64,)
 QUICK_REPS = 3
+# A coarser grid where the quick one would not fit the time the other LP ranks wait (their start-up collective
+# carries parallel.timeout_s): a large model on a CPU.
+COARSE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+COARSE_KV = (512,)
+COARSE_REPS = 1
 
 Log = Callable[[str], None]
 
@@ -74,9 +79,6 @@ def calibration_key(device: torch.device, dtype: torch.dtype, weights_checksum: 
         "dtype": str(dtype).replace("torch.", ""),
         "weights": weights_checksum,
         "torch": torch.__version__,
-        "rows": list(QUICK_ROWS),
-        "kv_lens": list(QUICK_KV),
-        "reps": QUICK_REPS,
     }
 
 
@@ -105,15 +107,47 @@ def save(path: Path, key: dict, curve: CostCurve, seconds: float) -> None:
     os.replace(tmp, path)
 
 
-def measure_quick(adapter) -> CostCurve:
+def measure_quick(adapter, budget_s: float | None = None) -> CostCurve:
+    """The quick curve; with ``budget_s``, the coarse grid when one probe forward says the quick grid would take
+    longer (about 2 x the probe's seconds per forward: most forwards have fewer rows than the probe's 64)."""
     sync = torch.cuda.synchronize if adapter.device.type == "cuda" else None
-    return measure_curve(adapter, QUICK_KV, QUICK_ROWS, reps=QUICK_REPS, sync=sync, head_rows=QUICK_HEAD_ROWS)
+    rows, kvs, reps = QUICK_ROWS, QUICK_KV, QUICK_REPS
+    if budget_s is not None:
+        forwards = (len(QUICK_ROWS) + len(QUICK_HEAD_ROWS)) * len(QUICK_KV) * (QUICK_REPS + 1)
+        if probe_seconds(adapter, sync) * forwards / 2 > budget_s:
+            rows, kvs, reps = COARSE_ROWS, COARSE_KV, COARSE_REPS
+    return measure_curve(adapter, kvs, rows, reps=reps, sync=sync, head_rows=QUICK_HEAD_ROWS)
+
+
+def probe_seconds(adapter, sync=None) -> float:
+    """Seconds of one 64-row forward on a 512-token cache (the quick grid's most expensive point)."""
+    from lp_runner.model import crop
+
+    cache = adapter.new_cache()
+    kv, q = max(QUICK_KV), max(QUICK_ROWS)
+    ids = torch.zeros(kv + q, dtype=torch.long)
+    adapter.forward(ids[:kv], torch.arange(kv), torch.ones(kv, kv, dtype=torch.bool).tril(), cache, torch.tensor([0]))
+    (sync or (lambda: None))()
+    start = time.perf_counter()
+    adapter.forward(
+        ids[kv:], torch.arange(kv, kv + q), torch.ones(q, q, dtype=torch.bool).tril(), cache, torch.arange(q)
+    )
+    (sync or (lambda: None))()
+    seconds = time.perf_counter() - start
+    crop(cache, 0)
+    return seconds
 
 
 def calibrate(
-    adapter, cache_root: Path, weights_checksum: str, recalibrate: bool = False, log: Log | None = None
+    adapter,
+    cache_root: Path,
+    weights_checksum: str,
+    recalibrate: bool = False,
+    log: Log | None = None,
+    budget_s: float | None = None,
 ) -> Calibration:
-    """The curve for this adapter on this device: from the cache, or measured (and cached)."""
+    """The curve for this adapter on this device: from the cache, or measured (and cached). ``budget_s``: the
+    longest a measurement may take (LP: the other ranks wait for it within their collective timeout)."""
     key = calibration_key(adapter.device, adapter.dtype, weights_checksum)
     path = cache_file(cache_root, key)
     start = time.perf_counter()
@@ -124,7 +158,7 @@ def calibrate(
     if log is not None:
         threads = f"{key['threads']} threads, " if key["threads"] else ""
         log(f"calibrating the forward-cost curve on {key['device']} ({threads}{key['dtype']}); cached for next runs")
-    curve = measure_quick(adapter)
+    curve = measure_quick(adapter, budget_s)
     seconds = time.perf_counter() - start
     try:
         save(path, key, curve, seconds)

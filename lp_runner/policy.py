@@ -45,8 +45,9 @@ class RoundPolicy:
         la = cfg.lookahead
         if la.preset != "auto" and not la.pad_rows:
             return cls.fixed(la)
+        budget = 0.5 * cfg.parallel.timeout_s if comm.world_size > 1 else None  # the others wait in a collective
         cal = shared_calibration(
-            comm, lambda: calibrate(adapter, cache_root, weights_checksum(), cfg.run.recalibrate, log)
+            comm, lambda: calibrate(adapter, cache_root, weights_checksum(), cfg.run.recalibrate, log, budget)
         )
         row_plan = RowPlan.from_curve(cal.curve) if la.pad_rows else None
         plan_for_search = row_plan or RowPlan.identity()

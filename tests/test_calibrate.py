@@ -11,7 +11,7 @@ import pytest
 import torch
 from dist_helpers import env_with_repo, free_port, make_tiny_folder, read_jsonl, write_prompts
 
-from lp_runner.calibrate import QUICK_ROWS, cache_file, calibrate, calibration_key
+from lp_runner.calibrate import COARSE_ROWS, QUICK_KV, QUICK_ROWS, cache_file, calibrate, calibration_key
 from lp_runner.costmodel import CostCurve
 from lp_runner.loading import weights_checksum
 from lp_runner.model import ModelAdapter
@@ -44,6 +44,16 @@ def test_curve_is_cached_and_keyed(tiny, tmp_path) -> None:
     assert calibrate(adapter, tmp_path, checksum).source == "cache"  # the first key is still there
 
 
+def test_measurement_fits_a_time_budget(tiny, tmp_path) -> None:
+    """Under LP the other ranks wait for rank 0's measurement inside a collective: a budget the quick grid would
+    overrun gets the coarse grid (a budget of a nanosecond always does)."""
+    adapter = ModelAdapter(tiny("llama"))
+    coarse = calibrate(adapter, tmp_path, "w", budget_s=1e-9)
+    assert sorted({p.rows for p in coarse.curve.points}) == list(COARSE_ROWS)
+    roomy = calibrate(adapter, tmp_path / "other", "w", budget_s=1e6)
+    assert sorted({p.rows for p in roomy.curve.points}) == list(QUICK_ROWS)
+
+
 def test_unreadable_or_foreign_cache_is_remeasured(tiny, tmp_path) -> None:
     adapter = ModelAdapter(tiny("llama"))
     cal = calibrate(adapter, tmp_path, "w")
@@ -62,7 +72,7 @@ def test_unreadable_or_foreign_cache_is_remeasured(tiny, tmp_path) -> None:
 def _plant(cache_root, key: dict, ms: dict[int, float]) -> None:
     """Write a curve into a cache folder, as if measured there (body = all, ms per row count)."""
     points = [
-        {"kv_len": kv, "rows": q, "body_s": t / 1e3, "all_s": t / 1e3} for kv in key["kv_lens"] for q, t in ms.items()
+        {"kv_len": kv, "rows": q, "body_s": t / 1e3, "all_s": t / 1e3} for kv in QUICK_KV for q, t in ms.items()
     ]
     path = cache_file(cache_root, key)
     path.parent.mkdir(parents=True, exist_ok=True)
