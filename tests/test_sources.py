@@ -65,6 +65,12 @@ def test_cap_rows(max_rows, expected):
     assert cap_rows([("context", (1, 2, 3)), ("pool", (4, 5))], max_rows) == expected
 
 
+def test_cap_rows_drops_a_cut_that_repeats_a_kept_prefix():
+    merged = [("context", (1, 2, 3)), ("pool", (1, 5)), ("pool", (6, 7))]
+    assert cap_rows(merged, 4) == [("context", (1, 2, 3)), ("pool", (6,))]  # (1,) would re-verify (1, 2, 3)'s head
+    assert cap_rows(merged, 0) == merged  # uncapped: merge_candidates already removed prefixes
+
+
 @pytest.mark.parametrize(
     "history,long_match_ngram,long_match_rows,expected",
     [

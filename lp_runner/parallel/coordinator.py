@@ -115,14 +115,20 @@ def cap_rows(merged: list[tuple[str, Suffix]], max_rows: int) -> list[tuple[str,
 
     Where a forward's cost steps up at some row count (``benchmarks/forward_cost.py``), rows past the step cost
     more than the tokens they rarely add; a truncated candidate is still an exact one.
-    Example: [("context", (1, 2, 3)), ("pool", (4, 5))], max_rows 4 -> [("context", (1, 2, 3)), ("pool", (4,))].
+    Example: [("context", (1, 2, 3)), ("pool", (4, 5))], max_rows 4 -> [("context", (1, 2, 3)), ("pool", (4,))];
+    [("context", (1, 2, 3)), ("pool", (1, 5))], max_rows 4 -> [("context", (1, 2, 3))]: a cut that leaves a prefix
+    of a kept candidate would spend a row on a path already verified.
     """
     if max_rows <= 0:
         return merged
-    out, left = [], max_rows
+    out: list[tuple[str, Suffix]] = []
+    left = max_rows
     for name, suffix in merged:
         if left <= 0:
             break
-        out.append((name, suffix[:left]))
-        left -= len(out[-1][1])
+        cut = suffix[:left]
+        if any(kept[: len(cut)] == cut for _, kept in out):  # truncated into a prefix of a kept one: verified already
+            continue
+        out.append((name, cut))
+        left -= len(cut)
     return out
