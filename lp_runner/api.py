@@ -109,7 +109,7 @@ def _policy_for(model: PreTrainedModel, adapter: ModelAdapter, cfg: Config) -> R
     la = cfg.lookahead
     if la.preset != "auto" and not la.pad_rows:
         return RoundPolicy.fixed(la)
-    key = (dataclasses.astuple(la), cfg.pinned_lookahead(), torch.get_num_threads())
+    key = (dataclasses.astuple(la), cfg.pinned_lookahead(), torch.get_num_threads(), adapter.device, adapter.dtype)
     per_model = _POLICIES.setdefault(model, {})
     if key not in per_model:
         per_model[key] = RoundPolicy.build(

@@ -239,7 +239,8 @@ def search(
         if any(getattr(rec.lookahead, k) != getattr(base, k) for k in pinned):
             continue
         ms, tpf = _price(rec.shapes, curve, row_plan, host_s, world_size)
-        options.append((ms, tpf, dataclasses.replace(rec.lookahead, preset="off"), f"recorded {rec.name}"))
+        adopted = dataclasses.replace(rec.lookahead, preset="off", pad_rows=base.pad_rows)  # padding: the config's
+        options.append((ms, tpf, adopted, f"recorded {rec.name}"))
     curve_ms = {p.rows: 1e3 * p.body_s for p in curve.points if p.kv_len == curve.kv_lens[-1]}
     if not options:
         return Choice(base, float("inf"), 0.0, sample_source, 0, "every candidate contradicts a pinned knob", curve_ms)

@@ -107,7 +107,7 @@ def _log(message: str) -> None:
 
 def check_peers(worker: Worker) -> None:
     """Every rank must run the same config on the same weights, or outputs would silently fork."""
-    mine = f"{worker.cfg.digest()}|{weights_checksum(worker.adapter.model)}"
+    mine = f"{worker.cfg.digest()}|{model_checksum(worker)}"
     everyone = worker.comm.all_gather_strings(mine)
     cfgs = {s.split("|")[0] for s in everyone}
     if len(cfgs) > 1:

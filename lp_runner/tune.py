@@ -52,7 +52,7 @@ WINDOW_KNOBS = ("window_size",)  # N also sets the pool's suffix length, so it m
 
 
 @dataclass
-class Calibration:
+class SettingRun:
     """One setting run on the calibration prompts: its round shapes and measured host and forward time
     (prefill rounds excluded, as ``costmodel.predict`` excludes them)."""
 
@@ -85,7 +85,7 @@ class TuneResult:
 
 
 def score(
-    cal: Calibration, curve: CostCurve, workers: int, allgather_2_s: float, row_plan: RowPlan | None = None
+    cal: SettingRun, curve: CostCurve, workers: int, allgather_2_s: float, row_plan: RowPlan | None = None
 ) -> Scored:
     """Predicted ms per token of a calibrated setting at P = ``workers`` (prefill rounds excluded); with
     ``row_plan`` each round is priced at the row count the engine pads it to."""
@@ -187,7 +187,7 @@ def _moves(best: LookaheadConfig, knob: str, v, space: dict[str, Sequence]) -> l
     return [dataclasses.replace(best, **{knob: v})]
 
 
-def calibrate_setting(adapter, prompts: Sequence[Sequence[int]], la: LookaheadConfig, gen, eos_ids) -> Calibration:
+def calibrate_setting(adapter, prompts: Sequence[Sequence[int]], la: LookaheadConfig, gen, eos_ids) -> SettingRun:
     """Run one setting greedily on the calibration prompts (P = 1; shapes at other P are replayed)."""
     from lp_runner.engine import LookaheadEngine
 
@@ -201,7 +201,7 @@ def calibrate_setting(adapter, prompts: Sequence[Sequence[int]], la: LookaheadCo
         rounds += max(res.stats.rounds - 1, 0)
         tokens += sum(r.emitted for r in res.stats.records[1:])
     n = max(rounds, 1)  # no rounds beyond the prefill: nothing was timed either
-    return Calibration(la, shapes, host / n, tokens, forward / n)
+    return SettingRun(la, shapes, host / n, tokens, forward / n)
 
 
 def tune(
