@@ -112,6 +112,7 @@ def _run_torchrun(nproc: int, model: Path, prompts: Path, out: Path, wng, extra=
         "--set", f"model.path={model}", "--set", "model.threads=1",
         "--set", f"lookahead.window_size={w}", "--set", f"lookahead.ngram_size={n}",
         "--set", f"lookahead.verification_set_size={g}", "--set", "generation.max_new_tokens=48",
+        "--set", "lookahead.preset=off",  # this W/N/G with its window, not what the device's curve would choose
         "--set", "run.progress=false", *extra,
     ]  # fmt: skip
     proc = subprocess.run(

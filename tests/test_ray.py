@@ -292,7 +292,8 @@ def test_job_embedded_model_matches_hf_greedy(cluster, tmp_path):
             {"id": "chat", "messages": [{"role": "user", "content": "What is a hash map?"}]},
         ],
     )
-    extra = ("--set", "lookahead.window_size=15", "--set", "lookahead.verification_set_size=15", *_ray_args(2))
+    extra = ("--set", "lookahead.window_size=15", "--set", "lookahead.verification_set_size=15",
+             "--set", "lookahead.preset=off", *_ray_args(2))  # the window, as written  # fmt: skip
     _submit(cluster, _args("embedded", prompts, tmp_path / "o.jsonl", 24, *extra))
     records = read_jsonl(tmp_path / "o.jsonl")
     for rec in records:
