@@ -117,11 +117,19 @@ class LookaheadEngine:
         return 1 + window_rows + la.verification_set_size * longest
 
     def generate(
-        self, prompt_ids: Sequence[int], on_commit: OnCommit | None = None, committed: Sequence[int] = ()
+        self,
+        prompt_ids: Sequence[int],
+        on_commit: OnCommit | None = None,
+        committed: Sequence[int] = (),
+        sample_key: str | None = None,
     ) -> GenerationResult:
         """Generate after ``prompt_ids``; ``committed`` resumes a generation whose first tokens are already known
         (e.g. after a lost worker): they are re-prefilled with the prompt and returned as the output's start.
-        Greedy output is a function of the prefix alone, so a resumed run ends exactly as an uninterrupted one."""
+        Greedy output is a function of the prefix alone, so a resumed run ends exactly as an uninterrupted one.
+
+        ``sample_key`` names this generation's random streams when sampling (a job passes the prompt's id, so a
+        prompt samples the same tokens whichever prompts ran before it: ``--resume`` skips some); without one,
+        the engine's own count of generations names them."""
         self.check_prompt(prompt_ids)
         if len(committed) >= self.gen.max_new_tokens or (set(committed[-1:]) & self.eos_ids):
             return GenerationResult(list(committed), GenerationStats())
@@ -129,7 +137,7 @@ class LookaheadEngine:
         n, w = la.ngram_size, la.window_size
         max_emit = max(n - 1, la.context_tokens if la.context_lookup else 0) + 1  # longest candidate + 1
         coord = Coordinator(la, comm.world_size, prompt_ids, group_by_first_token=self.gen.do_sample)
-        generation_index = self._generations
+        generation_index = self._generations if sample_key is None else sample_key
         self._generations += 1
         window = JacobiWindow(w, n, [*prompt_ids, *committed])
         cache = self.adapter.new_cache()
@@ -208,7 +216,7 @@ class LookaheadEngine:
         stats.host_s = sum(r.host_s for r in stats.records)
         return GenerationResult(history[len(prompt_ids) :], stats)
 
-    def _sample(self, logits, layout: RoundLayout, plan, candidates, round_key: tuple[int, int]) -> Verdict:
+    def _sample(self, logits, layout: RoundLayout, plan, candidates, round_key: tuple[int | str, int]) -> Verdict:
         """Exact sampling verification (see ``sampling.py``), split so that LP needs no extra collective.
 
         The first token is decided on every rank from a stream shared by all ranks (seed, generation, round) over

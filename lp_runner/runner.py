@@ -247,7 +247,7 @@ def run_prompts(
             callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefix))
         if on_commit is not None and worker.is_main:
             callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
-        result = engine.generate(ids, on_commit=_chain(callbacks), committed=prefix)
+        result = engine.generate(ids, on_commit=_chain(callbacks), committed=prefix, sample_key=f"id:{spec.id}")
         rec = make_record(worker, spec, ids, result) if worker.is_main else {}  # with the setting that ran
         if policy.observe(ids, result.output_ids):  # every rank observes the same tokens: the same new setting
             engine.set_lookahead(policy.lookahead)

@@ -108,6 +108,18 @@ def test_seeded_sampling_is_reproducible():
     assert len({tuple(x) for x in a}) > 1  # successive generations use fresh streams
 
 
+def test_keyed_sampling_does_not_depend_on_earlier_generations():
+    """A job keys each prompt's streams by its id, so ``--resume`` (which skips the prompts already written)
+    samples the remaining prompts exactly as the uninterrupted run did."""
+    model = _model()
+    gen = GenerationConfig(max_new_tokens=12, do_sample=True, seed=7, **SETTINGS)
+    full = LookaheadEngine(ModelAdapter(model), LookaheadConfig(3, 4, 3), gen, eos_ids=[])
+    outputs = {key: full.generate(PROMPT, sample_key=key).output_ids for key in ("a", "b", "c")}
+    resumed = LookaheadEngine(ModelAdapter(model), LookaheadConfig(3, 4, 3), gen, eos_ids=[])
+    assert resumed.generate(PROMPT, sample_key="c").output_ids == outputs["c"]  # "a" and "b" never ran here
+    assert len({tuple(x) for x in outputs.values()}) > 1  # the keys name different streams
+
+
 def _tiny_folder(path: Path) -> Path:
     """The same tiny model with a word-level tokenizer, so the CLI can load it: "w1 w2" -> [1, 2]."""
     from tokenizers import Tokenizer, models, pre_tokenizers
