@@ -10,8 +10,9 @@
 #   1. versions + nvidia-smi; stop early (one line) if torch/transformers are missing or too old, or no CUDA
 #   2. forward cost vs packed rows Q for a random-weight ~1.2B Llama (bf16, prefixes 512 and 2048)
 #   3. torch.distributed process group (NCCL) + TorchCommunicator.all_gather timing, torchrun with one rank
-#   4. the real CLI under torchrun (one rank) on a saved random-weight Llama: configs/default.yaml,
-#      configs/lookahead.yaml and a plain-greedy reference (no candidates)
+#   4. the real CLI under torchrun (one rank) on a saved random-weight Llama: configs/default.yaml (the auto
+#      preset: its summary block and records hold the device's measured curve, the padding and the chosen setting),
+#      configs/lookahead.yaml and a plain-greedy reference (no candidates, no padding)
 #   5. benchmarks/compare.py, only where the embedded model exists and compare.py takes --device
 # Every step runs under `timeout` inside one overall budget (GPU_CHECK_BUDGET_S, default 420 s); a failed step is
 # logged and the next one runs; the exit status is 1 if any step failed.
@@ -156,7 +157,7 @@ cli() { # NAME CONFIG EXTRA_SETS...
 cli default configs/default.yaml
 cli lookahead configs/lookahead.yaml
 cli greedy configs/default.yaml --set lookahead.verification_set_size=0 --set lookahead.lookahead_branch=false \
-    --set lookahead.context_lookup=false
+    --set lookahead.context_lookup=false --set lookahead.preset=off --set lookahead.pad_rows=false
 
 # ---- 5. compare.py on the embedded model (only where it exists and compare.py can use the GPU) ---------------
 EMBEDDED="${LP_RUNNER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lp_runner}/models/SmolLM2-135M-Instruct"
