@@ -134,9 +134,10 @@ def merge_candidates(proposals: Sequence[tuple[str, Sequence[Suffix]]], budget: 
     """Policy order in, at most ``budget`` (source, suffix) out, without redundant suffixes.
 
     A suffix equal to, or a prefix of, one already kept is dropped; a kept suffix that is a prefix of a new one is
-    replaced by it (in place, keeping its source), since verifying the longer one verifies both.
+    replaced by it in place (its slot in the order), since verifying the longer one verifies both. The label is
+    the new suffix's source: feedback and per-source statistics must credit the source whose tokens were verified.
     Example: [("context", [(1, 2, 3)]), ("pool", [(1, 2), (4, 5), (1, 2, 3, 9)])], budget 2 ->
-    [("context", (1, 2, 3, 9)), ("pool", (4, 5))].
+    [("pool", (1, 2, 3, 9)), ("pool", (4, 5))].
     """
     kept: list[tuple[str, Suffix]] = []
     for name, suffixes in proposals:
@@ -147,7 +148,7 @@ def merge_candidates(proposals: Sequence[tuple[str, Sequence[Suffix]]], budget: 
                 continue
             extended = next((i for i, (_, k) in enumerate(kept) if suffix[: len(k)] == k), None)
             if extended is not None:
-                kept[extended] = (kept[extended][0], suffix)
+                kept[extended] = (name, suffix)
                 continue
             if len(kept) < budget:
                 kept.append((name, suffix))

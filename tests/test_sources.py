@@ -151,11 +151,12 @@ def test_pool_source_repairs_with_committed_ngrams():
 @pytest.mark.parametrize(
     "proposals,budget,expected",
     [
-        # docstring example: a pool prefix of a context suffix is dropped; a longer pool suffix replaces it
+        # docstring example: a pool prefix of a context suffix is dropped; a longer pool suffix replaces it, in
+        # the context suffix's slot but under its own label (the pool's tokens are what gets verified)
         (
             [("context", [(1, 2, 3)]), ("pool", [(1, 2), (4, 5), (1, 2, 3, 9)])],
             2,
-            [("context", (1, 2, 3, 9)), ("pool", (4, 5))],
+            [("pool", (1, 2, 3, 9)), ("pool", (4, 5))],
         ),
         # identical suffixes are verified once, first source keeps it
         ([("context", [(1, 2)]), ("pool", [(1, 2), (3, 4)])], 3, [("context", (1, 2)), ("pool", (3, 4))]),
