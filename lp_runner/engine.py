@@ -193,7 +193,7 @@ class LookaheadEngine:
 
             # publish
             history.extend(emitted)
-            self._count(stats, plan, reports[win], layout, len(candidates), len(emitted), forward_s, comm_s)
+            self._count(stats, plan, reports[win], layout, len(candidates), len(emitted), forward_s, comm_s, win)
             rec = stats.records[-1]
             rec.past_len, rec.ordinary = past_len, layout.num_ordinary
             rec.depth = window.depth if la.lookahead_branch else -1
@@ -243,7 +243,7 @@ class LookaheadEngine:
         return Verdict(winner_local, 1 + cont.hits, (first, *cont.emitted))
 
     @staticmethod
-    def _count(stats, plan, win_report, layout, num_local, num_emitted, forward_s, comm_s) -> None:
+    def _count(stats, plan, win_report, layout, num_local, num_emitted, forward_s, comm_s, win_rank) -> None:
         stats.add(
             RoundRecord(
                 rows=layout.num_rows - layout.num_padding,
@@ -257,6 +257,7 @@ class LookaheadEngine:
                 host_s=0.0,
                 plan_candidates=tuple(len(c) for c in plan.candidates),
                 winner_candidate=win_report.candidate,
+                winner_rank=win_rank,
             ),
             verified_anywhere=bool(plan.candidates),
         )

@@ -24,6 +24,7 @@ class RoundRecord:
     plan_candidates: tuple[int, ...] = ()  # length of every candidate of the round, all ranks
     winner_candidate: int = -1  # global index of the winning candidate, -1 if none held
     padded_rows: int = 0  # filler rows that made the round a cheaper row count (``layout.pad_layout``)
+    winner_rank: int = 0  # the rank whose verdict was published (LP: the others re-feed its tokens)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class GenerationStats:
     records: list[RoundRecord] = field(default_factory=list)
     # per candidate source: {"proposed": n, "verified": n, "accepted": tokens accepted from its winning candidates}
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    wins_by_rank: dict[str, int] = field(default_factory=dict)  # rounds each rank's verdict was published ("0": ...)
 
     def count_source(self, name: str, key: str, value: int) -> None:
         entry = self.sources.setdefault(name, {"proposed": 0, "verified": 0, "accepted": 0})
@@ -57,6 +59,7 @@ class GenerationStats:
         self.new_tokens += rec.emitted
         self.rows += rec.rows
         self.padded_rows += rec.padded_rows
+        self.wins_by_rank[str(rec.winner_rank)] = self.wins_by_rank.get(str(rec.winner_rank), 0) + 1
         self.logit_rows += rec.logit_rows
         self.verified_rounds += int(verified_anywhere)
         self.accepted_tokens += rec.hits

@@ -151,6 +151,11 @@ def test_lp_matches_single_worker_and_hf_greedy(tmp_path, tiny_dir, wng):
             assert multi["stats"]["collectives"] == multi["stats"]["rounds"]  # one collective per round
     if wng[2] > 0:  # guard: candidates were verified and accepted, so LP's winner selection was exercised
         assert sum(r["stats"]["accepted_tokens"] for r in results[2]) > 0
+    if wng == (7, 5, 7):  # (W2N4G3 here: rank 1 never holds a strictly longer hit; ties go to rank 0)
+        # ranks other than 0 won rounds and the others adopted their tokens (the outputs above are exact)
+        other_wins = sum(n for r in results[2] for rank, n in r["stats"]["wins_by_rank"].items() if rank != "0")
+        assert other_wins > 0, [r["stats"]["wins_by_rank"] for r in results[2]]
+    assert all(set(r["stats"]["wins_by_rank"]) == {"0"} for r in results[1])  # P = 1: the only rank wins
 
 
 @pytest.mark.slow
