@@ -260,20 +260,27 @@ def test_failed_round_restores_the_cache(where: str) -> None:
     [
         ("mistral", {"sliding_window": 8}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+        ("mistral", {"sliding_window": 128}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 0}),
     ],
-    ids=["mistral", "qwen2"],
+    ids=["mistral-8", "qwen2-8", "mistral-128", "qwen2-128"],
 )
 def test_sliding_window_model_is_exact_or_refused(family: str, window: dict) -> None:
-    # Mistral-7B-v0.1's config has sliding_window=4096; here the window (8) is shorter than the text (12 + 40)
+    """Window 8: shorter than the text (12 + 40), refused up front. Window 128: prompt, output and a round's
+    rows (at most 66 at W=5, N=4, G=5) fit, so the run must take the exact branch and match HF greedy."""
     model = tiny_model(family, **window)
     prompt = random_prompt(PROMPT_LEN, 0)
     expected = hf_greedy(model, prompt, NEW_TOKENS)  # HF masks and caches the window itself
+    fits = window["sliding_window"] >= PROMPT_LEN + NEW_TOKENS + make_engine(model, 5, 4, 5).max_round_rows()
     try:
         result = run_lookahead(model, prompt, 5, 4, 5, True, NEW_TOKENS)
     except LPError as exc:  # refusing such a model up front, with a user-facing message, is acceptable
-        assert "sliding attention window of 8" in str(exc)
+        assert not fits, f"refused although everything fits in the window: {exc}"
+        assert f"sliding attention window of {window['sliding_window']}" in str(exc)
         return
+    assert fits, "ran past the sliding window instead of refusing"
     assert result.output_ids == expected
+    assert result.stats.accepted_tokens > 0  # the exact branch really verified candidates
 
 
 # ---------------------------------------------------------------------------------------------------------
