@@ -37,6 +37,7 @@ from typing import Any
 from lp_runner.config import Config, ParallelConfig, config_from_dict
 from lp_runner.errors import ConfigError, DistributedError, LPError
 from lp_runner.output import OutputFile
+from lp_runner.parallel.comm import first_line
 from lp_runner.prompts import PromptSpec
 from lp_runner.report import Report
 
@@ -487,16 +488,16 @@ class _Driver:
         """A Ray failure -> _WorkerLost (recoverable) or the LPError to show (fatal); other errors are bugs."""
         ex = self.ray.exceptions
         if isinstance(exc, ex.RuntimeEnvSetupError):
-            return RayClusterError(f"the Ray workers' environment could not be set up: {_first_line(exc)}")
+            return RayClusterError(f"the Ray workers' environment could not be set up: {first_line(exc)}")
         lost_types = (ex.RayActorError, ex.WorkerCrashedError, ex.NodeDiedError, ex.OutOfMemoryError)
         if isinstance(exc, lost_types):
-            return _WorkerLost(f"worker rank {rank} was lost ({_first_line(exc)})")
+            return _WorkerLost(f"worker rank {rank} was lost ({first_line(exc)})")
         if isinstance(exc, ex.RayTaskError):
             cause = exc.cause
             if isinstance(cause, LPError):
                 return cause
             if isinstance(cause, lost_types):
-                return _WorkerLost(f"worker rank {rank} was lost ({_first_line(cause)})")
+                return _WorkerLost(f"worker rank {rank} was lost ({first_line(cause)})")
         raise exc
 
     def _run_group(self, group: _Group) -> None:
@@ -603,7 +604,7 @@ def _connect(ray: Any, cfg: Config) -> None:
             f"the Ray cluster at {address} requires an authentication token: set RAY_AUTH_MODE=token and "
             "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token"
         )
-    raise RayClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(failure)}")
+    raise RayClusterError(f"cannot connect to the Ray cluster at {address}: {first_line(failure)}")
 
 
 def _init_quietly(ray: Any, **kwargs: Any) -> tuple[Exception | None, str]:
@@ -661,8 +662,3 @@ def _check_reachable(address: str) -> None:
             f"cannot reach the Ray cluster at {address} ({exc.strerror or exc}); check parallel.ray_address / "
             "RAY_ADDRESS, or start a cluster with `ray start --head`"
         ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

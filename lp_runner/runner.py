@@ -28,8 +28,6 @@ from lp_runner.parallel.comm import Communicator, SoloCommunicator, TorchCommuni
 from lp_runner.policy import RoundPolicy
 from lp_runner.prompts import PromptSpec, encode, prompt_problem
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class Worker:
@@ -84,7 +82,7 @@ def start_worker(cfg: Config) -> Worker:
     start = time.perf_counter()
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir or None)
     model, tokenizer, folder = load_model_and_tokenizer(
-        path, dtype=DTYPES[cfg.model.dtype], device=str(device), allow_pickle=cfg.model.allow_pickle
+        path, dtype=cfg.model.dtype, device=str(device), allow_pickle=cfg.model.allow_pickle
     )
     load_s = time.perf_counter() - start
     worker = Worker(cfg, comm, ModelAdapter(model), tokenizer, folder, device, load_s)

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from typing import Protocol
 
@@ -23,7 +22,6 @@ class Communicator(Protocol):
     world_size: int
     backend: str  # "none" without a process group, else gloo | nccl
     collectives: int  # collectives issued so far (telemetry)
-    seconds: float  # time spent inside collectives
 
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
         """[L] int64 on every rank -> [P, L], row r from rank r."""
@@ -41,7 +39,6 @@ class SoloCommunicator:
 
     def __init__(self) -> None:
         self.collectives = 0
-        self.seconds = 0.0
 
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
         return payload.unsqueeze(0)
@@ -59,18 +56,15 @@ class TorchCommunicator:
         self.backend = str(dist.get_backend())  # gloo | nccl
         self.device = device  # NCCL needs tensors on the rank's GPU; gloo takes CPU tensors
         self.collectives = 0
-        self.seconds = 0.0
 
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
         local = payload.to(self.device)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         try:
             dist.all_gather(out, local)
         except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError; both mean a lost peer
-            raise DistributedError(peer_failure_message(self.rank, exc)) from None
+            raise DistributedError(peer_failure_message(exc)) from None
         self.collectives += 1
-        self.seconds += time.perf_counter() - start
         return torch.stack(out).cpu()
 
     def all_gather_strings(self, text: str) -> list[str]:
@@ -78,12 +72,12 @@ class TorchCommunicator:
         try:
             dist.all_gather_object(out, text)
         except Exception as exc:
-            raise DistributedError(peer_failure_message(self.rank, exc)) from None
+            raise DistributedError(peer_failure_message(exc)) from None
         return out
 
 
-def peer_failure_message(rank: int, exc: BaseException) -> str:
-    return f"a peer worker died or stalled during a collective ({_first_line(exc)})"
+def peer_failure_message(exc: BaseException) -> str:
+    return f"a peer worker died or stalled during a collective ({first_line(exc)})"
 
 
 def init_process_group(dist_backend: str, timeout_s: float) -> str:
@@ -102,11 +96,12 @@ def init_process_group(dist_backend: str, timeout_s: float) -> str:
         except Exception as exc:  # DistStoreError, RuntimeError: a peer never joined, or the address is wrong
             raise DistributedError(
                 f"could not form the {backend} process group within {timeout_s:g} s "
-                f"({_first_line(exc)}); check that every worker started and MASTER_ADDR/MASTER_PORT are reachable"
+                f"({first_line(exc)}); check that every worker started and MASTER_ADDR/MASTER_PORT are reachable"
             ) from None
     return backend
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, at most 200 characters (for one-line ``error:`` messages)."""
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
