@@ -22,10 +22,11 @@ from dist_helpers import env_with_repo, make_tiny_folder, read_jsonl, torchrun_c
 
 PROMPTS = 40  # enough that a kill after the first record lands mid-run
 MAX_NEW = 16
-# Fields that measure the run (time, placement, per-round telemetry), not what it generated. ``forwards``
-# depends on the lookahead state a process carries from prompt to prompt, which a resumed run starts afresh.
+# Fields that measure the run (time, placement, per-round telemetry), not what it generated. The lookahead
+# setting that ran (``policy`` and W / N / G / pool_from_prompt) and so ``forwards`` depend on what the process saw
+# before: the auto preset adapts the setting prompt by prompt, and a resumed run starts afresh. The tokens do not.
 RUN_FIELDS = {"seconds", "tokens_per_s", "stats", "workers", "dist_backend", "recovery", "forwards"}
-RUN_FIELDS |= {"tokens_per_forward", "policy"}
+RUN_FIELDS |= {"tokens_per_forward", "policy", "window_size", "ngram_size", "verification_set_size", "pool_from_prompt"}
 LAUNCHERS = {"single": [], "torchrun-self": ["--set", "parallel.workers=2"]}
 
 
