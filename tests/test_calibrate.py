@@ -71,9 +71,7 @@ def test_unreadable_or_foreign_cache_is_remeasured(tiny, tmp_path) -> None:
 
 def _plant(cache_root, key: dict, ms: dict[int, float]) -> None:
     """Write a curve into a cache folder, as if measured there (body = all, ms per row count)."""
-    points = [
-        {"kv_len": kv, "rows": q, "body_s": t / 1e3, "all_s": t / 1e3} for kv in QUICK_KV for q, t in ms.items()
-    ]
+    points = [{"kv_len": kv, "rows": q, "body_s": t / 1e3, "all_s": t / 1e3} for kv in QUICK_KV for q, t in ms.items()]
     path = cache_file(cache_root, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": key, "curve": {"points": points}}))
