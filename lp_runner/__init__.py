@@ -7,9 +7,15 @@ lp_runner`` (the CLI, ``python -m lp_runner.fetch``) does not load torch and tra
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-__all__ = ["generate"]
+__all__ = ["__version__", "generate"]
+
+try:
+    __version__ = version("lp_runner")  # pyproject.toml's version, as installed
+except PackageNotFoundError:  # a source tree on PYTHONPATH that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str) -> Any:

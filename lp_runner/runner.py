@@ -6,7 +6,9 @@ produces the same records. Only rank 0 streams, writes and reports.
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 import sys
 import time
 import weakref
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lp_runner.calibrate import device_name
 from lp_runner.config import Config
 from lp_runner.device import resolve_threads
 from lp_runner.engine import GenerationResult, LookaheadEngine
@@ -144,6 +147,7 @@ def make_error_record(worker: Worker, spec: PromptSpec, error: str) -> dict:
         "config_digest": output_digest(worker.cfg),
         "weights_checksum": model_checksum(worker),
         "config": output_settings(worker.cfg),
+        "run": run_info(worker),
     }
 
 
@@ -173,6 +177,46 @@ def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], res
         "config_digest": output_digest(cfg),  # what ``--resume`` checks: same settings, same weights
         "weights_checksum": model_checksum(worker),
         "config": output_settings(cfg),
+        "run": run_info(worker),
+    }
+
+
+def package_versions() -> dict[str, str]:
+    import transformers
+
+    from lp_runner import __version__
+
+    return {
+        "lp_runner": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+@functools.cache
+def _device_label(device: torch.device) -> str:
+    return device_name(device)  # reads /proc/cpuinfo on a CPU: once per process
+
+
+def run_info(worker: Worker) -> dict:
+    """What a record needs besides its ``weights_checksum`` to be re-run: the whole resolved config (every
+    section, and ``explicit``: the keys the user set, which the auto preset leaves alone), the package versions
+    and the device that ran it. ``config_from_dict(rec["run"]["config"])`` rebuilds the Config; a YAML file of
+    the ``explicit`` keys' values gives the same Config through ``--config`` on the same lp_runner version.
+
+    Example: ``{"config": {"model": {...}, ..., "explicit": ["generation.max_new_tokens"]}, "versions":
+    {"lp_runner": "0.1.0", "torch": "2.13.0", ...}, "device": {"type": "cpu", "name": "AMD EPYC 7B13",
+    "threads": 1}}``."""
+    dev = worker.device
+    return {
+        "config": worker.cfg.to_dict(),
+        "versions": package_versions(),
+        "device": {
+            "type": dev.type,
+            "name": _device_label(dev),
+            "threads": torch.get_num_threads(),  # model.threads resolved (0: the cores per rank)
+        },
     }
 
 

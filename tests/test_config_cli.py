@@ -368,3 +368,95 @@ def test_cli_single_prompt_streams_the_text(embedded, tmp_path: Path) -> None:
     assert rec["text"] == text
     assert proc.stdout == text + "\n"  # streamed chunk by chunk, then one newline
     assert len(text) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Records carry what re-running them takes
+
+
+def _record_and_config(embedded, tmp_path: Path) -> tuple[dict, Config]:
+    """One record made as the runner makes it (embedded model, 4 tokens), written and read back through the
+    output file; the config came from a YAML file plus --set, so defaults, file keys and overrides all show."""
+    import transformers
+
+    from lp_runner.model import ModelAdapter
+    from lp_runner.output import OutputFile
+    from lp_runner.parallel.comm import SoloCommunicator
+    from lp_runner.prompts import PromptSpec
+    from lp_runner.runner import Worker, run_prompts
+
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("lookahead:\n  window_size: 5\ngeneration:\n  max_new_tokens: 4\n")
+    cfg = load_config(yaml_file, ["lookahead.preset=off", "model.threads=1"])
+    model, tokenizer = embedded
+    worker = Worker(cfg, SoloCommunicator(), ModelAdapter(model), tokenizer, Path("embedded"), torch.device("cpu"), 0.0)
+    out = OutputFile.open(tmp_path / "o.jsonl", "new", cfg)
+    try:
+        (made,) = run_prompts(worker, [PromptSpec(id="a", prompt="def f(x):", where="test")], on_record=out.write)
+    finally:
+        out.close(complete=True)
+    (rec,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert rec == json.loads(json.dumps(made)) and rec["new_tokens"] == 4  # it ran (4 tokens), written as made
+    assert rec["run"]["versions"] == {
+        "lp_runner": lp_runner.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
+    return rec, cfg
+
+
+def test_record_carries_the_whole_config_versions_and_device(embedded, tmp_path: Path) -> None:
+    from lp_runner.calibrate import device_name
+    from lp_runner.config import config_from_dict
+    from lp_runner.loading import weights_checksum
+
+    rec, cfg = _record_and_config(embedded, tmp_path)
+    run = rec["run"]
+    assert set(run) == {"config", "versions", "device"}
+    # every section, not only the token-deciding ones in rec["config"]
+    assert set(run["config"]) == {"model", "lookahead", "generation", "parallel", "run", "explicit"}
+    assert config_from_dict(run["config"]) == cfg  # rebuilt exactly, explicit keys included
+    assert run["config"]["explicit"] == [
+        "generation.max_new_tokens",
+        "lookahead.preset",
+        "lookahead.window_size",
+        "model.threads",
+    ]
+    # a YAML of the explicit keys gives the same Config through --config (the others are this version's defaults)
+    again = tmp_path / "again.yaml"
+    sections: dict[str, dict] = {}
+    for key in run["config"]["explicit"]:
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = run["config"][section][name]
+    again.write_text(json.dumps(sections))  # JSON is YAML
+    assert load_config(again) == cfg
+    assert run["device"] == {
+        "type": "cpu",
+        "name": device_name(torch.device("cpu")),
+        "threads": torch.get_num_threads(),
+    }
+    assert run["device"]["name"]  # a CPU model name, not empty
+    assert rec["weights_checksum"] == weights_checksum(embedded[0])
+
+
+def test_resume_checks_settings_not_the_run_field(embedded, tmp_path: Path) -> None:
+    """The ``run`` field describes a run; ``--resume`` still compares only what decides the tokens: a resume on
+    other threads or workers keeps the file, one with another window is refused."""
+    from lp_runner.config import config_from_dict
+    from lp_runner.errors import InputError
+    from lp_runner.output import OutputFile
+
+    rec, _ = _record_and_config(embedded, tmp_path)
+    path = tmp_path / "o.jsonl"
+    other_run = config_from_dict(rec["run"]["config"])
+    other_run.model.threads, other_run.parallel.workers = 2, 2
+    sink = OutputFile.open(path, "resume", other_run)
+    try:
+        assert sink.done == {"a"}
+    finally:
+        sink.close(complete=True)
+    other_window = config_from_dict(rec["run"]["config"])
+    other_window.lookahead.window_size = 7
+    with pytest.raises(InputError, match="lookahead.window_size: 5 in the file, 7 now"):
+        OutputFile.open(path, "resume", other_window)

@@ -27,6 +27,7 @@ MAX_NEW = 16
 # before: the auto preset adapts the setting prompt by prompt, and a resumed run starts afresh. The tokens do not.
 RUN_FIELDS = {"seconds", "tokens_per_s", "stats", "workers", "dist_backend", "recovery", "forwards"}
 RUN_FIELDS |= {"tokens_per_forward", "policy", "window_size", "ngram_size", "verification_set_size", "pool_from_prompt"}
+RUN_FIELDS |= {"run"}  # the whole config, versions and device of the run that wrote the record (workers differ)
 LAUNCHERS = {"single": [], "torchrun-self": ["--set", "parallel.workers=2"]}
 
 

@@ -49,6 +49,7 @@ TIMING = {"seconds", "tokens_per_s", "stats", "workers", "recovery", "dist_backe
 # The setting that ran: the auto preset chooses it from each process's own device calibration and adapts it from
 # prompt to prompt, so it may differ between runs and processes; the tokens may not.
 TIMING |= {"policy", "window_size", "ngram_size", "verification_set_size", "pool_from_prompt"}
+TIMING |= {"run"}  # the run's whole config (backend, workers), versions and device: not what it generated
 RAY_PORT_FLAGS = (
     "port", "dashboard-port", "node-manager-port", "object-manager-port", "ray-client-server-port",
     "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
