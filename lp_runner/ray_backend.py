@@ -36,6 +36,7 @@ from typing import Any
 
 from lp_runner.config import Config, ParallelConfig, config_from_dict
 from lp_runner.errors import ConfigError, DistributedError, LPError
+from lp_runner.logs import LEVEL_ENV, level_name, log, setup_logging
 from lp_runner.output import OutputFile
 from lp_runner.parallel.comm import first_line
 from lp_runner.prompts import PromptSpec
@@ -150,6 +151,7 @@ class Replica:
         from lp_runner.runner import start_worker
 
         os.environ.update(env)
+        setup_logging(env.get(LEVEL_ENV, "INFO"))  # the driver's --log-level; lines reach the driver's stderr
         self.worker = start_worker(config_from_dict(cfg_data))
         return self.worker.load_s
 
@@ -357,11 +359,13 @@ class _Driver:
         }
         self.recoveries.append(event)
         self.progress.recovery.setdefault(at, []).append(event)
-        print(
-            f"warning: {reason}; resuming prompt '{event['prompt']}' at token {event['resumed_at_token']} "
-            f"(recovery {len(self.recoveries)}/{limit})",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            "%s; resuming prompt '%s' at token %d (recovery %d/%d)",
+            reason,
+            event["prompt"],
+            event["resumed_at_token"],
+            len(self.recoveries),
+            limit,
         )
         return True
 
@@ -426,6 +430,7 @@ class _Driver:
                     "LOCAL_WORLD_SIZE": "1" if self.bundle.get("GPU") else str(len(same_node)),
                     "MASTER_ADDR": infos[0]["ip"],
                     "MASTER_PORT": str(port),
+                    LEVEL_ENV: level_name(),
                 }
                 refs.append(actor.start.remote(cfg_data, env))
             group.load_s = self._gather(refs, "start", None)[0]

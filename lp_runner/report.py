@@ -6,12 +6,14 @@ every launcher produces the same file, bar and summary.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
 from lp_runner.config import Config
+from lp_runner.logs import log
 from lp_runner.metrics import combine
 from lp_runner.output import OutputFile
 
@@ -88,7 +90,7 @@ class Report:
         self.records: list[dict] = []
         self.already = already
         self.bar: Any = None
-        if progress and cfg.run.progress and total > 1:
+        if progress and cfg.run.progress and total > 1 and log.isEnabledFor(logging.INFO):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=already, desc="prompts", unit="prompt", file=sys.stderr)
@@ -131,4 +133,4 @@ class Report:
                     f"  {r['lost'][:80]} -> prompt '{r['prompt']}' resumed at token {r['resumed_at_token']} "
                     f"on {r['workers_after']} workers",
                 )
-        print("\n".join(lines), file=sys.stderr)
+        log.info("\n".join(lines))  # stderr: stdout carries only results (streamed text)

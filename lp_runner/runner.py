@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from lp_runner.device import resolve_threads
 from lp_runner.engine import GenerationResult, LookaheadEngine
 from lp_runner.errors import ConfigError, DistributedError, InputError
 from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path, weights_checksum
+from lp_runner.logs import log
 from lp_runner.model import ModelAdapter
 from lp_runner.output import output_digest, output_settings
 from lp_runner.parallel.comm import Communicator, SoloCommunicator, TorchCommunicator, init_process_group
@@ -103,7 +103,7 @@ def start_worker(cfg: Config) -> Worker:
 
 
 def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    log.info(message)
 
 
 def check_peers(worker: Worker) -> None:

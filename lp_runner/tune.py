@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import yaml
 from lp_runner.config import Config, LookaheadConfig, check_lookahead, load_config
 from lp_runner.costmodel import CostCurve, RoundShape, RowPlan, predict, shapes_from_records
 from lp_runner.errors import ConfigError, InputError, LPError
+from lp_runner.logs import add_log_level, log, setup_logging
 from lp_runner.preset import describe
 
 # Knobs in search order, each with the values tried. W only matters when the lookahead branch is on.
@@ -278,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per calibration prompt")
     p.add_argument("--workers", default="1", help="comma-separated P values to consider, e.g. 1,2,4")
     p.add_argument("--allgather-us", type=float, default=350.0, help="measured 2-rank all_gather cost per round")
+    add_log_level(p)
     p.add_argument("--curve", help="a saved cost curve (JSON from --save-curve); measured when omitted")
     p.add_argument("--save-curve", help="write the measured cost curve here")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per curve point")
@@ -303,10 +304,11 @@ def curve_rows(space: dict[str, Sequence], base: LookaheadConfig) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
     try:
         return _run(args)
     except LPError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
 
 
@@ -336,7 +338,7 @@ def _run(args) -> int:
     adapter: ModelAdapter = worker.adapter
     prompts = [encode(worker.tokenizer, s) for s in specs]
     gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens)
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    say = log.info  # progress lines, to stderr (--log-level)
 
     if args.curve:
         try:
@@ -346,12 +348,12 @@ def _run(args) -> int:
     else:
         rows = curve_rows(DEFAULT_SPACE, cfg.lookahead)
         kv = sorted({min(len(p) for p in prompts), max(len(p) for p in prompts) + args.max_new_tokens})
-        log(f"measuring the forward-cost curve: rows {rows}, K/V lengths {kv}")
+        say(f"measuring the forward-cost curve: rows {rows}, K/V lengths {kv}")
         sync = torch.cuda.synchronize if adapter.device.type == "cuda" else None
         curve = measure_curve(adapter, kv, rows, reps=args.reps, sync=sync)
         if args.save_curve:
             Path(args.save_curve).write_text(json.dumps(curve.to_dict(), indent=2))
-    log(f"calibrating on {len(prompts)} prompts x {args.max_new_tokens} tokens")
+    say(f"calibrating on {len(prompts)} prompts x {args.max_new_tokens} tokens")
     result = tune(
         adapter,
         prompts,
@@ -361,7 +363,7 @@ def _run(args) -> int:
         curve,
         workers,
         1e-6 * args.allgather_us,
-        log=log,
+        log=say,
         max_passes=args.passes,
         min_gain=args.min_gain,
     )
@@ -383,9 +385,9 @@ def _run(args) -> int:
             "evaluated": [_scored_dict(s) for s in result.evaluated],
         }
         Path(args.report).write_text(json.dumps(report, indent=2))
-    log(f"base:  {describe(result.base.lookahead)}  {result.base.ms_per_token:.2f} ms/token (predicted)")
-    log(f"tuned: {describe(result.best.lookahead)}  P={result.best.workers}  {result.best.ms_per_token:.2f} ms/token")
-    log(f"wrote {args.output}")
+    say(f"base:  {describe(result.base.lookahead)}  {result.base.ms_per_token:.2f} ms/token (predicted)")
+    say(f"tuned: {describe(result.best.lookahead)}  P={result.best.workers}  {result.best.ms_per_token:.2f} ms/token")
+    say(f"wrote {args.output}")
     return 0
 
 

@@ -460,3 +460,124 @@ def test_resume_checks_settings_not_the_run_field(embedded, tmp_path: Path) -> N
     other_window.lookahead.window_size = 7
     with pytest.raises(InputError, match="lookahead.window_size: 5 in the file, 7 now"):
         OutputFile.open(path, "resume", other_window)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Commands, --version, --log-level
+
+
+def test_cli_version() -> None:
+    for args in (["--version"], ["run", "--version"]):
+        proc = run_cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"lp_runner {lp_runner.__version__}\n"  # a result: stdout, nothing on stderr
+        assert proc.stderr == ""
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", lp_runner.__version__)  # pyproject's version, as installed
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "rest"),
+    [
+        (["--config", "c.yaml"], "run", ["--config", "c.yaml"]),  # no command: run, as before commands existed
+        (["run", "--config", "c.yaml"], "run", ["--config", "c.yaml"]),
+        (["tune", "--prompts", "p"], "tune", ["--prompts", "p"]),
+        (["fetch", "--force"], "fetch", ["--force"]),
+        (["--log-level", "DEBUG", "tune", "-h"], "tune", ["--log-level", "DEBUG", "-h"]),  # global option first
+        (["--log-level=ERROR", "fetch"], "fetch", ["--log-level=ERROR"]),
+        (["--prompt", "run"], "run", ["--prompt", "run"]),  # a prompt that is a command word stays a prompt
+        ([], "run", []),
+    ],
+)
+def test_split_command(argv: list[str], command: str, rest: list[str]) -> None:
+    from lp_runner.__main__ import split_command
+
+    assert split_command(argv) == (command, rest)
+
+
+def test_self_launch_passes_the_run_arguments_through() -> None:
+    """parallel.workers=P re-runs the same arguments under torchrun, with the command word written out; each rank
+    parses them back to the same run arguments (--log-level included)."""
+    from lp_runner.__main__ import build_parser, split_command, torchrun_command
+
+    argv = ["--log-level", "WARNING", "--prompt", "hi", "--set", "parallel.workers=2"]
+    cmd = torchrun_command(2, argv)
+    assert cmd[cmd.index("--standalone") :] == ["--standalone", "--nproc-per-node=2", "-m", "lp_runner", "run", *argv]
+    command, rest = split_command(cmd[cmd.index("lp_runner") + 1 :])  # what each rank's main sees
+    assert (command, rest) == ("run", argv)
+    args = build_parser().parse_args(rest)
+    assert (args.log_level, args.prompt, args.overrides) == ("WARNING", "hi", ["parallel.workers=2"])
+
+
+def test_cli_commands_dispatch() -> None:
+    fetch = run_cli("fetch", "--help")
+    assert fetch.returncode == 0 and fetch.stdout.startswith("usage: python -m lp_runner fetch "), fetch.stdout
+    tune = run_cli("--log-level", "DEBUG", "tune", "--help")
+    assert tune.returncode == 0 and tune.stdout.startswith("usage: python -m lp_runner tune "), tune.stdout
+    explicit, implicit = run_cli("run", "--help"), run_cli("--help")
+    assert explicit.returncode == implicit.returncode == 0
+    assert explicit.stdout == implicit.stdout and "--log-level" in explicit.stdout and "fetch" in explicit.stdout
+    # the same user error through run, explicit or not
+    assert_user_error(run_cli("run", "--prompt", "hi", "--set", "lookahead.ngram_size=2"), "ngram_size (N) must be")
+    assert_user_error(run_cli("--prompt", "hi", "--set", "lookahead.ngram_size=2"), "ngram_size (N) must be")
+    # errors are never silenced: ERROR is the highest level there is
+    quiet = run_cli("--log-level", "ERROR", "--prompt", "hi", "--set", "lookahead.ngram_size=2")
+    assert_user_error(quiet, "ngram_size (N) must be")
+    bad = run_cli("--log-level", "LOUD", "--prompt", "hi")
+    assert bad.returncode == 2 and "argument --log-level: invalid choice: 'LOUD'" in bad.stderr
+
+
+def test_fetch_command_prints_the_path_and_logs_to_stderr(embedded) -> None:
+    """The model is cached (the embedded fixture fetched it): stdout is the folder alone; the progress line goes
+    to stderr at INFO and is gone at WARNING."""
+    from lp_runner.loading import embedded_model_dir
+
+    folder = str(embedded_model_dir())
+    info = run_cli("fetch")
+    assert info.returncode == 0, info.stderr
+    assert info.stdout == folder + "\n"
+    assert info.stderr == f"embedded model ready at {folder}\n"
+    quiet = run_cli("fetch", "--log-level", "WARNING")
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, folder + "\n", "")
+
+
+def test_log_lines_keep_the_cli_form(capsys, monkeypatch) -> None:
+    from lp_runner.logs import log, setup_logging
+
+    try:
+        setup_logging("WARNING")
+        log.info("hidden")
+        log.warning("low on memory")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
+        log.error("peer lost")
+        setup_logging("debug")  # again: replaces the handler, no line printed twice
+        log.info("a progress line")  # INFO comes from the writing rank only: no prefix
+        log.debug("detail")
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.splitlines() == [
+            "warning: low on memory",
+            "error: [rank 1] peer lost",
+            "a progress line",
+            "debug: [rank 1] detail",
+        ]
+    finally:
+        setup_logging()
+
+
+@pytest.mark.slow
+def test_cli_log_level_keeps_stdout_for_the_text(embedded) -> None:
+    """stdout carries the streamed text and nothing else at every level; --log-level WARNING empties stderr of
+    the summary (INFO) on a run that has nothing to warn about."""
+    args = ["--prompt", "def add(a, b):", "--set", "generation.max_new_tokens=6", "--set", "model.threads=1"]
+    args += ["--set", "lookahead.preset=off"]  # no start-up calibration: a quick run
+    loud, quiet = run_cli("run", *args), run_cli(*args, "--log-level", "WARNING")
+    assert loud.returncode == quiet.returncode == 0, (loud.stderr, quiet.stderr)
+    model, tokenizer = embedded
+    eos = model.generation_config.eos_token_id
+    ids = tokenizer("def add(a, b):")["input_ids"]
+    new = hf_greedy(model, ids, 6, [eos] if isinstance(eos, int) else list(eos or []))
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    assert loud.stdout == quiet.stdout == text + "\n"
+    assert "tokens/forward" in loud.stderr  # the summary, at INFO
+    assert quiet.stderr == ""
