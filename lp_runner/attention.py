@@ -72,3 +72,21 @@ def packed_gqa(config) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = "sdpa"
+
+
+def sliding_window_mask(
+    mask: torch.Tensor,  # [1, 1, Q, K] additive float mask (0 visible, dtype min hidden)
+    query_positions: torch.Tensor,  # [Q] position of each packed row
+    key_positions: torch.Tensor,  # [K] position of each key (cached slots, then the round's rows)
+    window: int,
+) -> torch.Tensor:  # [1, 1, Q, K], a new tensor
+    """``mask`` with every key at ``window`` or more positions before its row hidden: a per-row sliding window.
+
+    transformers' sliding layers let the query at position p see keys at positions p - window < q <= p
+    (``sliding_window_overlay``). In a packed round the rows sit at different positions, so the window is cut per
+    row from each row's own position, never per round. Example, window 3, two cached keys (positions 0, 1) and
+    rows at positions [2, 3, 3] (a live key and two siblings): row 0 keeps keys 0..2, rows 1 and 2 lose key 0
+    (3 - 0 >= 3) and keep whatever the round's own mask lets them see among the rest.
+    """
+    far = query_positions[:, None] - key_positions[None, :] >= window  # [Q, K]
+    return mask.masked_fill(far, torch.finfo(mask.dtype).min)

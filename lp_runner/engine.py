@@ -96,13 +96,6 @@ class LookaheadEngine:
                 f"prompt of {len(prompt_ids)} tokens plus max_new_tokens={self.gen.max_new_tokens} exceeds the "
                 f"model's context of {limit} positions"
             )
-        window = self.adapter.sliding_window
-        if window is not None and len(prompt_ids) + self.gen.max_new_tokens + self.max_round_rows() > window:
-            raise InputError(
-                f"prompt of {len(prompt_ids)} tokens plus max_new_tokens={self.gen.max_new_tokens} plus up to "
-                f"{self.max_round_rows()} rows per round exceeds the model's sliding attention window of {window}; "
-                "lp_runner is exact only while everything fits in the window"
-            )
 
     def max_round_rows(self) -> int:
         """An upper bound on the rows one round appends to the cache (window rows + verification rows, or the

@@ -10,6 +10,12 @@ Two of transformers' defaults are replaced for the adapter's own forwards, to sa
 cache appends into a growing buffer instead of concatenating (``AppendBufferLayer``; the same bits), and
 grouped-query attention over a packed round reads K/V heads in place instead of repeating them
 (``lp_runner.attention``; the same kernel and dot products, equal to fp32 rounding).
+
+Sliding-window layers (Mistral, Qwen2 with sliding layers, Gemma 2/3 local layers) keep every position here, like
+full layers, and see their window through the mask instead: each packed row masks the keys more than ``window - 1``
+positions before its own (``sliding_window_mask``), so the window is per row, as in one-row decoding, at any
+length. Hybrid models get one mask per layer type (``{"full_attention": ..., "sliding_attention": ...}``, the
+mapping transformers' hybrid models accept in place of a 4-D mask).
 """
 
 from __future__ import annotations
@@ -20,10 +26,17 @@ from contextlib import nullcontext
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from lp_runner.attention import packed_gqa, supports_packed_gqa
+from lp_runner.attention import packed_gqa, sliding_window_mask, supports_packed_gqa
+from lp_runner.errors import LPError
 from lp_runner.layout import additive_mask
+
+SLIDING = "sliding_attention"  # the layer type whose mask is windowed (transformers' name in ``layer_types``)
+
+
+class UnsupportedModelError(LPError):
+    """A model transformers loads but lp_runner cannot run exactly; the message is one line for the user."""
 
 
 class ModelAdapter:
@@ -43,20 +56,43 @@ class ModelAdapter:
             raise TypeError(f"{type(model).__name__}.forward takes neither 'cache' nor 'past_key_values'")
         if "logits_to_keep" not in params:
             raise TypeError(f"{type(model).__name__}.forward has no 'logits_to_keep'; lp_runner needs it")
-        # Sliding-window layers drop positions the packed mask assumes visible, and cannot be cropped once full:
-        # runs are exact only while everything fits in the window (checked per prompt by the engine).
-        windows = [getattr(layer, "sliding_window", None) for layer in self.new_cache().layers if layer.is_sliding]
-        self.sliding_window: int | None = min((w for w in windows if w), default=None)
+        try:
+            self.mask_windows, self.mask_per_type = attention_windows(model.config, DynamicCache(config=model.config))
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"{type(model).__name__} cannot run under lp_runner: {exc}") from None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self._check_takes_packed_masks()
+
+    def _check_takes_packed_masks(self) -> None:
+        """Refuse, in one line, a model whose forward cannot take the engine's per-row 4-D mask.
+
+        ALiBi models (BLOOM, Falcon with ``alibi``) build their position bias from a 2-D padding mask and fail
+        inside transformers on a 4-D one; a two-token forward finds that out before any prompt is run.
+        """
+        try:
+            self.forward(
+                torch.zeros(2, dtype=torch.long), torch.arange(2), _causal(2), self.new_cache(), torch.tensor([1])
+            )
+        except Exception as exc:  # whatever the model's own code raised: the message says which model and why
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} cannot run under lp_runner: its forward does not take a per-row "
+                f"attention mask ({reason}); ALiBi models such as BLOOM and Falcon with alibi are not supported"
+            ) from exc
 
     def new_cache(self) -> DynamicCache:
-        """A DynamicCache whose full-attention layers append into a growing buffer (see ``AppendBufferLayer``)."""
+        """A DynamicCache whose attention layers keep every position (sliding ones too: their window is a mask) and
+        append into a growing buffer (see ``AppendBufferLayer``; transformers' DynamicLayer without append_buffer).
+
+        A rolling sliding-window layer would drop positions a later round still needs once a rejected tail is
+        cropped, and cannot be cropped once full; a full layer has neither problem.
+        """
         cache = DynamicCache(config=self.model.config)
-        if self.append_buffer:
-            cache.layers = [AppendBufferLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        full = AppendBufferLayer if self.append_buffer else DynamicLayer
+        cache.layers = [full() if _is_attention_layer(layer) else layer for layer in cache.layers]
         return cache
 
     @torch.inference_mode()
@@ -70,6 +106,16 @@ class ModelAdapter:
     ) -> torch.Tensor:  # [R, vocab]
         past = cache_length(cache)
         mask = additive_mask(visibility, past, self.dtype).to(self.device)  # [1, 1, Q, past + Q]
+        if any(self.mask_windows.values()):
+            # cached position j sits in slot j (the engine commits in order); in-round keys carry their own positions
+            query_positions = position_ids.to(self.device)  # [Q]
+            key_positions = torch.cat([torch.arange(past, device=self.device), query_positions])  # [past + Q]
+            masks = {
+                window: mask if window is None else sliding_window_mask(mask, query_positions, key_positions, window)
+                for window in set(self.mask_windows.values())
+            }
+            per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
+            mask = per_type if self.mask_per_type else next(iter(per_type.values()))
         switch = self.packed_gqa and supports_packed_gqa(self.model.config)
         attention = packed_gqa(self.model.config) if switch else nullcontext()
         with attention:
@@ -84,6 +130,44 @@ class ModelAdapter:
         return out.logits[0]  # [R, vocab]
 
 
+def attention_windows(config, cache: DynamicCache) -> tuple[dict[str, int | None], bool]:
+    """The sliding window of each layer type's mask (None: full attention), and whether the model takes one mask
+    per layer type (a dict keyed by ``config.layer_types``) or one 4-D mask for every layer.
+
+    Read from the cache transformers builds for the config (which layers slide, and by how much), so no model is
+    named here. Examples: Llama -> ({"": None}, False); Mistral with sliding_window=8 -> ({"": 8}, False);
+    Gemma 3 with layer_types [sliding, full] -> ({"sliding_attention": 8, "full_attention": None}, True).
+    A layout no mask can express exactly (two windows on one layer type, a windowed type that is not plain
+    sliding attention, such as chunked attention) is refused.
+    """
+    windows = [layer.sliding_window if getattr(layer, "is_sliding", False) else None for layer in cache.layers]
+    if not any(windows):
+        return {"": None}, False
+    layer_types = getattr(config.get_text_config(), "layer_types", None)
+    if layer_types is None:
+        if len(set(windows)) != 1:
+            raise UnsupportedModelError(
+                f"layers with different sliding windows {sorted(set(windows), key=str)} but no layer_types"
+            )
+        return {"": windows[0]}, False
+    if len(layer_types) != len(windows):
+        raise UnsupportedModelError(f"{len(layer_types)} layer_types for {len(windows)} cache layers")
+    by_type: dict[str, int | None] = {}
+    for layer_type, window in zip(layer_types, windows, strict=True):
+        if by_type.setdefault(layer_type, window) != window or (window is not None and layer_type != SLIDING):
+            raise UnsupportedModelError(f"unsupported attention layout: layer type {layer_type!r} with window {window}")
+    return by_type, True
+
+
+def _is_attention_layer(layer) -> bool:
+    """A plain K/V layer, full or sliding (not a recurrent, conv or quantized layer, which are kept as they are)."""
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def _causal(t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
+
+
 class AppendBufferLayer(DynamicLayer):
     """A DynamicLayer that writes new K/V into spare capacity instead of concatenating.
 
@@ -91,8 +175,8 @@ class AppendBufferLayer(DynamicLayer):
     per layer per round, a cost that grows with the context (``benchmarks/forward_paths.py`` times both). Here
     ``keys`` / ``values`` are views of the first positions of a buffer that doubles when full, so a round writes
     only its own rows. ``crop`` (inherited) narrows the view, and the next update overwrites the rejected rows in
-    place. The cached values are the same bits either way; only the copy is gone. Sliding-window layers keep their
-    own class (they roll their buffer).
+    place. The cached values are the same bits either way; only the copy is gone. Sliding-window layers use it too
+    (their window is applied by the mask, see ``ModelAdapter.new_cache``).
     """
 
     def update(

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -39,32 +41,74 @@ _CLASSES = {
 # draws its weights from its own seed range.
 _SEED_OFFSET = {"llama": 0, "qwen2": 1000, "mistral": 2000}
 
+# The family matrix (test_families.py): name -> (transformers model_type, config fields on top of tiny_model's).
+# Sliding windows are 8 positions, so every test text (12 + 40 tokens) runs several windows past them; hybrid
+# layouts put one sliding and one full layer in the two layers.
+WINDOW = 8
+_HYBRID = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+MATRIX = {
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "mistral-sliding": ("mistral", {"sliding_window": WINDOW}),  # Mistral v0.1: every layer slides
+    "qwen2-hybrid": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "gemma": ("gemma", {"head_dim": 16}),
+    "gemma2": ("gemma2", {"head_dim": 16, **_HYBRID}),  # attention softcapping: eager attention, no sdpa path
+    "gemma3-text": ("gemma3_text", {"head_dim": 16, **_HYBRID}),
+    "qwen3": ("qwen3", {"head_dim": 16}),
+    "qwen3-moe": (
+        "qwen3_moe",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
+    "phi3-sliding": ("phi3", {"sliding_window": WINDOW}),
+    "phi": ("phi", {}),
+    "gpt2": ("gpt2", {}),
+    "gpt-neox": ("gpt_neox", {}),
+    "gpt-bigcode": ("gpt_bigcode", {}),
+    "starcoder2-sliding": ("starcoder2", {"sliding_window": WINDOW}),
+    "olmo2": ("olmo2", {}),
+    "stablelm": ("stablelm", {}),
+    "granite": ("granite", {}),
+    "cohere": ("cohere", {}),
+    "cohere2-hybrid": ("cohere2", dict(_HYBRID)),
+    "mixtral-sliding": ("mixtral", {"sliding_window": WINDOW, "num_local_experts": 4}),
+    "falcon-rotary": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "opt": ("opt", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    # ALiBi: the position bias is built from a 2-D padding mask inside transformers; refused up front
+    "falcon-alibi": ("falcon", {"alibi": True, "new_decoder_architecture": False, "multi_query": True}),
+    "bloom": ("bloom", {}),  # ALiBi, and no sdpa path (eager)
+}
+
 
 def tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedModel:
-    """A random fp32 causal LM with small dims, deterministic by (family, seed).
+    """A random fp32 causal LM with small dims, deterministic by (family, seed); ``family``: FAMILIES or MATRIX.
 
     The default initializer_range (0.02) gives nearly flat logits whose greedy continuation loops on short
     cycles: lookahead candidates then hit often, which keeps exactness tests from passing vacuously. The
     smallest top-1/top-2 logit margins seen on these models are ~5e-4, far above fp32 packing noise (~1e-6).
     No bos/eos/pad ids: the oracle only stops where a test asks it to. ``overrides``: further config fields.
     """
-    config_cls, model_cls = _CLASSES[family]
-    config = config_cls(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        **overrides,
-    )
-    torch.manual_seed(_SEED_OFFSET[family] + seed)
-    model = model_cls(config).to(torch.float32).eval()
+    fields = {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    if family in _CLASSES:
+        config_cls, model_cls = _CLASSES[family]
+        config = config_cls(**fields, **overrides)
+        torch.manual_seed(_SEED_OFFSET[family] + seed)
+        model = model_cls(config).to(torch.float32).eval()
+    else:  # a matrix family, built as a user's config would be (transformers picks sdpa, or eager without one)
+        model_type, family_fields = MATRIX[family]
+        config = AutoConfig.for_model(model_type, **{**fields, **family_fields, **overrides})
+        torch.manual_seed(3000 + 1000 * list(MATRIX).index(family) + seed)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     assert model.generation_config.eos_token_id is None  # otherwise the oracle would stop on its own
     return model
 

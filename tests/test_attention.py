@@ -12,7 +12,7 @@ import torch
 from helpers import FAMILIES, random_prompt
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from lp_runner.attention import PACKED_GQA, packed_gqa_sdpa, supports_packed_gqa
+from lp_runner.attention import PACKED_GQA, packed_gqa_sdpa, sliding_window_mask, supports_packed_gqa
 from lp_runner.layout import additive_mask
 from lp_runner.model import ModelAdapter
 
@@ -104,3 +104,15 @@ def test_other_implementations_are_left_alone(tiny) -> None:
         assert seen == ["eager"]
     finally:
         model.config._attn_implementation = "sdpa"
+
+
+def test_sliding_window_mask_is_cut_per_row() -> None:
+    """The docstring example: window 3, cached positions 0 and 1, rows at positions [2, 3, 3] (a live key and
+    two siblings that do not see each other); a row keeps keys less than 3 positions before its own."""
+    visibility = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # [Q, Q]
+    mask = additive_mask(visibility, 2, torch.float32)  # [1, 1, 3, 5]
+    got = sliding_window_mask(mask, torch.tensor([2, 3, 3]), torch.tensor([0, 1, 2, 3, 3]), 3)
+    seen = got[0, 0] == 0  # [Q, K]
+    want = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 1, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(seen, want)
+    assert torch.equal(mask[0, 0] == 0, torch.cat([torch.ones(3, 2, dtype=torch.bool), visibility], 1))  # untouched

@@ -1,0 +1,91 @@
+"""The family matrix: lookahead output equals HF greedy on tiny random models of every popular family.
+
+Each family is built from its transformers config with small dims (``helpers.MATRIX``), in memory, nothing
+downloaded. Sliding-window families get a window of 8 positions, so a 12-token prompt plus 40 new tokens (and
+rounds of up to 66 rows) runs several windows past it: every packed row must see exactly the keys its own
+position sees in one-row decoding. ALiBi families are refused up front with one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from helpers import MATRIX, WINDOW, hf_greedy, random_prompt, run_lookahead, tiny_model
+
+from lp_runner.config import LookaheadConfig
+from lp_runner.errors import LPError
+from lp_runner.model import ModelAdapter, UnsupportedModelError, cache_length
+
+PROMPT_LEN = 12
+NEW_TOKENS = 40
+REFUSED = ("falcon-alibi", "bloom")  # ALiBi: no per-row mask reaches the position bias
+SLIDING = ("mistral-sliding", "qwen2-hybrid", "gemma2", "gemma3-text", "phi3-sliding", "starcoder2-sliding")
+SLIDING += ("cohere2-hybrid", "mixtral-sliding")
+EXACT = [family for family in MATRIX if family not in REFUSED]
+MODES = {
+    "default": {},  # the runner's default sources: Jacobi window, pool, context lookup, pool repair
+    "jacobi": {"context_lookup": False, "pool_from_output": False},  # the published algorithm: window and pool only
+}
+DEFAULT = LookaheadConfig()  # W, N, G as a user who sets nothing gets them
+VERSION = transformers.__version__
+
+
+@pytest.mark.parametrize("family", EXACT, ids=[f"{f}-transformers{VERSION}" for f in EXACT])
+def test_family_is_exact(family: str) -> None:
+    model = tiny_model(family)
+    adapter = ModelAdapter(model)
+    assert any(adapter.mask_windows.values()) == (family in SLIDING), adapter.mask_windows  # the window is on
+    accepted = 0
+    for seed in (0, 1):
+        prompt = random_prompt(PROMPT_LEN, seed)
+        expected = hf_greedy(model, prompt, NEW_TOKENS)
+        for mode, sources in MODES.items():
+            W, N, G = DEFAULT.window_size, DEFAULT.ngram_size, DEFAULT.verification_set_size
+            result = run_lookahead(model, prompt, W, N, G, True, NEW_TOKENS, **sources)
+            assert result.output_ids == expected, f"{family} {mode} prompt {seed}"
+            accepted += result.stats.accepted_tokens
+    assert accepted > 0, "no candidate was ever accepted: the test would pass vacuously"
+    if family in SLIDING:
+        assert PROMPT_LEN + NEW_TOKENS >= 6 * WINDOW
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_alibi_family_is_refused_in_one_line(family: str) -> None:
+    model = tiny_model(family)
+    with pytest.raises(UnsupportedModelError) as info:
+        ModelAdapter(model)
+    message = str(info.value)
+    assert isinstance(info.value, LPError)  # the CLI prints it as one 'error:' line, without a traceback
+    assert "\n" not in message
+    assert message.startswith(f"{type(model).__name__} cannot run under lp_runner")
+    assert "ALiBi" in message
+
+
+@pytest.mark.parametrize("family", ["mistral-sliding", "qwen2-hybrid", "gemma3-text", "gemma2"])
+@torch.inference_mode()
+def test_packed_rows_see_their_own_window(family: str) -> None:
+    """One packed round against isolated forwards of each row's visible sequence (HF masks the window itself).
+
+    20 cached positions, then a live key at 20, two siblings at 21 that must not see each other and a child of
+    the second at 22: the siblings share a position but not a sequence, and each row's window ends at its own
+    position, so row 3 loses key 14 that rows 1 and 2 still see.
+    """
+    model = tiny_model(family)
+    adapter = ModelAdapter(model)
+    prefix = random_prompt(20, seed=7)
+    cache = adapter.new_cache()
+    adapter.forward(torch.tensor(prefix), torch.arange(20), torch.ones(20, 20).tril().bool(), cache, torch.tensor([19]))
+    tokens = [5, 9, 17, 33]
+    positions = [20, 21, 21, 22]
+    parents = [[0], [0, 1], [0, 2], [0, 2, 3]]  # in-round rows each row sees (itself included)
+    visibility = torch.zeros(4, 4, dtype=torch.bool)  # [Q, Q]
+    for row, seen in enumerate(parents):
+        visibility[row, seen] = True
+    got = adapter.forward(torch.tensor(tokens), torch.tensor(positions), visibility, cache, torch.arange(4))
+    assert cache_length(cache) == 24  # every position is kept: the window is a mask, not a rolling buffer
+    for row, seen in enumerate(parents):
+        sequence = prefix + [tokens[k] for k in seen]
+        assert len(sequence) == positions[row] + 1
+        want = model(input_ids=torch.tensor([sequence])).logits[0, -1]  # [vocab]
+        torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-5, msg=f"{family} row {row}")
