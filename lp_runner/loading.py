@@ -103,6 +103,24 @@ def _stderr(message: str) -> None:
     log.info(message)
 
 
+def sdpa_or_eager(load: Callable[[str], PreTrainedModel], log: Log | None = None) -> PreTrainedModel:
+    """``load(attn_implementation)`` with sdpa, or with eager attention where transformers has no sdpa path for the
+    architecture (Gemma 2's attention softcapping, BLOOM's ALiBi). Both take the engine's per-row 4-D float mask.
+
+    If eager fails too, the sdpa error is the one raised: the problem was not the attention implementation.
+    """
+    try:
+        return load("sdpa")
+    except Exception as sdpa_exc:
+        try:
+            model = load("eager")
+        except Exception:
+            raise sdpa_exc from None
+        if log is not None:
+            log(f"{type(model).__name__} has no sdpa attention in transformers; using eager attention")
+        return model
+
+
 def _one_line(exc: BaseException, limit: int = 300) -> str:
     """``Type: first line`` of an exception, short enough to embed in a ModelError."""
     text = str(exc).strip().splitlines()
@@ -280,8 +298,11 @@ def _convert_gguf_to_folder(gguf_path: Path, out: Path, log: Log) -> dict[str, A
     common: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
     log(f"dequantizing {gguf_path} (one-time conversion)...")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, **common)
-    src = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa", **common
+    src = sdpa_or_eager(
+        lambda attention: AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, attn_implementation=attention, **common
+        ),
+        log,
     ).eval()
 
     config = copy.deepcopy(src.config)
@@ -289,7 +310,9 @@ def _convert_gguf_to_folder(gguf_path: Path, out: Path, log: Log) -> dict[str, A
         # The weights are already dequantized; keeping this would make from_pretrained look for a GGUF again.
         delattr(config, "quantization_config")
     config.dtype = torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = sdpa_or_eager(
+        lambda attention: AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    )
     model.load_state_dict(src.state_dict(), strict=True)
     model.generation_config = copy.deepcopy(src.generation_config)
     model.eval()
@@ -311,8 +334,10 @@ def _convert_gguf_to_folder(gguf_path: Path, out: Path, log: Log) -> dict[str, A
     convert_s = time.perf_counter() - t0
 
     # Verify: reload the folder exactly as load_model_and_tokenizer will, compare weights and logits.
-    reloaded = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, use_safetensors=True, attn_implementation="sdpa", **common
+    reloaded = sdpa_or_eager(
+        lambda attention: AutoModelForCausalLM.from_pretrained(
+            out, dtype=torch.float32, use_safetensors=True, attn_implementation=attention, **common
+        )
     ).eval()
     if getattr(reloaded.config, "quantization_config", None) is not None:
         raise RuntimeError("the saved config still carries a quantization_config")
@@ -695,12 +720,15 @@ def load_model_and_tokenizer(
         raise ModelError(f"cannot load the tokenizer from {folder} ({_one_line(exc)})") from exc
     try:
         with _no_progress_bars():
-            model = AutoModelForCausalLM.from_pretrained(
-                folder,
-                dtype=torch_dtype,
-                use_safetensors=use_safetensors,
-                attn_implementation="sdpa",
-                **common,
+            model = sdpa_or_eager(
+                lambda attention: AutoModelForCausalLM.from_pretrained(
+                    folder,
+                    dtype=torch_dtype,
+                    use_safetensors=use_safetensors,
+                    attn_implementation=attention,
+                    **common,
+                ),
+                log,
             )
     except Exception as exc:  # unsupported architecture, corrupt or mismatched weights, ...
         raise ModelError(f"cannot load the model from {folder} ({_one_line(exc)})") from exc

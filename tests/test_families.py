@@ -8,6 +8,11 @@ position sees in one-row decoding. ALiBi families are refused up front with one 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -89,3 +94,46 @@ def test_packed_rows_see_their_own_window(family: str) -> None:
         assert len(sequence) == positions[row] + 1
         want = model(input_ids=torch.tensor([sequence])).logits[0, -1]  # [vocab]
         torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-5, msg=f"{family} row {row}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loaded as a user loads them: a local folder, through load_model_and_tokenizer and the command line
+
+
+def _save_folder(family: str, folder: Path) -> Path:
+    from test_loading import _save_tiny_tokenizer  # a real word-level tokenizer (64 tokens, within the vocab)
+
+    tiny_model(family).save_pretrained(folder)
+    _save_tiny_tokenizer(folder)
+    return folder
+
+
+def test_family_without_sdpa_loads_with_eager_attention_and_is_exact(tmp_path: Path) -> None:
+    """Gemma 2 has no sdpa path in transformers (attention softcapping): the loader falls back to eager, which
+    takes the engine's per-row 4-D float masks (one per layer type) like sdpa does."""
+    from lp_runner.loading import load_model_and_tokenizer
+
+    logged: list[str] = []
+    model, _, _ = load_model_and_tokenizer(_save_folder("gemma2", tmp_path / "gemma2"), log=logged.append)
+    assert model.config._attn_implementation == "eager"
+    assert logged == ["Gemma2ForCausalLM has no sdpa attention in transformers; using eager attention"]
+    prompt = random_prompt(PROMPT_LEN, 0, vocab=60)
+    result = run_lookahead(model, prompt, 5, 4, 5, True, NEW_TOKENS)
+    assert result.output_ids == hf_greedy(model, prompt, NEW_TOKENS)
+    assert result.stats.accepted_tokens > 0
+
+
+def test_alibi_model_from_a_folder_is_one_error_line_on_the_command_line(tmp_path: Path) -> None:
+    folder = _save_folder("bloom", tmp_path / "bloom")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lp_runner", "--prompt", "w1 w2 w3", "--set", f"model.path={folder}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr  # a user error, not a crash
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "BloomForCausalLM cannot run under lp_runner" in errors[0], proc.stderr
