@@ -109,14 +109,20 @@ def _save_folder(family: str, folder: Path) -> Path:
 
 
 def test_family_without_sdpa_loads_with_eager_attention_and_is_exact(tmp_path: Path) -> None:
-    """Gemma 2 has no sdpa path in transformers (attention softcapping): the loader falls back to eager, which
-    takes the engine's per-row 4-D float masks (one per layer type) like sdpa does."""
+    """Gemma 2 has no sdpa path in transformers 5.24 (attention softcapping): the loader falls back to eager, which
+    takes the engine's per-row 4-D float masks (one per layer type) like sdpa does. transformers 5.17 still
+    offers sdpa for Gemma 2 (its sdpa path drops the softcapping, for HF generate too): loaded as sdpa there."""
+    from transformers import Gemma2ForCausalLM
+
     from lp_runner.loading import load_model_and_tokenizer
 
     logged: list[str] = []
     model, _, _ = load_model_and_tokenizer(_save_folder("gemma2", tmp_path / "gemma2"), log=logged.append)
-    assert model.config._attn_implementation == "eager"
-    assert logged == ["Gemma2ForCausalLM has no sdpa attention in transformers; using eager attention"]
+    if Gemma2ForCausalLM._supports_sdpa:
+        assert model.config._attn_implementation == "sdpa" and logged == []
+    else:
+        assert model.config._attn_implementation == "eager"
+        assert logged == ["Gemma2ForCausalLM has no sdpa attention in transformers; using eager attention"]
     prompt = random_prompt(PROMPT_LEN, 0, vocab=60)
     result = run_lookahead(model, prompt, 5, 4, 5, True, NEW_TOKENS)
     assert result.output_ids == hf_greedy(model, prompt, NEW_TOKENS)
