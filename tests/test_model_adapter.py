@@ -6,6 +6,7 @@ and the checks are behavioural (the cache we pass really receives the rows, no d
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -13,7 +14,15 @@ import torch
 import transformers
 from helpers import FAMILIES, TINY_VOCAB, plain_cache, random_prompt
 
-from lp_runner.model import AppendBufferLayer, ModelAdapter, cache_length, crop, move_rows
+from lp_runner.model import (
+    AppendBufferLayer,
+    ModelAdapter,
+    UnsupportedModelError,
+    attention_windows,
+    cache_length,
+    crop,
+    move_rows,
+)
 
 VERSION = transformers.__version__
 # the installed transformers version is part of every test id, so a CI log says which version passed
@@ -189,3 +198,44 @@ def test_installed_transformers_is_supported() -> None:
     # pyproject pins transformers>=5.17,<5.25; this suite is meant to pass on both ends
     major, minor = (int(x) for x in VERSION.split(".")[:2])
     assert (major, minor) >= (5, 17) and (major, minor) < (5, 25), VERSION
+
+
+def _layout(windows: list[int | None], layer_types: list[str] | None):
+    """A config and a cache as attention_windows reads them: layer types, and which cache layers slide by how much."""
+    from types import SimpleNamespace
+
+    text = SimpleNamespace(layer_types=layer_types)
+    config = SimpleNamespace(get_text_config=lambda: text)
+    layers = [SimpleNamespace(is_sliding=w is not None, sliding_window=w) for w in windows]
+    return config, SimpleNamespace(layers=layers)
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize(
+    ("windows", "layer_types", "expected"),
+    [
+        ([None, None], None, ({"": None}, False)),  # Llama: one plain mask
+        ([None, None], [F, F], ({"": None}, False)),  # Qwen2 without sliding layers: still one plain mask
+        ([8, 8], None, ({"": 8}, False)),  # Mistral v0.1: one windowed mask for every layer
+        ([8, None, 8], [S, F, S], ({S: 8, F: None}, True)),  # Gemma 2/3: one mask per layer type
+        ([None, 8], [F, S], ({F: None, S: 8}, True)),  # Qwen2 with max_window_layers=1
+    ],
+)
+def test_attention_windows(windows, layer_types, expected) -> None:
+    assert attention_windows(*_layout(windows, layer_types)) == expected
+
+
+@pytest.mark.parametrize(
+    ("windows", "layer_types", "message"),
+    [
+        ([8, 16], None, "different sliding windows [16, 8]"),  # no layer types to key two masks by
+        ([8, 16], [S, S], "layer type 'sliding_attention' with window 16"),  # two windows, one layer type
+        ([8, None], ["chunked_attention", F], "layer type 'chunked_attention' with window 8"),  # chunks, not windows
+        ([8, None], [S], "1 layer_types for 2 cache layers"),
+    ],
+)
+def test_attention_layout_no_mask_can_express_is_refused(windows, layer_types, message) -> None:
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        attention_windows(*_layout(windows, layer_types))
