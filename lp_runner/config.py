@@ -53,6 +53,10 @@ class LookaheadConfig:
     # forward-cost curve (``lp_runner.preset``); off: every knob as written
     preset: str = "auto"
     pad_rows: bool = True  # run each round at the cheapest measured row count >= its own (exact; needs the curve)
+    # prompt: pool and context index start empty for every prompt; job: also a store of the job's earlier outputs
+    # (``lp_runner.job_pool``) proposes, shared by the prompts of a run (and saved / loaded by --pool-out / --pool-in)
+    pool_scope: str = "prompt"
+    pool_max_tokens: int = 1_000_000  # the job store's bound; the oldest generations are evicted first
 
 
 @dataclass
@@ -88,6 +92,8 @@ class RunConfig:
     summary: bool = True  # one-screen summary at the end
     recalibrate: bool = False  # measure the forward-cost curve again even if one is cached (``--recalibrate``)
     on_error: str = "stop"  # stop | skip: a bad prompt ends the run, or becomes an error record {id, error}
+    pool_in: str = ""  # start the job store (lookahead.pool_scope=job) from this file (``--pool-in``)
+    pool_out: str = ""  # save the job store here at the end of the run (``--pool-out``)
 
 
 @dataclass
@@ -124,6 +130,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "lookahead.preset": ("auto", "off"),
     "lookahead.candidate_policy": ("context_first", "pool_first"),
+    "lookahead.pool_scope": ("prompt", "job"),
     "parallel.backend": ("torch", "ray"),
     "parallel.dist_backend": ("auto", "gloo", "nccl"),
     "run.on_error": ("stop", "skip"),
@@ -280,6 +287,8 @@ def check_lookahead(la: LookaheadConfig) -> None:
         )
     if la.long_match_rows < 0:
         raise ConfigError(f"lookahead.long_match_rows must be >= 0 (0: no cap), got {la.long_match_rows}")
+    if la.pool_max_tokens < 0:
+        raise ConfigError(f"lookahead.pool_max_tokens must be >= 0, got {la.pool_max_tokens}")
 
 
 def validate(cfg: Config) -> None:

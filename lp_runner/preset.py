@@ -34,6 +34,7 @@ from importlib import resources
 from lp_runner.config import LookaheadConfig, check_lookahead
 from lp_runner.costmodel import CostCurve, RoundShape, RowPlan, predict
 from lp_runner.errors import ConfigError
+from lp_runner.job_pool import JobPool
 from lp_runner.parallel.coordinator import Coordinator
 
 # Knobs the start-up search moves (window off), in search order, with the values tried. The row cap is the
@@ -60,8 +61,12 @@ class Sample:
     output_ids: tuple[int, ...]
 
 
-def simulate(la: LookaheadConfig, sample: Sample) -> list[RoundShape]:
+def simulate(la: LookaheadConfig, sample: Sample, store: JobPool | None = None) -> list[RoundShape]:
     """The round shapes the engine produces at P = 1 for ``la`` (window off) on ``sample``, without the model.
+
+    ``store``: the job store the engine would read under ``pool_scope: job`` (None: none, whatever the scope);
+    the sample is added to it at the end, as the engine does, so simulating a job's samples in order with one
+    store reproduces the job.
 
     Verification against the known output: a candidate's hits are its longest common prefix with the output
     that follows the live key (past the output's end nothing is known, which only matters in the last round,
@@ -74,7 +79,7 @@ def simulate(la: LookaheadConfig, sample: Sample) -> list[RoundShape]:
     if la.lookahead_branch:
         raise ValueError("rounds with the Jacobi window depend on the model's guesses and cannot be simulated")
     out = sample.output_ids
-    coord = Coordinator(la, 1, sample.prompt_ids)
+    coord = Coordinator(la, 1, sample.prompt_ids, store=store)
     history = list(sample.prompt_ids)
     shapes: list[RoundShape] = []
     past_len, ordinary, done = 0, len(history), 0
@@ -96,6 +101,8 @@ def simulate(la: LookaheadConfig, sample: Sample) -> list[RoundShape]:
         past_len, ordinary = past_len + ordinary + best_hits, 1
         coord.feedback(plan, best, best_hits)
         coord.observe((), history, emitted)
+    if store is not None:
+        store.add(sample.prompt_ids, out)
     return shapes
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lp_runner.config import LookaheadConfig
+from lp_runner.job_pool import JobPool, JobPoolSource
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 from lp_runner.pool import NGramPool, Suffix, sequence_ngrams
 from lp_runner.sources import CandidateSource, ContextSource, PoolSource, merge_candidates
@@ -43,8 +44,15 @@ class Coordinator:
     """Global pool, context index and per-round plan; see the module docstring for why it is replicated."""
 
     def __init__(
-        self, la: LookaheadConfig, world_size: int, prompt_ids: Sequence[int], group_by_first_token: bool = False
+        self,
+        la: LookaheadConfig,
+        world_size: int,
+        prompt_ids: Sequence[int],
+        group_by_first_token: bool = False,
+        store: JobPool | None = None,
     ) -> None:
+        """``store``: the job's store (``pool_scope: job``), read only here; its source proposes right after the
+        context source (the prompt's own text is the stronger evidence), before the Jacobi pool."""
         self.la = la
         self.world_size = world_size
         self.group_by_first_token = group_by_first_token  # exact sampling under LP: a group never spans ranks
@@ -59,6 +67,10 @@ class Coordinator:
             )
             self.context.observe(prompt_ids, len(prompt_ids))
             self.sources.insert(0 if la.candidate_policy == "context_first" else 1, self.context)
+        if store is not None:
+            job = JobPoolSource(store, la.context_tokens, la.context_adaptive, min_ngram=la.context_min_ngram)
+            at = self.sources.index(self.context) + 1 if self.context is not None else 0
+            self.sources.insert(at, job)
 
     def observe(self, trajectory_ngrams: Iterable[tuple[int, Sequence[int]]], history: Sequence[int], num_new: int):
         """After a round: the window's n-grams, then the committed tokens, reach the pool and the context index."""
