@@ -7,8 +7,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundRecord:
+    """One round, as it happened: made once at the round's end and read by the stats, the cost model's replay
+    (``costmodel.shapes_from_records``) and the tuner."""
+
     rows: int  # packed rows on this rank (the round's own, without padding)
     logit_rows: int
     candidates: int  # candidates verified on this rank
@@ -25,6 +28,8 @@ class RoundRecord:
     winner_candidate: int = -1  # global index of the winning candidate, -1 if none held
     padded_rows: int = 0  # filler rows that made the round a cheaper row count (``layout.pad_layout``)
     winner_rank: int = 0  # the rank whose verdict was published (LP: the others re-feed its tokens)
+    plan_sources: tuple[str, ...] = ()  # the source of every candidate of the round
+    proposed: tuple[tuple[str, int], ...] = ()  # per source: suffixes it proposed (before dedup and budget)
 
 
 @dataclass
@@ -53,7 +58,7 @@ class GenerationStats:
         entry = self.sources.setdefault(name, {"proposed": 0, "verified": 0, "accepted": 0})
         entry[key] += value
 
-    def add(self, rec: RoundRecord, verified_anywhere: bool) -> None:
+    def add(self, rec: RoundRecord) -> None:
         self.rounds += 1
         self.forwards += 1
         self.new_tokens += rec.emitted
@@ -61,12 +66,18 @@ class GenerationStats:
         self.padded_rows += rec.padded_rows
         self.wins_by_rank[str(rec.winner_rank)] = self.wins_by_rank.get(str(rec.winner_rank), 0) + 1
         self.logit_rows += rec.logit_rows
-        self.verified_rounds += int(verified_anywhere)
+        self.verified_rounds += int(bool(rec.plan_candidates))  # verified on some rank
         self.accepted_tokens += rec.hits
         self.forward_s += rec.forward_s
         self.comm_s += rec.comm_s
         self.host_s += rec.host_s
         self.records.append(rec)
+        for name, count in rec.proposed:
+            self.count_source(name, "proposed", count)
+        for name in rec.plan_sources:
+            self.count_source(name, "verified", 1)
+        if rec.winner_candidate >= 0:
+            self.count_source(rec.plan_sources[rec.winner_candidate], "accepted", rec.hits)
 
     @property
     def tokens_per_forward(self) -> float:

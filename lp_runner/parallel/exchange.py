@@ -5,14 +5,23 @@ Layout (length 4 + E + W, E = the longest possible emitted run: longest candidat
      column_tokens[0..W-1] (global column positions; -1 where another rank owns the column)]
 The plan digest lets every rank check, at no extra collective, that all replicas of the coordinator planned the
 same round (same live key, same candidates); a mismatch is a bug and stops the run.
+
+``Exchange.agree`` is the whole of LP's per-round protocol as the engine sees it: this rank's outcome in, the
+round's ``Decision`` out. ``SoloExchange`` is one rank alone (nothing to agree on); ``GatherExchange`` is any
+number of ranks behind a communicator (the one all_gather, the digest check, the winner choice, the merged
+window columns). The engine's loop is the same for both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from lp_runner.errors import DistributedError
 
 PAD = -1
 HEADER = 4
@@ -75,3 +84,54 @@ def sampling_winner(reports: Sequence[RankReport]) -> int:
         if rep.hits > 0 and rep.emitted[0] == first:
             return r
     return 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every rank publishes after a round: the winning rank's verdict and the round's new window columns."""
+
+    rank: int  # the winning rank
+    hits: int  # the winner's accepted suffix tokens
+    emitted: tuple[int, ...]  # the winner's emitted run (before EOS / budget cuts)
+    candidate: int  # global index of the winning candidate, -1 if none held
+    columns: dict[int, int]  # global column -> new trajectory token, every rank's merged
+    won: bool  # this rank's verdict is the published one (it keeps its K/V; the others re-feed)
+    comm_s: float  # seconds in the collective
+
+
+class Exchange(Protocol):
+    def agree(self, plan_digest: int, hits: int, emitted: Sequence[int], candidate: int, columns: dict[int, int]):
+        """This rank's verdict (global candidate index) and window columns in, the round's ``Decision`` out."""
+        ...
+
+
+class SoloExchange:
+    """One rank (P = 1 without a launcher): its verdict is the decision; no collective, nothing to check."""
+
+    def agree(self, plan_digest: int, hits: int, emitted: Sequence[int], candidate: int, columns: dict[int, int]):
+        return Decision(0, hits, tuple(emitted), candidate, dict(columns), True, 0.0)
+
+
+class GatherExchange:
+    """Ranks behind a communicator: one all_gather of fixed-size payloads per round (``pack`` / ``unpack``).
+
+    ``choose`` picks the winning rank from the reports (greedy: longest hit; sampling: rank 0's first token's
+    continuation; see ``verifier``). Every rank gathers the same reports, so every rank decides alike.
+    """
+
+    def __init__(self, comm, max_emit: int, window_size: int, choose: Callable[[Sequence[RankReport]], int]) -> None:
+        self.comm, self.max_emit, self.w, self.choose = comm, max_emit, window_size, choose
+
+    def agree(self, plan_digest: int, hits: int, emitted: Sequence[int], candidate: int, columns: dict[int, int]):
+        payload = pack(hits, emitted, plan_digest, candidate, columns, self.max_emit, self.w)
+        t = time.perf_counter()
+        reports = unpack(self.comm.all_gather(payload), self.max_emit, self.w)
+        comm_s = time.perf_counter() - t
+        if any(r.plan_digest != plan_digest for r in reports):
+            raise DistributedError(f"rank {self.comm.rank}: coordinator replicas disagree on the round plan")
+        win = self.choose(reports)
+        merged: dict[int, int] = {}
+        for r in reports:
+            merged.update(r.columns)
+        w = reports[win]
+        return Decision(win, w.hits, w.emitted, w.candidate, merged, win == self.comm.rank, comm_s)

@@ -1,0 +1,88 @@
+"""The verifier of a generation, chosen once: greedy (argmax paths) or exact sampling (residual tests).
+
+Both turn one rank's round forward into that rank's ``Verdict`` (its best local candidate, the accepted suffix
+tokens, the emitted run), and say which rank's verdict the round publishes (``choose``), so the engine's loop
+never asks which mode it is in.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from lp_runner.config import GenerationConfig
+from lp_runner.layout import RoundLayout
+from lp_runner.parallel.exchange import RankReport, sampling_winner, winner
+from lp_runner.pool import Suffix
+from lp_runner.sampling import NO_CANDIDATE, sample_first, sample_verify, warp_logits
+from lp_runner.verify import Verdict, greedy_verify
+
+
+class Verifier(Protocol):
+    def verify(
+        self,
+        logits: torch.Tensor,  # [R, vocab]: the round's logit rows
+        preds: Sequence[int],  # argmax of every logit row (the round's one read-back)
+        layout: RoundLayout,
+        plan_candidates: Sequence[Suffix],  # every candidate of the round, all ranks
+        candidates: Sequence[Suffix],  # this rank's
+        round_key: tuple[int | str, int],  # (generation, round): names the random streams of a round
+    ) -> Verdict: ...
+
+    def choose(self, reports: Sequence[RankReport]) -> int:
+        """The rank whose verdict every rank publishes."""
+        ...
+
+
+class GreedyVerifier:
+    """Longest verified path (``verify.greedy_verify``); the longest hit over ranks wins, ties to the lowest."""
+
+    def verify(self, logits, preds, layout, plan_candidates, candidates, round_key) -> Verdict:
+        return greedy_verify(
+            preds[layout.ordinary_logit], candidates, [[preds[i] for i in rows] for rows in layout.verify_logits]
+        )
+
+    def choose(self, reports: Sequence[RankReport]) -> int:
+        return winner(reports)
+
+
+class SamplingVerifier:
+    """Exact sampling verification (see ``sampling.py``), split so that LP needs no extra collective.
+
+    The first token is decided on every rank from a stream shared by all ranks (seed, generation, round) over
+    the round's distinct first tokens; the continuation uses a second stream and only the local candidates that
+    start with that token (grouping puts them all on one rank). The lookahead rows stay greedy proposals.
+    """
+
+    def __init__(self, gen: GenerationConfig) -> None:
+        self.gen = gen
+
+    def verify(self, logits, preds, layout, plan_candidates, candidates, round_key) -> Verdict:
+        gen = self.gen
+        shared = random.Random(f"{gen.seed}:{round_key[0]}:{round_key[1]}:first")
+        local = random.Random(f"{gen.seed}:{round_key[0]}:{round_key[1]}:rest")
+        rows = [layout.ordinary_logit, *(i for r in layout.verify_logits for i in r)]
+        probs = warp_logits(logits[rows], gen.temperature, gen.top_k, gen.top_p)  # [1 + verify rows, V]
+        first = sample_first(probs[0], [c[0] for c in plan_candidates], shared.random)
+        survivors = [c for c, cand in enumerate(candidates) if cand[0] == first]
+        if not survivors:
+            return Verdict(NO_CANDIDATE, 0, (first,))
+        offsets = [1 + sum(len(candidates[k]) for k in range(c)) for c in survivors]  # row of each survivor's g[0]
+        cont = sample_verify(
+            probs[offsets[0]],  # the distribution after reading ``first`` (same on every survivor)
+            [candidates[c][1:] for c in survivors],
+            [probs[o + 1 : o + len(candidates[c])] for c, o in zip(survivors, offsets, strict=True)],
+            local.random,
+        )
+        winner_local = survivors[cont.candidate] if cont.candidate >= 0 else survivors[0]
+        return Verdict(winner_local, 1 + cont.hits, (first, *cont.emitted))
+
+    def choose(self, reports: Sequence[RankReport]) -> int:
+        return sampling_winner(reports)
+
+
+def make_verifier(gen: GenerationConfig) -> Verifier:
+    return SamplingVerifier(gen) if gen.do_sample else GreedyVerifier()
