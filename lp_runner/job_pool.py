@@ -200,6 +200,7 @@ class JobPoolSource:
     times) and 9 (once); 7 continues with 8 (twice) over 3 (once): [(7, 8), (9, 1)].
 
     Proposal lengths adapt per match length as the context source's do (``feedback``), from ``num_tokens``.
+    The coordinator puts these proposals ahead of the context source's when they come from a longer match.
     """
 
     name = "job"
@@ -211,14 +212,16 @@ class JobPoolSource:
         self.min_ngram = min(min_ngram, MAX_KEY)
         self.lengths = [num_tokens] * (MAX_KEY + 1)
         self._last_k = MAX_KEY
+        self.match_len = 0  # match length behind the latest call of propose (0: it proposed nothing)
 
     def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
+        self.match_len = 0
         if limit <= 0:
             return []
         k, conts = self.store.continuations(history, max(self.lengths), self.min_ngram)
         if not conts:
             return []
-        self._last_k = k
+        self._last_k = self.match_len = k
         return rank_continuations(conts, limit, self.lengths[k])
 
     def observe(self, history: Sequence[int], num_new: int) -> None:

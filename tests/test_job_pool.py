@@ -154,3 +154,17 @@ def test_pool_file_is_json(tmp_path):
     store.save(tmp_path / "p.json", FP)
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["version"] == 1 and data["sequences"] == [[1, 2]] and data["tokenizer"] == FP
+
+
+def test_job_proposals_go_first_after_a_longer_match():
+    """Context matched 1 token (its last 2 tokens never occurred together before), the store 2: the store's
+    candidate fills a budget of 1; with the store's match no longer than the context's, context stays first."""
+    store = JobPool(100)
+    store.add((), (4, 5, 6, 7))
+    la = LookaheadConfig(lookahead_branch=False, verification_set_size=1, pool_scope="job")
+    history = [5, 9, 4, 5]  # context: (4, 5) never occurred before, 5 did (-> 9, 4, 5); the store holds (4, 5)
+    plan = Coordinator(la, 1, history, store=store).plan(history, None)
+    assert plan.sources == ("job",) and plan.candidates == ((6, 7),)
+    history = [4, 5, 9, 4, 5]  # context now matches (4, 5) too: a tie keeps context first
+    plan = Coordinator(la, 1, history, store=store).plan(history, None)
+    assert plan.sources == ("context",) and plan.candidates == ((9, 4, 5),)

@@ -52,7 +52,8 @@ class Coordinator:
         store: JobPool | None = None,
     ) -> None:
         """``store``: the job's store (``pool_scope: job``), read only here; its source proposes right after the
-        context source (the prompt's own text is the stronger evidence), before the Jacobi pool."""
+        context source (the prompt's own text is the stronger evidence), before the Jacobi pool, unless it
+        matched a longer suffix than the context index did (``job_ahead``)."""
         self.la = la
         self.world_size = world_size
         self.group_by_first_token = group_by_first_token  # exact sampling under LP: a group never spans ranks
@@ -67,10 +68,11 @@ class Coordinator:
             )
             self.context.observe(prompt_ids, len(prompt_ids))
             self.sources.insert(0 if la.candidate_policy == "context_first" else 1, self.context)
+        self.job: JobPoolSource | None = None
         if store is not None:
-            job = JobPoolSource(store, la.context_tokens, la.context_adaptive, min_ngram=la.context_min_ngram)
+            self.job = JobPoolSource(store, la.context_tokens, la.context_adaptive, min_ngram=la.context_min_ngram)
             at = self.sources.index(self.context) + 1 if self.context is not None else 0
-            self.sources.insert(at, job)
+            self.sources.insert(at, self.job)
 
     def observe(self, trajectory_ngrams: Iterable[tuple[int, Sequence[int]]], history: Sequence[int], num_new: int):
         """After a round: the window's n-grams, then the committed tokens, reach the pool and the context index."""
@@ -85,6 +87,16 @@ class Coordinator:
         for source in self.sources:
             if source.name == plan.sources[candidate]:
                 source.feedback(len(plan.candidates[candidate]), hits)
+
+    def job_ahead(self, proposals: list[tuple[str, list[Suffix]]]) -> list[tuple[str, list[Suffix]]]:
+        """The job store's proposals first when they follow a longer match than the context index's (measured
+        on MT-bench with SmolLM2, ``benchmarks/results/global_pool.md``: a longer match is the better evidence,
+        whichever text it is in). Example: context matched 1 token, the store 2 -> [job, context, pool]."""
+        context_len = self.context.match_len if self.context is not None else 0
+        if self.job is None or self.job.match_len <= context_len:
+            return proposals
+        at = next(i for i, (name, _) in enumerate(proposals) if name == self.job.name)
+        return [proposals[at], *proposals[:at], *proposals[at + 1 :]]
 
     def row_cap(self, context_kept: bool) -> int:
         """This round's cap on verification rows: ``max_verify_rows``, lifted to ``long_match_rows`` when a kept
@@ -101,6 +113,8 @@ class Coordinator:
         """depth None: the lookahead branch is off (no window rows on any rank)."""
         budget = self.la.verification_set_size
         proposals = [(src.name, src.propose(history, budget)) for src in self.sources]
+        if self.job is not None:
+            proposals = self.job_ahead(proposals)
         merged = merge_candidates(proposals, budget)
         merged = cap_rows(merged, self.row_cap(any(name == "context" for name, _ in merged)))
         candidates = tuple(s for _, s in merged)
