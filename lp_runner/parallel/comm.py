@@ -48,12 +48,16 @@ class SoloCommunicator:
 
 
 class TorchCommunicator:
-    """torch.distributed all_gather on a fixed-size int64 tensor; no pickled objects per round."""
+    """torch.distributed all_gather on a fixed-size int64 tensor; no pickled objects per round.
 
-    def __init__(self, device: torch.device) -> None:
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.backend = str(dist.get_backend())  # gloo | nccl
+    ``group``: the process group it gathers over (None: the whole world); with ``parallel.groups = D`` each LP
+    group of P ranks has its own (``parallel.groups.form_groups``), and ``rank`` / ``world_size`` are within it."""
+
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))  # gloo | nccl
         self.device = device  # NCCL needs tensors on the rank's GPU; gloo takes CPU tensors
         self.collectives = 0
 
@@ -61,7 +65,7 @@ class TorchCommunicator:
         local = payload.to(self.device)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         try:
-            dist.all_gather(out, local)
+            dist.all_gather(out, local, group=self.group)
         except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError; both mean a lost peer
             raise DistributedError(peer_failure_message(exc)) from None
         self.collectives += 1
@@ -70,7 +74,7 @@ class TorchCommunicator:
     def all_gather_strings(self, text: str) -> list[str]:
         out: list[str] = [""] * self.world_size
         try:
-            dist.all_gather_object(out, text)
+            dist.all_gather_object(out, text, group=self.group)
         except Exception as exc:
             raise DistributedError(peer_failure_message(exc)) from None
         return out
