@@ -4,8 +4,8 @@ Commands: ``run`` (the default: ``python -m lp_runner --config c.yaml ...`` mean
 --config c.yaml ...``), ``tune`` (``lp_runner.tune``) and ``fetch`` (``lp_runner.fetch``); ``--version`` prints
 the package version and ``--log-level`` (before or after the command) sets what goes to stderr (``lp_runner.logs``).
 
-Without torchrun, ``parallel.workers=P > 1`` re-launches this same command under ``torch.distributed.run`` on
-this machine, so a single-machine LP run needs no launcher knowledge.
+Without torchrun, ``parallel.workers=P`` x ``parallel.groups=D`` > 1 re-launches this same command under
+``torch.distributed.run`` on this machine (D x P ranks), so a single-machine run needs no launcher knowledge.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _run(argv: list[str]) -> int:
             from lp_runner.ray_backend import run_on_ray  # imported lazily: ray is optional
 
             code = run_on_ray(cfg, specs, output, single=single)
-        elif cfg.parallel.workers > 1 and not launched:
+        elif cfg.parallel.workers * cfg.parallel.groups > 1 and not launched:
             code = relaunch_with_torchrun(cfg, argv, output)
         else:
             code = run_local(cfg, specs, output, single=single)
@@ -183,14 +183,15 @@ def _leave_exit_code(code: int) -> None:
 
 
 def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | None) -> int:
-    """parallel.workers > 1 without a launcher: run the same command as P local torchrun workers.
+    """parallel.workers x parallel.groups > 1 without a launcher: run the same command as D x P local torchrun
+    workers.
 
     ``argv``: the ``run`` command's arguments (``--log-level`` included); each rank runs ``lp_runner run ARGV``.
 
     This process holds the output's lock for the ranks (rank 0 writes), forwards Ctrl-C / SIGTERM to torchrun
     and every rank, waits for them (at most STOP_GRACE_S, then SIGKILL), and leaves no process behind: it is
     their subreaper, so ranks orphaned by a dying torchrun come back to it. Its exit code is the ranks' own."""
-    cmd = torchrun_command(cfg.parallel.workers, argv)
+    cmd = torchrun_command(cfg.parallel.workers * cfg.parallel.groups, argv)
     _become_subreaper()
     signals: list[int] = []
 
@@ -229,7 +230,7 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | No
 
 
 def torchrun_command(workers: int, argv: list[str]) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node=P -m lp_runner run ARGV``: the command word
+    """``python -m torch.distributed.run --standalone --nproc-per-node=DxP -m lp_runner run ARGV``: the command word
     is written out, so each rank parses exactly the ``run`` arguments this process got."""
     return [
         sys.executable,
@@ -341,7 +342,10 @@ def _reap() -> None:
 
 
 def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, single: bool) -> int:
-    """This process is one rank (or the only one): run the prompts the output lacks; rank 0 writes and reports."""
+    """This process is one rank (or the only one): run the prompts the output lacks; rank 0 writes and reports.
+
+    With ``parallel.groups`` > 1 the groups share the prompts through the job's queue (``jobs.run_queued``)."""
+    from lp_runner.jobs import run_queued
     from lp_runner.report import Report
     from lp_runner.runner import model_checksum, run_prompts, start_worker  # heavy imports after argument checks
 
@@ -351,21 +355,25 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         done = output.done if output is not None else set()
         if output is not None and done:
             output.check_weights(model_checksum(worker))
-        if worker.comm.world_size > 1:  # every rank runs the prompts rank 0's output lacks
-            done = set(json.loads(worker.comm.all_gather_strings(json.dumps(sorted(done)))[0]))
+        everyone = worker.control or worker.comm  # the whole job (D > 1: its gloo control group)
+        if everyone.world_size > 1:  # every rank runs the prompts rank 0's output lacks
+            done = set(json.loads(everyone.all_gather_strings(json.dumps(sorted(done)))[0]))
         todo = [s for s in specs if s.id not in done]
         stream = None
         if single and cfg.run.stream and worker.is_main:
             stream = lambda text: print(text, end="", flush=True)  # noqa: E731
         report = Report(cfg, output, len(specs), len(specs) - len(todo), progress=worker.is_main and not single)
         try:
-            run_prompts(worker, todo, on_record=report.record, stream=stream)
+            if worker.layout is not None:
+                run_queued(worker, todo, on_record=report.record, stream=stream)
+            else:
+                run_prompts(worker, todo, on_record=report.record, stream=stream)
         finally:
             report.close_bar()
         if stream is not None:
             print(flush=True)
         if worker.is_main:
-            report.finish(worker.load_s, worker.comm.world_size)
+            report.finish(worker.load_s, worker.comm.world_size, groups=cfg.parallel.groups)
         return 0
     finally:
         _shutdown_group()

@@ -45,7 +45,8 @@ class RoundPolicy:
         la = cfg.lookahead
         if la.preset != "auto" and not la.pad_rows:
             return cls.fixed(la)
-        budget = 0.5 * cfg.parallel.timeout_s if comm.world_size > 1 else None  # the others wait in a collective
+        # the group waits in a collective; with groups > 1 the other groups wait for the --resume done set
+        budget = 0.5 * cfg.parallel.timeout_s if comm.world_size > 1 or cfg.parallel.groups > 1 else None
         cal = shared_calibration(
             comm, lambda: calibrate(adapter, cache_root, weights_checksum(), cfg.run.recalibrate, log, budget)
         )

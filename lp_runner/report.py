@@ -7,7 +7,9 @@ every launcher produces the same file, bar and summary.
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -76,6 +78,33 @@ def _ranges(targets: dict[str, int]) -> list[str]:
     return [f"{a}->{t}" if a == b else f"{a}-{b}->{t}" for a, b, t in runs]
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile: ``percentile([4, 1, 3, 2], 0.5)`` -> 2, ``percentile([4, 1, 3, 2], 0.9)`` -> 4."""
+    ranked = sorted(values)
+    if not ranked:
+        return 0.0
+    return ranked[max(0, min(len(ranked), math.ceil(q * len(ranked))) - 1)]
+
+
+def job_line(records: Sequence[dict], wall_s: float, groups: int = 1) -> str:
+    """The whole job: new tokens over its wall time, per-prompt latency (each record's ``seconds``) p50/p90, and
+    each group's utilisation (its records' seconds over the wall time; parallel.groups > 1).
+
+    Two groups, records (group 0, 2 s, 20 tokens), (1, 3 s, 30), (0, 1 s, 10), wall 4 s ->
+    ``job 4.00 s  15.00 tokens/s  latency p50 2.00 s  p90 3.00 s  groups 2: busy 75% 75%``."""
+    wall_s = max(wall_s, 1e-9)
+    tokens = sum(r["new_tokens"] for r in records)
+    latencies = [r["seconds"] for r in records]
+    line = (
+        f"job {wall_s:.2f} s  {tokens / wall_s:.2f} tokens/s  latency p50 {percentile(latencies, 0.5):.2f} s  "
+        f"p90 {percentile(latencies, 0.9):.2f} s"
+    )
+    if groups > 1:
+        busy = [sum(r["seconds"] for r in records if r.get("group") == g) / wall_s for g in range(groups)]
+        line += f"  groups {groups}: busy " + " ".join(f"{100 * b:.0f}%" for b in busy)
+    return line
+
+
 class Report:
     """Records of this run go to ``output`` (if any) and the bar; ``finish`` prints the summary.
 
@@ -89,6 +118,7 @@ class Report:
         self.output = output
         self.records: list[dict] = []
         self.already = already
+        self.started = time.perf_counter()  # the job's wall clock: tokens/s of the whole job, group utilisation
         self.bar: Any = None
         if progress and cfg.run.progress and total > 1 and log.isEnabledFor(logging.INFO):
             from tqdm import tqdm
@@ -109,7 +139,7 @@ class Report:
             self.bar.close()
             self.bar = None
 
-    def finish(self, load_s: float, workers: int, recoveries: Sequence[dict] = ()) -> None:
+    def finish(self, load_s: float, workers: int, recoveries: Sequence[dict] = (), groups: int = 1) -> None:
         self.close_bar()
         if not self.cfg.run.summary:
             return
@@ -117,6 +147,8 @@ class Report:
         summary = combine(SimpleNamespace(**r["stats"]) for r in generated)
         policy = next((r["policy"] for r in reversed(generated) if "policy" in r), None)
         lines = format_summary(self.cfg, summary, load_s, workers, policy).split("\n")
+        if generated:
+            lines.insert(-1, job_line(generated, time.perf_counter() - self.started, groups))
         errors = len(self.records) - len(generated)
         if errors or self.already:
             lines.insert(

@@ -28,6 +28,7 @@ from lp_runner.logs import log
 from lp_runner.model import ModelAdapter
 from lp_runner.output import output_digest, output_settings
 from lp_runner.parallel.comm import Communicator, SoloCommunicator, TorchCommunicator, init_process_group
+from lp_runner.parallel.groups import GroupLayout, Heartbeat, form_groups, group_layout
 from lp_runner.policy import RoundPolicy
 from lp_runner.prompts import PromptSpec, encode, prompt_problem
 
@@ -42,10 +43,15 @@ class Worker:
     device: torch.device
     load_s: float
     policy: RoundPolicy | None = None  # setting and row padding per round; None: the config's setting as written
+    group: int = 0  # this rank's LP group (parallel.groups = D > 1; comm is then the group's communicator)
+    layout: GroupLayout | None = None  # None: one group, the whole world
+    control: Communicator | None = None  # D > 1: the whole world, on gloo (start-up messages only)
+    heartbeat: Heartbeat | None = None  # D > 1, on each group's leader: tells world rank 0 the group is alive
 
     @property
     def is_main(self) -> bool:
-        return self.comm.rank == 0
+        """The writing rank: rank 0 of the world (with D groups, the leader of group 0)."""
+        return self.comm.rank == 0 and self.group == 0
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -70,16 +76,33 @@ def start_worker(cfg: Config) -> Worker:
     Under a launcher (torchrun or the Ray backend: MASTER_ADDR is set) the process group is formed even with one
     rank, so ``torchrun --nproc-per-node=1`` runs the same collective path as P > 1 (NCCL on a GPU); a plain
     ``python -m lp_runner`` uses the no-op communicator.
+
+    With ``parallel.groups = D > 1`` the world (D x P ranks, WORLD_SIZE checked) splits into D LP groups of
+    contiguous ranks (``parallel.groups``); ``comm`` is this rank's group (the no-op one when P = 1), ``control``
+    the whole world on gloo (peer check, ``--resume`` done set), and each group's leader starts its heartbeat.
     """
-    _, world, local_rank = distributed_env()
+    rank, world, local_rank = distributed_env()
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    if world > 1 and cfg.parallel.workers not in (1, world):
-        raise ConfigError(f"parallel.workers={cfg.parallel.workers} but the launcher started {world} workers")
-    torch.set_num_threads(resolve_threads(cfg.model.threads))
+    par = cfg.parallel
+    layout = group_layout(world, rank, par.workers, par.groups) if par.groups > 1 else None  # checks D x P
+    if layout is None and world > 1 and par.workers not in (1, world):
+        raise ConfigError(f"parallel.workers={par.workers} but the launcher started {world} workers")
+    torch.set_num_threads(resolve_threads(cfg.model.threads))  # LOCAL_WORLD_SIZE counts all D x P local ranks
     device = resolve_device(cfg.model.device, local_rank)
-    if world > 1 or launched:
-        init_process_group(cfg.parallel.dist_backend, cfg.parallel.timeout_s)
-        comm: Communicator = TorchCommunicator(device if device.type == "cuda" else torch.device("cpu"))
+    comm_device = device if device.type == "cuda" else torch.device("cpu")
+    control, heartbeat = None, None
+    if layout is not None:
+        init_process_group(par.dist_backend, par.timeout_s)
+        group_pg, control_pg = form_groups(layout, par.timeout_s)
+        # a group of one rank has nothing to exchange: the no-op communicator, as a plain process
+        comm: Communicator = TorchCommunicator(comm_device, group_pg) if layout.workers > 1 else SoloCommunicator()
+        control = TorchCommunicator(torch.device("cpu"), control_pg)
+        if comm.rank == 0:
+            heartbeat = Heartbeat(layout.group, par.timeout_s)
+            heartbeat.start()
+    elif world > 1 or launched:
+        init_process_group(par.dist_backend, par.timeout_s)
+        comm = TorchCommunicator(comm_device)
     else:
         comm = SoloCommunicator()
     start = time.perf_counter()
@@ -89,8 +112,10 @@ def start_worker(cfg: Config) -> Worker:
     )
     load_s = time.perf_counter() - start
     worker = Worker(cfg, comm, ModelAdapter(model), tokenizer, folder, device, load_s)
-    if comm.world_size > 1:
-        check_peers(worker)
+    worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
+    worker.group = layout.group if layout is not None else 0
+    if (control or comm).world_size > 1:
+        check_peers(worker, control or comm)  # every rank of the job, not only of its group
     worker.policy = RoundPolicy.build(
         cfg,
         worker.adapter,
@@ -106,10 +131,12 @@ def _log(message: str) -> None:
     log.info(message)
 
 
-def check_peers(worker: Worker) -> None:
-    """Every rank must run the same config on the same weights, or outputs would silently fork."""
+def check_peers(worker: Worker, comm: Communicator | None = None) -> None:
+    """Every rank must run the same config on the same weights, or outputs would silently fork.
+
+    ``comm``: the ranks to compare (default: the worker's LP group); ranks in errors are its ranks."""
     mine = f"{worker.cfg.digest()}|{model_checksum(worker)}"
-    everyone = worker.comm.all_gather_strings(mine)
+    everyone = (comm or worker.comm).all_gather_strings(mine)
     cfgs = {s.split("|")[0] for s in everyone}
     if len(cfgs) > 1:
         bad = [r for r, s in enumerate(everyone) if s.split("|")[0] != everyone[0].split("|")[0]]
@@ -170,6 +197,7 @@ def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], res
         "verification_set_size": la.verification_set_size,
         "pool_from_prompt": la.pool_from_prompt,
         "workers": worker.comm.world_size,
+        "group": worker.group,  # which of the parallel.groups LP groups generated it (0 with one group)
         "dist_backend": worker.comm.backend,
         "do_sample": cfg.generation.do_sample,
         "stats": s.summary(),
