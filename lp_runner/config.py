@@ -32,23 +32,61 @@ class ModelConfig:
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 
 
+def _inert(when: typing.Callable[[LookaheadConfig], bool]) -> dict:
+    """Field metadata: the setting is inert (changes no round) when ``when(la)`` holds. The tuner's memo
+    (``inert_knobs``) reads it, so a new knob declares its own inertness here and nowhere else."""
+    return {"inert_when": when}
+
+
+def _no_window(la: LookaheadConfig) -> bool:
+    return not la.lookahead_branch
+
+
+def _nothing_verified(la: LookaheadConfig) -> bool:
+    return la.verification_set_size == 0  # G = 0: no candidate is proposed, so no proposal knob matters
+
+
+def _no_context(la: LookaheadConfig) -> bool:
+    return _nothing_verified(la) or not la.context_lookup
+
+
+def _cap_never_lifted(la: LookaheadConfig) -> bool:
+    no_change = la.max_verify_rows == 0 and la.long_match_rows == 0  # lifting "no cap" to "no cap"
+    return la.long_match_ngram == 0 or _no_context(la) or no_change
+
+
 @dataclass
 class LookaheadConfig:
-    window_size: int = 7  # W: Jacobi window columns
-    ngram_size: int = 5  # N: n-gram length; each trajectory holds N-1 levels, verification suffixes N-1
+    """The round shape. The algorithm is W, N, G and the window switch; the rest is the proposal policy (which
+    sources fill the budget G, and how long their proposals are) and the row-cap policy (how many verification
+    rows a round may spend). Every knob that can be inert says when (``inert_knobs``)."""
+
+    # the algorithm
+    window_size: int = field(default=7, metadata=_inert(_no_window))  # W: Jacobi window columns
+    # N: n-gram length; each trajectory holds N-1 levels, pool suffixes N-1 (inert with neither window nor G)
+    ngram_size: int = field(default=5, metadata=_inert(lambda la: _no_window(la) and _nothing_verified(la)))
     verification_set_size: int = 7  # G: pool suffixes kept per key and verified per round
-    pool_from_prompt: bool = True  # seed the n-gram pool with the prompt's own n-grams
-    pool_from_output: bool = True  # repair the pool with the committed text's n-grams (verified continuations)
+    # proposal policy: the n-gram pool
+    pool_from_prompt: bool = field(default=True, metadata=_inert(_nothing_verified))  # seed it with the prompt
+    # repair the pool with the committed text's n-grams (verified continuations)
+    pool_from_output: bool = field(default=True, metadata=_inert(_nothing_verified))
     lookahead_branch: bool = True  # false: no Jacobi window rows (pure pool / context lookup, like prompt lookup)
-    context_lookup: bool = True  # propose continuations of earlier occurrences of the committed suffix
-    context_max_ngram: int = 3  # longest suffix matched against the context
-    context_min_ngram: int = 1  # shortest match that proposes (1-token matches are cheap to find, rarely right)
-    context_tokens: int = 10  # tokens proposed per context match (at most)
-    max_verify_rows: int = 0  # cap on verification rows per round, all candidates together (0: no cap)
-    long_match_ngram: int = 0  # a context match at least this long lifts the cap to long_match_rows (0: never)
-    long_match_rows: int = 0  # the cap after a long context match (0: no cap); long copies earn long proposals
-    context_adaptive: bool = True  # grow / shrink proposals with their acceptance (1..context_tokens), per match length
-    candidate_policy: str = "context_first"  # context_first | pool_first: who fills the budget G first
+    # proposal policy: context lookup (continuations of earlier occurrences of the committed suffix)
+    context_lookup: bool = field(default=True, metadata=_inert(_nothing_verified))
+    context_max_ngram: int = field(default=3, metadata=_inert(_no_context))  # longest suffix matched
+    # shortest match that proposes (1-token matches are cheap to find, rarely right)
+    context_min_ngram: int = field(default=1, metadata=_inert(_no_context))
+    context_tokens: int = field(default=10, metadata=_inert(_no_context))  # tokens proposed per match (at most)
+    # row-cap policy: verification rows per round, all candidates together (0: no cap)
+    max_verify_rows: int = field(default=0, metadata=_inert(_nothing_verified))
+    # a context match at least this long lifts the cap to long_match_rows (0: never)
+    long_match_ngram: int = field(default=0, metadata=_inert(_cap_never_lifted))
+    # the cap after a long context match (0: no cap); long copies earn long proposals
+    long_match_rows: int = field(default=0, metadata=_inert(_cap_never_lifted))
+    # grow / shrink proposals with their acceptance (1..context_tokens), per match length
+    context_adaptive: bool = field(default=True, metadata=_inert(_no_context))
+    # context_first | pool_first: who fills the budget G first
+    candidate_policy: str = field(default="context_first", metadata=_inert(_nothing_verified))
     # auto: the knobs above that the config does not set are chosen at start-up from this device's measured
     # forward-cost curve (``lp_runner.preset``); off: every knob as written
     preset: str = "auto"
@@ -57,6 +95,14 @@ class LookaheadConfig:
     # (``lp_runner.job_pool``) proposes, shared by the prompts of a run (and saved / loaded by --pool-out / --pool-in)
     pool_scope: str = "prompt"
     pool_max_tokens: int = 1_000_000  # the job store's bound; the oldest generations are evicted first
+
+
+def inert_knobs(la: LookaheadConfig) -> set[str]:
+    """The lookahead knobs that change no round of ``la`` (their values may differ without any effect).
+
+    Example: with lookahead_branch false, window_size is inert; with G = 0 every proposal and row-cap knob is.
+    """
+    return {f.name for f in dataclasses.fields(la) if "inert_when" in f.metadata and f.metadata["inert_when"](la)}
 
 
 @dataclass

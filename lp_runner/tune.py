@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from lp_runner.config import Config, LookaheadConfig, check_lookahead, load_config
+from lp_runner.config import Config, LookaheadConfig, check_lookahead, inert_knobs, load_config
 from lp_runner.costmodel import CostCurve, RoundShape, RowPlan, predict, shapes_from_records
 from lp_runner.errors import ConfigError, InputError, LPError
 from lp_runner.logs import add_log_level, log, setup_logging
@@ -104,30 +104,10 @@ def score(
 
 
 def _key(la: LookaheadConfig) -> tuple:
-    """Settings that behave identically share a key (W is inert without the lookahead branch, the sources without
-    a budget G, the context knobs without context lookup, the long-match lift without long_match_ngram or when
-    it would set no cap where there is none)."""
-    d = dataclasses.asdict(la)
-    no_change = la.max_verify_rows == 0 and la.long_match_rows == 0
-    if la.long_match_ngram == 0 or not la.context_lookup or no_change:  # the cap is never changed
-        d.pop("long_match_ngram")
-        d.pop("long_match_rows")
-    if not la.lookahead_branch:
-        for k in WINDOW_KNOBS:
-            d.pop(k)
-    if la.verification_set_size == 0:  # nothing is verified: the candidate sources are inert
-        for k in ("context_lookup", "context_max_ngram", "context_min_ngram", "context_tokens", "context_adaptive"):
-            d.pop(k)
-        d.pop("max_verify_rows")
-        d.pop("long_match_ngram", None)
-        d.pop("long_match_rows", None)
-        d.pop("candidate_policy")
-        d.pop("pool_from_prompt")
-        d.pop("pool_from_output")
-    elif not la.context_lookup:
-        for k in ("context_max_ngram", "context_min_ngram", "context_tokens", "context_adaptive"):
-            d.pop(k)
-    return tuple(sorted(d.items()))
+    """Settings that behave identically share a key: every knob inert in ``la`` (each declares when, in
+    ``config.LookaheadConfig``) is left out."""
+    inert = inert_knobs(la)
+    return tuple(sorted((k, v) for k, v in dataclasses.asdict(la).items() if k not in inert))
 
 
 def coordinate_search(

@@ -260,3 +260,42 @@ def test_coordinate_search_tries_the_window_at_every_width():
     space = {"lookahead_branch": (False, True), "window_size": (2, 4, 7)}
     best, _ = coordinate_search(base, evaluate, space)
     assert best.lookahead_branch and best.window_size == 2
+
+
+@pytest.mark.parametrize(
+    "base",
+    [
+        LookaheadConfig(lookahead_branch=False, verification_set_size=0),  # nothing verified
+        LookaheadConfig(lookahead_branch=False, verification_set_size=2, context_lookup=False),  # pool only
+        LookaheadConfig(lookahead_branch=False, verification_set_size=1, max_verify_rows=3),  # cap never lifted
+        LookaheadConfig(lookahead_branch=False, verification_set_size=1, long_match_ngram=2, long_match_rows=7),
+    ],
+)
+def test_declared_inert_knobs_change_no_round(base: LookaheadConfig) -> None:
+    """Every knob a setting declares inert (``config.inert_knobs``) leaves every round of it unchanged: replayed
+    through the real coordinator on real outputs (``preset.simulate``), any other value of it from the tuner's
+    space gives the same round shapes. A wrong declaration would let the tuner skip a setting that differs."""
+    from lp_runner.config import inert_knobs
+    from lp_runner.preset import shipped_prior, simulate
+    from lp_runner.tune import DEFAULT_SPACE
+
+    samples = shipped_prior().samples[:3]
+
+    def shapes(la: LookaheadConfig) -> list:
+        return [[dataclasses.replace(r, window_size=0) for r in simulate(la, s)] for s in samples]
+
+    inert = inert_knobs(base) - {"lookahead_branch"}
+    assert inert, "the case must declare something inert"
+    reference = shapes(base)
+    tried = 0
+    for knob in sorted(inert):
+        for value in DEFAULT_SPACE.get(knob, ()):
+            other = dataclasses.replace(base, **{knob: value})
+            if knob in inert_knobs(other) or other == base:
+                tried += 1
+                assert shapes(other) == reference, (knob, value)
+    assert tried > 0
+    active = [k for k in DEFAULT_SPACE if k not in inert and k not in ("lookahead_branch", "window_size")]
+    assert any(  # and the check can tell: some knob it calls active does change the rounds
+        shapes(dataclasses.replace(base, **{k: v})) != reference for k in active for v in DEFAULT_SPACE[k]
+    )
