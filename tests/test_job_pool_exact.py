@@ -1,0 +1,50 @@
+"""The job store's proposals are verified like any other: a job's outputs equal HF greedy, prompt after prompt,
+while the store (``lookahead.pool_scope: job``) grows from the earlier ones."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import hf_greedy, humaneval_prompts, tiny_model
+
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.engine import LookaheadEngine
+from lp_runner.model import ModelAdapter
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_tiny_job_is_exact(family):
+    """A 4-prompt job on a tiny random model: every output equals HF greedy, and the store's candidates were
+    verified (its second and later prompts repeat earlier text)."""
+    model = tiny_model(family)
+    base = [5, 9, 3, 7, 11, 2, 8]
+    prompts = [base, [4, *base], base[2:], [1, 1, *base]]
+    la = LookaheadConfig(window_size=3, ngram_size=3, verification_set_size=3, pool_scope="job")
+    engine = LookaheadEngine(ModelAdapter(model), la, GenerationConfig(max_new_tokens=24), [])
+    verified = 0
+    for prompt in prompts:
+        res = engine.generate(prompt)
+        assert res.output_ids == hf_greedy(model, prompt, 24)
+        verified += res.stats.sources.get("job", {}).get("verified", 0)
+    assert verified > 0 and engine.store is not None and engine.store.generations == len(prompts)
+
+
+@pytest.mark.slow
+def test_embedded_job_matches_hf_greedy(embedded):
+    """The embedded SmolLM2 on a 3-prompt job (HumanEval, small max_new_tokens), window off and on: outputs equal
+    HF greedy, and the store's candidates were verified and some accepted."""
+    model, tokenizer = embedded
+    eos = [tokenizer.eos_token_id]
+    prompts = [tokenizer(p)["input_ids"] for p in humaneval_prompts(3)]
+    refs = [hf_greedy(model, p, 32, eos) for p in prompts]
+    for la in (
+        LookaheadConfig(lookahead_branch=False, verification_set_size=2, pool_scope="job"),
+        LookaheadConfig(window_size=4, ngram_size=4, verification_set_size=3, pool_scope="job"),
+    ):
+        engine = LookaheadEngine(ModelAdapter(model), la, GenerationConfig(max_new_tokens=32), eos)
+        job = {"verified": 0, "accepted": 0}
+        for prompt, ref in zip(prompts, refs, strict=True):
+            res = engine.generate(prompt)
+            assert res.output_ids == ref
+            for key in job:
+                job[key] += res.stats.sources.get("job", {}).get(key, 0)
+        assert job["verified"] > 0 and job["accepted"] > 0, job
