@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from lp_runner.layout import round_size
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 
 
@@ -261,10 +262,8 @@ def rank_rows(shapes: Sequence[RoundShape], world_size: int) -> list[list[tuple[
         for r in range(world_size):
             refed = r != prev_winner_rank and i > 0  # LP: this rank lacks the last round's K/V
             ordinary = prev_emitted if refed and world_size > 1 else s.ordinary
-            cand_rows = sum(s.candidates[c] for c in assignment[r])
-            lo, hi = blocks[r]
-            own = (hi - lo) - (1 if s.depth == 0 and lo == 0 < hi else 0)  # depth 0: column 0's output is the key
-            per_rank.append((ordinary + base[r] + cand_rows, 1 + own + cand_rows))
+            depth = max(s.depth, 0)  # no window: empty column blocks, depth unused
+            per_rank.append(round_size(ordinary, blocks[r], depth, [s.candidates[c] for c in assignment[r]]))
         out.append(per_rank)
         owner = next((r for r in range(world_size) if s.winner in assignment[r]), 0)
         prev_winner_rank, prev_emitted = owner, s.emitted

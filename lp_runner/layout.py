@@ -157,6 +157,22 @@ def compile_round(
     )
 
 
+def round_size(
+    num_ordinary: int, columns: tuple[int, int], depth: int, candidate_lengths: Sequence[int]
+) -> tuple[int, int]:
+    """(rows, logit rows) of the round ``compile_round`` builds from these sizes, without building it.
+
+    The cost model prices rounds it never runs (other P, other settings) with this; a test holds it equal to
+    ``compile_round`` over every small shape. Example: one ordinary row, columns [0, 3) at depth 1, one candidate
+    of 2 (the module docstring's round) -> (8, 6).
+    """
+    lo, hi = columns
+    window_rows = (hi - 1) + (hi - lo) * depth if hi > lo else 0
+    own_outputs = (hi - lo) - (1 if depth == 0 and lo == 0 < hi else 0)  # depth 0: column 0's output is the key
+    cand = sum(candidate_lengths)
+    return num_ordinary + window_rows + cand, 1 + own_outputs + cand
+
+
 def pad_layout(layout: RoundLayout, num_rows: int) -> RoundLayout:
     """The same round run as ``num_rows`` rows: filler rows appended after every real row.
 

@@ -287,3 +287,23 @@ def test_packed_forward_equals_separate_forwards(tiny, family: str) -> None:
     # guards: every kind of row was compared, several times, and the negative control ran
     assert min(rows_checked.values()) >= 20, rows_checked
     assert sabotaged >= 10
+
+
+def test_round_size_is_what_compile_round_builds() -> None:
+    """The cost model sizes rounds with ``round_size`` instead of building them: it must agree with the real
+    compiler on every small shape (ordinary rows, column block, depth, candidate lengths)."""
+    from lp_runner.layout import round_size
+
+    w = 5
+    for depth in range(0, 4):
+        levels = [list(range(100, 100 + w - 1))] + [
+            list(range(200 * (lv + 1), 200 * (lv + 1) + w)) for lv in range(depth)
+        ]
+        for lo in range(0, w + 1):
+            for hi in range(lo, w + 1):
+                for ordinary in (1, 3):
+                    for lengths in ((), (1,), (3, 2), (4, 4, 1)):
+                        cands = [tuple(range(50 + 10 * c, 50 + 10 * c + n)) for c, n in enumerate(lengths)]
+                        layout = compile_round(list(range(1, ordinary + 1)), 20, levels, (lo, hi), cands)
+                        got = round_size(ordinary, (lo, hi), depth, lengths)
+                        assert got == (layout.num_rows, len(layout.logit_rows)), (depth, lo, hi, ordinary, lengths)
