@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure this device's forward-cost curve again instead of reusing the cached one (run.recalibrate)",
     )
+    p.add_argument("--pool-in", metavar="FILE", help="start the job store from FILE (run.pool_in; pool_scope=job)")
+    p.add_argument("--pool-out", metavar="FILE", help="save the job store to FILE at the end (run.pool_out)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -116,7 +118,9 @@ def _run(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm if launched else _interrupt)
     output = None
     try:
-        cfg = load_config(args.config, args.overrides + (["run.recalibrate=true"] if args.recalibrate else []))
+        flags = ["run.recalibrate=true"] if args.recalibrate else []
+        flags += [f"run.{k}={v}" for k, v in (("pool_in", args.pool_in), ("pool_out", args.pool_out)) if v]
+        cfg = load_config(args.config, args.overrides + flags)
         if args.prompt is not None:
             specs = [PromptSpec(id="prompt", prompt=args.prompt, where="--prompt")]
         elif args.prompts is not None:

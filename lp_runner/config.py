@@ -366,6 +366,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.placement_timeout_s must be > 0, got {par.placement_timeout_s}")
     if par.max_restarts < 0:
         raise ConfigError(f"parallel.max_restarts must be >= 0, got {par.max_restarts}")
+    if (cfg.run.pool_in or cfg.run.pool_out) and cfg.lookahead.pool_scope != "job":
+        raise ConfigError("--pool-in / --pool-out (run.pool_in, run.pool_out) need lookahead.pool_scope=job")
     if not _DEVICE.fullmatch(cfg.model.device):
         raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
     if cfg.model.threads < 0:

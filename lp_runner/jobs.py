@@ -20,7 +20,15 @@ from lp_runner.parallel.comm import first_line
 from lp_runner.parallel.groups import JobQueue, RecordCollector, claim_for_group, queue_order, store_client
 from lp_runner.policy import RoundPolicy
 from lp_runner.prompts import PromptSpec
-from lp_runner.runner import TextStreamer, Worker, check_prompt, eos_token_ids, make_error_record, make_record
+from lp_runner.runner import (
+    TextStreamer,
+    Worker,
+    check_prompt,
+    eos_token_ids,
+    make_error_record,
+    make_record,
+    save_store,
+)
 
 
 def run_queued(
@@ -40,7 +48,13 @@ def run_queued(
     timeout_s = worker.cfg.parallel.timeout_s
     policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
     engine = LookaheadEngine(
-        worker.adapter, policy.lookahead, worker.cfg.generation, eos_token_ids(worker), worker.comm, policy.row_plan
+        worker.adapter,
+        policy.lookahead,
+        worker.cfg.generation,
+        eos_token_ids(worker),
+        worker.comm,
+        policy.row_plan,
+        store=worker.store,  # each group's own (pool_scope=job): fed by the prompts this group ran
     )
     prompt_ids, problems = [], []
     for spec in specs:
@@ -94,4 +108,5 @@ def run_queued(
         collector.join()
         if collector.error is not None:
             raise DistributedError(collector.error)
+    save_store(worker)  # world rank 0: group 0's store (each group keeps its own)
     return records

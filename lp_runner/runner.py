@@ -23,6 +23,7 @@ from lp_runner.config import Config
 from lp_runner.device import resolve_threads
 from lp_runner.engine import GenerationResult, LookaheadEngine
 from lp_runner.errors import ConfigError, DistributedError, InputError
+from lp_runner.job_pool import JobPool, tokenizer_fingerprint
 from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path, weights_checksum
 from lp_runner.logs import log
 from lp_runner.model import ModelAdapter
@@ -47,6 +48,7 @@ class Worker:
     layout: GroupLayout | None = None  # None: one group, the whole world
     control: Communicator | None = None  # D > 1: the whole world, on gloo (start-up messages only)
     heartbeat: Heartbeat | None = None  # D > 1, on each group's leader: tells world rank 0 the group is alive
+    store: JobPool | None = None  # lookahead.pool_scope=job: the job's store (run.pool_in's contents at start)
 
     @property
     def is_main(self) -> bool:
@@ -124,7 +126,25 @@ def start_worker(cfg: Config) -> Worker:
         weights_checksum=lambda: model_checksum(worker),
         log=_log if worker.is_main else None,
     )
+    worker.store = job_store(cfg, tokenizer)
     return worker
+
+
+def job_store(cfg: Config, tokenizer: Any) -> JobPool | None:
+    """The job's store under ``pool_scope: job`` (None otherwise), started from ``run.pool_in`` when given
+    (a pool file of another tokenizer, version or a truncated one: a one-line InputError)."""
+    if cfg.lookahead.pool_scope != "job":
+        return None
+    store = JobPool(cfg.lookahead.pool_max_tokens)
+    if cfg.run.pool_in:
+        store.load(cfg.run.pool_in, tokenizer_fingerprint(tokenizer))
+    return store
+
+
+def save_store(worker: Worker) -> None:
+    """``run.pool_out``: the writing rank saves the job's store after the job's last prompt."""
+    if worker.cfg.run.pool_out and worker.store is not None and worker.is_main:
+        worker.store.save(worker.cfg.run.pool_out, tokenizer_fingerprint(worker.tokenizer))
 
 
 def _log(message: str) -> None:
@@ -291,7 +311,13 @@ def run_prompts(
     record ``{id, error}`` in its place (``skip``)."""
     policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
     engine = LookaheadEngine(
-        worker.adapter, policy.lookahead, worker.cfg.generation, eos_token_ids(worker), worker.comm, policy.row_plan
+        worker.adapter,
+        policy.lookahead,
+        worker.cfg.generation,
+        eos_token_ids(worker),
+        worker.comm,
+        policy.row_plan,
+        store=worker.store,
     )
     prefixes = [list(c) for c in committed] if committed is not None else [[] for _ in specs]
     if len(prefixes) != len(specs):
@@ -325,6 +351,7 @@ def run_prompts(
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
+    save_store(worker)
     return records
 
 

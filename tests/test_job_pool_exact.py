@@ -48,3 +48,46 @@ def test_embedded_job_matches_hf_greedy(embedded):
             for key in job:
                 job[key] += res.stats.sources.get("job", {}).get(key, 0)
         assert job["verified"] > 0 and job["accepted"] > 0, job
+
+
+def _cli(*args: str, timeout: float = 600):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "lp_runner", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=repo)
+
+
+def test_cli_pool_files_need_job_scope(tmp_path):
+    proc = _cli("--prompt", "hi", "--pool-out", str(tmp_path / "p.json"))
+    assert proc.returncode == 2 and "need lookahead.pool_scope=job" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_cli_pool_out_then_pool_in(embedded, tmp_path):
+    """A job saves its store (--pool-out); a second job starts from it (--pool-in) and saves both jobs' outputs;
+    a damaged file is refused in one line before any prompt runs."""
+    import json  # (``embedded``: the model is fetched before the CLI runs)
+
+    prompts = tmp_path / "a.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(humaneval_prompts(2)))
+    )
+    common = ["--set", "lookahead.pool_scope=job", "--set", "generation.max_new_tokens=16", "--set", "model.threads=1"]
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    proc = _cli("--prompts", str(prompts), "--pool-out", str(first), *common)
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads(first.read_text())
+    assert saved["generations"] == 2 and saved["num_tokens"] == 32
+    proc = _cli("--prompt", "def add(a, b):", "--pool-in", str(first), "--pool-out", str(second), *common)
+    assert proc.returncode == 0, proc.stderr
+    both = json.loads(second.read_text())
+    assert both["generations"] == 3 and both["sequences"][:2] == saved["sequences"]
+    first.write_text(first.read_text()[:-10])  # truncated
+    proc = _cli("--prompt", "def add(a, b):", "--pool-in", str(first), *common)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and "truncated" in lines[-1] and "Traceback" not in proc.stderr, proc.stderr
