@@ -46,7 +46,9 @@ AUTO_SPACE: dict[str, tuple] = {
     "long_match_rows": (0, 4, 7, 11, 15),
     "context_tokens": (4, 6, 10, 16),
 }
-NOT_ROUND_SHAPE = {"preset", "pad_rows"}  # set in a config, they still leave every round-shape knob free
+# set in a config, they still leave every round-shape knob free (the job store's scope and bound are the job's,
+# whichever setting runs)
+NOT_ROUND_SHAPE = {"preset", "pad_rows", "pool_scope", "pool_max_tokens"}
 AUTO_MIN_GAIN = 0.01  # a knob moves only on a predicted gain above 1% (predictions carry noise of the curve)
 HOST_SHARE = 0.02  # host time per round as a share of a one-row forward (measured: ~2% in every configuration)
 ADAPT_AFTER_TOKENS = (256, 1024, 4096)  # re-choose from this job's outputs once this many tokens were written
@@ -246,7 +248,13 @@ def search(
         if any(getattr(rec.lookahead, k) != getattr(base, k) for k in pinned):
             continue
         ms, tpf = _price(rec.shapes, curve, row_plan, host_s, world_size)
-        adopted = dataclasses.replace(rec.lookahead, preset="off", pad_rows=base.pad_rows)  # padding: the config's
+        adopted = dataclasses.replace(  # padding and the job store: the config's
+            rec.lookahead,
+            preset="off",
+            pad_rows=base.pad_rows,
+            pool_scope=base.pool_scope,
+            pool_max_tokens=base.pool_max_tokens,
+        )
         options.append((ms, tpf, adopted, f"recorded {rec.name}"))
     curve_ms = {p.rows: 1e3 * p.body_s for p in curve.points if p.kv_len == curve.kv_lens[-1]}
     if not options:

@@ -168,3 +168,21 @@ def test_job_proposals_go_first_after_a_longer_match():
     history = [4, 5, 9, 4, 5]  # context now matches (4, 5) too: a tie keeps context first
     plan = Coordinator(la, 1, history, store=store).plan(history, None)
     assert plan.sources == ("context",) and plan.candidates == ((9, 4, 5),)
+
+
+@pytest.mark.parametrize("rows_free", [True, False])
+def test_auto_preset_keeps_the_job_scope(rows_free):
+    """Under the auto preset with ``pool_scope: job`` written in the config, the chosen setting still runs the job
+    store, whether it is a simulated window-off setting (rows dear) or a recorded window setting (rows free),
+    and pinning the scope rules out no setting."""
+    from lp_runner.costmodel import CostCurve, RowPlan
+    from lp_runner.preset import search, shipped_prior
+
+    curve = CostCurve.linear(0.050, 0.0 if rows_free else 0.030, max_rows=512)
+    base = LookaheadConfig(pool_scope="job", pool_max_tokens=5000)
+    prior = shipped_prior()
+    choice = search(
+        base, ["pool_scope", "pool_max_tokens"], curve, RowPlan.from_curve(curve), prior.samples, prior.recorded
+    )
+    assert choice.lookahead.lookahead_branch == rows_free, choice.reason
+    assert (choice.lookahead.pool_scope, choice.lookahead.pool_max_tokens) == ("job", 5000)
