@@ -310,7 +310,7 @@ def _run(args) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     specs = read_prompts(args.prompts)
-    solo = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=1))
+    solo = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=1, groups=1))
     # the tuner measures its own, finer curve: the worker needs no start-up calibration or auto preset
     solo.lookahead = dataclasses.replace(cfg.lookahead, preset="off", pad_rows=False)
     cfg.lookahead = dataclasses.replace(cfg.lookahead, preset="off")  # the base setting runs as written

@@ -281,3 +281,22 @@ def test_dead_group_ends_the_job_within_the_timeout(tmp_path, tiny_dir):
     assert took < 5 + 10, took  # timeout_s, plus a heartbeat period and the collector's polling
     assert "group 1 (world ranks 1-1) sent no heartbeat for 5 s (parallel.timeout_s)" in err
     assert len(read_jsonl(out)) >= 2  # what was written before the loss stays (for --resume)
+
+
+@pytest.mark.slow
+def test_two_groups_sample_as_one_and_write_error_records_once(tmp_path, tiny_dir):
+    """Sampling streams are keyed by prompt id, so D=2 samples every prompt as D=1 does whichever group runs it;
+    a prompt too long for the model becomes one error record (``run.on_error=skip``), written by rank 0 with no
+    group, and no group generates it."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [*PROMPTS, {"id": "long", "prompt": "word " * 5000}])
+    sampling = ("--set", "generation.do_sample=true", "--set", "generation.seed=5", "--set", "run.on_error=skip")
+    _run([sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "d1.jsonl", *sampling)])
+    args = _args(tiny_dir, prompts, tmp_path / "d2.jsonl", *sampling, "--set", "parallel.groups=2")
+    proc = _run([sys.executable, "-m", "lp_runner", *args])
+    one = {r["id"]: r for r in read_jsonl(tmp_path / "d1.jsonl")}
+    two = read_jsonl(tmp_path / "d2.jsonl")
+    assert sorted(r["id"] for r in two) == sorted(one)
+    assert two[0]["id"] == "long" and two[0]["group"] is None and two[0]["error"] == one["long"]["error"]
+    for rec in two[1:]:
+        assert rec["do_sample"] and rec["output_ids"] == one[rec["id"]]["output_ids"], rec["id"]
+    assert "1 error records (run.on_error=skip)" in proc.stderr
