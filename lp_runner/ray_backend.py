@@ -168,10 +168,17 @@ class Replica:
         committed: list[list[int]],
         printed: list[int],
         stream: bool,
+        finished: Sequence[tuple[list[int], list[int]]] = (),
     ) -> int:
         """run_prompts on this rank; rank 0 queues ("tokens", i, ids), ("text", i, str) and ("record", i, rec)
-        with i the prompt's index in the driver's list."""
+        with i the prompt's index in the driver's list. ``finished``: (prompt ids, output ids) of the records
+        already written, in job order: a recovered group's job store (``pool_scope: job``) is rebuilt from them,
+        so it holds what the lost group's did."""
         from lp_runner.runner import TextStreamer, run_prompts
+
+        if self.worker.store is not None:
+            for prompt_ids, output_ids in finished:
+                self.worker.store.add(prompt_ids, output_ids)
 
         streamers: dict[int, TextStreamer] = {}
         done = [0]
@@ -512,7 +519,8 @@ class _Driver:
         specs = [self.specs[i] for i in todo]
         committed = [progress.committed.get(i, []) for i in todo]
         printed = [progress.printed.get(i, 0) for i in todo]
-        refs = [a.run.remote(specs, todo, committed, printed, self.stream) for a in group.actors]
+        finished = [(r["prompt_ids"], r["output_ids"]) for _, r in sorted(progress.records.items()) if "error" not in r]
+        refs = [a.run.remote(specs, todo, committed, printed, self.stream, finished) for a in group.actors]
         self._gather(refs, "the run", None, tick=lambda: self._take(self._poll(group, self.cfg.parallel.timeout_s)))
 
     def _poll(self, group: _Group, timeout: float) -> list[tuple]:
