@@ -16,48 +16,22 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 
 
 def make_tiny_folder(path: Path, family: str = "llama", seed: int = 0) -> Path:
     """A loadable model folder (safetensors + tokenizer) with a random tiny body."""
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from helpers import tiny_model
+    from transformers import AutoTokenizer
 
     from lp_runner.loading import embedded_model_dir, fetch_embedded_model
 
     fetch_embedded_model()
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    classes = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-    }
-    cfg_cls, model_cls = classes[family]
-    cfg = cfg_cls(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = model_cls(cfg)
+    model = tiny_model(  # the SmolLM2 vocabulary and special tokens, so its tokenizer and chat template apply
+        family, seed, vocab_size=49152, hidden_size=32, intermediate_size=64, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

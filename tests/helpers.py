@@ -84,7 +84,8 @@ def tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedMod
     The default initializer_range (0.02) gives nearly flat logits whose greedy continuation loops on short
     cycles: lookahead candidates then hit often, which keeps exactness tests from passing vacuously. The
     smallest top-1/top-2 logit margins seen on these models are ~5e-4, far above fp32 packing noise (~1e-6).
-    No bos/eos/pad ids: the oracle only stops where a test asks it to. ``overrides``: further config fields.
+    No bos/eos/pad ids: the oracle only stops where a test asks it to. ``overrides``: config fields that replace
+    these defaults (the one place tests write a tiny model's config: loadable folders, sampling models, ...).
     """
     fields = {
         "vocab_size": TINY_VOCAB,
@@ -101,7 +102,7 @@ def tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedMod
     }
     if family in _CLASSES:
         config_cls, model_cls = _CLASSES[family]
-        config = config_cls(**fields, **overrides)
+        config = config_cls(**{**fields, **overrides})
         torch.manual_seed(_SEED_OFFSET[family] + seed)
         model = model_cls(config).to(torch.float32).eval()
     else:  # a matrix family, built as a user's config would be (transformers picks sdpa, or eager without one)
@@ -109,7 +110,8 @@ def tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedMod
         config = AutoConfig.for_model(model_type, **{**fields, **family_fields, **overrides})
         torch.manual_seed(3000 + 1000 * list(MATRIX).index(family) + seed)
         model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
-    assert model.generation_config.eos_token_id is None  # otherwise the oracle would stop on its own
+    if "eos_token_id" not in overrides:  # otherwise the oracle would stop on its own
+        assert model.generation_config.eos_token_id is None
     return model
 
 

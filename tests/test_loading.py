@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_model
 
 import lp_runner
 from lp_runner.errors import LPError
@@ -62,22 +63,10 @@ def _save_tiny_tokenizer(folder: Path) -> None:
 
 
 def _tiny_llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        bos_token_id=61,
-        eos_token_id=62,
-        pad_token_id=63,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    return tiny_model(
+        "llama", seed, vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=61, eos_token_id=62, pad_token_id=63,
+    )  # fmt: skip
 
 
 def make_safetensors_folder(folder: Path, seed: int = 0) -> Path:

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import env_with_repo, read_jsonl, torchrun_cmd
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from helpers import tiny_model
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.engine import LookaheadEngine
@@ -34,13 +35,10 @@ FALSE_FAILURE = 1e-6
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(11)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, eos_token_id=None,
+    model = tiny_model(
+        "llama", 11, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=128,
         pad_token_id=0, bos_token_id=0,
     )  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(60.0)  # sharpen: logits of a few units instead of ~0
     return model
