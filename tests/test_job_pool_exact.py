@@ -91,3 +91,34 @@ def test_cli_pool_out_then_pool_in(embedded, tmp_path):
     proc = _cli("--prompt", "def add(a, b):", "--pool-in", str(first), *common)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and "truncated" in lines[-1] and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_lp_job_store_replicas_agree(tmp_path):
+    """P = 2 under torchrun with pool_scope=job: the replicated coordinators read identical stores (a diverging
+    plan fails the round's digest check), outputs and forwards equal P = 1's, and the store's candidates were
+    verified and accepted."""
+    import subprocess
+
+    from dist_helpers import env_with_repo, make_tiny_folder, read_jsonl, torchrun_cmd, write_prompts
+
+    model = make_tiny_folder(tmp_path / "llama", "llama", seed=3)
+    texts = ["the same opening words 1", "another prompt 2"] * 2  # repeated: the store knows what follows
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": t} for i, t in enumerate(texts)])
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"out{nproc}.jsonl"
+        args = [
+            "--prompts", str(prompts), "--output", str(out), "--set", f"model.path={model}",
+            "--set", "model.threads=1", "--set", "lookahead.pool_scope=job", "--set", "lookahead.preset=off",
+            "--set", "lookahead.window_size=4", "--set", "lookahead.ngram_size=4",
+            "--set", "lookahead.verification_set_size=3", "--set", "generation.max_new_tokens=32",
+            "--set", "run.progress=false",
+        ]  # fmt: skip
+        proc = subprocess.run(torchrun_cmd(nproc, *args), env=env_with_repo(), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[nproc] = read_jsonl(out)
+    for single, multi in zip(results[1], results[2], strict=True):
+        assert multi["output_ids"] == single["output_ids"] and multi["forwards"] == single["forwards"]
+    job = [r["stats"]["sources"].get("job", {}) for r in results[2]]
+    assert sum(j.get("verified", 0) for j in job) > 0 and sum(j.get("accepted", 0) for j in job) > 0, job
