@@ -75,8 +75,11 @@ class LookaheadEngine:
         self.la = lookahead
 
     def job_store(self) -> JobPool | None:
-        """The store the next generation reads (made on first use), or None under ``pool_scope: prompt``."""
-        if self.la.pool_scope != "job":
+        """The store the next generation reads (made on first use), or None under ``pool_scope: prompt`` and when
+        sampling: a sampled prompt's tokens are a function of its prompt, seed and id (``sample_key``), whichever
+        prompts ran before it (``--resume``, D groups); proposals from earlier outputs would change which draws
+        decide them (every sample would still be exact, but not the one the uninterrupted run drew)."""
+        if self.la.pool_scope != "job" or self.gen.do_sample:
             return None
         if self.store is None:
             self.store = JobPool(self.la.pool_max_tokens)

@@ -122,3 +122,16 @@ def test_lp_job_store_replicas_agree(tmp_path):
         assert multi["output_ids"] == single["output_ids"] and multi["forwards"] == single["forwards"]
     job = [r["stats"]["sources"].get("job", {}) for r in results[2]]
     assert sum(j.get("verified", 0) for j in job) > 0 and sum(j.get("accepted", 0) for j in job) > 0, job
+
+
+def test_sampling_reads_no_store():
+    """Sampling keeps a prompt's sample a function of its prompt, seed and id: under pool_scope=job the engine
+    makes no store when sampling, so earlier generations cannot change which draws decide a prompt's tokens."""
+    model = tiny_model("llama")
+    la = LookaheadConfig(window_size=3, ngram_size=3, verification_set_size=3, pool_scope="job")
+    gen = GenerationConfig(max_new_tokens=12, do_sample=True, seed=1)
+    warm = LookaheadEngine(ModelAdapter(model), la, gen, [])
+    warm.generate([5, 9, 3, 7], sample_key="a")
+    after = warm.generate([5, 9, 3], sample_key="b").output_ids
+    alone = LookaheadEngine(ModelAdapter(model), la, gen, []).generate([5, 9, 3], sample_key="b").output_ids
+    assert after == alone and warm.store is None
