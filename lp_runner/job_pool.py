@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -51,8 +52,10 @@ class JobPool:
         self.store_prompts = store_prompts
         self._seqs: list[tuple[int, ...]] = []  # stored sequences, oldest first
         self._num_tokens = 0
-        self._tokens: list[int] = []
-        self._index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(MAX_KEY + 1)]
+        # int64 arrays, not lists: a million stored tokens would otherwise be a million objects for the cyclic
+        # garbage collector to walk (measured: a 20 ms pause at the p99 of lookups, 1/3 of a round)
+        self._tokens = array("q")
+        self._index: list[dict[tuple[int, ...], array]] = [{} for _ in range(MAX_KEY + 1)]
         self.generations = 0  # generations added (evicted ones included)
 
     # -- growth -----------------------------------------------------------------------------------------------
@@ -82,7 +85,11 @@ class JobPool:
             for k in range(1, MAX_KEY + 1):
                 if end - k + 1 < start:
                     break
-                self._index[k].setdefault(tuple(tokens[end - k + 1 : end + 1]), []).append(end)
+                key = tuple(tokens[end - k + 1 : end + 1])
+                ends = self._index[k].get(key)
+                if ends is None:
+                    ends = self._index[k][key] = array("q")
+                ends.append(end)
 
     def _evict(self) -> None:
         """Oldest sequences out until the bound holds, then one rebuild of the index (between generations only:
@@ -93,7 +100,7 @@ class JobPool:
             self._num_tokens -= len(self._seqs[drop])
             drop += 1
         kept = self._seqs[drop:]
-        self._seqs, self._tokens = [], []
+        self._seqs, self._tokens = [], array("q")
         self._index = [{} for _ in range(MAX_KEY + 1)]
         for seq in kept:
             self._seqs.append(seq)
@@ -113,11 +120,11 @@ class JobPool:
                 continue
             out = []
             for end in reversed(ends[-SCAN:]):
-                cont = tokens[end + 1 : end + 1 + length]
+                cont = tuple(tokens[end + 1 : end + 1 + length])
                 if SEP in cont:
                     cont = cont[: cont.index(SEP)]
                 if cont:
-                    out.append(tuple(cont))
+                    out.append(cont)
             if out:
                 return k, out
         return 0, []

@@ -21,7 +21,7 @@ def test_continuations_docstring_example():
     store = JobPool(100)
     store.add((), (5, 6, 7, 5, 6, 8))
     store.add((), (5, 6, 7))
-    assert store._tokens == [5, 6, 7, 5, 6, 8, SEP, 5, 6, 7, SEP]
+    assert list(store._tokens) == [5, 6, 7, 5, 6, 8, SEP, 5, 6, 7, SEP]
     assert store.continuations((9, 5, 6), 3) == (2, [(7,), (8,), (7, 5, 6)])
     assert store.continuations((9, 4), 3) == (0, [])  # nothing ends in 4
     assert store.continuations((9, 4, 5, 6), 3, min_key=3) == (0, [])  # (4, 5, 6) never occurred
