@@ -162,6 +162,22 @@ def test_collector_ends_the_job_when_a_heartbeat_stands_still(store_env):
     assert store_client(10).add("beat/0", 0) >= 1  # guard: the live group's heartbeat did move
 
 
+def test_a_silent_group_is_found_while_another_keeps_posting(store_env):
+    """Records arriving back to back must not keep the collector from watching the other groups."""
+    layout = GroupLayout(groups=2, workers=1, group=0, ranks=(0,))
+    failures: list[str] = []
+    collector = RecordCollector(layout, expected=10_000, timeout_s=1.0, on_record=lambda r: None)
+    collector.on_failure = failures.append
+    collector.start()
+    queue, beats = JobQueue(store_client(10), 0), store_client(10)
+    end = time.monotonic() + 8
+    while collector.is_alive() and time.monotonic() < end:
+        queue.post({"id": "x", "group": 0})
+        beats.add("beat/0", 1)
+    collector.join(timeout=5)
+    assert failures and "group 1 (world ranks 1-1) sent no heartbeat" in failures[0]
+
+
 # ---------------------------------------------------------------- real jobs (gloo)
 
 

@@ -213,29 +213,39 @@ class RecordCollector(threading.Thread):
         now = time.monotonic()
         beats = {g: (-1, now) for g in range(self.layout.groups)}  # last heartbeat value, when it last moved
         done: set[int] = set()
+        checked = now
         while seq < self.expected or len(done) < self.layout.groups:
-            if seq < self.expected and store.check([f"rec/{seq}"]):  # check, not wait: a timed-out wait logs
+            arrived = seq < self.expected and store.check([f"rec/{seq}"])  # check, not wait: a timed-out wait logs
+            if arrived:
                 self.on_record(json.loads(store.get(f"rec/{seq}")))
                 store.delete_key(f"rec/{seq}")
                 seq += 1
+            if arrived and time.monotonic() - checked < POLL_S:
+                continue  # more records may be waiting; the groups are looked at every POLL_S all the same
+            if not arrived:
+                time.sleep(POLL_S)
+            checked = time.monotonic()
+            self.error = self._check_groups(store, beats, done)
+            if self.error is not None:
+                return
+
+    def _check_groups(self, store: dist.Store, beats: dict[int, tuple[int, float]], done: set[int]) -> str | None:
+        """Updates ``beats`` and ``done``; what is wrong with the first failed or silent group, else None."""
+        for g in range(self.layout.groups):
+            if g in done:
                 continue
-            time.sleep(POLL_S)
-            for g in range(self.layout.groups):
-                if g in done:
-                    continue
-                if store.check([f"failed/{g}"]):
-                    self.error = f"{self.layout.describe(g)} failed: {store.get(f'failed/{g}').decode()}"
-                    return
-                if store.check([f"done/{g}"]):
-                    done.add(g)
-                    continue
-                value, since = beats[g]
-                beat = store.add(f"beat/{g}", 0)
-                if beat != value:
-                    beats[g] = (beat, time.monotonic())
-                elif time.monotonic() - since > self.timeout_s:
-                    self.error = (
-                        f"{self.layout.describe(g)} sent no heartbeat for {self.timeout_s:g} s "
-                        "(parallel.timeout_s): a worker died or stalled"
-                    )
-                    return
+            if store.check([f"failed/{g}"]):
+                return f"{self.layout.describe(g)} failed: {store.get(f'failed/{g}').decode()}"
+            if store.check([f"done/{g}"]):
+                done.add(g)
+                continue
+            value, since = beats[g]
+            beat = store.add(f"beat/{g}", 0)
+            if beat != value:
+                beats[g] = (beat, time.monotonic())
+            elif time.monotonic() - since > self.timeout_s:
+                return (
+                    f"{self.layout.describe(g)} sent no heartbeat for {self.timeout_s:g} s (parallel.timeout_s): a "
+                    "worker died or stalled"
+                )
+        return None
