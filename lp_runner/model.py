@@ -105,8 +105,12 @@ class ModelAdapter:
         logit_rows: torch.Tensor,  # [R]
     ) -> torch.Tensor:  # [R, vocab]
         past = cache_length(cache)
+        windowed = any(self.mask_windows.values())
+        if len(input_ids) == 1 and not windowed:
+            # one row that sees every cached key: transformers' own decode step (no mask, as HF generate runs it)
+            return self._run(input_ids, position_ids, None, cache, logit_rows)
         mask = additive_mask(visibility, past, self.dtype).to(self.device)  # [1, 1, Q, past + Q]
-        if any(self.mask_windows.values()):
+        if windowed:
             # cached position j sits in slot j (the engine commits in order); in-round keys carry their own positions
             query_positions = position_ids.to(self.device)  # [Q]
             key_positions = torch.cat([torch.arange(past, device=self.device), query_positions])  # [past + Q]
@@ -116,7 +120,10 @@ class ModelAdapter:
             }
             per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
             mask = per_type if self.mask_per_type else next(iter(per_type.values()))
-        switch = self.packed_gqa and supports_packed_gqa(self.model.config)
+        return self._run(input_ids, position_ids, mask, cache, logit_rows)
+
+    def _run(self, input_ids, position_ids, mask, cache: DynamicCache, logit_rows: torch.Tensor) -> torch.Tensor:
+        switch = self.packed_gqa and mask is not None and supports_packed_gqa(self.model.config)
         attention = packed_gqa(self.model.config) if switch else nullcontext()
         with attention:
             out = self.model(
