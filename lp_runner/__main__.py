@@ -355,7 +355,7 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
 
     worker = None
     try:
-        worker = start_worker(cfg)
+        worker = start_worker(cfg, specs)
         done = output.done if output is not None else set()
         if output is not None and done:
             output.check_weights(model_checksum(worker))

@@ -72,8 +72,11 @@ def distributed_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def start_worker(cfg: Config) -> Worker:
+def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     """Join the process group, load the model, and check that all ranks agree.
+
+    ``prompts``: with ``run.on_error=stop``, checked (tokenized, against the model's context) as soon as the
+    tokenizer is loaded, so a bad prompt file fails before the start-up calibration is measured.
 
     Under a launcher (torchrun or the Ray backend: MASTER_ADDR is set) the process group is formed even with one
     rank, so ``torchrun --nproc-per-node=1`` runs the same collective path as P > 1 (NCCL on a GPU); a plain
@@ -118,6 +121,12 @@ def start_worker(cfg: Config) -> Worker:
     worker.group = layout.group if layout is not None else 0
     if (control or comm).world_size > 1:
         check_peers(worker, control or comm)  # every rank of the job, not only of its group
+    if prompts and cfg.run.on_error == "stop":
+        checker = LookaheadEngine(worker.adapter, cfg.lookahead, cfg.generation, eos_token_ids(worker), comm)
+        for spec in prompts:
+            problem = check_prompt(worker, checker, spec)[1]
+            if problem is not None:
+                raise InputError(f"{spec.describe()}: {problem}")
     worker.policy = RoundPolicy.build(
         cfg,
         worker.adapter,

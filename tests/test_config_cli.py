@@ -269,9 +269,9 @@ def test_cli_hub_like_id_is_refused() -> None:
 
 @pytest.mark.slow
 def test_cli_prompt_beyond_context(embedded) -> None:
-    # the embedded model has 8192 positions; checked before anything is generated (preset off: no start-up
-    # calibration, whose progress line would come before the error)
-    proc = run_cli("--prompt", "def f(x):", "--set", "generation.max_new_tokens=9000", "--set", "lookahead.preset=off")
+    # the embedded model has 8192 positions; checked as soon as the tokenizer is loaded: before the start-up
+    # calibration (forced here with --recalibrate), whose progress line would come before the error
+    proc = run_cli("--prompt", "def f(x):", "--set", "generation.max_new_tokens=9000", "--recalibrate")
     assert_user_error(proc, "exceeds the model's context of 8192 positions")
 
 
