@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
 import sys
 from datetime import date
 from pathlib import Path
@@ -43,6 +44,15 @@ from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_mod
 from lp_runner.model import ModelAdapter  # noqa: E402
 from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
 
+
+def _commit() -> str:
+    repo = Path(__file__).resolve().parent.parent
+    run = lambda *cmd: subprocess.run(cmd, cwd=repo, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    head = run("git", "rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if run("git", "status", "--porcelain", "--untracked-files=no") else "")
+
+
+COMMIT = _commit()  # read at start-up: the code that runs, even if the tree changes during the run
 ENGINE_ONLY = LookaheadConfig(7, 5, 0, False, lookahead_branch=False, context_lookup=False)
 CONFIG_FILES = {
     "default": "default=configs/default.yaml",
@@ -100,8 +110,9 @@ def cell(c: dict) -> str:
 def markdown(report: dict) -> str:
     head = ["prompt", *(f"{m} vs {r}" for m, r in PAIRS)]
     lines = [
-        f"{report['date']}, CPU `{report['cpu']}`, torch {report['torch']}, {report['dtype']}, "
-        f"{report['threads']} threads, {report['max_new_tokens']} new tokens, {report['prompts']}; tolerance "
+        f"{report['date']}, commit {report['commit']}, CPU `{report['cpu']}`, torch {report['torch']}, "
+        f"{report['dtype']}, {report['threads']} threads, {report['max_new_tokens']} new tokens, "
+        f"{report['prompts']}; tolerance "
         f"{report['tolerance_ulps']:g} ulps. `=`: identical; `@i (m ulp)`: first difference at new token i, the "
         "reference's top-two margin there m ulps (within tolerance unless marked OUT). hf-greedy vs hf-fp32: "
         "position only (no half-precision margin applies).",
@@ -157,6 +168,7 @@ def write_report(args, folder, policies, detail, noise, total) -> dict:
         "cpu": device_name(torch.device("cpu")),  # lscpu's model name
         "machine": platform.machine(),
         "torch": torch.__version__,
+        "commit": COMMIT,  # the engine's rounding depends on its forward path: results travel with the code
         "dtype": args.dtype,
         "threads": args.threads,
         "model": str(folder),
