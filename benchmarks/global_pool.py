@@ -44,10 +44,12 @@ from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
 # Window-off settings (the only ones a simulation can replay): the auto preset's choice on a 2-core CPU (G=1,
 # context 1-3 / 10 tokens) and wider budgets, as a GPU's flatter cost curve would pick.
 SETTINGS: dict[str, LookaheadConfig] = {
-    "G1": LookaheadConfig(lookahead_branch=False, verification_set_size=1),
-    "G2": LookaheadConfig(lookahead_branch=False, verification_set_size=2),
-    "G4": LookaheadConfig(lookahead_branch=False, verification_set_size=4),
-    "G4-ctx16": LookaheadConfig(lookahead_branch=False, verification_set_size=4, context_tokens=16),
+    "G1": LookaheadConfig(lookahead_branch=False, verification_set_size=1, pool_scope="prompt"),
+    "G2": LookaheadConfig(lookahead_branch=False, verification_set_size=2, pool_scope="prompt"),
+    "G4": LookaheadConfig(lookahead_branch=False, verification_set_size=4, pool_scope="prompt"),
+    "G4-ctx16": LookaheadConfig(
+        lookahead_branch=False, verification_set_size=4, context_tokens=16, pool_scope="prompt"
+    ),
 }
 
 
@@ -59,10 +61,12 @@ def job_prompts(chat: int, code: int) -> list[dict]:
 
 def write_outputs(path: Path, chat: int, code: int, max_new: int, threads: int) -> None:
     """HF greedy outputs of every prompt, one JSON line each; resumes a partial file."""
+    done = {json.loads(line)["id"] for line in path.read_text().splitlines()} if path.is_file() else set()
+    if all(p["id"] in done for p in job_prompts(chat, code)):
+        return
     torch.set_num_threads(threads)
     fetch_embedded_model()
     model, tok, _ = load_model_and_tokenizer(embedded_model_dir())
-    done = {json.loads(line)["id"] for line in path.read_text().splitlines()} if path.is_file() else set()
     eos = tok.eos_token_id
     with path.open("a", encoding="utf-8") as f:
         for p in job_prompts(chat, code):
@@ -274,6 +278,7 @@ def main() -> None:
     ap.add_argument("--engine-setting", default="G1")
     ap.add_argument("--wall", action="store_true", help="also report the engine's wall clock (quiet machine)")
     ap.add_argument("--no-lookup-cost", action="store_true")
+    ap.add_argument("--engine-from", help="an engine_check JSON from an earlier call (instead of --engine)")
     args = ap.parse_args()
     path = Path(args.outputs)
     start = time.perf_counter()
@@ -303,11 +308,34 @@ def main() -> None:
         report["lookup_cost"] = lookup_cost(rows)
     if args.engine:
         report["engine_check"] = engine_check(rows, args.engine, args.engine_setting, args.threads, args.wall)
+    elif args.engine_from:
+        report["engine_check"] = json.loads(Path(args.engine_from).read_text())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
+    plot(report, out.with_suffix(".png"))
     print(markdown(report))
+
+
+def plot(r: dict, path: Path) -> None:
+    """Chat gain of the job scope by prompts already seen, per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key in ("growth_G1", "growth_G4"):
+        xs = [g["seen"] for g in r[key]]
+        ax.plot(xs, [100 * g["gain"] for g in r[key]], marker="o", label=key[7:])
+    ax.axhline(15, color="grey", linestyle=":", label="target +15%")
+    ax.set_xlabel("MT-bench prompts already seen (bucket start)")
+    ax.set_ylabel("tokens per forward, job vs prompt (%)")
+    ax.set_title("Job store: chat gain by prompts seen")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def markdown(r: dict) -> str:

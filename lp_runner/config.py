@@ -92,8 +92,9 @@ class LookaheadConfig:
     preset: str = "auto"
     pad_rows: bool = True  # run each round at the cheapest measured row count >= its own (exact; needs the curve)
     # prompt: pool and context index start empty for every prompt; job: also a store of the job's earlier outputs
-    # (``lp_runner.job_pool``) proposes, shared by the prompts of a run (and saved / loaded by --pool-out / --pool-in)
-    pool_scope: str = "prompt"
+    # (``lp_runner.job_pool``) proposes, shared by the prompts of a run (and saved / loaded by --pool-out / --pool-in).
+    # job by measurement (benchmarks/results/global_pool.md): more tokens per forward on chat and on code
+    pool_scope: str = "job"
     pool_max_tokens: int = 1_000_000  # the job store's bound; the oldest generations are evicted first
 
 

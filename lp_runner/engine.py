@@ -218,7 +218,6 @@ class LookaheadEngine:
 
 
 def longest_candidate(la: LookaheadConfig) -> int:
-    """The longest candidate a round can verify: N-1 from the pool, ``context_tokens`` from the context index or
-    the job store."""
-    long_source = la.context_lookup or la.pool_scope == "job"
-    return max(la.ngram_size - 1, la.context_tokens if long_source else 0)
+    """The longest candidate a round can verify: N-1 from the pool, ``context_tokens`` from the context index (the
+    job store proposes as long as the context index, N-1 without one)."""
+    return max(la.ngram_size - 1, la.context_tokens if la.context_lookup else 0)

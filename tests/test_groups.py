@@ -193,6 +193,8 @@ def _args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
         "--set", "lookahead.window_size=7", "--set", "lookahead.ngram_size=5",
         "--set", "lookahead.verification_set_size=7", "--set", f"generation.max_new_tokens={MAX_NEW}",
         "--set", "lookahead.preset=off",  # this W/N/G as written, in every group alike
+        # per-prompt pool: with the job store a group's proposals depend on the prompts it ran, so forwards differ
+        "--set", "lookahead.pool_scope=prompt",
         "--set", "run.progress=false", *extra,
     ]  # fmt: skip
 

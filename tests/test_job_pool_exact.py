@@ -63,7 +63,7 @@ def _cli(*args: str, timeout: float = 600):
 
 
 def test_cli_pool_files_need_job_scope(tmp_path):
-    proc = _cli("--prompt", "hi", "--pool-out", str(tmp_path / "p.json"))
+    proc = _cli("--prompt", "hi", "--pool-out", str(tmp_path / "p.json"), "--set", "lookahead.pool_scope=prompt")
     assert proc.returncode == 2 and "need lookahead.pool_scope=job" in proc.stderr.strip().splitlines()[-1]
 
 

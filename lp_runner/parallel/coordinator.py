@@ -70,7 +70,8 @@ class Coordinator:
             self.sources.insert(0 if la.candidate_policy == "context_first" else 1, self.context)
         self.job: JobPoolSource | None = None
         if store is not None:
-            self.job = JobPoolSource(store, la.context_tokens, la.context_adaptive, min_ngram=la.context_min_ngram)
+            length = la.context_tokens if la.context_lookup else la.ngram_size - 1  # no longer than the others
+            self.job = JobPoolSource(store, length, la.context_adaptive, min_ngram=la.context_min_ngram)
             at = self.sources.index(self.context) + 1 if self.context is not None else 0
             self.sources.insert(at, self.job)
 
