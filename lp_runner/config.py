@@ -121,7 +121,7 @@ class GenerationConfig:
 class ParallelConfig:
     backend: str = "torch"  # torch (torchrun, or one local process) | ray
     workers: int = 1  # P; under torchrun it must equal WORLD_SIZE (with groups > 1: WORLD_SIZE = groups x workers)
-    groups: int = 1  # D: independent LP groups of P workers each, fed prompts from one work queue (torchrun only)
+    groups: int = 1  # D: independent LP groups of P workers each, fed prompts from one work queue (torchrun, Ray)
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     timeout_s: float = 120.0  # every collective fails after this long instead of hanging
     # Ray backend (parallel.backend=ray): one actor per worker, placed through one placement group.
@@ -355,8 +355,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.workers must be >= 1, got {par.workers}")
     if par.groups < 1:
         raise ConfigError(f"parallel.groups must be >= 1, got {par.groups}")
-    if par.groups > 1 and par.backend == "ray":
-        raise ConfigError("parallel.groups > 1 runs under torchrun (parallel.backend=torch) only; Ray runs one group")
     if par.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s must be > 0, got {par.timeout_s}")
     if par.cpus_per_worker < 0:

@@ -56,6 +56,10 @@ class _WorkerLost(Exception):
     """Internal: an actor died, stalled, or a surviving rank saw its peer fail; the group is rebuilt."""
 
 
+class _Stopped(Exception):
+    """Internal: another lane failed or the run was interrupted; this lane ends quietly (D > 1)."""
+
+
 # ---------------------------------------------------------------- resources (pure)
 
 
@@ -202,6 +206,14 @@ class Replica:
         run_prompts(self.worker, specs, on_record=on_record, committed=committed, on_commit=on_commit)
         return done[0]
 
+    def save_store(self, path: str) -> None:
+        """``run.pool_out`` with D > 1 groups: lane 0's store, saved once after the job (as torchrun saves group
+        0's)."""
+        from lp_runner.runner import tokenizer_fingerprint
+
+        if self.worker.store is not None:
+            self.worker.store.save(path, tokenizer_fingerprint(self.worker.tokenizer))
+
     def poll(self) -> list[tuple]:
         with self.lock:
             out, self.outbox = self.outbox, []
@@ -303,6 +315,14 @@ class _Driver:
         self.progress = _Progress(len(self.specs))
         self.recoveries: list[dict] = []
         self.run_id = uuid.uuid4().hex[:8]
+        # D > 1 groups (lanes): one driver thread per lane; progress, the report and the queue under one lock
+        self.lock = threading.RLock()
+        self.queue = list(range(len(self.specs)))  # job order; a free lane takes the first
+        self.lanes: dict[int, _Group] = {}  # the lanes' current groups (torn down by the main thread on a stop)
+        self.lane_finished: dict[int, list[tuple[list[int], list[int]]]] = {}  # per lane: its store's content
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.weights_checked = False
         self.report = Report(cfg, output, len(specs), len(specs) - len(self.specs), progress=not single)
 
     # -- the elastic loop
@@ -310,12 +330,17 @@ class _Driver:
     def run(self) -> int:
         par = self.cfg.parallel
         self.bundle = worker_bundle(par, self.ray.cluster_resources().get("GPU", 0.0), self.cfg.model.device)
-        nodes = self._nodes()
-        if placeable(nodes, self.bundle) < par.workers:
+        nodes, needed = self._nodes(), par.workers * par.groups
+        if placeable(nodes, self.bundle) < needed:
             raise RayClusterError(
-                f"the Ray cluster cannot hold {par.workers} workers with {_fmt(self.bundle)} each: "
-                f"{shortfall(nodes, self.bundle, par.workers)}; lower parallel.workers or the per-worker resources"
+                f"the Ray cluster cannot hold {needed} workers with {_fmt(self.bundle)} each: "
+                f"{shortfall(nodes, self.bundle, needed)}; lower parallel.workers, parallel.groups or the "
+                "per-worker resources"
             )
+        if par.groups > 1:
+            self._run_lanes()
+            self._finish()
+            return 0
         workers, generation, group, lost_at = par.workers, 0, None, None
         while self.progress.todo():
             try:
@@ -338,6 +363,155 @@ class _Driver:
             generation += 1
         self._finish()
         return 0
+
+    # -- D > 1 groups: one lane (driver thread) per group, prompts from the queue
+
+    def _run_lanes(self) -> None:
+        """Run D lanes at once; the first fatal error (or Ctrl-C) stops them all and tears down their actors."""
+        threads = [
+            threading.Thread(target=self._lane_main, args=(lane,), name=f"lp_runner-lane{lane}", daemon=True)
+            for lane in range(self.cfg.parallel.groups)
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            while any(t.is_alive() for t in threads):
+                if self.errors:
+                    self._stop_lanes()
+                for thread in threads:
+                    thread.join(POLL_S)
+        except BaseException:
+            self._stop_lanes()
+            raise
+        if self.errors:
+            raise self.errors[0]
+
+    def _stop_lanes(self) -> None:
+        self.stop.set()
+        with self.lock:
+            groups = list(self.lanes.values())
+        for group in groups:
+            group.teardown()
+
+    def _lane_main(self, lane: int) -> None:
+        try:
+            self._lane(lane)
+        except _Stopped:
+            pass
+        except BaseException as exc:
+            with self.lock:
+                self.errors.append(exc)
+            self.stop.set()
+
+    def _claim(self) -> int | None:
+        with self.lock:
+            return self.queue.pop(0) if self.queue and not self.stop.is_set() else None
+
+    def _lane(self, lane: int) -> None:
+        """One LP group's elastic loop: take a prompt, run it, repeat. A lost actor rebuilds this lane's group only
+        (the other lanes go on) and resumes the prompt it held from its committed prefix, as with D = 1."""
+        par = self.cfg.parallel
+        current = self._claim()
+        if current is None:
+            return
+        workers, generation, lost_at = par.workers, 0, None
+        self.lane_finished[lane] = []
+        while True:
+            group = None
+            try:
+                group = self._start_group(workers, generation, shrink=generation > 0, lane=lane)
+                with self.lock:
+                    if self.stop.is_set():
+                        raise _Stopped
+                    self.lanes[lane] = group
+                    self.load_s = max(self.load_s, group.load_s)
+                    check = not self.weights_checked and self.output is not None and bool(self.output.done)
+                    self.weights_checked = True
+                    if lost_at is not None:
+                        self.progress.recovery[current][-1].update(
+                            seconds=round(time.monotonic() - lost_at, 3), workers_after=group.size
+                        )
+                        lost_at = None
+                if check:
+                    self.output.check_weights(self.ray.get(group.actors[0].fingerprint.remote()))
+                finished = self.lane_finished[lane]  # a rebuilt group's store starts from what this lane ran
+                while current is not None:
+                    self._run_one(group, lane, current, finished)
+                    finished = []
+                    current = self._claim()
+                if lane == 0 and self.cfg.run.pool_out:
+                    self.ray.get(group.actors[0].save_store.remote(self.cfg.run.pool_out))
+                return
+            except _WorkerLost as lost:
+                if self.stop.is_set():
+                    raise _Stopped from None
+                lost_at = time.monotonic()
+                if self._recover_lane(group, lane, current, str(lost), workers):
+                    workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
+                else:  # the lost group had written prompt i: nothing to resume
+                    lost_at = None
+                    current = self._claim()
+                    if current is None:
+                        return
+            finally:
+                with self.lock:
+                    self.lanes.pop(lane, None)
+                if group is not None:
+                    group.teardown()
+            generation += 1
+
+    def _run_one(self, group: _Group, lane: int, i: int, finished: list) -> None:
+        """Prompt i on the lane's group, from its committed prefix (empty unless a lost group began it)."""
+        with self.lock:
+            committed, printed = list(self.progress.committed.get(i, [])), self.progress.printed.get(i, 0)
+        refs = [a.run.remote([self.specs[i]], [i], [committed], [printed], self.stream, finished) for a in group.actors]
+
+        def tick() -> None:
+            if self.stop.is_set():
+                raise _Stopped
+            self._take(self._poll(group, self.cfg.parallel.timeout_s), lane)
+
+        self._gather(refs, "the run", None, tick=tick)
+
+    def _recover_lane(self, group: _Group | None, lane: int, i: int, reason: str, workers: int) -> bool:
+        """``_recover`` for one lane: account for the loss of the group that held prompt i; False when prompt i
+        was already written (the lane then takes the next prompt on a new group)."""
+        if group is not None and group.actors:
+            with contextlib.suppress(Exception):
+                self._take(
+                    self.ray.get(group.actors[0].poll.remote(), timeout=min(5.0, self.cfg.parallel.timeout_s)), lane
+                )
+        with self.lock:
+            if i in self.progress.records:
+                return False
+            limit = self.cfg.parallel.max_restarts
+            if len(self.recoveries) >= limit:
+                raise DistributedError(
+                    f"gave up after {len(self.recoveries)} recoveries (parallel.max_restarts={limit}); last "
+                    f"failure: group {lane}: {reason}"
+                )
+            event = {
+                "lost": f"group {lane}: {reason}",
+                "prompt": self.specs[i].id,
+                "resumed_at_token": len(self.progress.committed.get(i, [])),
+                "rounds_before": self.progress.rounds.get(i, 0),
+                "workers_before": group.size if group is not None else workers,
+                "workers_after": None,
+                "seconds": None,
+            }
+            self.recoveries.append(event)
+            self.progress.recovery.setdefault(i, []).append(event)
+            count = len(self.recoveries)
+        log.warning(
+            "group %d: %s; resuming prompt '%s' at token %d (recovery %d/%d)",
+            lane,
+            reason,
+            event["prompt"],
+            event["resumed_at_token"],
+            count,
+            limit,
+        )
+        return True
 
     def _recover(self, group: _Group | None, reason: str, workers: int) -> bool:
         """Account for a lost worker before the group is rebuilt; False when nothing is left to run."""
@@ -378,9 +552,13 @@ class _Driver:
 
     # -- one group
 
-    def _start_group(self, workers: int, generation: int, shrink: bool) -> _Group:
+    def _start_group(self, workers: int, generation: int, shrink: bool, lane: int | None = None) -> _Group:
         """Place ``workers`` actors (fewer, down to 1, when ``shrink`` and the cluster lost capacity), check the
-        model path on each, then start them together: they rendezvous and load their replicas."""
+        model path on each, then start them together: they rendezvous and load their replicas.
+
+        ``lane``: which of the ``parallel.groups`` LP groups this is (D > 1): its own placement group, actor
+        names ``lp_runner-<run>-d<lane>-g<generation>-rank<r>`` and rendezvous; each actor sees a one-group job
+        (``parallel.groups = 1``) and saves no store itself (the driver asks lane 0's rank 0 at the end)."""
         ray, par = self.ray, self.cfg.parallel
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -408,7 +586,7 @@ class _Driver:
                 num_gpus=self.bundle.get("GPU", 0.0),
                 resources=custom,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-                name=f"lp_runner-{self.run_id}-g{generation}-rank{rank}",
+                name=f"lp_runner-{self.run_id}{'' if lane is None else f'-d{lane}'}-g{generation}-rank{rank}",
                 max_restarts=0,
                 max_concurrency=2,
             )
@@ -426,6 +604,9 @@ class _Driver:
             port = self._gather([group.actors[0].free_port.remote()], "start", par.timeout_s)[0]
             cfg_data = self.cfg.to_dict()
             cfg_data["parallel"]["workers"] = workers
+            if lane is not None:
+                cfg_data["parallel"]["groups"] = 1
+                cfg_data["run"]["pool_out"] = ""  # run_prompts would save it after every prompt
             refs = []
             for rank, actor in enumerate(group.actors):
                 same_node = [r for r, info in enumerate(infos) if info["ip"] == infos[rank]["ip"]]
@@ -534,19 +715,25 @@ class _Driver:
 
     # -- results
 
-    def _take(self, messages: list[tuple]) -> None:
+    def _take(self, messages: list[tuple], lane: int | None = None) -> None:
+        """Rank 0's messages into the progress; ``lane`` (D > 1): the group that sent them, for the records."""
         progress = self.progress
-        for kind, i, payload in messages:
-            if i in progress.records:
-                continue
-            if kind == "tokens":
-                progress.committed.setdefault(i, []).extend(payload)
-                progress.rounds[i] = progress.rounds.get(i, 0) + 1
-            elif kind == "text":
-                print(payload, end="", flush=True)
-                progress.printed[i] = progress.printed.get(i, 0) + len(payload)
-            elif kind == "record":
-                self._write(i, payload)
+        with self.lock:
+            for kind, i, payload in messages:
+                if i in progress.records:
+                    continue
+                if kind == "tokens":
+                    progress.committed.setdefault(i, []).extend(payload)
+                    progress.rounds[i] = progress.rounds.get(i, 0) + 1
+                elif kind == "text":
+                    print(payload, end="", flush=True)
+                    progress.printed[i] = progress.printed.get(i, 0) + len(payload)
+                elif kind == "record":
+                    if lane is not None:
+                        payload["group"] = None if "error" in payload else lane  # as torchrun's error records
+                        if "error" not in payload:
+                            self.lane_finished[lane].append((payload["prompt_ids"], payload["output_ids"]))
+                    self._write(i, payload)
 
     def _write(self, i: int, rec: dict) -> None:
         if i in self.progress.recovery and "error" not in rec:
@@ -562,7 +749,7 @@ class _Driver:
             print(flush=True)
         records = [self.progress.records[i] for i in range(len(self.specs))]
         workers = next((r["workers"] for r in reversed(records) if "workers" in r), self.cfg.parallel.workers)
-        self.report.finish(self.load_s, workers, self.recoveries)
+        self.report.finish(self.load_s, workers, self.recoveries, self.cfg.parallel.groups)
 
     # -- cluster queries
 

@@ -87,8 +87,8 @@ def test_config_groups_validated():
     assert load_config(None, ["parallel.groups=3"]).parallel.groups == 3
     with pytest.raises(ConfigError, match="parallel.groups must be >= 1"):
         load_config(None, ["parallel.groups=0"])
-    with pytest.raises(ConfigError, match="torchrun"):  # Ray runs one group (not built yet for D > 1)
-        load_config(None, ["parallel.groups=2", "parallel.backend=ray"])
+    ray = load_config(None, ["parallel.groups=2", "parallel.backend=ray"])  # Ray runs D groups too (test_ray)
+    assert ray.parallel.groups == 2
 
 
 def test_job_line_worked_example():
