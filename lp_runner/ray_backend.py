@@ -14,6 +14,12 @@ Elastic recovery, worked example (P = 2, prompts a b c, the rank-1 actor is kill
               committed = [b's 37 tokens, []]; greedy output is a function of the prefix, so b's record equals the
               uninterrupted one. The record gains a ``recovery`` list; the summary counts the events and seconds.
 At most ``parallel.max_restarts`` recoveries, then the run fails with the last cause.
+
+D > 1 groups (``parallel.groups``), worked example (D = 2, P = 1, prompts a b c d): the driver runs two lanes,
+each a thread with its own placement group, actors and torch group. Lane 0 takes a, lane 1 takes b; lane 1
+finishes first and takes c; lane 0 then takes d. Records are written as they finish (b a c d), each with its
+``group``. If lane 1's actor dies during c, lane 1 alone rebuilds (generation 1) and resumes c from its committed
+prefix; lane 0 goes on with d meanwhile.
 """
 
 from __future__ import annotations
