@@ -26,7 +26,7 @@ NEW_TOKENS = 40
 # Candidate sources (LookaheadConfig fields beyond W, N, G, pool_from_prompt):
 MODES = {
     # the published algorithm: Jacobi window + n-gram pool only (no context lookup, no pool repair from the output)
-    "jacobi": {"context_lookup": False, "pool_from_output": False},
+    "jacobi": {"context_lookup": False, "pool_from_output": False, "pool_scope": "prompt"},  # no job store
     # the runner's defaults: context lookup and pool repair on top
     "default": {},
     # no window rows at all: pool and context lookup only (prompt-lookup style)
