@@ -381,15 +381,12 @@ def test_recoveries_are_bounded(cluster, tiny_dir, tmp_path):
     assert "Traceback" not in err
 
 
-@pytest.mark.slow
-def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, tiny_dir, tmp_path):
-    """parallel.groups=2 x workers=1 (issue 15): two placement groups, prompts to whichever group is free. The
-    group-1 actor is SIGKILLed mid-job: group 1 alone is rebuilt and resumes its prompt from the committed prefix,
-    group 0 runs on untouched; every record equals the uninterrupted single worker's and HF greedy."""
+def _run_two_groups_and_kill_group1(cluster, tiny_dir: Path, prompts: Path, out: Path, *extra: str):
+    """parallel.groups=2 x workers=1 through the CLI; once 2 records are written, SIGKILL group 1's actor.
+    Returns (exit code, stderr, the run's id in the actor names)."""
     from ray.util.state import list_actors
 
-    prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
-    args = _args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(1), "--set", "parallel.groups=2")
+    args = _args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(1), "--set", "parallel.groups=2", *extra)
     proc = subprocess.Popen(
         [sys.executable, "-m", "lp_runner", *args],
         env=env_with_repo(RAY_ADDRESS=cluster.gcs),
@@ -405,14 +402,25 @@ def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, ti
         alive = list_actors(address=cluster.url, filters=[("state", "=", "ALIVE")], limit=1000)
         victim = [a for a in alive if (a.name or "").endswith("-d1-g0-rank0")]  # lp_runner-<run>-d<group>-g<gen>
         assert len(victim) == 1, [a.name for a in alive]
-        run_id = victim[0].name.split("-")[1]
         os.kill(victim[0].pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, err[-3000:]
+    return proc.returncode, err, victim[0].name.split("-")[1]
+
+
+@pytest.mark.slow
+def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, tiny_dir, tmp_path):
+    """parallel.groups=2 x workers=1 (issue 15): two placement groups, prompts to whichever group is free. The
+    group-1 actor is SIGKILLed mid-job: group 1 alone is rebuilt and resumes its prompt from the committed prefix,
+    group 0 runs on untouched; every record equals the uninterrupted single worker's and HF greedy."""
+    from ray.util.state import list_actors
+
+    prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
+    rc, err, run_id = _run_two_groups_and_kill_group1(cluster, tiny_dir, prompts, out)
+    assert rc == 0, err[-3000:]
     records = read_jsonl(out)
     expected = {r["id"]: r for r in _uninterrupted(tiny_dir, prompts, MANY_TOKENS)}
     assert sorted(r["id"] for r in records) == sorted(expected)  # nothing lost, nothing repeated
@@ -432,6 +440,25 @@ def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, ti
     assert [n for n in ours if "-d0-" in n] == [f"lp_runner-{run_id}-d0-g0-rank0"], ours
     assert "warning: group 1: worker rank 0 was lost" in err and "recoveries 1 (lost workers" in err
     assert "groups 2: busy" in err  # the job line's per-group utilisation
+
+
+@pytest.mark.slow
+def test_two_groups_out_of_restarts_stop_every_group(cluster, tiny_dir, tmp_path):
+    """parallel.max_restarts=0: group 1's loss is fatal; group 0 is stopped too (its actor torn down), exit 3."""
+    from ray.util.state import list_actors
+
+    prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
+    no_restarts = ("--set", "parallel.max_restarts=0")
+    rc, err, run_id = _run_two_groups_and_kill_group1(cluster, tiny_dir, prompts, out, *no_restarts)
+    assert rc == 3, err[-3000:]
+    assert "error: gave up after 0 recoveries (parallel.max_restarts=0); last failure: group 1: worker rank 0" in err
+    assert 2 <= len(read_jsonl(out)) < MANY and "Traceback" not in err  # records written before the loss stay
+    deadline, ours = time.monotonic() + 15, ["?"]
+    while ours and time.monotonic() < deadline:  # the state API may report a killed actor a moment late
+        alive = list_actors(address=cluster.url, filters=[("state", "=", "ALIVE")], limit=1000)
+        ours = [a.name for a in alive if run_id in (a.name or "")]
+        time.sleep(0.5)
+    assert not ours  # group 0's actor went with the run
 
 
 @pytest.mark.slow
