@@ -161,7 +161,8 @@ def embedded_bf16():
 def test_bf16_lookahead_agrees_with_one_row_decoding(embedded_bf16, index):
     """Each setting, and HF greedy, against the engine's own one-row decoding (nothing verified, no window):
     identical, or the first difference a tie within TOLERANCE_ULPS in the one-row run's teacher-forced logits.
-    HumanEval/0 is a known case: HF greedy and one-row decoding part at new token 35, a 1-ulp tie (this CPU)."""
+    On HumanEval/0 the wide setting parts from one-row decoding at new token 35, a 1-ulp tie (this CPU,
+    benchmarks/results/half_precision.md)."""
     model, tok = embedded_bf16
     eos = [tok.eos_token_id]
     ids = tok(humaneval_prompts(index + 1)[index])["input_ids"]
