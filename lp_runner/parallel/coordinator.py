@@ -70,8 +70,12 @@ class Coordinator:
             self.sources.insert(0 if la.candidate_policy == "context_first" else 1, self.context)
         self.job: JobPoolSource | None = None
         if store is not None:
-            length = la.context_tokens if la.context_lookup else la.ngram_size - 1  # no longer than the others
-            self.job = JobPoolSource(store, length, la.context_adaptive, min_ngram=la.context_min_ngram)
+            # the context knobs shape its proposals only where the context index runs (they are declared inert
+            # without it, ``config.inert_knobs``): without it, N-1 tokens (no longer than the pool's), any match
+            if la.context_lookup:
+                self.job = JobPoolSource(store, la.context_tokens, la.context_adaptive, la.context_min_ngram)
+            else:
+                self.job = JobPoolSource(store, la.ngram_size - 1)
             at = self.sources.index(self.context) + 1 if self.context is not None else 0
             self.sources.insert(at, self.job)
 
