@@ -27,6 +27,7 @@ from pathlib import Path
 
 from lp_runner.errors import InputError
 from lp_runner.pool import Suffix
+from lp_runner.sources import Feedback, Proposal, adapt_length
 
 MAX_KEY = 3  # longest k-gram key (match length), as the context index's default
 SCAN = 64  # most recent occurrences of a key read per lookup: the lookup's cost bound
@@ -218,30 +219,22 @@ class JobPoolSource:
         self.adaptive = adaptive
         self.min_ngram = min(min_ngram, MAX_KEY)
         self.lengths = [num_tokens] * (MAX_KEY + 1)
-        self._last_k = MAX_KEY
-        self.match_len = 0  # match length behind the latest call of propose (0: it proposed nothing)
 
-    def propose(self, history: Sequence[int], limit: int) -> list[Suffix]:
-        self.match_len = 0
+    def propose(self, history: Sequence[int], limit: int) -> list[Proposal]:
         if limit <= 0:
             return []
         k, conts = self.store.continuations(history, max(self.lengths), self.min_ngram)
         if not conts:
             return []
-        self._last_k = self.match_len = k
-        return rank_continuations(conts, limit, self.lengths[k])
+        return [Proposal(c, self.name, k) for c in rank_continuations(conts, limit, self.lengths[k])]
 
     def observe(self, history: Sequence[int], num_new: int) -> None:
         pass  # the store grows between generations (``JobPool.add``), never inside one
 
-    def feedback(self, proposed: int, accepted: int) -> None:
-        if not self.adaptive:
-            return
-        k = self._last_k
-        if accepted >= proposed:
-            self.lengths[k] = min(self.num_tokens, self.lengths[k] + 2)
-        else:
-            self.lengths[k] = max(1, self.lengths[k] - 1)
+    def feedback(self, fb: Feedback) -> None:
+        if self.adaptive:
+            k = fb.proposal.match_len
+            self.lengths[k] = adapt_length(self.lengths[k], fb, self.num_tokens)
 
 
 def rank_continuations(conts: Sequence[Suffix], limit: int, length: int) -> list[Suffix]:

@@ -13,6 +13,7 @@ from lp_runner.errors import InputError
 from lp_runner.job_pool import SEP, JobPool, JobPoolSource, rank_continuations
 from lp_runner.parallel.coordinator import Coordinator
 from lp_runner.preset import Sample, simulate
+from lp_runner.sources import Feedback, Proposal
 
 FP = "tok-a"  # a tokenizer fingerprint
 
@@ -48,9 +49,10 @@ def test_source_proposes_and_adapts():
     store = JobPool(100)
     store.add((), (1, 2, 3, 4, 5))
     src = JobPoolSource(store, num_tokens=3)
-    assert src.propose([9, 1, 2], 2) == [(3, 4, 5)]
-    src.feedback(3, 1)  # partial accept of a 2-token match's proposal: 3 -> 2 tokens for k = 2
-    assert src.propose([9, 1, 2], 2) == [(3, 4)]
+    (proposal,) = src.propose([9, 1, 2], 2)
+    assert proposal == Proposal((3, 4, 5), "job", 2)
+    src.feedback(Feedback(proposal, 1))  # partial accept of a 2-token match's proposal: 3 -> 2 tokens for k = 2
+    assert [p.tokens for p in src.propose([9, 1, 2], 2)] == [(3, 4)]
     assert src.propose([9, 8], 2) == []
 
 
