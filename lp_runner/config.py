@@ -306,71 +306,81 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+class Bound(typing.NamedTuple):
+    """A plain lower bound; the error reads ``{key}{label} must be {op} {value}{meaning}, got {x}{why}``."""
+
+    op: str  # ">=" or ">"
+    value: float
+    label: str = ""  # e.g. " (W)"
+    meaning: str = ""  # e.g. " (0: no cap)"
+    why: str = ""
+
+
+# Every plain lower bound, in one table; checks that relate two keys or constrain a value further are written out
+# in ``check_lookahead`` and ``validate``.
+_BOUNDS: dict[str, Bound] = {
+    "lookahead.ngram_size": Bound(
+        ">=", 3, " (N)", why=": N-1 trajectory levels need at least one level above the base stripe"
+    ),
+    "lookahead.window_size": Bound(">=", 1, " (W)"),
+    "lookahead.verification_set_size": Bound(">=", 0, " (G)"),
+    "lookahead.context_max_ngram": Bound(">=", 1),
+    "lookahead.max_verify_rows": Bound(">=", 0, meaning=" (0: no cap)"),
+    "lookahead.context_tokens": Bound(">=", 1),
+    "lookahead.long_match_rows": Bound(">=", 0, meaning=" (0: no cap)"),
+    "lookahead.pool_max_tokens": Bound(">=", 0),
+    "generation.max_new_tokens": Bound(">=", 1),
+    "generation.top_k": Bound(">=", 0),
+    "parallel.workers": Bound(">=", 1),
+    "parallel.groups": Bound(">=", 1),
+    "parallel.timeout_s": Bound(">", 0),
+    "parallel.cpus_per_worker": Bound(">=", 0),
+    "parallel.placement_timeout_s": Bound(">", 0),
+    "parallel.max_restarts": Bound(">=", 0),
+    "model.threads": Bound(">=", 0),
+}
+
+
+def _check_bounds(section: str, values: object) -> None:
+    """Every ``_BOUNDS`` entry of ``section`` on ``values`` (that section's dataclass), in table order."""
+    for key, b in _BOUNDS.items():
+        if key.startswith(section + "."):
+            x = getattr(values, key.split(".", 1)[1])
+            if x < b.value if b.op == ">=" else x <= b.value:
+                raise ConfigError(f"{key}{b.label} must be {b.op} {b.value:g}{b.meaning}, got {x}{b.why}")
+
+
 def check_lookahead(la: LookaheadConfig) -> None:
     """W/N/G checks, shared by config validation and the engine (which may be built without a Config)."""
-    if la.ngram_size < 3:
-        raise ConfigError(
-            f"lookahead.ngram_size (N) must be >= 3, got {la.ngram_size}: "
-            "N-1 trajectory levels need at least one level above the base stripe"
-        )
-    if la.window_size < 1:
-        raise ConfigError(f"lookahead.window_size (W) must be >= 1, got {la.window_size}")
-    if la.verification_set_size < 0:
-        raise ConfigError(f"lookahead.verification_set_size (G) must be >= 0, got {la.verification_set_size}")
-    if la.context_max_ngram < 1:
-        raise ConfigError(f"lookahead.context_max_ngram must be >= 1, got {la.context_max_ngram}")
+    _check_bounds("lookahead", la)
     if not 1 <= la.context_min_ngram <= la.context_max_ngram:
         raise ConfigError(
             f"lookahead.context_min_ngram must be between 1 and context_max_ngram={la.context_max_ngram}, "
             f"got {la.context_min_ngram}"
         )
-    if la.max_verify_rows < 0:
-        raise ConfigError(f"lookahead.max_verify_rows must be >= 0 (0: no cap), got {la.max_verify_rows}")
-    if la.context_tokens < 1:
-        raise ConfigError(f"lookahead.context_tokens must be >= 1, got {la.context_tokens}")
     if not 0 <= la.long_match_ngram <= la.context_max_ngram:
         raise ConfigError(
             f"lookahead.long_match_ngram must be between 0 (off) and context_max_ngram={la.context_max_ngram}, "
             f"got {la.long_match_ngram}"
         )
-    if la.long_match_rows < 0:
-        raise ConfigError(f"lookahead.long_match_rows must be >= 0 (0: no cap), got {la.long_match_rows}")
-    if la.pool_max_tokens < 0:
-        raise ConfigError(f"lookahead.pool_max_tokens must be >= 0, got {la.pool_max_tokens}")
 
 
 def validate(cfg: Config) -> None:
     """Reject settings that cannot run, before anything is allocated."""
     gen, par = cfg.generation, cfg.parallel
     check_lookahead(cfg.lookahead)
-    if gen.max_new_tokens < 1:
-        raise ConfigError(f"generation.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
+    for section in ("generation", "parallel", "model"):
+        _check_bounds(section, getattr(cfg, section))
     if gen.temperature <= 0 and gen.do_sample:
         raise ConfigError(f"generation.temperature must be > 0 when sampling, got {gen.temperature}")
-    if gen.top_k < 0:
-        raise ConfigError(f"generation.top_k must be >= 0, got {gen.top_k}")
     if not 0.0 < gen.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p}")
-    if par.workers < 1:
-        raise ConfigError(f"parallel.workers must be >= 1, got {par.workers}")
-    if par.groups < 1:
-        raise ConfigError(f"parallel.groups must be >= 1, got {par.groups}")
-    if par.timeout_s <= 0:
-        raise ConfigError(f"parallel.timeout_s must be > 0, got {par.timeout_s}")
-    if par.cpus_per_worker < 0:
-        raise ConfigError(f"parallel.cpus_per_worker must be >= 0, got {par.cpus_per_worker}")
     if par.gpus_per_worker < 0 and par.gpus_per_worker != -1:
         raise ConfigError(f"parallel.gpus_per_worker must be >= 0 or -1 (auto), got {par.gpus_per_worker}")
-    if par.placement_timeout_s <= 0:
-        raise ConfigError(f"parallel.placement_timeout_s must be > 0, got {par.placement_timeout_s}")
-    if par.max_restarts < 0:
-        raise ConfigError(f"parallel.max_restarts must be >= 0, got {par.max_restarts}")
     if (cfg.run.pool_in or cfg.run.pool_out) and cfg.lookahead.pool_scope != "job":
         raise ConfigError("--pool-in / --pool-out (run.pool_in, run.pool_out) need lookahead.pool_scope=job")
     if not _DEVICE.fullmatch(cfg.model.device):
         raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
-    if cfg.model.threads < 0:
-        raise ConfigError(f"model.threads must be >= 0, got {cfg.model.threads}")
     for key, choices in _CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
