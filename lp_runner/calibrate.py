@@ -9,7 +9,8 @@ The quick curve: the body cost (LM head on one row) at every row count of ``QUIC
 plus the head on every row at the largest count (``costmodel.measure_curve(head_rows=...)``); repetitions
 interleaved, medians. About 90 forwards: a few seconds for a small model on a CPU, well under a second on a
 GPU. It is cached under the cache dir, keyed by everything that changes it (device model, threads, dtype,
-weights checksum, torch version, the measured grid), and reused; ``--recalibrate`` measures again.
+weights checksum, torch version, and the grid through ``CALIBRATION_VERSION``), and reused; ``--recalibrate``
+measures again.
 
 Under LP only rank 0 measures (the others wait, so the measurement has the machine to itself) and every rank
 uses rank 0's curve: the replicated coordinators must make identical choices.
@@ -30,14 +31,14 @@ import torch
 
 from lp_runner.costmodel import CostCurve, measure_curve
 
-CALIBRATION_VERSION = 1  # bump when the measurement changes meaning: older cache entries are then ignored
-QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+CALIBRATION_VERSION = 2  # bump when the measurement (or its grid) changes: older cache entries are then ignored
+QUICK_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # rounds past 48 rows: extrapolated from 32-48
 QUICK_KV = (64, 512)
-QUICK_HEAD_ROWS = (64,)
-QUICK_REPS = 3
+QUICK_HEAD_ROWS = (48,)
+QUICK_REPS = 3  # + one warm-up sweep (medians of 3: one noisy forward moves no point)
 # A coarser grid where the quick one would not fit the time the other LP ranks wait (their start-up collective
 # carries parallel.timeout_s): a large model on a CPU.
-COARSE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+COARSE_ROWS = (1, 2, 4, 8, 16, 32, 48)  # includes QUICK_HEAD_ROWS
 COARSE_KV = (512,)
 COARSE_REPS = 1
 
