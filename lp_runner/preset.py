@@ -232,7 +232,9 @@ def search(
     def evaluate(la: LookaheadConfig) -> tuple[float, int] | None:
         key = dataclasses.astuple(la)
         if key not in priced:
-            shapes = [simulate(la, s) for s in samples]
+            # under pool_scope: job the engine's store proposes too: the samples in order, through one store
+            store = JobPool(la.pool_max_tokens) if la.pool_scope == "job" else None
+            shapes = [simulate(la, s, store) for s in samples]
             priced[key] = _price(shapes, curve, row_plan, host_s, world_size)
         return priced[key][0], 1
 
