@@ -96,7 +96,7 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
 
     from lp_runner.config import GenerationConfig, LookaheadConfig
     from lp_runner.costmodel import measure_curve, predict
-    from lp_runner.engine import LookaheadEngine
+    from lp_runner.layout import max_round_rows
     from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer
     from lp_runner.model import ModelAdapter
     from lp_runner.prompts import encode, spec_from_obj
@@ -112,7 +112,7 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
     cal = calibrate_setting(adapter, encoded, la, gen, [tok.eos_token_id])  # the tuner's own P=1 run
     shapes = cal.shapes
-    top = LookaheadEngine.max_round_rows_for(la) + 1
+    top = max_round_rows(la) + 1
     rows = [q for q in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if q < top] + [top]
     kv = sorted({min(len(e) for e in encoded), max(len(e) for e in encoded) + args.max_new_tokens})
     curve = measure_curve(adapter, kv, rows, reps=args.reps)

@@ -22,6 +22,7 @@ from lp_runner.config import GenerationConfig, LookaheadConfig, check_lookahead
 from lp_runner.costmodel import RowPlan
 from lp_runner.errors import InputError
 from lp_runner.job_pool import JobPool
+from lp_runner.layout import longest_candidate
 from lp_runner.metrics import GenerationStats, RoundRecord
 from lp_runner.model import ModelAdapter
 from lp_runner.parallel.comm import Communicator, SoloCommunicator
@@ -94,17 +95,6 @@ class LookaheadEngine:
                 f"prompt of {len(prompt_ids)} tokens plus max_new_tokens={self.gen.max_new_tokens} exceeds the "
                 f"model's context of {limit} positions"
             )
-
-    def max_round_rows(self) -> int:
-        """An upper bound on the rows one round appends to the cache (window rows + verification rows, or the
-        row plan's largest padded count)."""
-        rows = self.max_round_rows_for(self.la)
-        return max(rows, self.row_plan.max_rows) if self.row_plan is not None else rows
-
-    @staticmethod
-    def max_round_rows_for(la: LookaheadConfig) -> int:
-        window_rows = (la.window_size - 1) + la.window_size * (la.ngram_size - 2) if la.lookahead_branch else 0
-        return 1 + window_rows + la.verification_set_size * longest_candidate(la)
 
     def generate(
         self,
@@ -215,9 +205,3 @@ class LookaheadEngine:
             plan_sources=plan.sources,
             proposed=plan.proposed,
         )
-
-
-def longest_candidate(la: LookaheadConfig) -> int:
-    """The longest candidate a round can verify: N-1 from the pool, ``context_tokens`` from the context index (the
-    job store proposes as long as the context index, N-1 without one)."""
-    return max(la.ngram_size - 1, la.context_tokens if la.context_lookup else 0)

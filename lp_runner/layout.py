@@ -31,6 +31,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lp_runner.config import LookaheadConfig
+
 ROLE_ORDINARY = 0
 ROLE_LOOKAHEAD = 1
 ROLE_VERIFY = 2
@@ -171,6 +173,19 @@ def round_size(
     own_outputs = (hi - lo) - (1 if depth == 0 and lo == 0 < hi else 0)  # depth 0: column 0's output is the key
     cand = sum(candidate_lengths)
     return num_ordinary + window_rows + cand, 1 + own_outputs + cand
+
+
+def longest_candidate(la: LookaheadConfig) -> int:
+    """The longest candidate a round can verify: N-1 from the pool, ``context_tokens`` from the context index (the
+    job store proposes as long as the context index, N-1 without one)."""
+    return max(la.ngram_size - 1, la.context_tokens if la.context_lookup else 0)
+
+
+def max_round_rows(la: LookaheadConfig) -> int:
+    """An upper bound on the rows of one round of ``la`` (P = 1, before padding): the live key, the window's rows
+    and G candidates of the longest length (the tuner sizes the curve it measures with it)."""
+    window_rows = (la.window_size - 1) + la.window_size * (la.ngram_size - 2) if la.lookahead_branch else 0
+    return 1 + window_rows + la.verification_set_size * longest_candidate(la)
 
 
 def pad_layout(layout: RoundLayout, num_rows: int) -> RoundLayout:

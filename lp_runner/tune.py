@@ -29,6 +29,7 @@ import yaml
 from lp_runner.config import Config, LookaheadConfig, check_lookahead, inert_knobs, load_config
 from lp_runner.costmodel import CostCurve, RoundShape, RowPlan, predict, shapes_from_records
 from lp_runner.errors import ConfigError, InputError, LPError
+from lp_runner.layout import max_round_rows
 from lp_runner.logs import add_log_level, log, setup_logging
 from lp_runner.preset import describe
 
@@ -271,13 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def curve_rows(space: dict[str, Sequence], base: LookaheadConfig) -> list[int]:
     """Row counts the search can produce, up to the largest setting's round (the curve interpolates between)."""
-    from lp_runner.engine import LookaheadEngine
-
     w, n = max(space.get("window_size", (base.window_size,))), max(space.get("ngram_size", (base.ngram_size,)))
     g = max(space.get("verification_set_size", (base.verification_set_size,)))
     c = max(space.get("context_tokens", (base.context_tokens,)))
     big = dataclasses.replace(base, window_size=w, ngram_size=n, verification_set_size=g, context_tokens=c)
-    top = LookaheadEngine.max_round_rows_for(big)
+    top = max_round_rows(big)
     grid = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
     return [q for q in grid if q < top] + [top]
 
