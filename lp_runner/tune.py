@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from lp_runner.errors import ConfigError, InputError, LPError
 from lp_runner.layout import max_round_rows
 from lp_runner.logs import add_log_level, log, setup_logging
 from lp_runner.preset import describe
+from lp_runner.split import ASSUMPTION, Split, highest_throughput, lowest_latency, split_table, splits_of
 
 # Knobs in search order, each with the values tried. W only matters when the lookahead branch is on.
 DEFAULT_SPACE: dict[str, tuple] = {
@@ -83,6 +85,7 @@ class TuneResult:
     best: Scored
     base: Scored
     evaluated: list[Scored] = field(default_factory=list)
+    per_workers: dict[int, Scored] = field(default_factory=dict)  # the best setting found at each P
 
 
 def score(
@@ -199,35 +202,77 @@ def tune(
     max_passes: int = 3,
     min_gain: float = 0.02,
 ) -> TuneResult:
-    """Search settings (and P among ``workers``) by predicted time per token on ``prompts``."""
-    scored: dict[tuple, list[Scored]] = {}
+    """Search settings by predicted time per token on ``prompts``, once per P in ``workers``.
 
-    def evaluate(la: LookaheadConfig) -> tuple[float, int] | None:
-        start = time.perf_counter()
-        cal = calibrate_setting(adapter, prompts, la, gen, eos_ids)
-        row_plan = RowPlan.from_curve(curve) if la.pad_rows else None
-        options = [score(cal, curve, p, allgather_2_s, row_plan) for p in workers]
-        scored[_key(la)] = options
-        pick = min(options, key=lambda s: (s.ms_per_token, s.workers))
-        log(
-            f"{describe(la):58s} tokens/forward {pick.tokens_per_forward:5.2f}  rows {pick.mean_rows:5.1f}  "
-            f"P={pick.workers}  predicted {pick.ms_per_token:7.2f} ms/token  ({time.perf_counter() - start:.0f} s)"
-        )
-        return pick.ms_per_token, pick.workers
+    Each P gets its own coordinate search from ``base`` (the best setting at P = 4 may run a wider window than the
+    best at P = 1); the searches share the calibration runs, so a setting two searches visit runs once and is
+    priced at every P. ``best`` is the fastest of the per-P winners (ties: the smaller P)."""
+    scored: dict[tuple, list[Scored]] = {}  # per behaviour key: the setting priced at every P, in ``workers`` order
 
-    best, _ = coordinate_search(base, evaluate, space, max_passes, min_gain)
-    flat = [s for options in scored.values() for s in options]
+    def options(la: LookaheadConfig) -> list[Scored]:
+        k = _key(la)
+        if k not in scored:
+            start = time.perf_counter()
+            cal = calibrate_setting(adapter, prompts, la, gen, eos_ids)
+            row_plan = RowPlan.from_curve(curve) if la.pad_rows else None
+            scored[k] = [score(cal, curve, p, allgather_2_s, row_plan) for p in workers]
+            first = scored[k][0]
+            priced = "  ".join(f"P={s.workers} {s.ms_per_token:7.2f}" for s in scored[k])
+            log(
+                f"{describe(la):58s} tokens/forward {first.tokens_per_forward:5.2f}  rows {first.mean_rows:5.1f}  "
+                f"predicted {priced} ms/token  ({time.perf_counter() - start:.0f} s)"
+            )
+        return scored[k]
 
-    def pick(la: LookaheadConfig) -> Scored:
-        return min(scored[_key(la)], key=lambda s: (s.ms_per_token, s.workers))
+    per_workers: dict[int, Scored] = {}
+    for i, p in enumerate(workers):
+        if len(workers) > 1:
+            log(f"searching the best setting at P={p}")
 
-    return TuneResult(best=pick(best), base=pick(base), evaluated=flat)
+        def evaluate(la: LookaheadConfig, i: int = i) -> tuple[float, int]:
+            s = options(la)[i]
+            return s.ms_per_token, s.workers
+
+        best_p, _ = coordinate_search(base, evaluate, space, max_passes, min_gain)
+        per_workers[p] = options(best_p)[i]
+
+    def fastest(candidates: Sequence[Scored]) -> Scored:
+        return min(candidates, key=lambda s: (s.ms_per_token, s.workers))
+
+    flat = [s for priced in scored.values() for s in priced]
+    return TuneResult(
+        best=fastest(list(per_workers.values())), base=fastest(options(base)), evaluated=flat, per_workers=per_workers
+    )
 
 
-def tuned_config(base: Config, result: TuneResult) -> Config:
+def tuned_config(base: Config, result: TuneResult, devices: int | None = None) -> Config:
+    """The base config with the winning setting and P; with ``devices`` also D = devices / P, so the written
+    config is the lowest-latency split of all the devices (the same P, every device used)."""
     cfg = dataclasses.replace(base, lookahead=result.best.lookahead)
-    cfg.parallel = dataclasses.replace(base.parallel, workers=result.best.workers)
+    groups = base.parallel.groups if devices is None else devices // result.best.workers
+    cfg.parallel = dataclasses.replace(base.parallel, workers=result.best.workers, groups=groups)
     return cfg
+
+
+def device_splits(result: TuneResult, devices: int) -> list[Split]:
+    """Every split D x P of ``devices``, each priced at the best setting the search found at its P
+    (``split.split_table``: latency is that setting's ms/token, throughput D x its tokens/s)."""
+    return split_table(devices, lambda d, p: result.per_workers[p].ms_per_token)
+
+
+def split_lines(result: TuneResult, table: Sequence[Split]) -> list[str]:
+    """What ``tune --devices`` says: one line per split, then the two winners, one line each."""
+    lines = [f"splits of {table[0].devices} devices (predicted; each device runs its own forward at the curve):"]
+    for sp in table:
+        la = describe(result.per_workers[sp.workers].lookahead)
+        lines.append(f"  {sp.label:11s} {sp.ms_per_token:8.2f} ms/token  {sp.tokens_per_s:9.2f} tokens/s  {la}")
+    fast, wide = lowest_latency(table), highest_throughput(table)
+    lines.append(f"lowest latency: {fast.label}  {fast.ms_per_token:.2f} ms/token (the written config)")
+    lines.append(
+        f"highest throughput: {wide.label}  {wide.tokens_per_s:.2f} tokens/s "
+        f"(--set parallel.groups={wide.groups} --set parallel.workers={wide.workers} with the P={wide.workers} setting)"
+    )
+    return lines
 
 
 def write_config(cfg: Config, result: TuneResult, path: Path, header: Sequence[str]) -> None:
@@ -257,7 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", help="also write every evaluated setting to this JSON file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per calibration prompt")
-    p.add_argument("--workers", default="1", help="comma-separated P values to consider, e.g. 1,2,4")
+    p.add_argument("--workers", help="comma-separated P values to consider, e.g. 1,2,4 (default 1)")
+    p.add_argument(
+        "--devices",
+        help="N devices: consider every split D x P = N (P dividing N) and name the split with the lowest latency "
+        "and the one with the highest job throughput",
+    )
     p.add_argument("--allgather-us", type=float, default=350.0, help="measured 2-rank all_gather cost per round")
     add_log_level(p)
     p.add_argument("--curve", help="a saved cost curve (JSON from --save-curve); measured when omitted")
@@ -281,6 +331,32 @@ def curve_rows(space: dict[str, Sequence], base: LookaheadConfig) -> list[int]:
     return [q for q in grid if q < top] + [top]
 
 
+def parse_workers(text: str) -> list[int]:
+    try:
+        workers = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise InputError(f"--workers expects comma-separated integers, got {text!r}") from None
+    if not workers or workers[0] < 1:
+        raise InputError(f"--workers values must be >= 1, got {text!r}")
+    return workers
+
+
+def parse_devices(text: str | None, workers: str | None) -> int | None:
+    """``--devices N``: one integer >= 1, or None when not given; P then runs over the divisors of N, so
+    ``--workers`` with it is refused rather than silently ignored."""
+    if text is None:
+        return None
+    if workers is not None:
+        raise InputError("give --devices (every split D x P = N) or --workers (P values), not both")
+    try:
+        devices = int(text)
+    except ValueError:
+        devices = 0
+    if devices < 1:
+        raise InputError(f"--devices expects one integer >= 1 (the number of devices), got {text!r}")
+    return devices
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
@@ -300,12 +376,8 @@ def _run(args) -> int:
     from lp_runner.runner import eos_token_ids, start_worker
 
     cfg = load_config(args.config, args.overrides)
-    try:
-        workers = sorted({int(x) for x in args.workers.split(",")})
-    except ValueError:
-        raise InputError(f"--workers expects comma-separated integers, got {args.workers!r}") from None
-    if not workers or workers[0] < 1:
-        raise InputError(f"--workers values must be >= 1, got {args.workers!r}")
+    devices = parse_devices(args.devices, args.workers)
+    workers = [p for _, p in splits_of(devices)] if devices else parse_workers(args.workers or "1")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     specs = read_prompts(args.prompts)
@@ -346,26 +418,58 @@ def _run(args) -> int:
         max_passes=args.passes,
         min_gain=args.min_gain,
     )
-    chosen = tuned_config(cfg, result)
+    table = device_splits(result, devices) if devices else []
+    chosen = tuned_config(cfg, result, devices)
+    threads = torch.get_num_threads()
     header = [
         f"written by `python -m lp_runner tune` on {date.today().isoformat()}: "
         f"{len(prompts)} calibration prompts from {args.prompts}, {args.max_new_tokens} tokens each,",
-        f"device {adapter.device}, {torch.get_num_threads()} threads, base config {args.config or '(defaults)'}",
+        f"device {adapter.device}, {threads} threads, base config {args.config or '(defaults)'}",
     ]
+    if table:
+        wide = highest_throughput(table)
+        header.append(
+            f"{devices} devices: this is the lowest-latency split; highest throughput: {wide.label} "
+            f"({wide.tokens_per_s:.2f} tokens/s predicted) with {describe(result.per_workers[wide.workers].lookahead)}"
+        )
+        cores = len(os.sched_getaffinity(0))
+        if adapter.device.type == "cpu" and devices * threads > cores:
+            log.warning(
+                "--devices %d on this CPU: %d processes x %d threads exceed its %d cores, so the splits would share "
+                "cores the curve priced as their own; measure the curve with --set model.threads=%d",
+                devices,
+                devices,
+                threads,
+                cores,
+                max(cores // devices, 1),
+            )
     write_config(chosen, result, Path(args.output), header)
     if args.report:
         report = {
             "date": date.today().isoformat(),
             "curve": curve.to_dict(),
+            "threads": threads,
             "workers": workers,
             "allgather_2_rank_us": args.allgather_us,
             "best": _scored_dict(result.best),
             "base": _scored_dict(result.base),
+            "per_workers": [_scored_dict(s) for s in result.per_workers.values()],
             "evaluated": [_scored_dict(s) for s in result.evaluated],
         }
+        if table:
+            report["devices"] = devices
+            report["split_assumption"] = ASSUMPTION
+            report["splits"] = [
+                {**sp.to_dict(), "lookahead": dataclasses.asdict(result.per_workers[sp.workers].lookahead)}
+                for sp in table
+            ]
+            report["lowest_latency"] = lowest_latency(table).to_dict()
+            report["highest_throughput"] = highest_throughput(table).to_dict()
         Path(args.report).write_text(json.dumps(report, indent=2))
     say(f"base:  {describe(result.base.lookahead)}  {result.base.ms_per_token:.2f} ms/token (predicted)")
     say(f"tuned: {describe(result.best.lookahead)}  P={result.best.workers}  {result.best.ms_per_token:.2f} ms/token")
+    for line in split_lines(result, table) if table else []:
+        say(line)
     say(f"wrote {args.output}")
     return 0
 

@@ -234,6 +234,66 @@ def test_tune_command_bad_input(tmp_path):
     assert proc.returncode == 2 and "window_size" in proc.stderr
 
 
+def test_tune_command_devices_names_both_splits(tmp_path):
+    """``tune --devices 2`` prices D=2 x P=1 and D=1 x P=2. An all_gather of one second per round makes P=2 slower
+    whatever the setting, so D=2 x P=1 wins both latency and throughput (twice one group's tokens/s), and the
+    written config is that split: P=1 and D=2, every device used."""
+    tiny_model_folder = make_tiny_folder(tmp_path / "tiny", "llama", seed=3)
+    prompts = tmp_path / "calib.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "def add(a, b):"}\n{"id": "b", "prompt": "Hello"}\n')
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps(CostCurve.linear(0.01, 0.001).to_dict()))
+    out, report = tmp_path / "tuned.yaml", tmp_path / "report.json"
+    cmd = [
+        sys.executable, "-m", "lp_runner", "tune", "--prompts", str(prompts), "--output", str(out),
+        "--report", str(report), "--curve", str(curve), "--max-new-tokens", "8", "--devices", "2",
+        "--allgather-us", "1000000", "--passes", "1",
+        "--set", f"model.path={tiny_model_folder}", "--set", "model.threads=1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_with_repo())
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(report.read_text())
+    splits = {(s["groups"], s["workers"]): s for s in data["splits"]}
+    assert sorted(splits) == [(1, 2), (2, 1)] and data["devices"] == 2
+    per_p = {s["workers"]: s["ms_per_token"] for s in data["per_workers"]}
+    for (d, p), s in splits.items():
+        assert s["ms_per_token"] == pytest.approx(per_p[p], abs=1e-3)
+        assert s["tokens_per_s"] == pytest.approx(d * 1e3 / s["ms_per_token"], rel=1e-3)
+    assert splits[(1, 2)]["ms_per_token"] > splits[(2, 1)]["ms_per_token"] + 1e3 / 8  # >= 1 s per 8 tokens
+    winners = {k: (data[k]["groups"], data[k]["workers"]) for k in ("lowest_latency", "highest_throughput")}
+    assert winners == {"lowest_latency": (2, 1), "highest_throughput": (2, 1)}
+    assert "lowest latency: D=2 x P=1" in proc.stderr and "highest throughput: D=2 x P=1" in proc.stderr
+    cfg = load_config(out)
+    assert (cfg.parallel.groups, cfg.parallel.workers) == (2, 1)
+    assert "highest throughput: D=2 x P=1" in out.read_text().splitlines()[2]
+
+
+def test_tune_command_rejects_bad_devices(tmp_path, capsys):
+    """--devices takes one integer >= 1 and excludes --workers; each mistake is one error line, exit 2, before any
+    model is loaded."""
+    from lp_runner.tune import main
+
+    prompts = tmp_path / "calib.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "x"}\n')
+    base = ["--prompts", str(prompts), "--output", str(tmp_path / "o.yaml")]
+    cmd = [sys.executable, "-m", "lp_runner", "tune", *base, "--devices", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env_with_repo())
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --devices expects one integer >= 1 (the number of devices), got '0'"
+    ]
+    for extra, message in [
+        (["--devices", "two"], "--devices expects one integer >= 1"),
+        (["--devices", "-4"], "--devices expects one integer >= 1"),
+        (["--devices", "2.5"], "--devices expects one integer >= 1"),
+        (["--devices", "4", "--workers", "1,2"], "give --devices (every split D x P = N) or --workers"),
+    ]:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], (extra, err)
+    assert not (tmp_path / "o.yaml").exists()
+
+
 def test_settings_that_behave_alike_are_evaluated_once():
     """The search's memo key drops inert knobs: no cap is lifted without long_match_ngram, nothing is verified or
     capped at G=0; a knob that matters keeps settings apart."""
