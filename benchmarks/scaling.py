@@ -2,14 +2,23 @@
 
     python benchmarks/scaling.py --out results/scaling          # (15,5,15), 8 HumanEval + 8 MT-bench, 128 tokens
     python benchmarks/scaling.py --simulate --skip-measured     # predicted P = 1..8 from the cost model only
+    python benchmarks/scaling.py --from results/scaling.json    # re-render a stored report (adds the throughput view)
 
 Setups (the CPU stand-in for one device per worker is one core per rank):
-    P=1, 1 thread  |  P=1, 2 threads  |  P=2 (torchrun, gloo), 1 thread per rank
+    D=1 x P=1, 1 thread  |  D=1 x P=1, 2 threads  |  D=1 x P=2 (torchrun, gloo), 1 thread per rank  |
+    D=2 x P=1 (two groups, one job), 1 thread per rank
 Reports per-round and per-token latency, tokens/s, packed rows per rank, the time split forward / host /
 communication (communication as the engine sees it: the all_gather including any wait for the slower rank), and
 the pure cost of one round's all_gather measured alone (``--collective-bench``, run under torchrun).
 Outputs of every setup are compared token by token. ``--simulate`` adds predictions for P = 1..8 from the cost
 model (``lp_runner/costmodel.py``), each labelled simulated with its inputs; writes .json, .md and .png.
+
+Throughput view (issue 15): job tokens/s against the devices D x P. Measured points are the setups above (the
+job's tokens/s from its summary line; a stored report without one gives, for one group, its tokens over the sum
+of its prompts' seconds, which is the same job rate without model loading); ``--groups-json`` adds the points of
+``benchmarks/groups.py`` (another setting: table only). Simulated points are every split D x P <= --max-workers
+from the simulated per-token latency at P (``lp_runner.split.split_table``: D x one group's tokens/s, each device
+running its own forward at the 1-thread curve). Every point says which it is.
 """
 
 from __future__ import annotations
@@ -49,11 +58,16 @@ def collective_bench(iters: int, length: int) -> None:
     dist.destroy_process_group()
 
 
-def run_cli(prompts: Path, out: Path, workers: int, threads: int, wng: tuple[int, int, int], extra: list[str]) -> dict:
+def run_cli(
+    prompts: Path, out: Path, workers: int, threads: int, wng: tuple[int, int, int], extra: list[str], groups: int = 1
+) -> dict:
+    from benchmarks.groups import JOB_LINE
+
     w, n, g = wng
     sets = [
-        "--set", f"model.threads={threads}", "--set", f"lookahead.window_size={w}",
-        "--set", f"lookahead.ngram_size={n}", "--set", f"lookahead.verification_set_size={g}",
+        "--set", f"model.threads={threads}", "--set", f"parallel.groups={groups}",
+        "--set", f"lookahead.window_size={w}", "--set", f"lookahead.ngram_size={n}",
+        "--set", f"lookahead.verification_set_size={g}",
         "--set", "run.progress=false", *extra,
     ]  # fmt: skip
     args = ["--config", str(REPO / "configs/default.yaml"), "--prompts", str(prompts), "--output", str(out), *sets]
@@ -64,14 +78,23 @@ def run_cli(prompts: Path, out: Path, workers: int, threads: int, wng: tuple[int
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}"]
         cmd += ["-m", "lp_runner", *args]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(threads))
-    subprocess.run(cmd, check=True, env=env)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)  # D > 1: lp_runner starts torchrun itself
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"setup D={groups} x P={workers} failed (exit {proc.returncode})")
+    job = JOB_LINE.search(proc.stderr)
+    if job is None:
+        raise SystemExit(f"no job summary line in the output of D={groups} x P={workers}")
     records = [json.loads(line) for line in out.read_text().splitlines()]
     tot = {k: sum(r["stats"][k] for r in records) for k in ("rounds", "rows", "forward_s", "host_s", "comm_s")}
     tokens = sum(r["new_tokens"] for r in records)
     secs = sum(r["seconds"] for r in records)
     return {
+        "groups": groups,
         "workers": workers,
         "threads_per_worker": threads,
+        "job_s": float(job["wall"]),
+        "job_tokens_per_s": float(job["tps"]),
         "tokens": tokens,
         "seconds": round(secs, 3),
         "tokens_per_s": round(tokens / secs, 3),
@@ -83,7 +106,7 @@ def run_cli(prompts: Path, out: Path, workers: int, threads: int, wng: tuple[int
         "host_share": round(tot["host_s"] / secs, 4),
         "comm_share": round(tot["comm_s"] / secs, 4),
         "comm_us_per_round": round(1e6 * tot["comm_s"] / tot["rounds"], 1),
-        "outputs": [r["output_ids"] for r in records],
+        "outputs": {r["id"]: r["output_ids"] for r in records},  # D > 1 writes records as they finish
     }
 
 
@@ -157,8 +180,84 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
     }
 
 
+def _rel(path: str) -> str:
+    """A path inside the repository as a relative path (results travel between checkouts)."""
+    p = Path(path)
+    return str(p.relative_to(REPO)) if p.is_absolute() and p.is_relative_to(REPO) else path
+
+
+def setup_label(groups: int, workers: int) -> str:
+    return f"D={groups} x P={workers}"
+
+
+def throughput(report: dict, groups_report: dict | None = None) -> dict:
+    """The throughput view: job tokens/s against the devices D x P, every point labelled measured or simulated.
+
+    Measured: each setup of ``report`` (its job summary line; a stored report from before the job line gives, for
+    one group, tokens over the sum of its prompts' seconds: the same job rate, generation only). Threads per rank
+    are kept with each point, since "D=1 x P=1, 2 threads" uses two cores as one device. ``groups_report``
+    (``benchmarks/groups.py``'s JSON) adds its points, marked with their own setting. Simulated: every split
+    D x P <= the largest simulated P, from the simulated per-token latency at P (``split.split_table``)."""
+    from lp_runner.split import ASSUMPTION, highest_throughput, lowest_latency, split_table
+
+    setting = f"W,N,G = {tuple(report['wng'])}"
+    points = []
+    for name, r in report.get("setups", {}).items():
+        groups = r.get("groups", 1)
+        if "job_tokens_per_s" in r:
+            tps, how = r["job_tokens_per_s"], "job summary line"
+        elif groups == 1:
+            tps, how = r["tokens_per_s"], "tokens / sum of per-prompt seconds (one group)"
+        else:
+            continue  # D > 1 without a job line: no job rate to report
+        points.append(
+            {
+                "label": "measured", "setup": name, "setting": setting, "groups": groups, "workers": r["workers"],
+                "devices": groups * r["workers"], "threads_per_rank": r["threads_per_worker"],
+                "tokens_per_s": tps, "ms_per_token": r.get("token_ms"), "how": how,
+            }
+        )  # fmt: skip
+    if groups_report:
+        for r in groups_report["setups"]:
+            points.append(
+                {
+                    "label": "measured", "setup": r["setup"], "setting": f"{_rel(groups_report['config'])} (groups.py)",
+                    "groups": r["groups"], "workers": r["workers"], "devices": r["groups"] * r["workers"],
+                    "threads_per_rank": r["threads_per_rank"], "tokens_per_s": r["job_tokens_per_s"],
+                    "ms_per_token": None, "how": f"benchmarks/groups.py job summary line, {groups_report['date']}",
+                }
+            )  # fmt: skip
+    sources = [f"measured: this report's setups ({report['date']}, {report['prompts']} prompts)"]
+    if groups_report:
+        sources.append(
+            f"measured: benchmarks/groups.py ({groups_report['date']}, {groups_report['prompts']} prompts, "
+            f"{_rel(groups_report['config'])})"
+        )
+    best = []
+    sim = report.get("simulation")
+    if sim:
+        sources.append(f"simulated: this report's simulation ({report['date']})")
+        token_ms = {pt["workers"]: pt["token_ms"] for pt in sim["points"]}
+        for n in range(1, max(token_ms) + 1):
+            table = split_table(n, lambda d, p: token_ms[p])
+            for sp in table:
+                points.append({"label": "simulated", "setting": setting, **sp.to_dict()})
+            fast, wide = lowest_latency(table), highest_throughput(table)
+            best.append({"devices": n, "lowest_latency": fast.to_dict(), "highest_throughput": wide.to_dict()})
+    return {
+        "x_label": "devices D x P",
+        "y_label": "job tokens/s",
+        "simulated_assumption": ASSUMPTION + "; 1-thread curve (one core = one device), prefill excluded",
+        "sources": sources,
+        "points": points,
+        "best_simulated": best,
+    }
+
+
 def plot(report: dict, path: Path) -> None:
-    """Per-token latency vs P: measured setups as markers, the simulation as a labelled line."""
+    """Left: per-token latency vs P (measured setups as markers, the simulation as a labelled line). Right, when
+    the report has a throughput view: job tokens/s vs devices D x P, one simulated line per P, measured markers
+    (points measured at another setting are left to the table)."""
     try:
         import matplotlib
 
@@ -167,7 +266,9 @@ def plot(report: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    view = report.get("throughput")
+    fig, axes = plt.subplots(1, 2 if view else 1, figsize=(12 if view else 6, 4), squeeze=False)
+    ax = axes[0][0]
     sim = report.get("simulation")
     if sim:
         pts = sim["points"]
@@ -180,6 +281,22 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title(f"strong scaling, W,N,G = {tuple(report['wng'])}, one core per worker")
     ax.set_ylim(bottom=0)
     ax.legend()
+    if view:
+        ax = axes[0][1]
+        setting = f"W,N,G = {tuple(report['wng'])}"
+        sim_pts = [p for p in view["points"] if p["label"] == "simulated"]
+        for p_ in sorted({p["workers"] for p in sim_pts}):
+            line = [p for p in sim_pts if p["workers"] == p_]
+            ax.plot([p["devices"] for p in line], [p["tokens_per_s"] for p in line], "--o", label=f"simulated P={p_}")
+        for p in view["points"]:
+            if p["label"] == "measured" and p["setting"] == setting:
+                name = f"measured {setup_label(p['groups'], p['workers'])}, {p['threads_per_rank']} thr/rank"
+                ax.plot([p["devices"] * p["threads_per_rank"]], [p["tokens_per_s"]], "s", markersize=9, label=name)
+        ax.set_xlabel(view["x_label"] + " (measured: cores used)")
+        ax.set_ylabel(view["y_label"])
+        ax.set_title("job throughput (simulated: each device its own forward)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -198,9 +315,22 @@ def main() -> None:
     ap.add_argument("--max-workers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions per cost-curve point")
     ap.add_argument("--skip-measured", action="store_true", help="only the collective bench and the simulation")
+    ap.add_argument(
+        "--groups-json", help="add benchmarks/groups.py's measured points (its JSON) to the throughput view"
+    )
+    ap.add_argument(
+        "--from", dest="from_report", help="re-render this stored report JSON (no runs): adds the throughput view, "
+        "rewrites its .json, .md and .png"
+    )  # fmt: skip
     args = ap.parse_args()
     if args.collective_bench:
         collective_bench(args.iters, args.length)
+        return
+    groups_report = json.loads(Path(args.groups_json).read_text()) if args.groups_json else None
+    if args.from_report:
+        report = json.loads(Path(args.from_report).read_text())
+        report["throughput"] = throughput(report, groups_report)
+        write(report, Path(args.from_report).with_suffix(""))
         return
 
     from benchmarks.prompt_sets import bench16
@@ -219,10 +349,12 @@ def main() -> None:
         "--set", "lookahead.lookahead_branch=true", "--set", f"generation.max_new_tokens={args.max_new_tokens}",
         "--set", "lookahead.max_verify_rows=0",  # the full window and candidate set, whatever the default caps
     ]  # fmt: skip
-    setups = {} if args.skip_measured else {"P1-1thread": (1, 1), "P1-2threads": (1, 2), "P2-1thread-each": (2, 1)}
+    setups = {  # name: (workers P, threads per rank, groups D)
+        "P1-1thread": (1, 1, 1), "P1-2threads": (1, 2, 1), "P2-1thread-each": (2, 1, 1), "D2P1-1thread-each": (1, 1, 2),
+    }  # fmt: skip
     results = {}
-    for name, (workers, threads) in setups.items():
-        results[name] = run_cli(pfile, out.with_suffix(f".{name}.jsonl"), workers, threads, wng, extra)
+    for name, (workers, threads, groups) in ({} if args.skip_measured else setups).items():
+        results[name] = run_cli(pfile, out.with_suffix(f".{name}.jsonl"), workers, threads, wng, extra, groups)
         print(name, {k: v for k, v in results[name].items() if k != "outputs"}, file=sys.stderr, flush=True)
     bench = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
@@ -248,6 +380,11 @@ def main() -> None:
     if args.simulate:
         la = dict(context_lookup=context, pool_from_prompt=False, lookahead_branch=True)
         report["simulation"] = simulate(prompts, wng, la, args, collective)
+    report["throughput"] = throughput(report, groups_report)
+    write(report, out)
+
+
+def write(report: dict, out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     md = markdown(report)
     out.with_suffix(".md").write_text(md)
@@ -289,9 +426,15 @@ def markdown(report: dict) -> str:
             f"a real P=1 run, host {inp['host_us_per_round']} us/round, all_gather {inp['allgather_2_rank_us']} us "
             f"at 2 ranks, {inp['comm_assumption']}; prefill excluded):",
             "",
-            f"Check at P=1 (same run, same moment): forward {sim['validation']['p1_forward_ms_per_round_measured']} "
-            f"ms/round measured, {sim['validation']['p1_forward_ms_per_round_predicted']} predicted.",
-            "",
+        ]
+        check = sim.get("validation")  # reports from before the check have none
+        if check:
+            md += [
+                f"Check at P=1 (same run, same moment): forward {check['p1_forward_ms_per_round_measured']} "
+                f"ms/round measured, {check['p1_forward_ms_per_round_predicted']} predicted.",
+                "",
+            ]
+        md += [
             "| P (simulated) | token ms | vs P=1 | round ms | rows on the busiest rank | comm ms/round |",
             "|---|---|---|---|---|---|",
         ]
@@ -301,7 +444,50 @@ def markdown(report: dict) -> str:
                 f"| {pt['workers']} | {pt['token_ms']:.1f} | {pt['token_ms'] / p1:.2f}x | {pt['round_ms']:.1f} | "
                 f"{pt['rows_max_rank']:.1f} | {pt['comm_ms_per_round']:.3f} |"
             )
+    if report.get("throughput"):
+        md += throughput_markdown(report["throughput"])
     return "\n".join(md) + "\n"
+
+
+def throughput_markdown(view: dict) -> list[str]:
+    """The throughput view as a table (measured rows first, each against the one-thread D=1 x P=1 of its own kind
+    and setting) and the simulated winners per number of devices."""
+
+    def base_of(p: dict) -> float | None:  # D=1 x P=1 of the same kind and setting, with the fewest threads
+        ones = [q for q in view["points"] if (q["label"], q["setting"], q["devices"]) == (p["label"], p["setting"], 1)]
+        return min(ones, key=lambda q: q.get("threads_per_rank", 1))["tokens_per_s"] if ones else None
+
+    md = [
+        "",
+        f"**Throughput view**: {view['y_label']} vs {view['x_label']}; each row measured or simulated (simulated: "
+        f"{view['simulated_assumption']}). Sources: {'; '.join(view.get('sources', []))}.",
+        "",
+        "| split | devices | threads/rank | job tokens/s | vs D=1 x P=1 (same kind, setting) | per-token ms | kind "
+        "| setting |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(view["points"], key=lambda p: (p["label"] != "measured", p["setting"], p["devices"], p["workers"]))
+    for p in order:
+        base = base_of(p)
+        ratio = f"{p['tokens_per_s'] / base:.2f}x" if base else "-"
+        ms = f"{p['ms_per_token']:.1f}" if p.get("ms_per_token") else "-"
+        md.append(
+            f"| {setup_label(p['groups'], p['workers'])} | {p['devices']} | {p.get('threads_per_rank', 1)} | "
+            f"{p['tokens_per_s']:.2f} | {ratio} | {ms} | {p['label']} | {p['setting']} |"
+        )
+    if view["best_simulated"]:
+        md += ["", "| devices | lowest latency (simulated) | highest throughput (simulated) |", "|---|---|---|"]
+        for b in view["best_simulated"]:
+            fast, wide = b["lowest_latency"], b["highest_throughput"]
+            fast_label, wide_label = (
+                setup_label(fast["groups"], fast["workers"]),
+                setup_label(wide["groups"], wide["workers"]),
+            )
+            md.append(
+                f"| {b['devices']} | {fast_label}, {fast['ms_per_token']:.1f} ms/token "
+                f"| {wide_label}, {wide['tokens_per_s']:.2f} tokens/s |"
+            )
+    return md
 
 
 if __name__ == "__main__":

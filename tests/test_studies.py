@@ -50,8 +50,8 @@ def test_scaling_plot_and_simulated_labels(tmp_path):
         "max_new_tokens": 8,
         "collective": {"all_gather_us": 300.0},
         "setups": {
-            "P1-1thread": {"workers": 1, "threads_per_worker": 1, "token_ms": 100.0},
-            "P2-1thread-each": {"workers": 2, "threads_per_worker": 1, "token_ms": 80.0},
+            "P1-1thread": {"workers": 1, "threads_per_worker": 1, "token_ms": 100.0, "tokens_per_s": 10.0},
+            "P2-1thread-each": {"workers": 2, "threads_per_worker": 1, "token_ms": 80.0, "tokens_per_s": 12.5},
         },
         "simulation": {
             "simulated": True,
@@ -84,6 +84,66 @@ def test_scaling_plot_and_simulated_labels(tmp_path):
     assert "**Simulated**" in md and "| 4 | 50.0 | 0.50x |" in md
     assert "forward 210.0 ms/round measured, 200.0 predicted" in md
     assert all(p["simulated"] for p in report["simulation"]["points"])
+
+
+def test_scaling_throughput_view_labels_measured_and_simulated(tmp_path):
+    """Job tokens/s vs D x P: measured setups (a stored report's one-group rate; a D=2 setup with its job line)
+    and every split D x P <= 4 simulated from the per-token latency at P (100 / sqrt(P) ms), by hand: 4 devices
+    give D=4 x P=1 40, D=2 x P=2 28.28 and D=1 x P=4 20 tokens/s. Points of another setting reach the table only."""
+    report = {
+        "date": "2026-12-01",
+        "wng": [15, 5, 15],
+        "prompts": 2,
+        "max_new_tokens": 8,
+        "collective": {"all_gather_us": 300.0},
+        "setups": {
+            "P1-1thread": {"workers": 1, "threads_per_worker": 1, "token_ms": 100.0, "tokens_per_s": 10.0},
+            "D2P1-1thread-each": {
+                "groups": 2, "workers": 1, "threads_per_worker": 1, "token_ms": 110.0, "tokens_per_s": 9.0,
+                "job_tokens_per_s": 17.5,
+            },
+            "D2P1-no-job-line": {
+                "groups": 2, "workers": 1, "threads_per_worker": 1, "token_ms": 1.0, "tokens_per_s": 1.0,
+            },
+        },
+        "identical_outputs": True,
+        "p2_token_latency_vs_p1_1thread": 1.0,
+        "p2_token_latency_vs_p1_2threads": 1.0,
+        "simulation": {
+            "inputs": {
+                "curve_threads": 1, "host_us_per_round": 1.0, "allgather_2_rank_us": 1.0, "comm_assumption": "-",
+            },
+            "x_label": "workers P",
+            "y_label": "per-token latency (ms)",
+            "points": [{"workers": p, "simulated": True, "token_ms": 100.0 / p**0.5, "round_ms": 1.0,
+                        "rows_max_rank": 1.0, "comm_ms_per_round": 0.0} for p in range(1, 5)],
+        },
+    }  # fmt: skip
+    other = {"date": "2026-12-01", "prompts": 16, "config": "configs/default.yaml", "setups": [
+        {"setup": "D=2 x P=1, 1 thread", "groups": 2, "workers": 1, "threads_per_rank": 1, "job_tokens_per_s": 26.7},
+    ]}  # fmt: skip
+    view = scaling.throughput(report, other)
+    assert (view["x_label"], view["y_label"]) == ("devices D x P", "job tokens/s")
+    assert {p["label"] for p in view["points"]} == {"measured", "simulated"}
+    measured = {
+        (p["setup"], p["groups"], p["workers"]): p["tokens_per_s"] for p in view["points"] if p["label"] == "measured"
+    }
+    assert measured == {  # the D=2 setup without a job line has no job rate: left out, not guessed
+        ("P1-1thread", 1, 1): 10.0, ("D2P1-1thread-each", 2, 1): 17.5, ("D=2 x P=1, 1 thread", 2, 1): 26.7,
+    }  # fmt: skip
+    sim = {(p["groups"], p["workers"]): p["tokens_per_s"] for p in view["points"] if p["label"] == "simulated"}
+    assert sorted(sim) == sorted([(1, 1), (2, 1), (1, 2), (3, 1), (1, 3), (4, 1), (2, 2), (1, 4)])
+    assert [sim[(4, 1)], sim[(2, 2)], sim[(1, 4)]] == pytest.approx([40.0, 2000 / (100 / 2**0.5), 20.0], abs=1e-2)
+    four = view["best_simulated"][3]
+    assert (four["lowest_latency"]["workers"], four["highest_throughput"]["groups"]) == (4, 4)
+    report["throughput"] = view
+    md = scaling.markdown({**report, "setups": {}})  # the measured-setup table needs fields these lack
+    assert "**Throughput view**" in md and "| D=2 x P=1 | 2 | 1 | 17.50 | 1.75x | 110.0 | measured |" in md
+    assert "| D=2 x P=2 | 4 | 1 | 28.28 | 2.83x | 70.7 | simulated |" in md
+    assert "| 4 | D=1 x P=4, 50.0 ms/token | D=4 x P=1, 40.00 tokens/s |" in md
+    png = tmp_path / "t.png"
+    scaling.plot(report, png)
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_forward_cost_benchmark_writes_curve_plot_and_axes(tmp_path):
