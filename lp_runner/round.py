@@ -68,12 +68,13 @@ def run_round(
         logits = adapter.forward(
             layout.input_ids, layout.position_ids, layout.visibility, state.cache, layout.logit_rows
         )
-        preds = logits.argmax(-1).tolist()  # the round's one device->host read-back
+        readback = verifier.read_back(logits, layout)  # the round's one device->host transfer
     except BaseException:
         crop(state.cache, state.past_len)  # a failed round publishes nothing
         raise
     forward_s = time.perf_counter() - t
-    verdict = verifier.verify(logits, preds, layout, plan.candidates, candidates, round_key)
+    preds = readback.preds
+    verdict = verifier.verify(readback, layout, plan.candidates, candidates, round_key)
     global_candidate = plan.assignment[rank][verdict.candidate] if verdict.candidate >= 0 else -1
     own_columns = dict(zip(range(*columns), (preds[i] for i in layout.column_logits), strict=True))
     return RoundResult(layout, verdict, global_candidate, own_columns, forward_s)

@@ -82,9 +82,9 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
 
 
 def sample_verify(
-    first_probs: torch.Tensor,
+    first_probs: torch.Tensor | np.ndarray,
     candidates: Sequence[Sequence[int]],
-    candidate_probs: Sequence[torch.Tensor],
+    candidate_probs: Sequence[torch.Tensor | np.ndarray],
     draw: Draw,
 ) -> Verdict:
     """Emit tokens distributed exactly as sampling from the target, accepting candidate tokens where it can.
@@ -148,7 +148,7 @@ def sample_verify(
     return Verdict(path[0] if hits else NO_CANDIDATE, hits, tuple(emitted))
 
 
-def sample_first(first_probs: torch.Tensor, tokens: Sequence[int], draw: Draw) -> int:
+def sample_first(first_probs: torch.Tensor | np.ndarray, tokens: Sequence[int], draw: Draw) -> int:
     """Offset 0 of ``sample_verify`` alone: one-hot residual tests of the distinct ``tokens``, else a residual draw.
 
     Under LP every rank runs this on the same shared draws over the round's distinct first tokens (all ranks know
@@ -164,12 +164,15 @@ def sample_first(first_probs: torch.Tensor, tokens: Sequence[int], draw: Draw) -
     return _sample_host(residual, draw())
 
 
-def _host(probs: torch.Tensor) -> np.ndarray:
-    """[..., vocab] probabilities as a float64 host array, a view when they already are one on the CPU.
+def _host(probs: torch.Tensor | np.ndarray) -> np.ndarray:
+    """[..., vocab] probabilities as a float64 host array, a view when they already are one on the CPU (the
+    engine's verifier passes host arrays it read back once per round: ``verifier.SamplingVerifier.read_back``).
 
     The few scalar reads and the one cumulative sum per offset cost well under a microsecond each there, against
     several microseconds per torch call on a small tensor.
     """
+    if isinstance(probs, np.ndarray):
+        return probs if probs.dtype == np.float64 else probs.astype(np.float64)
     if probs.dtype != torch.float64:  # .to() is not free even when it has nothing to do
         probs = probs.to(torch.float64)
     return probs.numpy(force=True)

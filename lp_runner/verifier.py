@@ -3,14 +3,21 @@
 Both turn one rank's round forward into that rank's ``Verdict`` (its best local candidate, the accepted suffix
 tokens, the emitted run), and say which rank's verdict the round publishes (``choose``), so the engine's loop
 never asks which mode it is in.
+
+A round's logits leave the device once (``read_back``): greedy reads the argmax of every logit row (R integers);
+sampling reads those and the warped distributions of the rows it tests, packed into one float64 tensor. Every
+later step (verification, the window's new columns) works on that host copy, so a round costs one device->host
+synchronisation whatever the mode (``tests/test_readback.py`` counts them).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from lp_runner.config import GenerationConfig
@@ -21,11 +28,22 @@ from lp_runner.sampling import NO_CANDIDATE, sample_first, sample_verify, warp_l
 from lp_runner.verify import Verdict, greedy_verify
 
 
+@dataclass(frozen=True)
+class ReadBack:
+    """What a round's forward hands to the host, in one transfer."""
+
+    preds: list[int]  # argmax of every logit row
+    probs: np.ndarray | None = None  # [1 + verify rows, vocab] float64 warped distributions (sampling only)
+
+
 class Verifier(Protocol):
+    def read_back(self, logits: torch.Tensor, layout: RoundLayout) -> ReadBack:
+        """The round's one device->host transfer: everything ``verify`` and the window need from ``logits``."""
+        ...
+
     def verify(
         self,
-        logits: torch.Tensor,  # [R, vocab]: the round's logit rows
-        preds: Sequence[int],  # argmax of every logit row (the round's one read-back)
+        readback: ReadBack,
         layout: RoundLayout,
         plan_candidates: Sequence[Suffix],  # every candidate of the round, all ranks
         candidates: Sequence[Suffix],  # this rank's
@@ -40,7 +58,11 @@ class Verifier(Protocol):
 class GreedyVerifier:
     """Longest verified path (``verify.greedy_verify``); the longest hit over ranks wins, ties to the lowest."""
 
-    def verify(self, logits, preds, layout, plan_candidates, candidates, round_key) -> Verdict:
+    def read_back(self, logits: torch.Tensor, layout: RoundLayout) -> ReadBack:
+        return ReadBack(logits.argmax(-1).tolist())
+
+    def verify(self, readback, layout, plan_candidates, candidates, round_key) -> Verdict:
+        preds = readback.preds
         return greedy_verify(
             preds[layout.ordinary_logit], candidates, [[preds[i] for i in rows] for rows in layout.verify_logits]
         )
@@ -60,12 +82,22 @@ class SamplingVerifier:
     def __init__(self, gen: GenerationConfig) -> None:
         self.gen = gen
 
-    def verify(self, logits, preds, layout, plan_candidates, candidates, round_key) -> Verdict:
+    def read_back(self, logits: torch.Tensor, layout: RoundLayout) -> ReadBack:
+        """The argmax of every row (the window's columns) and the warped rows sampling tests, as one float64
+        tensor (token ids are exact in float64), moved to the host once."""
+        gen = self.gen
+        rows = [layout.ordinary_logit, *(i for r in layout.verify_logits for i in r)]
+        probs = warp_logits(logits[rows], gen.temperature, gen.top_k, gen.top_p)  # [1 + verify rows, V] float64
+        packed = torch.cat([probs.reshape(-1), logits.argmax(-1).to(torch.float64)])  # [(1 + verify) * V + R]
+        host = packed.numpy(force=True)  # the one transfer
+        split = probs.numel()
+        return ReadBack(host[split:].astype(np.int64).tolist(), host[:split].reshape(probs.shape))
+
+    def verify(self, readback, layout, plan_candidates, candidates, round_key) -> Verdict:
         gen = self.gen
         shared = random.Random(f"{gen.seed}:{round_key[0]}:{round_key[1]}:first")
         local = random.Random(f"{gen.seed}:{round_key[0]}:{round_key[1]}:rest")
-        rows = [layout.ordinary_logit, *(i for r in layout.verify_logits for i in r)]
-        probs = warp_logits(logits[rows], gen.temperature, gen.top_k, gen.top_p)  # [1 + verify rows, V]
+        probs = readback.probs  # [1 + verify rows, V] float64, host
         first = sample_first(probs[0], [c[0] for c in plan_candidates], shared.random)
         survivors = [c for c, cand in enumerate(candidates) if cand[0] == first]
         if not survivors:
