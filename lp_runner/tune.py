@@ -7,10 +7,14 @@ Calibration, then a search, both cheap and mostly deterministic:
    and so the shapes, depend only on the setting, not on timing noise);
 3. predict seconds per token = (forward cost of each round from the curve at its rows and K/V length + the
    setting's measured host time + communication at P > 1) / tokens; ``costmodel.predict``;
-4. coordinate search: improve one knob at a time from the base config until a full pass changes nothing.
+4. coordinate search, once per P: improve one knob at a time from the base config until a full pass changes
+   nothing (the searches share the calibration runs).
 
 The winner is written as a complete YAML config (the base config with the chosen keys) with the predicted
-figures in its header. ``benchmarks/compare.py --tuned`` checks it against the default on held-back prompts.
+figures in its header. ``--devices N`` searches at every P dividing N and prices every split D x P = N
+(``split.split_table``): it names the split with the lowest per-token latency (the written config, D = N / P)
+and the one with the highest job throughput. ``benchmarks/compare.py --tuned`` checks a tuned config against
+the default on held-back prompts.
 """
 
 from __future__ import annotations
