@@ -22,7 +22,7 @@ from lp_runner.config import GenerationConfig, LookaheadConfig, check_lookahead
 from lp_runner.costmodel import RowPlan
 from lp_runner.errors import InputError
 from lp_runner.job_pool import JobPool
-from lp_runner.layout import longest_candidate
+from lp_runner.layout import longest_candidate, max_round_rows
 from lp_runner.metrics import GenerationStats, RoundRecord
 from lp_runner.model import ModelAdapter
 from lp_runner.parallel.comm import Communicator, SoloCommunicator
@@ -127,7 +127,7 @@ class LookaheadEngine:
             pending=[*prompt_ids, *committed],
             past_len=0,
             window=JacobiWindow(la.window_size, la.ngram_size, [*prompt_ids, *committed]),
-            cache=self.adapter.new_cache(),
+            cache=self.adapter.new_cache(self._capacity(len(prompt_ids) + len(committed))),
         )
         if committed:
             coord.observe((), state.history, len(committed))
@@ -165,6 +165,14 @@ class LookaheadEngine:
         if store is not None:  # between generations, identically on every rank
             store.add(prompt_ids, state.history[len(prompt_ids) :])
         return GenerationResult(state.history[len(prompt_ids) :], stats)
+
+    def _capacity(self, start_len: int) -> int:
+        """The most K/V positions a generation can hold: every token it can commit, plus one round's rows (the
+        cache holds a round's rows until it is published). The cache is allocated once at this size."""
+        round_rows = max_round_rows(self.la) + longest_candidate(self.la)  # + re-fed tokens of the last round
+        if self.row_plan is not None:
+            round_rows = max(round_rows, self.row_plan.max_rows)
+        return start_len + self.gen.max_new_tokens + round_rows
 
     def _exchange(self, verifier: Verifier) -> Exchange:
         """Alone (no launcher): the one-rank exchange. Under a launcher, even with one rank, the collective one."""

@@ -250,10 +250,12 @@ def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
     return sees_ordinary | sees_base | sees_trajectory | sees_candidate | sees_self_as_pad  # [Q, Q]
 
 
-def additive_mask(visibility: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, Q, past_len + Q] additive float mask: the cached prefix is fully visible, the round as given."""
+def additive_mask(visibility: torch.Tensor, past_len: int, dtype: torch.dtype, width: int = 0) -> torch.Tensor:
+    """[1, 1, Q, max(width, past_len + Q)] additive float mask, built on ``visibility``'s device: the cached prefix
+    is fully visible, the round as given, keys past the round (a static cache's spare slots) hidden."""
     q = visibility.shape[0]
-    mask = torch.zeros(1, 1, q, past_len + q, dtype=dtype)  # [B, H, Q, K]
-    block = mask[0, 0, :, past_len:]  # [Q, Q] view
-    block.masked_fill_(~visibility, torch.finfo(dtype).min)
+    hidden = torch.finfo(dtype).min
+    mask = torch.full((1, 1, q, max(width, past_len + q)), hidden, dtype=dtype, device=visibility.device)
+    mask[0, 0, :, :past_len] = 0.0
+    mask[0, 0, :, past_len : past_len + q].masked_fill_(visibility, 0.0)  # [Q, Q] view
     return mask

@@ -21,6 +21,7 @@ mapping transformers' hybrid models accept in place of a 4-D mask).
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -30,6 +31,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from lp_runner.attention import packed_gqa, sliding_window_mask, supports_packed_gqa
 from lp_runner.errors import LPError
+from lp_runner.kv_cache import AppendBufferLayer, StaticBufferLayer, static_capacity
 from lp_runner.layout import additive_mask
 
 SLIDING = "sliding_attention"  # the layer type whose mask is windowed (transformers' name in ``layer_types``)
@@ -42,11 +44,25 @@ class UnsupportedModelError(LPError):
 class ModelAdapter:
     """forward(ids, positions, visibility, cache, logit_rows) -> logits of those rows only."""
 
-    def __init__(self, model: PreTrainedModel, *, append_buffer: bool = True, packed_gqa: bool = True) -> None:
-        """``append_buffer`` / ``packed_gqa`` off: transformers' own DynamicLayer / sdpa path (benchmarks A/B them)."""
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        append_buffer: bool = True,
+        packed_gqa: bool = True,
+        static_cache: bool = False,
+        compile: bool = False,
+    ) -> None:
+        """``append_buffer`` / ``packed_gqa`` off: transformers' own DynamicLayer / sdpa path (benchmarks A/B them).
+        ``static_cache``: static-shape rounds (``StaticBufferLayer``, a full-capacity mask), as compiled forwards
+        need them. ``compile``: static-shape rounds through ``torch.compile`` (see ``compiled_forward``); eager
+        stays the fallback and the oracle."""
         self.model = model
         self.append_buffer = append_buffer
         self.packed_gqa = packed_gqa
+        self.static_cache = static_cache or compile
+        self.compiled = compile
+        self._call = model
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self._cache_kw = "cache"
@@ -64,7 +80,9 @@ class ModelAdapter:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self._check_takes_packed_masks()
+        self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation
+        if compile:
+            self._call = compiled_forward(model)
 
     def _check_takes_packed_masks(self) -> None:
         """Refuse, in one line, a model whose forward cannot take the engine's per-row 4-D mask.
@@ -83,15 +101,22 @@ class ModelAdapter:
                 f"attention mask ({reason}); ALiBi models such as BLOOM and Falcon with alibi are not supported"
             ) from exc
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, capacity: int = 0) -> DynamicCache:
         """A DynamicCache whose attention layers keep every position (sliding ones too: their window is a mask) and
-        append into a growing buffer (see ``AppendBufferLayer``; transformers' DynamicLayer without append_buffer).
+        append into a growing buffer (see ``AppendBufferLayer``; transformers' DynamicLayer without append_buffer),
+        or, with ``static_cache``, hold a fixed buffer of at least ``capacity`` slots (``StaticBufferLayer``; the
+        engine passes the generation's longest possible length, so the buffer is allocated once).
 
         A rolling sliding-window layer would drop positions a later round still needs once a rejected tail is
         cropped, and cannot be cropped once full; a full layer has neither problem.
         """
         cache = DynamicCache(config=self.model.config)
-        full = AppendBufferLayer if self.append_buffer else DynamicLayer
+        if self.static_cache:
+            full = lambda: StaticBufferLayer(static_capacity(capacity))  # noqa: E731
+        elif self.append_buffer:
+            full = lambda: AppendBufferLayer(capacity)  # noqa: E731
+        else:
+            full = DynamicLayer
         cache.layers = [full() if _is_attention_layer(layer) else layer for layer in cache.layers]
         return cache
 
@@ -106,27 +131,74 @@ class ModelAdapter:
     ) -> torch.Tensor:  # [R, vocab]
         past = cache_length(cache)
         windowed = any(self.mask_windows.values())
-        if len(input_ids) == 1 and not windowed:
+        static = _static_layers(cache)
+        if len(input_ids) == 1 and not windowed and not static:
             # one row that sees every cached key: transformers' own decode step (no mask, as HF generate runs it)
             return self._run(input_ids, position_ids, None, cache, logit_rows)
-        mask = additive_mask(visibility, past, self.dtype).to(self.device)  # [1, 1, Q, past + Q]
+        if self.compiled and len(input_ids) == 1:
+            return self._one_row_as_two(input_ids, position_ids, cache, logit_rows)
+        total = past + len(input_ids)
+        if static:
+            for layer in static:
+                layer.reserve(total)
+            capacity = static[0].capacity
+            slots = torch.arange(past, total, device=self.device)
+            for layer in static:
+                layer.write_slots = slots
+        else:
+            capacity = total
+        mask = additive_mask(visibility.to(self.device), past, self.dtype, width=capacity)  # [1, 1, Q, capacity]
         if windowed:
-            # cached position j sits in slot j (the engine commits in order); in-round keys carry their own positions
+            # cached position j sits in slot j (the engine commits in order); in-round keys carry their own
+            # positions; slots past the round are hidden whatever position they are given
             query_positions = position_ids.to(self.device)  # [Q]
-            key_positions = torch.cat([torch.arange(past, device=self.device), query_positions])  # [past + Q]
+            key_positions = torch.cat(
+                [
+                    torch.arange(past, device=self.device),
+                    query_positions,
+                    torch.arange(total, capacity, device=self.device),
+                ]
+            )  # [capacity]
             masks = {
                 window: mask if window is None else sliding_window_mask(mask, query_positions, key_positions, window)
                 for window in set(self.mask_windows.values())
             }
             per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
             mask = per_type if self.mask_per_type else next(iter(per_type.values()))
-        return self._run(input_ids, position_ids, mask, cache, logit_rows)
+        logits = self._run(input_ids, position_ids, mask, cache, logit_rows)
+        for layer in static:
+            layer.length = total
+        return logits
+
+    def _one_row_as_two(self, input_ids, position_ids, cache: DynamicCache, logit_rows) -> torch.Tensor:
+        """A one-row round of a compiled forward, run as two rows: the row, then a filler that sees only itself
+        and is seen by nothing (``layout.pad_layout``'s filler; its K/V slot is past the cache's length, so the
+        next round overwrites it). A compiled graph is specialised to size-1 dimensions; with every round at two
+        rows or more, one graph serves them all."""
+        ids = torch.cat([input_ids, input_ids.new_zeros(1)])
+        positions = torch.cat([position_ids, position_ids[-1:]])
+        logits = self.forward(ids, positions, torch.eye(2, dtype=torch.bool), cache, logit_rows)
+        crop(cache, cache_length(cache) - 1)
+        return logits
+
+    def warm_up(self, capacity: int) -> float:
+        """Compile before the job (a compiled forward compiles on its first call): one round on a scratch cache of
+        ``capacity`` slots, the shape class of every later round. Returns the seconds it took (0 when eager)."""
+        if not self.compiled:
+            return 0.0
+        start = time.perf_counter()
+        self.forward(
+            torch.zeros(2, dtype=torch.long), torch.arange(2), _causal(2), self.new_cache(capacity), torch.tensor([1])
+        )
+        return time.perf_counter() - start
 
     def _run(self, input_ids, position_ids, mask, cache: DynamicCache, logit_rows: torch.Tensor) -> torch.Tensor:
         switch = self.packed_gqa and mask is not None and supports_packed_gqa(self.model.config)
         attention = packed_gqa(self.model.config) if switch else nullcontext()
+        if self.compiled and len(logit_rows) == 1:  # never a size-1 dimension in a compiled graph (see above)
+            return self._run(input_ids, position_ids, mask, cache, logit_rows.repeat(2))[:1]
         with attention:
-            out = self.model(
+            out = self._call(
                 input_ids=input_ids.to(self.device).unsqueeze(0),
                 position_ids=position_ids.to(self.device).unsqueeze(0),
                 attention_mask=mask,
@@ -135,6 +207,14 @@ class ModelAdapter:
                 **{self._cache_kw: cache},
             )
         return out.logits[0]  # [R, vocab]
+
+
+def compiled_forward(model: PreTrainedModel):
+    """``model`` through ``torch.compile`` for static-shape rounds: dynamic shapes (the row count and the cache
+    capacity are symbols, so one graph serves every bucket), inductor's default backend (C++ kernels on a CPU,
+    Triton on a GPU). Compiled kernels are cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, set by the
+    runner under lp_runner's cache dir), so a second run compiles much faster."""
+    return torch.compile(model, dynamic=True)
 
 
 def attention_windows(config, cache: DynamicCache) -> tuple[dict[str, int | None], bool]:
@@ -166,6 +246,10 @@ def attention_windows(config, cache: DynamicCache) -> tuple[dict[str, int | None
     return by_type, True
 
 
+def _static_layers(cache: DynamicCache) -> list[StaticBufferLayer]:
+    return [layer for layer in cache.layers if isinstance(layer, StaticBufferLayer)]
+
+
 def _is_attention_layer(layer) -> bool:
     """A plain K/V layer, full or sliding (not a recurrent, conv or quantized layer, which are kept as they are)."""
     return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
@@ -173,48 +257,6 @@ def _is_attention_layer(layer) -> bool:
 
 def _causal(t: int) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
-
-
-class AppendBufferLayer(DynamicLayer):
-    """A DynamicLayer that writes new K/V into spare capacity instead of concatenating.
-
-    ``DynamicLayer.update`` builds a new tensor with ``torch.cat`` every forward, copying the whole cached context
-    per layer per round, a cost that grows with the context (``benchmarks/forward_paths.py`` times both). Here
-    ``keys`` / ``values`` are views of the first positions of a buffer that doubles when full, so a round writes
-    only its own rows. ``crop`` (inherited) narrows the view, and the next update overwrites the rejected rows in
-    place. The cached values are the same bits either way; only the copy is gone. Sliding-window layers use it too
-    (their window is applied by the mask, see ``ModelAdapter.new_cache``).
-    """
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self._key_buffer = self._value_buffer = None
-        cached = self.get_seq_length()
-        total = cached + key_states.shape[-2]
-        # A method inherited from DynamicLayer that rebinds keys (reorder, batch select, offload) detaches them
-        # from the buffer: start a new buffer from them rather than write into a stale one.
-        stale = self._key_buffer is None or self.keys.data_ptr() != self._key_buffer.data_ptr()
-        if stale or total > self._key_buffer.shape[-2]:
-            self._key_buffer = _grown(self.keys, key_states, total)
-            self._value_buffer = _grown(self.values, value_states, total)
-        self._key_buffer[..., cached:total, :] = key_states
-        self._value_buffer[..., cached:total, :] = value_states
-        self.keys = self._key_buffer[..., :total, :]
-        self.values = self._value_buffer[..., :total, :]
-        return self.keys, self.values
-
-
-def _grown(cached: torch.Tensor, new: torch.Tensor, needed: int) -> torch.Tensor:
-    """A buffer of at least twice ``needed`` positions holding ``cached`` at its start (amortised O(1) appends)."""
-    shape = list(new.shape)
-    shape[-2] = max(2 * needed, 256)
-    grown = new.new_empty(shape)
-    if cached.numel():
-        grown[..., : cached.shape[-2], :] = cached
-    return grown
 
 
 def cache_length(cache: DynamicCache) -> int:

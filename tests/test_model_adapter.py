@@ -162,6 +162,48 @@ def test_append_buffer_cache_holds_the_bits_a_dynamic_cache_holds(tiny, family: 
     assert all(layer._key_buffer.shape[-2] > capacity[id(layer)] for layer in full), "the buffer never grew"
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
+def test_static_cache_holds_the_bits_a_dynamic_cache_holds(tiny, family: str) -> None:
+    """Static-shape rounds (a fixed buffer written at slots, attention over every slot, the spare ones masked)
+    against transformers' DynamicCache: the same logits and cached K/V to fp32 rounding (attention sums over the
+    whole capacity, masked slots adding exact zeros in another order: not bit-equal, see ``kv_cache``), round by
+    round, through crops, row moves and a growth of the buffer past its first capacity; one-row rounds included
+    (they take a mask too). The engine's token identity with HF greedy on static rounds is tested end to end.
+    """
+    from transformers import DynamicCache
+
+    from lp_runner.kv_cache import MIN_CAPACITY, StaticBufferLayer
+
+    model = tiny(family)
+    adapter = ModelAdapter(model, static_cache=True)
+    ours = adapter.new_cache(capacity=40)
+    ref = DynamicCache(config=model.config)
+    assert all(isinstance(layer, StaticBufferLayer) for layer in ours.layers)
+    tokens = random_prompt(200, seed=8)
+    for cache in (ours, ref):
+        adapter.forward(torch.tensor(tokens), torch.arange(200), causal(200), cache, torch.tensor([199]))
+    gen = torch.Generator().manual_seed(9)
+    for step in range(90):
+        t = cache_length(ref)
+        rows = 1 + step % 4
+        ids = torch.randint(0, TINY_VOCAB, (rows,), generator=gen)
+        got = adapter.forward(ids, torch.arange(t, t + rows), causal(rows), ours, torch.arange(rows))
+        want = adapter.forward(ids, torch.arange(t, t + rows), causal(rows), ref, torch.arange(rows))
+        torch.testing.assert_close(got, want, msg=f"round {step}: logits differ")
+        if step % 5 == 0 and rows > 1:
+            for cache in (ours, ref):
+                move_rows(cache, [t + rows - 1], [t])
+        keep = t + rows - step % rows
+        for cache in (ours, ref):
+            crop(cache, keep)
+        assert cache_length(ours) == keep
+        for layer, ref_layer in zip(ours.layers, ref.layers, strict=True):
+            torch.testing.assert_close(layer.keys[:, :, :keep], ref_layer.keys, msg=f"round {step}")
+            torch.testing.assert_close(layer.values[:, :, :keep], ref_layer.values, msg=f"round {step}")
+    assert cache_length(ours) > MIN_CAPACITY, "the buffer never grew"
+    assert all(layer.capacity == 2 * MIN_CAPACITY for layer in ours.layers)
+
+
 def test_append_buffer_survives_a_rebound_tensor(tiny) -> None:
     """Inherited DynamicLayer methods (beam reorder, batch select, offload) rebind keys to a new tensor."""
     from transformers import DynamicCache

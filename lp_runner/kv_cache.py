@@ -1,0 +1,137 @@
+"""The adapter's K/V cache layers: transformers' ``DynamicLayer`` contract, without its copies.
+
+Two layouts of the same cached values:
+
+* ``AppendBufferLayer`` (eager rounds): ``keys`` / ``values`` are views of the first positions of a buffer that
+  doubles when full, so a round writes only its own rows and attention reads exactly the cached positions.
+* ``StaticBufferLayer`` (static-shape rounds, ``model.compile``): one buffer of a fixed capacity per generation,
+  written at explicit slots (``write_slots``, a device tensor the adapter sets before each forward), and returned
+  whole: attention reads every slot and the round's mask hides the ones past the round. The shapes a forward sees
+  are then the row bucket and the capacity, never the K/V length, so a compiled forward (or a CUDA graph) is
+  reused round after round; the length is host bookkeeping (``length``) that no traced code reads.
+
+Both keep a rejected tail in place (``crop`` only shortens the length; the next round overwrites it) and let
+``model.move_rows`` copy committed rows within the buffer. ``tests/test_model_adapter.py`` checks both against
+transformers' own DynamicCache, bit for bit, across growth, crops and row moves.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 256  # the smallest static buffer; capacities are powers of two from here (few compiled shapes)
+
+
+class AppendBufferLayer(DynamicLayer):
+    """A DynamicLayer that writes new K/V into spare capacity instead of concatenating.
+
+    ``DynamicLayer.update`` builds a new tensor with ``torch.cat`` every forward, copying the whole cached context
+    per layer per round, a cost that grows with the context (``benchmarks/forward_paths.py`` times both). Here
+    ``keys`` / ``values`` are views of the first positions of a buffer that doubles when full, so a round writes
+    only its own rows. ``crop`` (inherited) narrows the view, and the next update overwrites the rejected rows in
+    place. The cached values are the same bits either way; only the copy is gone. Sliding-window layers use it too
+    (their window is applied by the mask, see ``ModelAdapter.new_cache``). ``capacity``: the positions the first
+    buffer holds (the engine passes the generation's longest possible length, so it is allocated once).
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.reserved = capacity
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._key_buffer = self._value_buffer = None
+        cached = self.get_seq_length()
+        total = cached + key_states.shape[-2]
+        # A method inherited from DynamicLayer that rebinds keys (reorder, batch select, offload) detaches them
+        # from the buffer: start a new buffer from them rather than write into a stale one.
+        stale = self._key_buffer is None or self.keys.data_ptr() != self._key_buffer.data_ptr()
+        if stale or total > self._key_buffer.shape[-2]:
+            first = self._key_buffer is None and self.reserved
+            size = max(total, self.reserved) if first else max(2 * total, MIN_CAPACITY)
+            self._key_buffer = _grown(self.keys, key_states, size)
+            self._value_buffer = _grown(self.values, value_states, size)
+        self._key_buffer[..., cached:total, :] = key_states
+        self._value_buffer[..., cached:total, :] = value_states
+        self.keys = self._key_buffer[..., :total, :]
+        self.values = self._value_buffer[..., :total, :]
+        return self.keys, self.values
+
+
+def _grown(cached: torch.Tensor, new: torch.Tensor, size: int) -> torch.Tensor:
+    """A buffer of ``size`` positions holding ``cached`` at its start (doubling sizes: amortised O(1) appends)."""
+    shape = list(new.shape)
+    shape[-2] = size
+    grown = new.new_empty(shape)
+    if cached.numel():
+        grown[..., : cached.shape[-2], :] = cached
+    return grown
+
+
+def static_capacity(needed: int) -> int:
+    """The static buffer for ``needed`` positions: the next power of two from ``MIN_CAPACITY`` (a compiled forward
+    is specialised to its capacity, so nearby generations share one)."""
+    capacity = MIN_CAPACITY
+    while capacity < needed:
+        capacity *= 2
+    return capacity
+
+
+class StaticBufferLayer(DynamicLayer):
+    """K/V slots of a fixed capacity, written at ``write_slots``; ``update`` returns the whole buffer.
+
+    The adapter sets ``write_slots`` (the round's slots, past_len .. past_len + Q - 1, on the device) before the
+    forward and ``length`` after it, outside any compiled region, so traced code reads no Python length (a
+    compiled forward would otherwise be specialised to every K/V length). Slots at or past ``length`` hold stale
+    or zero values that the mask hides. ``reserve`` grows the buffer between forwards should a generation
+    outrun its estimate (a new capacity: one more compiled shape, the same values).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0  # cached positions (committed, plus the current round's rows until it is published)
+        self.write_slots: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
+        self.values = value_states.new_zeros((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.write_slots, key_states)
+        self.values.index_copy_(2, self.write_slots, value_states)
+        return self.keys, self.values
+
+    def reserve(self, needed: int) -> None:
+        """Make room for ``needed`` slots (a larger power-of-two buffer holding the current one at its start)."""
+        if needed <= self.capacity:
+            return
+        self.capacity = static_capacity(needed)
+        if self.is_initialized:
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_zeros((*old.shape[:2], self.capacity, old.shape[-1]))
+                new[:, :, : old.shape[-2]] = old
+                setattr(self, name, new)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.length
+
+    def get_max_cache_shape(self) -> int:
+        return self.capacity
+
+    def crop(self, max_length: int) -> None:
+        """DynamicLayer's contract: a negative count removes that many positions, a positive one keeps that many.
+        Nothing is erased: the mask hides slots past ``length`` and the next round overwrites them."""
+        keep = self.length + max_length if max_length < 0 else max_length
+        self.length = max(0, min(self.length, keep))
