@@ -29,6 +29,8 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun, cuda means cuda:LOCAL_RANK)
     threads: int = 0  # torch intra-op threads per worker; 0 = the process's cores / ranks on this node
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
+    compile: str = "auto"  # off | on | auto: rounds through torch.compile (auto: when this device's record says
+    # the job is long enough to pay for the compilation; see lp_runner/compile_choice.py)
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 
 
@@ -176,6 +178,7 @@ _SECTION_TYPES: dict[str, type] = {
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.compile": ("off", "on", "auto"),
     "lookahead.preset": ("auto", "off"),
     "lookahead.candidate_policy": ("context_first", "pool_first"),
     "lookahead.pool_scope": ("prompt", "job"),
@@ -234,6 +237,8 @@ def _coerce(key: str, value: Any, target: type) -> Any:
                 pass
         raise ConfigError(f"{key} must be a number, got {value!r}")
     if target is str:
+        if isinstance(value, bool) and {"on", "off"} <= set(_CHOICES.get(key, ())):
+            return "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{key} must be a string, got {value!r}")

@@ -26,6 +26,7 @@ class RoundPolicy:
     row_plan: RowPlan | None  # None: every round at its own row count
     calibration: Calibration | None
     auto: AutoPreset | None
+    compile: dict | None = None  # the job's forward: eager or compiled and why (``compile_choice.CompileChoice``)
 
     @classmethod
     def fixed(cls, lookahead: LookaheadConfig) -> RoundPolicy:
@@ -72,6 +73,8 @@ class RoundPolicy:
             out["choice"] = self.auto.choice.to_dict()
         if self.calibration is not None:
             out["calibration"] = self.calibration.summary()
+        if self.compile is not None:
+            out["compile"] = self.compile
         if self.row_plan is not None:
             k = -1  # the longest measured K/V length: what most rounds of a long generation see
             padded = {q: t for q, t in enumerate(self.row_plan.targets[k], start=1) if t != q}

@@ -47,10 +47,11 @@ def format_summary(cfg: Config, summary: dict, load_s: float, workers: int, poli
 
 def policy_lines(policy: dict | None) -> list[str]:
     """How the setting was chosen (auto preset) and what the device's curve said, in two short lines."""
+    lines = compile_lines(policy)
     if not policy or policy.get("preset") != "auto" or "choice" not in policy:
-        return []
+        return lines
     choice, cal = policy["choice"], policy.get("calibration", {})
-    lines = [
+    lines += [
         f"preset auto ({choice['samples']} outputs, {choice['evaluated']} settings priced): predicted "
         f"{choice['predicted_ms_per_token']:.1f} ms/token, {choice['predicted_tokens_per_forward']:.2f} tokens/forward"
     ]
@@ -65,6 +66,15 @@ def policy_lines(policy: dict | None) -> list[str]:
             f"  padding {pad_txt}"
         )
     return lines
+
+
+def compile_lines(policy: dict | None) -> list[str]:
+    """The job's forward (``model.compile``): ``forward compiled (on; compiled in 95.2 s)``; nothing when off."""
+    comp = (policy or {}).get("compile")
+    if not comp or comp["mode"] == "off":
+        return []
+    took = f"; compiled in {comp['compile_s']:.1f} s" if comp["compiled"] else ""
+    return [f"forward {'compiled' if comp['compiled'] else 'eager'} ({comp['reason']}{took})"]
 
 
 def _ranges(targets: dict[str, int]) -> list[str]:

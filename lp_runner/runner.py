@@ -7,6 +7,7 @@ produces the same records. Only rank 0 streams, writes and reports.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 import time
@@ -19,6 +20,16 @@ from typing import Any
 import torch
 
 from lp_runner.calibrate import device_name
+from lp_runner.compile_choice import (
+    RECORD_KV,
+    CompileChoice,
+    decide,
+    load_record,
+    measure_record,
+    record_file,
+    record_key,
+    save_record,
+)
 from lp_runner.config import Config
 from lp_runner.device import resolve_threads
 from lp_runner.engine import GenerationResult, LookaheadEngine
@@ -127,14 +138,18 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
             problem = check_prompt(worker, checker, spec)[1]
             if problem is not None:
                 raise InputError(f"{spec.describe()}: {problem}")
+    cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
+    job_tokens = len(prompts) * cfg.generation.max_new_tokens
+    compile_choice = choose_forward(worker, job_tokens, cache_root, log=_log if worker.is_main else None)
     worker.policy = RoundPolicy.build(
         cfg,
         worker.adapter,
         comm,
-        cache_root=default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser(),
+        cache_root=cache_root,
         weights_checksum=lambda: model_checksum(worker),
         log=_log if worker.is_main else None,
     )
+    worker.policy.compile = compile_choice.describe()
     worker.store = job_store(cfg, tokenizer)
     return worker
 
@@ -254,6 +269,40 @@ def package_versions() -> dict[str, str]:
 @functools.cache
 def _device_label(device: torch.device) -> str:
     return device_name(device)  # reads /proc/cpuinfo on a CPU: once per process
+
+
+def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, log=None) -> CompileChoice:
+    """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 decides, every rank of
+    the group follows; a compiled adapter replaces ``worker.adapter`` after compiling (timed). With ``on``, rank 0
+    records what compiling cost and saved on this device (when it has no record, or on ``--recalibrate``), which
+    is what ``auto`` decides from next time."""
+    mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
+    if mode == "off":
+        return CompileChoice(mode, False, "off")
+    key = record_key(adapter.device, adapter.dtype, model_checksum(worker))
+    path = record_file(cache_root, key)
+    record = None if worker.cfg.run.recalibrate else load_record(path, key)
+    compiled, reason = decide(mode, record, job_tokens)
+    if comm.world_size > 1:  # rank 0's choice: the ranks of a group run one forward
+        compiled, reason = json.loads(comm.all_gather_strings(json.dumps([compiled, reason]))[0])
+    if not compiled:
+        return CompileChoice(mode, False, reason)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))  # reused by the next run
+    if log is not None:
+        log(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
+    fast = ModelAdapter(adapter.model, compile=True)
+    compile_s = fast.warm_up(RECORD_KV + 64)
+    if log is not None:
+        log(f"compiled in {compile_s:.1f} s")
+    if comm.rank == 0 and worker.group == 0 and mode == "on" and record is None:
+        sync = (lambda: torch.cuda.synchronize(adapter.device)) if adapter.device.type == "cuda" else None
+        try:
+            save_record(path, key, measure_record(adapter, fast, compile_s, sync))
+        except OSError as exc:
+            if log is not None:
+                log(f"warning: cannot save the compile record at {path}: {exc.strerror or exc}")
+    worker.adapter = fast
+    return CompileChoice(mode, True, reason, round(compile_s, 3))
 
 
 def run_info(worker: Worker) -> dict:

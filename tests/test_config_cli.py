@@ -95,6 +95,12 @@ def test_override_types() -> None:
     assert cfg.lookahead.ngram_size == 4
     assert parse_override("model.path=123") == ("model.path", 123)
     assert load_config(None, ["model.path=123"]).model.path == "123"  # numbers become strings for str fields
+    # an on | off | auto choice survives YAML 1.1 reading a bare on / off as a boolean, in --set and in files
+    assert load_config(None, ["model.compile=on"]).model.compile == "on"
+    assert load_config(None, ["model.compile=off"]).model.compile == "off"
+    assert load_config(None, []).model.compile == "auto"
+    with pytest.raises(ConfigError, match="model.compile"):
+        load_config(None, ["model.compile=fast"])
 
 
 def test_defaults_and_later_override_wins(tmp_path: Path) -> None:

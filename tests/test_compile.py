@@ -1,0 +1,127 @@
+"""Compiled static-shape rounds (``model.compile``): the same tokens as eager rounds and HF greedy, and the choice.
+
+Oracles: the eager adapter's logits for the same round (compiled kernels reorder float sums: equal to rounding,
+the same argmax), HF greedy ``generate`` for whole generations on the three tiny families, row counts on both
+sides of every padding bucket; the pure ``decide`` against hand-computed cases; a real CLI run on a tiny model
+folder for the record that ``on`` writes and ``auto`` reads. Compiling takes tens of seconds per model on two
+cores: the compiling tests are slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import REPO, make_tiny_folder, write_prompts
+from helpers import FAMILIES, hf_greedy, random_prompt
+
+from lp_runner.compile_choice import CompileRecord, decide
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.costmodel import RowPlan
+from lp_runner.engine import LookaheadEngine
+from lp_runner.model import ModelAdapter, crop
+
+BUCKETS = (2, 4, 8, 16, 32)  # a padding plan: every round runs at the next of these
+
+
+def bucket_plan() -> RowPlan:
+    targets = tuple(next(b for b in (*BUCKETS, q) if b >= q) for q in range(1, 65))
+    return RowPlan(kv_lens=(10_000,), targets=(targets,))
+
+
+def test_decide() -> None:
+    record = CompileRecord(compile_s=60.0, eager_s=0.050, compiled_s=0.040)  # 10 ms saved per round
+    assert decide("off", record, 10**6) == (False, "off")
+    assert decide("on", None, 1) == (True, "on")
+    compiled, why = decide("auto", None, 10**6)
+    assert not compiled and "no measurement" in why and "model.compile=on" in why
+    compiled, why = decide("auto", record, 5000)  # 50 s saved < 60 s compiling
+    assert not compiled and "eager" in why and "60 s" in why and "50 s" in why
+    compiled, why = decide("auto", record, 7000)  # 70 s saved > 60 s
+    assert compiled and "compiled" in why
+    assert not decide("auto", CompileRecord(1.0, 0.040, 0.050), 10**6)[0]  # slower compiled: never
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_rounds_equal_eager_rounds_and_hf_greedy(tiny, family: str) -> None:
+    model = tiny(family)
+    eager, compiled = ModelAdapter(model), ModelAdapter(model, compile=True)
+    assert compiled.warm_up(64) > 0
+    # single rounds on both sides of every bucket: rows = bucket and bucket + 1 (one row runs as two)
+    prefix = random_prompt(40, seed=5)
+    caches = {}
+    for adapter in (eager, compiled):
+        caches[id(adapter)] = adapter.new_cache(128)
+        adapter.forward(torch.tensor(prefix), torch.arange(40), _causal(40), caches[id(adapter)], torch.tensor([39]))
+    for rows in sorted({1, *BUCKETS, *(b + 1 for b in BUCKETS)}):
+        ids = torch.tensor(random_prompt(rows, seed=rows))
+        got, want = (
+            adapter.forward(ids, torch.arange(40, 40 + rows), _causal(rows), caches[id(adapter)], torch.arange(rows))
+            for adapter in (compiled, eager)
+        )
+        torch.testing.assert_close(got, want, msg=f"{rows} rows")
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), rows
+        for adapter in (eager, compiled):
+            crop(caches[id(adapter)], 40)
+    # whole generations: window and candidates, padded to the buckets, against HF greedy
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    prompt = random_prompt(12, 3) * 2
+    engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=40), [], row_plan=bucket_plan())
+    result = engine.generate(prompt)
+    assert result.output_ids == hf_greedy(model, prompt, 40)
+    assert result.stats.forwards < 40  # candidates were accepted: multi-row rounds ran
+
+
+@pytest.mark.slow
+def test_compiled_embedded_model_equals_hf_greedy(embedded) -> None:
+    model, tokenizer = embedded
+    compiled = ModelAdapter(model, compile=True)
+    la = LookaheadConfig(window_size=5, ngram_size=4, verification_set_size=5)
+    engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=48), [], row_plan=bucket_plan())
+    for text in ("def fibonacci(n):\n    ", "The three primary colors are"):
+        ids = tokenizer(text)["input_ids"]
+        assert engine.generate(ids).output_ids == hf_greedy(model, ids, 48), text
+
+
+@pytest.mark.slow
+def test_cli_compile_on_records_and_auto_reads_it(tmp_path: Path) -> None:
+    """``on`` compiles and records this device's figures; ``auto`` then decides from them and says why."""
+    folder = make_tiny_folder(tmp_path / "model")
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
+    env = {**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache")}
+
+    def run(mode: str, out: str) -> tuple[subprocess.CompletedProcess, dict]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / out)]
+            + ["--set", f"model.path={folder}", "--set", f"model.compile={mode}", "--set", "model.threads=1"]
+            + ["--set", "generation.max_new_tokens=16"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc, json.loads((tmp_path / out).read_text().splitlines()[0])
+
+    proc, rec = run("on", "on.jsonl")
+    assert rec["policy"]["compile"]["compiled"] is True and rec["policy"]["compile"]["compile_s"] > 0
+    assert "forward compiled (on; compiled in" in proc.stderr
+    records = list((tmp_path / "cache" / "compile").glob("record-*.json"))
+    assert len(records) == 1
+    saved = json.loads(records[0].read_text())["record"]
+    assert saved["compile_s"] > 0 and saved["eager_s"] > 0 and saved["compiled_s"] > 0
+    proc, rec = run("auto", "auto.jsonl")  # 16 tokens never pay for a compilation
+    assert rec["policy"]["compile"]["compiled"] is False
+    assert f"compiling took {saved['compile_s']:.0f} s here" in rec["policy"]["compile"]["reason"]
+    assert "forward eager (auto: eager" in proc.stderr
+
+
+def _causal(t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril()
