@@ -196,6 +196,11 @@ def main() -> None:
         help="also run LP through the CLI under torchrun: P workers with threads/P threads each, e.g. "
         "2:configs/default.yaml; repeatable",
     )  # fmt: skip
+    ap.add_argument(
+        "--compiled", default="", metavar="NAMES",
+        help="comma-separated CONFIGS names (or config-file names) also run through the compiled static-shape "
+        "forward (model.compile: on), as '<name> compiled'; the compile time is in the report",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -235,6 +240,20 @@ def main() -> None:
         engine = LookaheadEngine(adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
         runners[name] = _engine_runner(engine, policy)
         policies[name] = policy
+    compile_s = None
+    if args.compiled:
+        fast = ModelAdapter(model, compile=True)
+        compile_s = fast.warm_up(max(len(ids) for _, ids in encoded) + args.max_new_tokens + 64)
+        print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
+        for name in args.compiled.split(","):
+            if name in settings:
+                runners[f"{name} compiled"] = _engine_runner(LookaheadEngine(fast, settings[name], gen, eos_ids=[eos]))
+            elif name in policies:
+                policy = policies[name]
+                engine = LookaheadEngine(fast, policy.lookahead, gen, [eos], None, policy.row_plan)
+                runners[f"{name} compiled"] = _engine_runner(engine, policy)
+            else:
+                raise SystemExit(f"--compiled: {name!r} is neither in --configs nor a --config-file name")
     for run in runners.values():
         run(encoded[0][1][:16])  # warm-up
     methods: dict[str, list[dict]] = {name: [] for name in runners}
@@ -266,6 +285,8 @@ def main() -> None:
         print(f"{name} done", file=sys.stderr, flush=True)
 
     report = summarize(methods, args, folder)
+    if compile_s is not None:
+        report["compile_s"] = round(compile_s, 1)
     for name, policy in policies.items():
         report["methods"][name]["policy"] = policy.describe()
         if policy.auto is not None:

@@ -7,6 +7,11 @@ for the rows whose logits are used. Measured by ``lp_runner.costmodel.measure_cu
 over Q, so a drifting machine bends no part of the curve; CUDA synchronised around each forward), the same
 function ``lp_runner tune`` calibrates with.
 
+Every point also shows its distance to this machine's limit (``machine_limits.py``: weights and K/V bytes over
+the measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger), so the table says how
+far the forward is from the hardware, per row count. ``--compile`` measures the compiled static-shape forward
+(``model.compile: on``) instead of the eager one, after its compilation (reported).
+
     python benchmarks/forward_cost.py --out results/forward_cost            # embedded model, 2 threads
     python benchmarks/forward_cost.py --model /path/to/folder --prefix 300 1000
     python benchmarks/forward_cost.py --random-llama 1b --device cuda --dtype bfloat16 --out results/gpu/forward_cost
@@ -28,6 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.machine_limits import forward_bytes, forward_flops, measure_limits  # noqa: E402
+from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.costmodel import measure_curve  # noqa: E402
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
@@ -98,6 +105,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, nargs="+", default=[300])
     ap.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS))
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--compile", action="store_true", help="the compiled static-shape forward (model.compile: on)")
     ap.add_argument("--out", default="results/forward_cost")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,19 +115,25 @@ def main() -> None:
     else:
         path = resolve_model_path(args.model)
         model, _, folder = load_model_and_tokenizer(path, dtype=args.dtype, device=args.device)
-    adapter = ModelAdapter(model)
+    adapter = ModelAdapter(model, compile=args.compile)
     rows = sorted({1, *args.rows})  # Q=1 is every ratio's reference
     sync = (lambda: torch.cuda.synchronize(adapter.device)) if adapter.device.type == "cuda" else None
+    compile_s = adapter.warm_up(max(args.prefix) + max(rows)) if args.compile else 0.0
     curve = measure_curve(adapter, args.prefix, rows, reps=args.reps, sync=sync)
+    limits = measure_limits(adapter.device, adapter.dtype)
+    print(json.dumps({"copy_gb_s": round(limits.copy_gb_s, 1), "matmul_gflop_s": round(limits.matmul_gflop_s, 1)}))
     curves = []
     for p in curve.points:
         one = next(q for q in curve.points if q.kv_len == p.kv_len and q.rows == 1)
+        bound = limits.bound_s(forward_bytes(model, p.kv_len), forward_flops(model, p.rows, p.kv_len))
         row = {
             "prefix": p.kv_len,
             "rows": p.rows,
             "ms_head_last": round(1e3 * p.body_s, 2),
             "ms_head_all": round(1e3 * p.all_s, 2),
             "ratio_head_all": round(p.all_s / one.all_s, 3),
+            "limit_ms": round(1e3 * bound, 2),
+            "x_limit": round(p.body_s / bound, 2),  # the forward as a round runs it (head on the rows it uses)
         }
         curves.append(row)
         print(json.dumps(row), flush=True)
@@ -129,6 +143,12 @@ def main() -> None:
         "dtype": args.dtype,
         "device": args.device,
         "threads": args.threads,
+        "cpu": device_name(torch.device("cpu")),
+        "compiled": args.compile,
+        "compile_s": round(compile_s, 1),
+        "copy_gb_s": round(limits.copy_gb_s, 2),
+        "matmul_gflop_s": round(limits.matmul_gflop_s, 1),
+        "weights_mb": round(forward_bytes(model, 0) / 1e6, 1),
         "parameters": sum(p.numel() for p in model.parameters()),
         "x_label": "packed rows Q",
         "y_label": "forward ms",
@@ -138,9 +158,18 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    md = ["| prefix | rows Q | ms (head on 1 row) | ms (head on all rows) | ratio to Q=1 |", "|---|---|---|---|---|"]
+    md = [
+        f"{report['date']}, {report['cpu']}, {args.device}, {args.dtype}, {args.threads} threads, "
+        f"{'compiled (compile ' + str(report['compile_s']) + ' s)' if args.compile else 'eager'}; "
+        f"weights {report['weights_mb']} MB, copy bandwidth {report['copy_gb_s']} GB/s, "
+        f"matmul {report['matmul_gflop_s']} GFLOP/s. limit: max(bytes / bandwidth, FLOPs / matmul rate).",
+        "",
+        "| prefix | rows Q | ms (head on 1 row) | ms (head on all rows) | ratio to Q=1 | limit ms | x limit |",
+        "|---|---|---|---|---|---|---|",
+    ]
     md += [
-        f"| {c['prefix']} | {c['rows']} | {c['ms_head_last']} | {c['ms_head_all']} | {c['ratio_head_all']} |"
+        f"| {c['prefix']} | {c['rows']} | {c['ms_head_last']} | {c['ms_head_all']} | {c['ratio_head_all']} "
+        f"| {c['limit_ms']} | {c['x_limit']} |"
         for c in curves
     ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
@@ -154,6 +183,7 @@ def main() -> None:
         for prefix in args.prefix:
             pts = [c for c in curves if c["prefix"] == prefix]
             ax.plot([c["rows"] for c in pts], [c["ms_head_all"] for c in pts], marker="o", label=f"prefix {prefix}")
+            ax.plot([c["rows"] for c in pts], [c["limit_ms"] for c in pts], ls="--", label=f"machine limit, {prefix}")
         ax.set_xlabel(report["x_label"])
         ax.set_ylabel(report["y_label"])
         ax.set_title(f"forward cost, {args.dtype}, {args.device}, {args.threads} threads")

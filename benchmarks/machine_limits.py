@@ -1,0 +1,85 @@
+"""How fast a forward could be on this machine: the memory-bound and the compute-bound limit, measured.
+
+A decoder forward of Q rows reads every weight once (and the cached K/V) and does about 2 * parameters * Q
+floating-point operations. Its cost cannot fall below
+
+    memory limit   = bytes read / copy bandwidth      (bandwidth: a large tensor copy, read + write bytes)
+    compute limit  = 2 * parameters * Q / matmul rate  (rate: a large square matmul in the model's dtype)
+
+whichever is larger. ``forward_cost.py`` prints every measured forward's distance to that bound, so a table
+says how far the software is from the hardware, per row count (issue 17). Both rates are measured here, at run
+time, with the process's thread count: nothing is assumed about the CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    copy_gb_s: float  # bytes moved (read + write) per second by a large copy
+    matmul_gflop_s: float  # a large square matmul in the dtype
+
+    def memory_s(self, bytes_read: int) -> float:
+        """Seconds to read ``bytes_read`` once at the copy bandwidth (a forward reads each weight once)."""
+        return bytes_read / (self.copy_gb_s * 1e9)
+
+    def compute_s(self, flops: float) -> float:
+        return flops / (self.matmul_gflop_s * 1e9)
+
+    def bound_s(self, bytes_read: int, flops: float) -> float:
+        return max(self.memory_s(bytes_read), self.compute_s(flops))
+
+
+def _best_of(fn: Callable[[], object], sync: Callable[[], None] | None, reps: int) -> float:
+    fn()
+    if sync:
+        sync()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_limits(
+    device: torch.device, dtype: torch.dtype, copy_bytes: int = 512 << 20, matmul_n: int = 2048, reps: int = 5
+) -> MachineLimits:
+    """The copy bandwidth (a ``copy_bytes`` buffer, far beyond any cache) and the matmul rate (``matmul_n``
+    square, in ``dtype``): the best of ``reps`` runs each, as a limit should be."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_s = _best_of(lambda: dst.copy_(src), sync, reps)
+    a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
+    b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
+    mm_s = _best_of(lambda: a @ b, sync, reps)
+    return MachineLimits(2 * copy_bytes / copy_s / 1e9, 2 * matmul_n**3 / mm_s / 1e9)
+
+
+def forward_bytes(model: torch.nn.Module, kv_len: int) -> int:
+    """Bytes a one-token forward must read: every parameter once, and the K/V of ``kv_len`` cached positions
+    (2 tensors x layers x K/V heads x head dim, in the model's dtype)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config.get_text_config()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return weights + 2 * cfg.num_hidden_layers * heads * head_dim * kv_len * element
+
+
+def forward_flops(model: torch.nn.Module, rows: int, kv_len: int) -> float:
+    """Floating-point operations of a forward of ``rows`` rows: 2 per parameter per row (the matmuls; the
+    embedding is a lookup, not a matmul, but is counted: an upper bound on a tied-head model's work is fine for a
+    limit) plus attention, 4 * layers * hidden * rows * (kv_len + rows)."""
+    params = sum(p.numel() for p in model.parameters())
+    cfg = model.config.get_text_config()
+    return 2.0 * params * rows + 4.0 * cfg.num_hidden_layers * cfg.hidden_size * rows * (kv_len + rows)
