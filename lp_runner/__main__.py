@@ -363,6 +363,7 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         if everyone.world_size > 1:  # every rank runs the prompts rank 0's output lacks
             done = set(json.loads(everyone.all_gather_strings(json.dumps(sorted(done)))[0]))
         todo = [s for s in specs if s.id not in done]
+        rebuild_store(worker, specs, output, everyone)
         stream = None
         if single and cfg.run.stream and worker.is_main:
             stream = lambda text: print(text, end="", flush=True)  # noqa: E731
@@ -381,6 +382,25 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         return 0
     finally:
         _shutdown_group()
+
+
+def rebuild_store(worker, specs: list[PromptSpec], output: OutputFile | None, everyone) -> None:
+    """``--resume`` under ``pool_scope: job``: the job store starts from the outputs already written, in the
+    job's prompt order, as if the job had not been interrupted (the store then holds what an uninterrupted
+    run's would have held before the remaining prompts, whatever order the records were written in). Rank 0's
+    records, shared once, so every replica of a group's store is the same. Error records add nothing."""
+    if worker.store is None:
+        return
+    records = output.existing.records if output is not None and worker.is_main else {}
+    seen = [
+        (records[s.id]["prompt_ids"], records[s.id]["output_ids"])
+        for s in specs
+        if "output_ids" in records.get(s.id, {})
+    ]
+    if everyone.world_size > 1:
+        seen = json.loads(everyone.all_gather_strings(json.dumps(seen))[0])
+    for prompt_ids, output_ids in seen:
+        worker.store.add(prompt_ids, output_ids)
 
 
 def _shutdown_group() -> None:

@@ -94,6 +94,36 @@ def test_cli_pool_out_then_pool_in(embedded, tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_resume_rebuilds_the_store(embedded, tmp_path):
+    """--resume starts the job store from the records already written: the resumed job ends with the store (and
+    the records) of the job run without interruption."""
+    import json
+
+    specs = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(humaneval_prompts(3))]
+    all_prompts, first_only = tmp_path / "all.jsonl", tmp_path / "first.jsonl"
+    all_prompts.write_text("".join(json.dumps(s) + "\n" for s in specs))
+    first_only.write_text("".join(json.dumps(s) + "\n" for s in specs[:2]))
+    common = ["--set", "lookahead.pool_scope=job", "--set", "generation.max_new_tokens=16", "--set", "model.threads=1"]
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    proc = _cli("--prompts", str(all_prompts), "--output", str(whole), "--pool-out", str(tmp_path / "w.json"), *common)
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli("--prompts", str(first_only), "--output", str(resumed), *common)  # the "interrupted" job
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli(
+        "--prompts", str(all_prompts), "--output", str(resumed), "--resume", "--pool-out", str(tmp_path / "r.json"),
+        *common,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    store_whole, store_resumed = (json.loads((tmp_path / f).read_text()) for f in ("w.json", "r.json"))
+    assert store_whole["generations"] == 3
+    assert store_resumed["sequences"] == store_whole["sequences"]
+    outputs = [
+        {r["id"]: r["output_ids"] for r in map(json.loads, f.read_text().splitlines())} for f in (whole, resumed)
+    ]
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow
 def test_lp_job_store_replicas_agree(tmp_path):
     """P = 2 under torchrun with pool_scope=job: the replicated coordinators read identical stores (a diverging
     plan fails the round's digest check), outputs and forwards equal P = 1's, and the store's candidates were
