@@ -187,6 +187,11 @@ def main() -> None:
     ap.add_argument("--recalibrate", action="store_true", help="config files: measure the curve again (first use)")
     ap.add_argument("--sample", action="store_true", help="sample (temperature 1) instead of greedy decoding")
     ap.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+        help="every method in this dtype (HF greedy too); in half precision 'exact' is token identity with HF "
+        "greedy in that dtype, which rounding-level ties may break (see benchmarks/half_precision.py)",
+    )  # fmt: skip
+    ap.add_argument(
         "--config-file", action="append", default=[], metavar="NAME=PATH",
         help="also run a YAML config as the runner would (calibration and auto preset included), e.g. "
         "auto=configs/default.yaml or nopad=configs/default.yaml+lookahead.pad_rows=false; repeatable",
@@ -205,7 +210,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     fetch_embedded_model()
-    model, tok, folder = load_model_and_tokenizer(embedded_model_dir())
+    model, tok, folder = load_model_and_tokenizer(embedded_model_dir(), dtype=args.dtype)
     eos = tok.eos_token_id
     if args.prompt_set == "heldout24":
         prompts = heldout24(lambda messages: _answer(model, tok, messages, args.max_new_tokens))
@@ -311,6 +316,7 @@ def _agg(rows: list[dict]) -> dict:
         d["host_share"] = round(sum(r["host_s"] for r in rows) / secs, 4)
         if all("exact" in r for r in rows):
             d["exact"] = all(r["exact"] for r in rows)
+            d["identical"] = f"{sum(r['exact'] for r in rows)}/{len(rows)}"  # prompts token-identical to the base
     return d
 
 
@@ -319,6 +325,7 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         "cpu": device_name(torch.device("cpu")),  # lscpu's model name: figures travel with the CPU they ran on
+        "dtype": args.dtype,
         "model": str(folder),
         "max_new_tokens": args.max_new_tokens,
         "prompts": f"{args.prompt_set}" + (f", first {args.limit} of each set" if args.limit else ""),
@@ -391,9 +398,10 @@ def _base_label(report: dict) -> str:
 
 def markdown(report: dict) -> str:
     lines = [
-        f"{report['date']}, {report.get('cpu', '')} ({report['machine']}), fp32, "
+        f"{report['date']}, {report.get('cpu', '')} ({report['machine']}), {report.get('dtype', 'float32')}, "
         f"{report['max_new_tokens']} new tokens, "
-        f"prompts: {report.get('prompts', 'bench16')}, {report.get('decoding', 'greedy')}, "
+        + (f"compiled in {report['compile_s']} s, " if "compile_s" in report else "")
+        + f"prompts: {report.get('prompts', 'bench16')}, {report.get('decoding', 'greedy')}, "
         "methods interleaved per prompt",
         "",
         f"| method | tok/s | speedup vs {_base_label(report)} | HumanEval speedup | MT-bench speedup | tokens/forward "
@@ -410,7 +418,7 @@ def markdown(report: dict) -> str:
         host = f"{100 * a['host_share']:.1f}%" if "host_share" in a else "-"
         lines.append(
             f"| {name} | {a['tokens_per_s']:.2f} | {a['speedup']:.2f}x | {he['speedup']:.2f}x | {mt['speedup']:.2f}x "
-            f"| {tpf} | {a.get('mean_rows', '-')} | {host} | {a.get('exact', '-')} |"
+            f"| {tpf} | {a.get('mean_rows', '-')} | {host} | {a.get('identical', a.get('exact', '-'))} |"
         )
     return "\n".join(lines) + "\n"
 

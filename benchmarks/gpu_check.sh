@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Prepared check for a lent GPU machine (one GPU, no network, preinstalled torch + transformers).
 #
-#   bash benchmarks/gpu_check.sh                          # on the GPU machine, from the repo root (< 6 min)
+#   bash benchmarks/gpu_check.sh                          # on the GPU machine, from the repo root (< 9 min)
 #   GPU_CHECK_SMOKE=1 bash benchmarks/gpu_check.sh        # CPU smoke test of the same steps (tiny model, ~1 min)
 #
 # Writes everything under ${OUT:-benchmarks/results/gpu}: gpu_check_summary.md (all tables), env.json,
 # nvidia-smi.txt, forward_cost.{json,md,png}, nccl_probe.json, cli_*.jsonl, steps.tsv, logs/*.log.
 # Steps:
 #   1. versions + nvidia-smi; stop early (one line) if torch/transformers are missing or too old, or no CUDA
-#   2. forward cost vs packed rows Q for a random-weight ~1.2B Llama (bf16, prefixes 512 and 2048)
+#   2. forward cost vs packed rows Q for a random-weight ~1.2B Llama (bf16, prefixes 512 and 2048), each point's
+#      distance to the machine's limit; 2b. the same forward compiled (model.compile: on), compile time included
 #   3. torch.distributed process group (NCCL) + TorchCommunicator.all_gather timing, torchrun with one rank
 #   4. the real CLI under torchrun (one rank) on a saved random-weight Llama: configs/default.yaml (the auto
 #      preset: its summary block and records hold the device's measured curve, the padding and the chosen setting),
 #      configs/lookahead.yaml and a plain-greedy reference (no candidates, no padding)
 #   5. benchmarks/compare.py, only where the embedded model exists and compare.py takes --device
-# Every step runs under `timeout` inside one overall budget (GPU_CHECK_BUDGET_S, default 420 s); a failed step is
+# Every step runs under `timeout` inside one overall budget (GPU_CHECK_BUDGET_S, default 540 s); a failed step is
 # logged and the next one runs; the exit status is 1 if any step failed.
 # Knobs: PYTHON (interpreter; default: the first of python3/python that imports torch), GPU_CHECK_BUDGET_S,
 # GPU_CHECK_MIN_TRANSFORMERS (default 5.17), GPU_CHECK_KEEP_MODEL=1 (keep the saved random model folder).
@@ -30,16 +31,16 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTH
 export MPLBACKEND=Agg
 
 SMOKE=${GPU_CHECK_SMOKE:-0}
-BUDGET=${GPU_CHECK_BUDGET_S:-420}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 RESERVE=25 # seconds kept back for the summary
 START=$SECONDS
 
 if [[ $SMOKE == 1 ]]; then
     SIZE=tiny DEVICE=cpu DTYPE=bfloat16 DIST=gloo THREADS=1 REPS=3 MAX_NEW=16
-    ROWS="1 4 16" PREFIX="32"
+    ROWS="1 4 16" PREFIX="32" COMPILED_ROWS="1 4"
 else
     SIZE=1b DEVICE=cuda DTYPE=bfloat16 DIST=nccl THREADS=4 REPS=21 MAX_NEW=128
-    ROWS="1 2 4 8 16 32 64 128 256 512" PREFIX="512 2048"
+    ROWS="1 2 4 8 16 32 64 128 256 512" PREFIX="512 2048" COMPILED_ROWS="1 8 64"
 fi
 
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
@@ -128,6 +129,11 @@ run_py() { # NAME MAX_SECONDS ARGS...: a Python step, skipped when the environme
 # shellcheck disable=SC2086 # ROWS and PREFIX are word lists
 run_py forward-cost 240 "$PY" benchmarks/forward_cost.py --random-llama "$SIZE" --device "$DEVICE" \
     --dtype "$DTYPE" --threads "$THREADS" --prefix $PREFIX --rows $ROWS --reps "$REPS" --out "$OUT/forward_cost"
+# 2b. the same forward compiled (model.compile: on; static-shape rounds), fewer points: compile on vs off
+# shellcheck disable=SC2086
+run_py forward-cost-compiled 180 "$PY" benchmarks/forward_cost.py --random-llama "$SIZE" --device "$DEVICE" \
+    --dtype "$DTYPE" --threads "$THREADS" --prefix ${PREFIX%% *} --rows $COMPILED_ROWS --reps "$REPS" --compile \
+    --out "$OUT/forward_cost_compiled"
 
 # ---- 3. process group probe under torchrun (one rank) -------------------------------------------------------
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node=1)
