@@ -317,6 +317,13 @@ class _Driver:
         done = output.done if output is not None else set()
         self.output = output
         self.specs = [s for s in specs if s.id not in done]  # --resume: only what the output lacks
+        records = output.existing.records if output is not None else {}
+        # --resume under pool_scope: job: every lane's store starts from the records already written, in job order
+        self.resumed = [
+            (records[s.id]["prompt_ids"], records[s.id]["output_ids"])
+            for s in specs
+            if "output_ids" in records.get(s.id, {})
+        ]
         self.stream = single and cfg.run.stream
         self.progress = _Progress(len(self.specs))
         self.recoveries: list[dict] = []
@@ -421,7 +428,7 @@ class _Driver:
         if current is None:
             return
         workers, generation, lost_at = par.workers, 0, None
-        self.lane_finished[lane] = []
+        self.lane_finished[lane] = list(self.resumed)
         while True:
             group = None
             try:
@@ -707,6 +714,7 @@ class _Driver:
         committed = [progress.committed.get(i, []) for i in todo]
         printed = [progress.printed.get(i, 0) for i in todo]
         finished = [(r["prompt_ids"], r["output_ids"]) for _, r in sorted(progress.records.items()) if "error" not in r]
+        finished = [*self.resumed, *finished]  # --resume: the records the output already held come first
         refs = [a.run.remote(specs, todo, committed, printed, self.stream, finished) for a in group.actors]
         self._gather(refs, "the run", None, tick=lambda: self._take(self._poll(group, self.cfg.parallel.timeout_s)))
 

@@ -586,3 +586,26 @@ def test_single_prompt_streams_on_a_local_instance(tiny_dir, tmp_path):
     (record,) = read_jsonl(tmp_path / "o.jsonl")
     assert proc.stdout == record["text"] + "\n"
     assert record["workers"] == 2 and proc.stderr.count("  new tokens ") == 1
+
+
+@pytest.mark.slow
+def test_resume_rebuilds_the_job_store(cluster, tiny_dir, tmp_path):
+    """Under Ray, --resume starts the job store from the records already written (pool_scope: job): the resumed
+    job saves the store of the uninterrupted one."""
+    import json
+
+    everything = write_prompts(tmp_path / "all.jsonl", PROMPTS)
+    first_two = write_prompts(tmp_path / "two.jsonl", PROMPTS[:2])
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    ray = [*_ray_args(1), "--set", "lookahead.pool_scope=job"]
+    runs = [
+        [*_args(tiny_dir, everything, whole, 16, *ray), "--pool-out", str(tmp_path / "w.json")],
+        _args(tiny_dir, first_two, resumed, 16, *ray),  # the "interrupted" job
+        [*_args(tiny_dir, everything, resumed, 16, *ray), "--resume", "--pool-out", str(tmp_path / "r.json")],
+    ]
+    for args in runs:
+        proc = _cli(args, RAY_ADDRESS=cluster.gcs)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    store_whole, store_resumed = (json.loads((tmp_path / f).read_text()) for f in ("w.json", "r.json"))
+    assert store_whole["generations"] == len(PROMPTS)
+    assert store_resumed["sequences"] == store_whole["sequences"]
