@@ -292,6 +292,17 @@ def cmd_summarize(args: argparse.Namespace) -> int:
             "",
         ]
         md += [(out / "forward_cost.md").read_text().rstrip(), ""]
+    fcc = _read_json(out / "forward_cost_compiled.json")
+    if fcc:
+        md += [
+            "## The same forward compiled (model.compile: on)",
+            "",
+            f"compiled in {fcc.get('compile_s')} s (static-shape rounds, torch.compile); compare with the eager "
+            "rows above at the same prefix.",
+            "",
+            (out / "forward_cost_compiled.md").read_text().rstrip(),
+            "",
+        ]
     probe = _read_json(out / "nccl_probe.json")
     if probe:
         lat = ", ".join(f"L={k}: {v} us" for k, v in probe.get("all_gather_us", {}).items())

@@ -69,12 +69,15 @@ def policy_lines(policy: dict | None) -> list[str]:
 
 
 def compile_lines(policy: dict | None) -> list[str]:
-    """The job's forward (``model.compile``): ``forward compiled (on; compiled in 95.2 s)``; nothing when off."""
+    """The job's forward (``model.compile``), e.g. ``forward compiled (model.compile=on; compiled in 95.2 s)`` or
+    ``forward auto: eager (compiling took 100 s here; ...)``; nothing when off."""
     comp = (policy or {}).get("compile")
     if not comp or comp["mode"] == "off":
         return []
     took = f"; compiled in {comp['compile_s']:.1f} s" if comp["compiled"] else ""
-    return [f"forward {'compiled' if comp['compiled'] else 'eager'} ({comp['reason']}{took})"]
+    if comp["mode"] == "on":
+        return [f"forward compiled (model.compile=on{took})"]
+    return [f"forward {comp['reason']}{took}"]
 
 
 def _ranges(targets: dict[str, int]) -> list[str]:

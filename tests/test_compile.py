@@ -112,7 +112,7 @@ def test_cli_compile_on_records_and_auto_reads_it(tmp_path: Path) -> None:
 
     proc, rec = run("on", "on.jsonl")
     assert rec["policy"]["compile"]["compiled"] is True and rec["policy"]["compile"]["compile_s"] > 0
-    assert "forward compiled (on; compiled in" in proc.stderr
+    assert "forward compiled (model.compile=on; compiled in" in proc.stderr
     records = list((tmp_path / "cache" / "compile").glob("record-*.json"))
     assert len(records) == 1
     saved = json.loads(records[0].read_text())["record"]
@@ -120,7 +120,7 @@ def test_cli_compile_on_records_and_auto_reads_it(tmp_path: Path) -> None:
     proc, rec = run("auto", "auto.jsonl")  # 16 tokens never pay for a compilation
     assert rec["policy"]["compile"]["compiled"] is False
     assert f"compiling took {saved['compile_s']:.0f} s here" in rec["policy"]["compile"]["reason"]
-    assert "forward eager (auto: eager" in proc.stderr
+    assert "forward auto: eager (compiling took" in proc.stderr
 
 
 def _causal(t: int) -> torch.Tensor:
