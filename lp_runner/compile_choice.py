@@ -87,6 +87,8 @@ def decide(mode: str, record: CompileRecord | None, job_tokens: int) -> tuple[bo
         return True, "on"
     if record is None:
         return False, "auto: eager (no measurement of the compiled forward on this device; model.compile=on makes one)"
+    if job_tokens <= 0:  # a Ray actor starts before it is handed prompts
+        return False, "auto: eager (the job's length is not known to this worker; model.compile=on compiles)"
     saving = job_tokens * (record.eager_s - record.compiled_s)
     pays = saving > record.compile_s
     verdict = "compiled" if pays else "eager"

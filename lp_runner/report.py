@@ -75,9 +75,9 @@ def compile_lines(policy: dict | None) -> list[str]:
     if not comp or comp["mode"] == "off":
         return []
     took = f"; compiled in {comp['compile_s']:.1f} s" if comp["compiled"] else ""
-    if comp["mode"] == "on":
+    if comp["mode"] == "on" and comp["compiled"]:
         return [f"forward compiled (model.compile=on{took})"]
-    return [f"forward {comp['reason']}{took}"]
+    return [f"forward {comp['reason']}{took}"]  # auto's reason, or why "on" fell back to eager
 
 
 def _ranges(targets: dict[str, int]) -> list[str]:

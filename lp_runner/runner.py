@@ -39,7 +39,13 @@ from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resol
 from lp_runner.logs import log
 from lp_runner.model import ModelAdapter
 from lp_runner.output import output_digest, output_settings
-from lp_runner.parallel.comm import Communicator, SoloCommunicator, TorchCommunicator, init_process_group
+from lp_runner.parallel.comm import (
+    Communicator,
+    SoloCommunicator,
+    TorchCommunicator,
+    first_line,
+    init_process_group,
+)
 from lp_runner.parallel.groups import GroupLayout, Heartbeat, form_groups, group_layout
 from lp_runner.policy import RoundPolicy
 from lp_runner.prompts import PromptSpec, encode, prompt_problem
@@ -140,7 +146,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
                 raise InputError(f"{spec.describe()}: {problem}")
     cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
     job_tokens = len(prompts) * cfg.generation.max_new_tokens
-    compile_choice = choose_forward(worker, job_tokens, cache_root, log=_log if worker.is_main else None)
+    compile_choice = choose_forward(worker, job_tokens, cache_root, say=_log if worker.is_main else None)
     worker.policy = RoundPolicy.build(
         cfg,
         worker.adapter,
@@ -271,7 +277,7 @@ def _device_label(device: torch.device) -> str:
     return device_name(device)  # reads /proc/cpuinfo on a CPU: once per process
 
 
-def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, log=None) -> CompileChoice:
+def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) -> CompileChoice:
     """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 decides, every rank of
     the group follows; a compiled adapter replaces ``worker.adapter`` after compiling (timed). With ``on``, rank 0
     records what compiling cost and saved on this device (when it has no record, or on ``--recalibrate``), which
@@ -288,19 +294,23 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, log=None) 
     if not compiled:
         return CompileChoice(mode, False, reason)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))  # reused by the next run
-    if log is not None:
-        log(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
+    if say is not None:
+        say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
     fast = ModelAdapter(adapter.model, compile=True)
-    compile_s = fast.warm_up(RECORD_KV + 64)
-    if log is not None:
-        log(f"compiled in {compile_s:.1f} s")
+    try:
+        compile_s = fast.warm_up(RECORD_KV + 64)
+    except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback
+        reason = f"{reason}: compilation failed ({first_line(exc)}), eager"
+        log.warning("model.compile: %s", reason)
+        return CompileChoice(mode, False, reason)
+    if say is not None:
+        say(f"compiled in {compile_s:.1f} s")
     if comm.rank == 0 and worker.group == 0 and mode == "on" and record is None:
         sync = (lambda: torch.cuda.synchronize(adapter.device)) if adapter.device.type == "cuda" else None
         try:
             save_record(path, key, measure_record(adapter, fast, compile_s, sync))
-        except OSError as exc:
-            if log is not None:
-                log(f"warning: cannot save the compile record at {path}: {exc.strerror or exc}")
+        except OSError as exc:  # a read-only cache costs the record, not the run
+            log.warning("cannot save the compile record at %s: %s", path, exc.strerror or exc)
     worker.adapter = fast
     return CompileChoice(mode, True, reason, round(compile_s, 3))
 

@@ -45,6 +45,8 @@ def test_decide() -> None:
     compiled, why = decide("auto", record, 7000)  # 70 s saved > 60 s
     assert compiled and "compiled" in why
     assert not decide("auto", CompileRecord(1.0, 0.040, 0.050), 10**6)[0]  # slower compiled: never
+    compiled, why = decide("auto", record, 0)  # a worker that does not know the job (a Ray actor)
+    assert not compiled and "not known" in why
 
 
 @pytest.mark.slow
@@ -125,3 +127,31 @@ def test_cli_compile_on_records_and_auto_reads_it(tmp_path: Path) -> None:
 
 def _causal(t: int) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool).tril()
+
+
+@pytest.mark.slow
+def test_cli_compile_failure_falls_back_to_eager(tmp_path: Path) -> None:
+    """No usable C++ compiler (inductor's CPU backend needs one): one warning line, the job runs eager, the
+    record and the summary say why."""
+    folder = make_tiny_folder(tmp_path / "model")
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
+    env = {**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-compiler")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]
+        + ["--set", f"model.path={folder}", "--set", "model.compile=on", "--set", "model.threads=1"]
+        + ["--set", "generation.max_new_tokens=8"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    warnings = [
+        ln for ln in proc.stderr.splitlines() if ln.startswith("warning: model.compile: on: compilation failed")
+    ]
+    assert len(warnings) == 1, proc.stderr
+    rec = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])
+    assert rec["policy"]["compile"]["compiled"] is False and "compilation failed" in rec["policy"]["compile"]["reason"]
+    assert rec["new_tokens"] == 8
+    assert "forward on: compilation failed" in proc.stderr  # the summary says it ran eager, and why
