@@ -236,6 +236,12 @@ def main() -> None:
             runners["hf-prompt-lookup"] = lambda ids: _hf_row(
                 model, ids, args.max_new_tokens, eos, prompt_lookup_num_tokens=10, **hf_kw
             )
+        elif name == "llamacpp":  # llama.cpp greedy on the same fp32 weights (benchmarks/llamacpp_ref.py)
+            from benchmarks.llamacpp_ref import llamacpp_runner
+
+            if args.sample or args.dtype != "float32":
+                raise SystemExit("--baselines llamacpp: fp32 greedy only (it runs the same fp32 weights)")
+            runners["llama.cpp"] = llamacpp_runner(args.threads, args.max_new_tokens, eos)
     settings = {name: CONFIGS[name] for name in args.configs.split(",") if name}
     for name, la in settings.items():
         runners[name] = _engine_runner(LookaheadEngine(adapter, la, gen, eos_ids=[eos]))
@@ -271,7 +277,7 @@ def main() -> None:
     for name, rows in methods.items():
         for i, r in enumerate(rows):
             out = r.pop("out")
-            if name not in (base, "hf-prompt-lookup") and not args.sample:
+            if name not in (base, "hf-prompt-lookup") and not args.sample:  # llama.cpp too: identical to HF?
                 r["exact"] = reference is None or out == reference[i]
 
     for item in args.lp:
