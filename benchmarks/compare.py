@@ -320,9 +320,9 @@ def _agg(rows: list[dict]) -> dict:
         d["mean_rows"] = round(sum(r["rows"] for r in rows) / sum(r["rounds"] for r in rows), 1)
         d["mean_padded_rows"] = round(sum(r.get("padded_rows", 0) for r in rows) / sum(r["rounds"] for r in rows), 1)
         d["host_share"] = round(sum(r["host_s"] for r in rows) / secs, 4)
-        if all("exact" in r for r in rows):
-            d["exact"] = all(r["exact"] for r in rows)
-            d["identical"] = f"{sum(r['exact'] for r in rows)}/{len(rows)}"  # prompts token-identical to the base
+    if all("exact" in r for r in rows):  # lp_runner methods and llama.cpp
+        d["exact"] = all(r["exact"] for r in rows)
+        d["identical"] = f"{sum(r['exact'] for r in rows)}/{len(rows)}"  # prompts token-identical to the base
     return d
 
 
