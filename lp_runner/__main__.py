@@ -391,12 +391,7 @@ def rebuild_store(worker, specs: list[PromptSpec], output: OutputFile | None, ev
     records, shared once, so every replica of a group's store is the same. Error records add nothing."""
     if worker.store is None:
         return
-    records = output.existing.records if output is not None and worker.is_main else {}
-    seen = [
-        (records[s.id]["prompt_ids"], records[s.id]["output_ids"])
-        for s in specs
-        if "output_ids" in records.get(s.id, {})
-    ]
+    seen = output.finished_outputs([s.id for s in specs]) if output is not None and worker.is_main else []
     if everyone.world_size > 1:
         seen = json.loads(everyone.all_gather_strings(json.dumps(seen))[0])
     for prompt_ids, output_ids in seen:

@@ -101,14 +101,14 @@ def decide(mode: str, record: CompileRecord | None, job_tokens: int) -> tuple[bo
 def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecord:
     """One round's forward through ``eager`` and ``compiled`` (two adapters of one model), interleaved, medians of
     ``RECORD_REPS``, averaged over ``RECORD_ROWS``; both already warm."""
-    from lp_runner.model import crop
+    from lp_runner.model import causal, crop
 
     times: dict[int, list[float]] = {id(eager): [], id(compiled): []}
     caches = {}
     prefix = torch.arange(RECORD_KV) % 97
     for adapter in (eager, compiled):
         cache = adapter.new_cache(RECORD_KV + max(RECORD_ROWS))
-        adapter.forward(prefix, torch.arange(RECORD_KV), _causal(RECORD_KV), cache, torch.tensor([RECORD_KV - 1]))
+        adapter.forward(prefix, torch.arange(RECORD_KV), causal(RECORD_KV), cache, torch.tensor([RECORD_KV - 1]))
         caches[id(adapter)] = cache
     for rows in RECORD_ROWS:
         per: dict[int, list[float]] = {id(eager): [], id(compiled): []}
@@ -118,7 +118,7 @@ def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecor
                 adapter.forward(
                     torch.zeros(rows, dtype=torch.long),
                     torch.arange(RECORD_KV, RECORD_KV + rows),
-                    _causal(rows),
+                    causal(rows),
                     caches[id(adapter)],
                     torch.arange(rows),
                 )
@@ -130,7 +130,3 @@ def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecor
             times[k].append(sorted(v[1:])[len(v[1:]) // 2])
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     return CompileRecord(round(compile_s, 3), mean[id(eager)], mean[id(compiled)])
-
-
-def _causal(t: int) -> torch.Tensor:
-    return torch.ones(t, t, dtype=torch.bool).tril()

@@ -92,7 +92,7 @@ class ModelAdapter:
         """
         try:
             self.forward(
-                torch.zeros(2, dtype=torch.long), torch.arange(2), _causal(2), self.new_cache(), torch.tensor([1])
+                torch.zeros(2, dtype=torch.long), torch.arange(2), causal(2), self.new_cache(), torch.tensor([1])
             )
         except Exception as exc:  # whatever the model's own code raised: the message says which model and why
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -188,7 +188,7 @@ class ModelAdapter:
             return 0.0
         start = time.perf_counter()
         self.forward(
-            torch.zeros(2, dtype=torch.long), torch.arange(2), _causal(2), self.new_cache(capacity), torch.tensor([1])
+            torch.zeros(2, dtype=torch.long), torch.arange(2), causal(2), self.new_cache(capacity), torch.tensor([1])
         )
         return time.perf_counter() - start
 
@@ -255,7 +255,8 @@ def _is_attention_layer(layer) -> bool:
     return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
 
 
-def _causal(t: int) -> torch.Tensor:
+def causal(t: int) -> torch.Tensor:
+    """[T, T] bool visibility of a plain causal block (row i sees rows 0..i)."""
     return torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
 
 

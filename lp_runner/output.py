@@ -27,7 +27,7 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,6 +192,12 @@ class OutputFile:
     def done(self) -> set[str]:
         """Ids with a complete record already in the file (resume only)."""
         return set(self.existing.records)
+
+    def finished_outputs(self, ids: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, output ids) of the records already in the file, in the order of ``ids`` (the job's
+        prompt order); error records have none. What ``--resume`` rebuilds a job store from."""
+        records = self.existing.records
+        return [(records[i]["prompt_ids"], records[i]["output_ids"]) for i in ids if "output_ids" in records.get(i, {})]
 
     def _records(self) -> Iterator[tuple[int, dict]]:
         for rid, rec in self.existing.records.items():

@@ -317,13 +317,8 @@ class _Driver:
         done = output.done if output is not None else set()
         self.output = output
         self.specs = [s for s in specs if s.id not in done]  # --resume: only what the output lacks
-        records = output.existing.records if output is not None else {}
         # --resume under pool_scope: job: every lane's store starts from the records already written, in job order
-        self.resumed = [
-            (records[s.id]["prompt_ids"], records[s.id]["output_ids"])
-            for s in specs
-            if "output_ids" in records.get(s.id, {})
-        ]
+        self.resumed = output.finished_outputs([s.id for s in specs]) if output is not None else []
         self.stream = single and cfg.run.stream
         self.progress = _Progress(len(self.specs))
         self.recoveries: list[dict] = []

@@ -24,7 +24,7 @@ from lp_runner.compile_choice import CompileRecord, decide
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.costmodel import RowPlan
 from lp_runner.engine import LookaheadEngine
-from lp_runner.model import ModelAdapter, crop
+from lp_runner.model import ModelAdapter, causal, crop
 
 BUCKETS = (2, 4, 8, 16, 32)  # a padding plan: every round runs at the next of these
 
@@ -60,11 +60,11 @@ def test_compiled_rounds_equal_eager_rounds_and_hf_greedy(tiny, family: str) -> 
     caches = {}
     for adapter in (eager, compiled):
         caches[id(adapter)] = adapter.new_cache(128)
-        adapter.forward(torch.tensor(prefix), torch.arange(40), _causal(40), caches[id(adapter)], torch.tensor([39]))
+        adapter.forward(torch.tensor(prefix), torch.arange(40), causal(40), caches[id(adapter)], torch.tensor([39]))
     for rows in sorted({1, *BUCKETS, *(b + 1 for b in BUCKETS)}):
         ids = torch.tensor(random_prompt(rows, seed=rows))
         got, want = (
-            adapter.forward(ids, torch.arange(40, 40 + rows), _causal(rows), caches[id(adapter)], torch.arange(rows))
+            adapter.forward(ids, torch.arange(40, 40 + rows), causal(rows), caches[id(adapter)], torch.arange(rows))
             for adapter in (compiled, eager)
         )
         torch.testing.assert_close(got, want, msg=f"{rows} rows")
@@ -95,38 +95,17 @@ def test_compiled_embedded_model_equals_hf_greedy(embedded) -> None:
 def test_cli_compile_on_records_and_auto_reads_it(tmp_path: Path) -> None:
     """``on`` compiles and records this device's figures; ``auto`` then decides from them and says why."""
     folder = make_tiny_folder(tmp_path / "model")
-    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
-    env = {**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache")}
-
-    def run(mode: str, out: str) -> tuple[subprocess.CompletedProcess, dict]:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / out)]
-            + ["--set", f"model.path={folder}", "--set", f"model.compile={mode}", "--set", "model.threads=1"]
-            + ["--set", "generation.max_new_tokens=16"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr
-        return proc, json.loads((tmp_path / out).read_text().splitlines()[0])
-
-    proc, rec = run("on", "on.jsonl")
+    proc, rec = _run_cli(tmp_path, folder, "on", "on.jsonl", 16)
     assert rec["policy"]["compile"]["compiled"] is True and rec["policy"]["compile"]["compile_s"] > 0
     assert "forward compiled (model.compile=on; compiled in" in proc.stderr
     records = list((tmp_path / "cache" / "compile").glob("record-*.json"))
     assert len(records) == 1
     saved = json.loads(records[0].read_text())["record"]
     assert saved["compile_s"] > 0 and saved["eager_s"] > 0 and saved["compiled_s"] > 0
-    proc, rec = run("auto", "auto.jsonl")  # 16 tokens never pay for a compilation
+    proc, rec = _run_cli(tmp_path, folder, "auto", "auto.jsonl", 16)  # 16 tokens never pay for a compilation
     assert rec["policy"]["compile"]["compiled"] is False
     assert f"compiling took {saved['compile_s']:.0f} s here" in rec["policy"]["compile"]["reason"]
     assert "forward auto: eager (compiling took" in proc.stderr
-
-
-def _causal(t: int) -> torch.Tensor:
-    return torch.ones(t, t, dtype=torch.bool).tril()
 
 
 @pytest.mark.slow
@@ -134,24 +113,31 @@ def test_cli_compile_failure_falls_back_to_eager(tmp_path: Path) -> None:
     """No usable C++ compiler (inductor's CPU backend needs one): one warning line, the job runs eager, the
     record and the summary say why."""
     folder = make_tiny_folder(tmp_path / "model")
+    proc, rec = _run_cli(tmp_path, folder, "on", "o.jsonl", 8, CXX=str(tmp_path / "no-such-compiler"))
+    warnings = [
+        ln for ln in proc.stderr.splitlines() if ln.startswith("warning: model.compile: on: compilation failed")
+    ]
+    assert len(warnings) == 1, proc.stderr
+    assert rec["policy"]["compile"]["compiled"] is False and "compilation failed" in rec["policy"]["compile"]["reason"]
+    assert rec["new_tokens"] == 8
+    assert "forward on: compilation failed" in proc.stderr  # the summary says it ran eager, and why
+
+
+def _run_cli(
+    tmp_path: Path, folder: Path, mode: str, out: str, max_new: int, **env: str
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """One prompt through ``python -m lp_runner`` on ``folder`` with ``model.compile=mode``, the cache (and so the
+    compile record and inductor's kernels) under ``tmp_path``; the run must succeed. Returns it and its record."""
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
-    env = {**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-compiler")}
     proc = subprocess.run(
-        [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]
-        + ["--set", f"model.path={folder}", "--set", "model.compile=on", "--set", "model.threads=1"]
-        + ["--set", "generation.max_new_tokens=8"],
+        [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / out)]
+        + ["--set", f"model.path={folder}", "--set", f"model.compile={mode}", "--set", "model.threads=1"]
+        + ["--set", f"generation.max_new_tokens={max_new}"],
         cwd=REPO,
-        env=env,
+        env={**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache"), **env},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    warnings = [
-        ln for ln in proc.stderr.splitlines() if ln.startswith("warning: model.compile: on: compilation failed")
-    ]
-    assert len(warnings) == 1, proc.stderr
-    rec = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])
-    assert rec["policy"]["compile"]["compiled"] is False and "compilation failed" in rec["policy"]["compile"]["reason"]
-    assert rec["new_tokens"] == 8
-    assert "forward on: compilation failed" in proc.stderr  # the summary says it ran eager, and why
+    return proc, json.loads((tmp_path / out).read_text().splitlines()[0])

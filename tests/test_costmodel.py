@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from dist_helpers import env_with_repo, make_tiny_folder
@@ -198,12 +199,18 @@ def test_tuner_picks_more_workers_only_when_they_pay():
     assert cheap.best.workers == 2 and dear.best.workers == 1
 
 
-def test_tune_command_writes_a_loadable_config(tmp_path):
+def _tune_inputs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """What a ``tune`` CLI run needs: a tiny model folder, two calibration prompts, a linear cost curve file."""
     tiny_model_folder = make_tiny_folder(tmp_path / "tiny", "llama", seed=3)
     prompts = tmp_path / "calib.jsonl"
     prompts.write_text('{"id": "a", "prompt": "def add(a, b):"}\n{"id": "b", "prompt": "Hello"}\n')
     curve = tmp_path / "curve.json"
     curve.write_text(json.dumps(CostCurve.linear(0.01, 0.001).to_dict()))
+    return tiny_model_folder, prompts, curve
+
+
+def test_tune_command_writes_a_loadable_config(tmp_path):
+    tiny_model_folder, prompts, curve = _tune_inputs(tmp_path)
     out, report = tmp_path / "tuned.yaml", tmp_path / "report.json"
     cmd = [
         sys.executable, "-m", "lp_runner", "tune", "--prompts", str(prompts), "--output", str(out),
@@ -238,11 +245,7 @@ def test_tune_command_devices_names_both_splits(tmp_path):
     """``tune --devices 2`` prices D=2 x P=1 and D=1 x P=2. An all_gather of one second per round makes P=2 slower
     whatever the setting, so D=2 x P=1 wins both latency and throughput (twice one group's tokens/s), and the
     written config is that split: P=1 and D=2, every device used."""
-    tiny_model_folder = make_tiny_folder(tmp_path / "tiny", "llama", seed=3)
-    prompts = tmp_path / "calib.jsonl"
-    prompts.write_text('{"id": "a", "prompt": "def add(a, b):"}\n{"id": "b", "prompt": "Hello"}\n')
-    curve = tmp_path / "curve.json"
-    curve.write_text(json.dumps(CostCurve.linear(0.01, 0.001).to_dict()))
+    tiny_model_folder, prompts, curve = _tune_inputs(tmp_path)
     out, report = tmp_path / "tuned.yaml", tmp_path / "report.json"
     cmd = [
         sys.executable, "-m", "lp_runner", "tune", "--prompts", str(prompts), "--output", str(out),
