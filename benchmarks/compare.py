@@ -19,6 +19,7 @@ Writes ``<out>.json`` (every figure), ``<out>.md`` (the table in the README) and
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -47,6 +48,7 @@ from lp_runner.loading import (  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
 from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
 from lp_runner.policy import RoundPolicy  # noqa: E402
+from lp_runner.prepack import apply_prepack  # noqa: E402
 from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
 
 PLAIN = dict(context_lookup=False)  # Lookahead Decoding alone: Jacobi pool (+ its repair by committed text)
@@ -202,6 +204,16 @@ def main() -> None:
         "2:configs/default.yaml; repeatable",
     )  # fmt: skip
     ap.add_argument(
+        "--prepack", default="auto", choices=("auto", "off"),
+        help="lp_runner's linear layers as the runner runs them (model.prepack, default auto: oneDNN-prepacked on "
+        "a CPU); the HF and llama.cpp baselines always run the stock model",
+    )  # fmt: skip
+    ap.add_argument(
+        "--torch-linear", default="", metavar="NAMES",
+        help="comma-separated CONFIGS names (or config-file names) also run with torch's own linear layers "
+        "(model.prepack: off), as '<name> torch-linear': the prepacking's gain side by side",
+    )  # fmt: skip
+    ap.add_argument(
         "--compiled", default="", metavar="NAMES",
         help="comma-separated CONFIGS names (or config-file names) also run through the compiled static-shape "
         "forward (model.compile: on), as '<name> compiled'; the compile time is in the report",
@@ -221,7 +233,12 @@ def main() -> None:
     encoded = [
         (p["set"], encode(tok, spec_from_obj({k: v for k, v in p.items() if k != "set"}, p["id"]))) for p in prompts
     ]
-    adapter = ModelAdapter(model)
+    stock_adapter = ModelAdapter(model)  # HF's own linear layers, for --torch-linear
+    packed_model = copy.deepcopy(model)  # the baselines keep the stock model
+    prepack = apply_prepack(packed_model, args.prepack)
+    print(f"lp_runner's linear layers: {prepack.kernels} ({prepack.reason})", file=sys.stderr, flush=True)
+    args.prepack_kernels = prepack.kernels
+    adapter = ModelAdapter(packed_model)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, **(SAMPLING if args.sample else {}))
     hf_kw = dict(SAMPLING) if args.sample else {}
     base = baseline_name(args.sample)
@@ -251,9 +268,22 @@ def main() -> None:
         engine = LookaheadEngine(adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
         runners[name] = _engine_runner(engine, policy)
         policies[name] = policy
+    for name in filter(None, args.torch_linear.split(",")):
+        if name in settings:
+            engine = LookaheadEngine(stock_adapter, settings[name], gen, eos_ids=[eos])
+            runners[f"{name} torch-linear"] = _engine_runner(engine)
+        elif name in policies:  # as the runner with model.prepack=off: its own curve, its own auto choice
+            spec = next(item for item in args.config_file if item.partition("=")[0] == name)
+            label, policy = config_policy(f"{name} torch-linear={spec.partition('=')[2]}", stock_adapter, model,
+                                          args.recalibrate)  # fmt: skip
+            engine = LookaheadEngine(stock_adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
+            runners[label] = _engine_runner(engine, policy)
+            policies[label] = policy
+        else:
+            raise SystemExit(f"--torch-linear: {name!r} is neither in --configs nor a --config-file name")
     compile_s = None
     if args.compiled:
-        fast = ModelAdapter(model, compile=True)
+        fast = ModelAdapter(packed_model, compile=True)
         compile_s = fast.warm_up(max(len(ids) for _, ids in encoded) + args.max_new_tokens + 64)
         print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
         for name in args.compiled.split(","):
@@ -338,6 +368,7 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
         "order": "interleaved: every method on prompt 1, then every method on prompt 2, ... (LP runs after)",
         "torch": torch.__version__,
         "decoding": "sampling (temperature 1, no top-k / top-p)" if args.sample else "greedy",
+        "lp_runner_linear": args.prepack_kernels,  # model.prepack of the lp_runner rows (baselines: stock)
         "methods": {},
     }
     base = report["baseline"] = baseline_name(args.sample)
@@ -408,6 +439,7 @@ def markdown(report: dict) -> str:
         f"{report['max_new_tokens']} new tokens, "
         + (f"compiled in {report['compile_s']} s, " if "compile_s" in report else "")
         + f"prompts: {report.get('prompts', 'bench16')}, {report.get('decoding', 'greedy')}, "
+        + f"lp_runner's linear layers {report.get('lp_runner_linear', 'torch')} (baselines: stock model), "
         "methods interleaved per prompt",
         "",
         f"| method | tok/s | speedup vs {_base_label(report)} | HumanEval speedup | MT-bench speedup | tokens/forward "

@@ -24,6 +24,7 @@ instead of loading one: a forward's cost does not depend on the weight values, s
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from datetime import date
@@ -38,6 +39,7 @@ from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.costmodel import measure_curve  # noqa: E402
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
+from lp_runner.prepack import apply_prepack  # noqa: E402
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 56, 64, 96, 120)
 
@@ -106,6 +108,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--compile", action="store_true", help="the compiled static-shape forward (model.compile: on)")
+    ap.add_argument(
+        "--prepack", default="off", choices=("off", "auto", "on"),
+        help="the linear layers as model.prepack runs them (auto/on: oneDNN-prepacked on a CPU)",
+    )  # fmt: skip
     ap.add_argument("--out", default="results/forward_cost")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -115,6 +121,10 @@ def main() -> None:
     else:
         path = resolve_model_path(args.model)
         model, _, folder = load_model_and_tokenizer(path, dtype=args.dtype, device=args.device)
+    stock = model  # the limits count the checkpoint's weights and FLOPs, whatever kernels run them
+    if args.prepack != "off":
+        model = copy.deepcopy(stock)
+        print(f"linear layers: {apply_prepack(model, args.prepack).kernels}", flush=True)
     adapter = ModelAdapter(model, compile=args.compile)
     rows = sorted({1, *args.rows})  # Q=1 is every ratio's reference
     sync = (lambda: torch.cuda.synchronize(adapter.device)) if adapter.device.type == "cuda" else None
@@ -125,7 +135,7 @@ def main() -> None:
     curves = []
     for p in curve.points:
         one = next(q for q in curve.points if q.kv_len == p.kv_len and q.rows == 1)
-        bound = limits.bound_s(forward_bytes(model, p.kv_len), forward_flops(model, p.rows, p.kv_len))
+        bound = limits.bound_s(forward_bytes(stock, p.kv_len), forward_flops(stock, p.rows, p.kv_len))
         row = {
             "prefix": p.kv_len,
             "rows": p.rows,
@@ -145,11 +155,12 @@ def main() -> None:
         "threads": args.threads,
         "cpu": device_name(torch.device("cpu")),
         "compiled": args.compile,
+        "linear": adapter.kernels,
         "compile_s": round(compile_s, 1),
         "copy_gb_s": round(limits.copy_gb_s, 2),
         "matmul_gflop_s": round(limits.matmul_gflop_s, 1),
-        "weights_mb": round(forward_bytes(model, 0) / 1e6, 1),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "weights_mb": round(forward_bytes(stock, 0) / 1e6, 1),
+        "parameters": sum(p.numel() for p in stock.parameters()),
         "x_label": "packed rows Q",
         "y_label": "forward ms",
         "curves": curves,
@@ -160,7 +171,8 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     md = [
         f"{report['date']}, {report['cpu']}, {args.device}, {args.dtype}, {args.threads} threads, "
-        f"{'compiled (compile ' + str(report['compile_s']) + ' s)' if args.compile else 'eager'}; "
+        f"{'compiled (compile ' + str(report['compile_s']) + ' s)' if args.compile else 'eager'}, "
+        f"linear layers {report['linear']}; "
         f"weights {report['weights_mb']} MB, copy bandwidth {report['copy_gb_s']} GB/s, "
         f"matmul {report['matmul_gflop_s']} GFLOP/s. limit: max(bytes / bandwidth, FLOPs / matmul rate).",
         "",

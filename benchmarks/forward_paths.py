@@ -5,7 +5,9 @@ Three variants of ``ModelAdapter`` on one model, each with its own cache holding
 * ``transformers``: ``DynamicCache`` (concatenates every layer's whole K/V on each forward) and transformers'
   sdpa attention (repeats every cached K/V head per query head when a mask and several rows are given);
 * ``append``: the append-buffer cache (``lp_runner.model.AppendBufferLayer``), transformers' sdpa;
-* ``append+packed``: the append buffer and packed GQA attention (``lp_runner.attention``): what the engine runs.
+* ``append+packed``: the append buffer and packed GQA attention (``lp_runner.attention``);
+* ``prepacked``: that, with the linear layers prepacked for oneDNN (``lp_runner.prepack``, a copy of the model):
+  what the engine runs on a CPU by default (``model.prepack: auto``).
 
 For every (prefix, rows) the variants alternate forward by forward (order rotated each repetition), so the
 printed ratios are measured side by side; each forward is cropped back to the prefix, as a rejected round is.
@@ -17,6 +19,7 @@ printed ratios are measured side by side; each forward is cropped back to the pr
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -27,13 +30,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.model import ModelAdapter, crop  # noqa: E402
+from lp_runner.prepack import prepack_linears  # noqa: E402
 
 VARIANTS = {
     "transformers": dict(append_buffer=False, packed_gqa=False),
     "append": dict(append_buffer=True, packed_gqa=False),
     "append+packed": dict(append_buffer=True, packed_gqa=True),
+    "prepacked": dict(append_buffer=True, packed_gqa=True),  # on the prepacked copy
 }
 
 
@@ -48,7 +54,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _, folder = load_model_and_tokenizer(resolve_model_path(args.model), dtype="float32")
-    adapters = {name: ModelAdapter(model, **kw) for name, kw in VARIANTS.items()}
+    packed = copy.deepcopy(model)
+    prepack_linears(packed)
+    adapters = {name: ModelAdapter(packed if name == "prepacked" else model, **kw) for name, kw in VARIANTS.items()}
     gen = torch.Generator().manual_seed(0)
     results = []
     for prefix in args.prefix:
@@ -80,16 +88,26 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"model": str(folder), "threads": args.threads, "reps": args.reps, "results": results}
+        cpu = device_name(torch.device("cpu"))
+        meta = {"model": str(folder), "cpu": cpu, "threads": args.threads, "reps": args.reps, "results": results}
         out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+        others = [n for n in VARIANTS if n != "transformers"]
         md = [
-            "| prefix | rows | ms transformers | ms append | ms append+packed | append / transformers "
-            "| append+packed / transformers |",
-            "|---|---|---|---|---|---|---|",
+            f"{cpu}, {args.threads} threads, median of {args.reps} forwards per cell, variants interleaved",
+            "",
+            "| prefix | rows | ms transformers | "
+            + " | ".join(f"ms {n}" for n in others)
+            + " | "
+            + " | ".join(f"{n} / transformers" for n in others)
+            + " |",
+            "|---|---|---|" + "---|" * (2 * len(others)),
         ]
         md += [
-            f"| {r['prefix']} | {r['rows']} | {r['ms_transformers']} | {r['ms_append']} | {r['ms_append+packed']} "
-            f"| {r['ratio_append']} | {r['ratio_append+packed']} |"
+            f"| {r['prefix']} | {r['rows']} | {r['ms_transformers']} | "
+            + " | ".join(str(r[f"ms_{n}"]) for n in others)
+            + " | "
+            + " | ".join(str(r[f"ratio_{n}"]) for n in others)
+            + " |"
             for r in results
         ]
         out.with_suffix(".md").write_text("\n".join(md) + "\n")

@@ -70,10 +70,13 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def calibration_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, compiled: bool = False) -> dict:
+def calibration_key(
+    device: torch.device, dtype: torch.dtype, weights_checksum: str, compiled: bool = False, kernels: str = "torch"
+) -> dict:
     """Everything the curve depends on; a change of any field means a new measurement."""
     return {
         "compiled": compiled,  # a compiled forward has its own curve
+        "kernels": kernels,  # and so do prepacked linears (lp_runner/prepack.py)
         "version": CALIBRATION_VERSION,
         "device": device_name(device),
         "device_type": device.type,
@@ -150,7 +153,9 @@ def calibrate(
 ) -> Calibration:
     """The curve for this adapter on this device: from the cache, or measured (and cached). ``budget_s``: the
     longest a measurement may take (LP: the other ranks wait for it within their collective timeout)."""
-    key = calibration_key(adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False))
+    key = calibration_key(
+        adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.kernels
+    )
     path = cache_file(cache_root, key)
     start = time.perf_counter()
     if not recalibrate:

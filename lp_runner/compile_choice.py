@@ -60,8 +60,8 @@ def record_file(cache_root: Path, key: dict) -> Path:
     return cache_root / "compile" / f"record-{digest}.json"
 
 
-def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str) -> dict:
-    return calibration_key(device, dtype, weights_checksum)
+def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, kernels: str = "torch") -> dict:
+    return calibration_key(device, dtype, weights_checksum, kernels=kernels)
 
 
 def load_record(path: Path, key: dict) -> CompileRecord | None:

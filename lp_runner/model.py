@@ -33,6 +33,7 @@ from lp_runner.attention import packed_gqa, sliding_window_mask, supports_packed
 from lp_runner.errors import LPError
 from lp_runner.kv_cache import AppendBufferLayer, StaticBufferLayer, static_capacity
 from lp_runner.layout import additive_mask
+from lp_runner.prepack import linear_kernels
 
 SLIDING = "sliding_attention"  # the layer type whose mask is windowed (transformers' name in ``layer_types``)
 
@@ -78,6 +79,7 @@ class ModelAdapter:
             raise UnsupportedModelError(f"{type(model).__name__} cannot run under lp_runner: {exc}") from None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.kernels = linear_kernels(model)  # torch's linear or oneDNN-prepacked (``model.prepack``)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation

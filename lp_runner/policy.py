@@ -27,6 +27,7 @@ class RoundPolicy:
     calibration: Calibration | None
     auto: AutoPreset | None
     compile: dict | None = None  # the job's forward: eager or compiled and why (``compile_choice.CompileChoice``)
+    prepack: dict | None = None  # its linear kernels and why (``prepack.PrepackChoice``)
 
     @classmethod
     def fixed(cls, lookahead: LookaheadConfig) -> RoundPolicy:
@@ -75,6 +76,8 @@ class RoundPolicy:
             out["calibration"] = self.calibration.summary()
         if self.compile is not None:
             out["compile"] = self.compile
+        if self.prepack is not None:
+            out["prepack"] = self.prepack
         if self.row_plan is not None:
             k = -1  # the longest measured K/V length: what most rounds of a long generation see
             padded = {q: t for q, t in enumerate(self.row_plan.targets[k], start=1) if t != q}

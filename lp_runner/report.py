@@ -47,7 +47,7 @@ def format_summary(cfg: Config, summary: dict, load_s: float, workers: int, poli
 
 def policy_lines(policy: dict | None) -> list[str]:
     """How the setting was chosen (auto preset) and what the device's curve said, in two short lines."""
-    lines = compile_lines(policy)
+    lines = prepack_lines(policy) + compile_lines(policy)
     if not policy or policy.get("preset") != "auto" or "choice" not in policy:
         return lines
     choice, cal = policy["choice"], policy.get("calibration", {})
@@ -66,6 +66,17 @@ def policy_lines(policy: dict | None) -> list[str]:
             f"  padding {pad_txt}"
         )
     return lines
+
+
+def prepack_lines(policy: dict | None) -> list[str]:
+    """The linear kernels (``model.prepack``), e.g. ``linear layers: oneDNN-prepacked (211; model.prepack=auto)`` or
+    ``linear layers: torch (model.prepack=auto: float16 weights ...)``; nothing when off."""
+    pre = (policy or {}).get("prepack")
+    if not pre or pre["mode"] == "off":
+        return []
+    if pre["layers"]:
+        return [f"linear layers: oneDNN-prepacked ({pre['layers']}; model.prepack={pre['mode']})"]
+    return [f"linear layers: torch (model.prepack={pre['mode']}: {pre['reason']})"]
 
 
 def compile_lines(policy: dict | None) -> list[str]:

@@ -48,6 +48,7 @@ from lp_runner.parallel.comm import (
 )
 from lp_runner.parallel.groups import GroupLayout, Heartbeat, form_groups, group_layout
 from lp_runner.policy import RoundPolicy
+from lp_runner.prepack import apply_prepack
 from lp_runner.prompts import PromptSpec, encode, prompt_problem
 
 
@@ -132,6 +133,8 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     model, tokenizer, folder = load_model_and_tokenizer(
         path, dtype=cfg.model.dtype, device=str(device), allow_pickle=cfg.model.allow_pickle
     )
+    _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before prepacking reorders them
+    prepack = apply_prepack(model, cfg.model.prepack)
     load_s = time.perf_counter() - start
     worker = Worker(cfg, comm, ModelAdapter(model), tokenizer, folder, device, load_s)
     worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
@@ -156,6 +159,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         log=_log if worker.is_main else None,
     )
     worker.policy.compile = compile_choice.describe()
+    worker.policy.prepack = prepack.describe()
     worker.store = job_store(cfg, tokenizer)
     return worker
 
@@ -285,7 +289,7 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) 
     mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
     if mode == "off":
         return CompileChoice(mode, False, "off")
-    key = record_key(adapter.device, adapter.dtype, model_checksum(worker))
+    key = record_key(adapter.device, adapter.dtype, model_checksum(worker), adapter.kernels)
     path = record_file(cache_root, key)
     record = None if worker.cfg.run.recalibrate else load_record(path, key)
     compiled, reason = decide(mode, record, job_tokens)

@@ -1,0 +1,175 @@
+"""oneDNN-prepacked linear layers (``model.prepack``): the same products, the same tokens, and the choice.
+
+Oracles: ``torch.nn.functional.linear`` on the original weights (equal to fp32 rounding) and the packed product of
+each row computed alone (bit for bit: a row's product does not depend on the rows beside it); HF greedy
+``generate`` on the *unpacked* model for whole generations (the three tiny families and the embedded model, with
+and without the Jacobi window); a real CLI run for what the summary and the records say, and that the weights
+checksum (what ``--resume`` compares) is the checkpoint's, packed or not.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import REPO, make_tiny_folder, write_prompts
+from helpers import FAMILIES, hf_greedy, random_prompt, run_lookahead
+
+from lp_runner.calibrate import calibration_key
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.engine import LookaheadEngine
+from lp_runner.errors import ConfigError
+from lp_runner.loading import weights_checksum
+from lp_runner.model import ModelAdapter
+from lp_runner.prepack import PackedLinear, apply_prepack, linear_kernels, prepack_linears, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason(torch.nn.Linear(2, 2)) is not None, reason="no oneDNN here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_equals_torch_linear_and_each_row_alone(dtype: torch.dtype, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(576, 1536, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(1536, 576, generator=gen) * 0.02)
+        if bias:
+            linear.bias.copy_(torch.randn(1536, generator=gen))
+    packed = PackedLinear(linear)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8, 33):
+            x = torch.randn(1, rows, 576, generator=gen).to(dtype)  # [B, Q, in] as a decoder layer passes it
+            got = packed(x)
+            assert got.shape == (1, rows, 1536) and got.dtype == dtype
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, linear.weight, linear.bias), **tol)
+            alone = torch.cat([packed(x[:, i : i + 1]) for i in range(rows)], dim=1)
+            assert torch.equal(got, alone), f"{rows} rows: a row's product depends on the rows beside it"
+
+
+def _count_linears(model: torch.nn.Module) -> int:
+    return sum(type(m) is torch.nn.Linear for m in model.modules())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prepack_replaces_every_linear_and_leaves_the_rest(tiny, family: str) -> None:
+    model = copy.deepcopy(tiny(family))  # the shared tiny model must not be mutated
+    linears, embedding = _count_linears(model), model.get_input_embeddings().weight.detach().clone()
+    choice = apply_prepack(model, "auto")
+    assert choice.layers == linears > 0 and _count_linears(model) == 0
+    assert choice.kernels == linear_kernels(model) == ModelAdapter(model).kernels == "onednn-prepacked"
+    assert torch.equal(model.get_input_embeddings().weight, embedding)  # a tied embedding keeps its weights
+    described = {"mode": "auto", "kernels": "onednn-prepacked", "layers": linears, "reason": "CPU with oneDNN"}
+    assert choice.describe() == described
+    assert ModelAdapter(tiny(family)).kernels == "torch"
+
+
+def test_modes_off_on_and_what_cannot_be_packed(tiny) -> None:
+    model = copy.deepcopy(tiny("llama"))
+    off = apply_prepack(model, "off")
+    assert (off.layers, off.kernels, off.reason) == (0, "torch", "off") and _count_linears(model) > 0
+    half = copy.deepcopy(tiny("llama")).to(torch.float16)
+    auto = apply_prepack(half, "auto")
+    assert auto.layers == 0 and auto.kernels == "torch" and "float16 weights" in auto.reason
+    assert _count_linears(half) > 0  # left as it was
+    with pytest.raises(ConfigError, match=r"model.prepack=on: float16 weights .* use model.prepack=auto or off"):
+        apply_prepack(half, "on")
+
+
+def test_calibration_and_compile_records_are_per_kernel() -> None:
+    """A prepacked forward has its own cost curve: its calibration (and compile record) key differs."""
+    cpu = torch.device("cpu")
+    torch_key = calibration_key(cpu, torch.float32, "abc", kernels="torch")
+    assert torch_key != calibration_key(cpu, torch.float32, "abc", kernels="onednn-prepacked")
+    assert torch_key == calibration_key(cpu, torch.float32, "abc")  # the default: torch's linear
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prepacked_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family: str) -> None:
+    stock = tiny(family)
+    model = copy.deepcopy(stock)
+    assert prepack_linears(model) > 0
+    for seed in range(3):
+        prompt = random_prompt(24, seed=seed)
+        expected = hf_greedy(stock, prompt, 40)
+        assert run_lookahead(model, prompt, W=4, N=3, G=4).output_ids == expected, (family, seed, "window")
+        assert run_lookahead(model, prompt, W=1, N=4, G=3, lookahead_branch=False).output_ids == expected
+
+
+@pytest.mark.slow
+def test_prepacked_embedded_model_equals_hf_greedy(embedded, humaneval) -> None:
+    """The embedded model, prepacked, against HF greedy on the stock model: code and chat, window on and off."""
+    stock, tokenizer = embedded
+    model = copy.deepcopy(stock)
+    assert prepack_linears(model) == _count_linears(stock)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Give three tips for a good night's sleep."}], add_generation_prompt=True
+    )
+    chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
+    prompts = [tokenizer(p)["input_ids"] for p in humaneval(3)] + [list(chat)]
+    settings = (
+        LookaheadConfig(window_size=5, ngram_size=4, verification_set_size=5),
+        LookaheadConfig(window_size=1, ngram_size=5, verification_set_size=2, lookahead_branch=False),
+    )
+    for la in settings:
+        eos = [tokenizer.eos_token_id]  # the chat answer may end before the budget
+        engine = LookaheadEngine(ModelAdapter(model), la, GenerationConfig(max_new_tokens=64), eos)
+        for ids in prompts:
+            expected = hf_greedy(stock, ids, 64, eos)
+            assert engine.generate(ids).output_ids == expected, (la.lookahead_branch, ids[:8])
+
+
+@pytest.mark.slow
+def test_compiled_prepacked_rounds_equal_hf_greedy(tiny) -> None:
+    """``model.compile`` over prepacked linears: inductor calls the packed product as an external kernel."""
+    stock = tiny("llama")
+    model = copy.deepcopy(stock)
+    prepack_linears(model)
+    compiled = ModelAdapter(model, compile=True)
+    assert compiled.warm_up(64) > 0
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=32), [])
+    for seed in range(2):
+        prompt = random_prompt(20, seed=seed)
+        assert engine.generate(prompt).output_ids == hf_greedy(stock, prompt, 32), seed
+
+
+def _run_cli(tmp_path: Path, folder: Path, mode: str, out: str) -> tuple[subprocess.CompletedProcess, dict]:
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
+    proc = subprocess.run(
+        [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / out)]
+        + ["--set", f"model.path={folder}", "--set", f"model.prepack={mode}", "--set", "model.threads=1"]
+        + ["--set", "generation.max_new_tokens=12", "--set", "model.compile=off"],
+        cwd=REPO,
+        env={**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads((tmp_path / out).read_text().splitlines()[0])
+
+
+@pytest.mark.slow
+def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path: Path) -> None:
+    folder = make_tiny_folder(tmp_path / "model")
+    packed_proc, packed = _run_cli(tmp_path, folder, "auto", "packed.jsonl")
+    torch_proc, plain = _run_cli(tmp_path, folder, "off", "plain.jsonl")
+    assert packed["policy"]["prepack"]["kernels"] == "onednn-prepacked" and packed["policy"]["prepack"]["layers"] > 0
+    assert "linear layers: oneDNN-prepacked (" in packed_proc.stderr
+    assert plain["policy"]["prepack"] == {"mode": "off", "kernels": "torch", "layers": 0, "reason": "off"}
+    assert "linear layers:" not in torch_proc.stderr
+    assert packed["output_ids"] == plain["output_ids"]
+    # the checkpoint's checksum either way: a --resume may change model.prepack
+    from transformers import AutoModelForCausalLM
+
+    assert packed["weights_checksum"] == plain["weights_checksum"]
+    assert packed["weights_checksum"] == weights_checksum(AutoModelForCausalLM.from_pretrained(folder))
+    # each kernel has its own calibrated curve
+    assert len(list((tmp_path / "cache" / "calibration").glob("curve-*.json"))) == 2
