@@ -38,6 +38,7 @@ from lp_runner.job_pool import JobPool  # noqa: E402
 from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
 from lp_runner.parallel.coordinator import Coordinator  # noqa: E402
+from lp_runner.prepack import apply_prepack, linear_kernels  # noqa: E402
 from lp_runner.preset import Sample, simulate  # noqa: E402
 from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
 
@@ -227,11 +228,13 @@ def lookup_cost(rows: list[dict], target: int = 1_000_000, lookups: int = 2000) 
     }
 
 
-def engine_check(rows: list[dict], n: int, setting: str, threads: int, wall: bool) -> dict:
+def engine_check(rows: list[dict], n: int, setting: str, threads: int, wall: bool, prepack: str = "auto") -> dict:
     """The real engine on the first ``n`` prompts of each set, as one job per scope: outputs must equal HF
-    greedy (the cached outputs) and tokens per forward the simulation's."""
+    greedy (the cached outputs) and tokens per forward the simulation's. ``prepack``: the linear layers as
+    ``model.prepack`` runs them (the runner's default, auto)."""
     torch.set_num_threads(threads)
     model, tok, _ = load_model_and_tokenizer(embedded_model_dir())
+    apply_prepack(model, prepack)  # the HF greedy outputs it is checked against came from the stock model
     picked = [r for s in ("mtbench", "humaneval") for r in [q for q in rows if q["set"] == s][:n]]
     la = SETTINGS[setting]
     scopes = ("prompt", "job")
@@ -268,6 +271,7 @@ def engine_check(rows: list[dict], n: int, setting: str, threads: int, wall: boo
             **({"seconds": round(sum(wall_s.values()), 2), "seconds_by_set": wall_s} if wall else {}),
         }
     out["prompts"] = [r["id"] for r in picked]
+    out["linear"] = linear_kernels(model)
     return out
 
 
@@ -290,6 +294,7 @@ def main() -> None:
     ap.add_argument("--engine-setting", default="G1")
     ap.add_argument("--wall", action="store_true", help="also report the engine's wall clock (quiet machine)")
     ap.add_argument("--no-lookup-cost", action="store_true")
+    ap.add_argument("--prepack", default="auto", choices=("auto", "off"), help="--engine's linear layers")
     ap.add_argument("--engine-from", help="an engine_check JSON from an earlier call (instead of --engine)")
     args = ap.parse_args()
     path = Path(args.outputs)
@@ -319,7 +324,9 @@ def main() -> None:
     if not args.no_lookup_cost:
         report["lookup_cost"] = lookup_cost(rows)
     if args.engine:
-        report["engine_check"] = engine_check(rows, args.engine, args.engine_setting, args.threads, args.wall)
+        report["engine_check"] = engine_check(
+            rows, args.engine, args.engine_setting, args.threads, args.wall, args.prepack
+        )
     elif args.engine_from:
         report["engine_check"] = json.loads(Path(args.engine_from).read_text())
     out = Path(args.out)
@@ -392,7 +399,12 @@ def markdown(r: dict) -> str:
         ]
     if "engine_check" in r:
         e = r["engine_check"]
-        lines += ["", f"Real engine on {', '.join(e['prompts'])} (one job per scope, interleaved per prompt):", ""]
+        kernels = f", linear layers {e['linear']}" if "linear" in e else ""
+        lines += [
+            "",
+            f"Real engine on {', '.join(e['prompts'])} (one job per scope, interleaved per prompt{kernels}):",
+            "",
+        ]
         for scope in ("prompt", "job"):
             x = e[scope]
             by_set = x.get("seconds_by_set", {})

@@ -83,9 +83,12 @@ def test_lp_ranks_use_rank0_curve(tmp_path) -> None:
     different plans and the plan digest stops the run), and the record shows rank 0's choice."""
     folder = make_tiny_folder(tmp_path / "tiny")
     from lp_runner.loading import load_model_and_tokenizer
+    from lp_runner.prepack import apply_prepack
 
     model, _, _ = load_model_and_tokenizer(folder)
-    key = calibration_key(torch.device("cpu"), torch.float32, weights_checksum(model))
+    checksum = weights_checksum(model)  # the checkpoint's, taken before prepacking as the runner does
+    kernels = apply_prepack(model, "auto").kernels  # the runner's default model.prepack
+    key = calibration_key(torch.device("cpu"), torch.float32, checksum, kernels=kernels)
     key["threads"] = 1
     dear = {q: 50.0 + 30.0 * (q - 1) for q in QUICK_ROWS}  # no window, few rows
     free = {q: 50.0 for q in QUICK_ROWS}  # rows cost nothing: the window
