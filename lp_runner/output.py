@@ -41,7 +41,8 @@ NEW_SUFFIX = ".new"
 # Set by the self-launching parent for its torchrun ranks: the pid that holds the output's lock on their behalf.
 LOCK_HOLDER_ENV = "LP_RUNNER_OUTPUT_LOCK_HOLDER"
 # Settings that do not change a single generated token: left out of the digest, so a resume may change them.
-_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle")}
+# how the model is run, not which tokens it gives: threads and prepacked kernels differ at most at fp32 rounding
+_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle", "prepack")}
 _DIGEST_SECTIONS = ("model", "lookahead", "generation")
 
 

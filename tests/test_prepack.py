@@ -82,6 +82,17 @@ def test_modes_off_on_and_what_cannot_be_packed(tiny) -> None:
         apply_prepack(half, "on")
 
 
+def test_resume_may_change_the_kernels() -> None:
+    """``model.prepack`` is how the model runs, not which tokens it gives: the records' digest leaves it out (as it
+    leaves out threads), so a job started prepacked resumes with ``off`` and the reverse; the dtype stays in."""
+    from lp_runner.config import load_config
+    from lp_runner.output import output_digest
+
+    packed, plain = load_config(None, []), load_config(None, ["model.prepack=off"])
+    assert output_digest(packed) == output_digest(plain)
+    assert output_digest(packed) != output_digest(load_config(None, ["model.dtype=bfloat16"]))
+
+
 def test_calibration_and_compile_records_are_per_kernel() -> None:
     """A prepacked forward has its own cost curve: its calibration (and compile record) key differs."""
     cpu = torch.device("cpu")
