@@ -176,11 +176,16 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _leave_exit_code(code: int) -> None:
-    """A self-launched rank tells the parent its own exit code (torchrun reports 1 for any failure)."""
+    """A self-launched rank tells the parent its own exit code (torchrun reports 1 for any failure).
+
+    Written to a hidden file and renamed into place: torchrun's SIGTERM can end the rank mid-write, and a
+    truncated file must not read as another code (the parent then sees no code, not an empty one)."""
     folder = os.environ.get(EXIT_DIR_ENV)
     if folder and "RANK" in os.environ:
         with contextlib.suppress(OSError):
-            Path(folder, f"rank{os.environ['RANK']}").write_text(str(code))
+            staged = Path(folder, f".rank{os.environ['RANK']}.{os.getpid()}")
+            staged.write_text(str(code))
+            os.replace(staged, Path(folder, f"rank{os.environ['RANK']}"))
 
 
 # ---------------------------------------------------------------- parallel.workers=P: torchrun started for you
@@ -222,7 +227,7 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | No
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             _stop_leftovers()
-        ranks = {int(f.name[4:]): int(f.read_text() or 1) for f in Path(codes).glob("rank*")}
+        ranks = {int(f.name[4:]): int(f.read_text()) for f in Path(codes).glob("rank*") if f.read_text().isdigit()}
     if signals:
         log.error("interrupted")
         return EXIT_INTERRUPTED
