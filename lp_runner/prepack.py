@@ -4,10 +4,10 @@ Why: on a CPU a forward of this project's models is a string of matrix products 
 the caches, so its floor is the weights' bytes over the memory bandwidth. ``torch.nn.functional.linear`` falls
 short of it at the row counts a round uses: MKL's sgemm packs the weight matrix again on every call, which reads
 and writes it twice, and it picks a different kernel for 1, 2, 8 or 32 rows. Measured on an AMD EPYC (2 threads,
-the embedded model's 211 linear layers, weights out of cache): 1 row 44 ms, 2 rows 71 ms, 8 rows 58 ms; with the
-weights reordered once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``) and multiplied by
-``mkldnn._linear_pointwise``: 25, 27 and 26 ms, near the bandwidth floor at every row count (README, "A forward
-near the hardware's limit").
+the embedded model's 211 linear layers, weights out of cache, ``benchmarks/linear_kernels.py``): 1 row 57 ms,
+2 rows 78 ms, 8 rows 62 ms; with the weights reordered once into oneDNN's blocked layout
+(``mkldnn._reorder_linear_weight``) and multiplied by ``mkldnn._linear_pointwise``: 34, 32 and 33 ms, flat across
+row counts and 0.28-0.61x torch's (README, "Prepacked linear layers").
 
 Exactness: oneDNN's product of a row does not depend on how many rows share the call (``row_invariant``, tested),
 so a verification row sees exactly the bits that row would see in one-row decoding; torch's own linear gives
