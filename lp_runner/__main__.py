@@ -227,7 +227,8 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | No
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             _stop_leftovers()
-        ranks = {int(f.name[4:]): int(f.read_text()) for f in Path(codes).glob("rank*") if f.read_text().isdigit()}
+        written = {int(f.name[4:]): f.read_text() for f in Path(codes).glob("rank*")}
+        ranks = {rank: int(text) for rank, text in written.items() if text.isdigit()}
     if signals:
         log.error("interrupted")
         return EXIT_INTERRUPTED

@@ -26,8 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from lp_runner.errors import ConfigError
+from lp_runner.parallel.comm import first_line
 
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)  # oneDNN's CPU inner products without a special ISA
+PREPACKED = "onednn-prepacked"  # the kernels' name in records, summaries and calibration keys (else "torch")
+
+
+def _onednn_product(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[R, in] x the reordered [out, in] weight (+ bias) -> [R, out], by oneDNN's inner product."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
 
 
 @torch.library.custom_op("lp_runner::packed_linear", mutates_args=())
@@ -35,7 +42,7 @@ def _packed_linear_op(rows: torch.Tensor, packed_weight: torch.Tensor, bias: tor
     """The product as one opaque op for ``torch.compile``: inductor cannot lower oneDNN's op at symbolic row
     counts, but calls a custom op as an external kernel (eager forwards call oneDNN directly, without this
     wrapper's dispatch cost)."""
-    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+    return _onednn_product(rows, packed_weight, bias)
 
 
 @_packed_linear_op.register_fake
@@ -57,10 +64,8 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():
-            out = _packed_linear_op(rows, self.packed_weight, self.bias)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        product = _packed_linear_op if torch.compiler.is_compiling() else _onednn_product
+        out = product(rows, self.packed_weight, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -78,7 +83,7 @@ class PrepackChoice:
     @property
     def kernels(self) -> str:
         """The linear kernels the forward runs (part of the calibration key: each has its own curve)."""
-        return "onednn-prepacked" if self.layers else "torch"
+        return PREPACKED if self.layers else "torch"
 
     def describe(self) -> dict:
         return {"mode": self.mode, "kernels": self.kernels, "layers": self.layers, "reason": self.reason}
@@ -100,8 +105,7 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
             got = PackedLinear(probe)(torch.ones(2, 16, dtype=param.dtype))
     except (RuntimeError, AttributeError, NotImplementedError) as exc:  # a build without the ops, an ISA without
         # the dtype
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"oneDNN cannot run a {str(param.dtype).replace('torch.', '')} inner product here ({first})"
+        return f"oneDNN cannot run a {str(param.dtype).replace('torch.', '')} inner product here ({first_line(exc)})"
     if not torch.allclose(got, expected, rtol=1e-2, atol=1e-2):
         return "oneDNN's inner product disagrees with torch's on a probe"
     return None
@@ -135,4 +139,4 @@ def apply_prepack(model: torch.nn.Module, mode: str) -> PrepackChoice:
 
 def linear_kernels(model: torch.nn.Module) -> str:
     """``onednn-prepacked`` when ``model``'s linears were prepacked, else ``torch``."""
-    return "onednn-prepacked" if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
+    return PREPACKED if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
