@@ -6,7 +6,9 @@ Three variants of ``ModelAdapter`` on one model, each with its own cache holding
   sdpa attention (repeats every cached K/V head per query head when a mask and several rows are given);
 * ``append``: the append-buffer cache (``lp_runner.model.AppendBufferLayer``), transformers' sdpa;
 * ``append+packed``: the append buffer and packed GQA attention (``lp_runner.attention``);
-* ``prepacked``: that, with the linear layers prepacked for oneDNN (``lp_runner.prepack``, a copy of the model):
+* ``prepacked-unfused``: that, with every linear layer prepacked for oneDNN on its own (``lp_runner.prepack``,
+  a copy of the model);
+* ``prepacked``: that, with sibling projections (q/k/v, gate/up) fused into one product each (another copy):
   what the engine runs on a CPU by default (``model.prepack: auto``).
 
 For every (prefix, rows) the variants alternate forward by forward (order rotated each repetition), so the
@@ -39,7 +41,8 @@ VARIANTS = {
     "transformers": dict(append_buffer=False, packed_gqa=False),
     "append": dict(append_buffer=True, packed_gqa=False),
     "append+packed": dict(append_buffer=True, packed_gqa=True),
-    "prepacked": dict(append_buffer=True, packed_gqa=True),  # on the prepacked copy
+    "prepacked-unfused": dict(append_buffer=True, packed_gqa=True),  # on the unfused prepacked copy
+    "prepacked": dict(append_buffer=True, packed_gqa=True),  # on the prepacked copy, siblings fused
 }
 
 
@@ -54,9 +57,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _, folder = load_model_and_tokenizer(resolve_model_path(args.model), dtype="float32")
-    packed = copy.deepcopy(model)
-    prepack_linears(packed)
-    adapters = {name: ModelAdapter(packed if name == "prepacked" else model, **kw) for name, kw in VARIANTS.items()}
+    copies = {"prepacked-unfused": copy.deepcopy(model), "prepacked": copy.deepcopy(model)}
+    prepack_linears(copies["prepacked-unfused"], fuse=False)
+    prepack_linears(copies["prepacked"])
+    adapters = {name: ModelAdapter(copies.get(name, model), **kw) for name, kw in VARIANTS.items()}
     gen = torch.Generator().manual_seed(0)
     results = []
     for prefix in args.prefix:

@@ -41,7 +41,7 @@ def main() -> None:
     model, _, folder = load_model_and_tokenizer(resolve_model_path(args.model), dtype=args.dtype)
     stock = [m for m in model.modules() if type(m) is torch.nn.Linear]
     packed_model = copy.deepcopy(model)
-    prepack_linears(packed_model)
+    prepack_linears(packed_model, fuse=False)  # layer by layer, as torch runs them (fusing: forward_paths.py)
     packed = [m for m in packed_model.modules() if isinstance(m, PackedLinear)]
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in stock)
     kernels = {

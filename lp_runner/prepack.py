@@ -17,6 +17,14 @@ prepacked engine with transformers' own greedy ``generate`` on the stock model, 
 
 The weights are replaced, not copied: a packed layer holds only the reordered matrix (the same bytes), except a
 tied output layer, whose embedding keeps the original for lookups (one extra copy of that matrix).
+
+Sibling projections that read the same input (an attention's q/k/v, an MLP's gate/up) become one product over
+their stacked weights (``SharedInputProduct``), each sibling a ``ProductSlice`` of its output: 211 products per
+forward of the embedded model become 121, and the small k/v products (192 x 576) no longer pay a call each.
+Measured on the AMD EPYC above (embedded model, K/V 300, median of 15): 42.9 -> 40.1 ms at 1 row and 43.4 ->
+39.7 ms at 4 rows with 2 threads; 56.9 -> 52.9 ms at 1 row with 1 thread. The logits are bit for bit those of the
+separate products (oneDNN reduces each output over the same inputs in the same order; tested on the three tiny
+families), so fusing changes no token and no exactness argument.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ from lp_runner.parallel.comm import first_line
 
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)  # oneDNN's CPU inner products without a special ISA
 PREPACKED = "onednn-prepacked"  # the kernels' name in records, summaries and calibration keys (else "torch")
+PREPACKED_FUSED = "onednn-prepacked-fused"  # ... with sibling projections fused (a faster forward: its own curve)
+# Sibling linears of one module that HF's Llama, Mistral and Qwen2 forwards call on the same input tensor.
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _onednn_product(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -72,6 +83,79 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class SharedInputProduct(torch.nn.Module):
+    """One prepacked product for sibling linears that read the same input; ``ProductSlice`` serves each sibling
+    its columns.
+
+    The first sibling called computes all of them; the others, called with the *same* tensor object (unchanged
+    since, where torch counts changes: ``_version``), get their slice of that result. Once every sibling has had
+    its slice the result is dropped, so at most one input and its product per group are held (a prefill's would
+    otherwise stay). A sibling called on any other tensor gets a fresh product: a wasted product at worst, never
+    a wrong one.
+    Under ``torch.compile`` dynamo traces the same memo (identity of the traced input, without version counts),
+    so a compiled forward also runs one product per group (tested: inductor would not merge three identical
+    calls of the opaque op by itself).
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        super().__init__()
+        self.in_features = linears[0].in_features
+        self.sizes = [lin.out_features for lin in linears]
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
+        bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+        self.register_buffer("bias", bias, persistent=False)
+        self._forget()
+
+    def _forget(self) -> None:
+        self._input: torch.Tensor | None = None
+        self._input_version = -1
+        self._slices: tuple[torch.Tensor, ...] = ()
+        self._unserved: set[int] = set()
+
+    def product(self, x: torch.Tensor, op=_onednn_product) -> tuple[torch.Tensor, ...]:
+        rows = x.reshape(-1, self.in_features)
+        out = op(rows, self.packed_weight, self.bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1]).split(self.sizes, dim=-1)
+
+    def slice_for(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        compiling = torch.compiler.is_compiling()
+        version = -1 if compiling else _version(x)
+        if x is not self._input or version != self._input_version or index not in self._unserved:
+            self._slices = self.product(x, _packed_linear_op if compiling else _onednn_product)
+            self._input, self._input_version = x, version
+            self._unserved = set(range(len(self.sizes)))
+        out = self._slices[index]
+        self._unserved.discard(index)
+        if not self._unserved:
+            self._forget()
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, sizes={self.sizes}, bias={self.bias is not None}"
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x``'s in-place change counter; an inference tensor keeps none (-1: identity alone decides, and within one
+    decoder layer the siblings' input is not changed between their calls)."""
+    return -1 if x.is_inference() else x._version
+
+
+class ProductSlice(torch.nn.Module):
+    """Sibling ``index`` of a ``SharedInputProduct``: in place of its ``nn.Linear``, the same output."""
+
+    def __init__(self, shared: SharedInputProduct, index: int) -> None:
+        super().__init__()
+        self.shared, self.index = shared, index
+        self.in_features, self.out_features = shared.in_features, shared.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.slice_for(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, out_features={self.out_features}"
+
+
 @dataclass(frozen=True)
 class PrepackChoice:
     """What ``model.prepack`` did, for the summary and every record: ``layers`` packed, or why none were."""
@@ -79,14 +163,23 @@ class PrepackChoice:
     mode: str  # off | on | auto
     layers: int
     reason: str
+    products: int = 0  # products per forward the packed layers make (siblings fused: fewer than ``layers``)
 
     @property
     def kernels(self) -> str:
         """The linear kernels the forward runs (part of the calibration key: each has its own curve)."""
-        return PREPACKED if self.layers else "torch"
+        if not self.layers:
+            return "torch"
+        return PREPACKED_FUSED if self.products < self.layers else PREPACKED
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "kernels": self.kernels, "layers": self.layers, "reason": self.reason}
+        return {
+            "mode": self.mode,
+            "kernels": self.kernels,
+            "layers": self.layers,
+            "products": self.products,
+            "reason": self.reason,
+        }
 
 
 def unavailable_reason(model: torch.nn.Module) -> str | None:
@@ -111,16 +204,29 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def prepack_linears(model: torch.nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` with a ``PackedLinear`` in place; returns how many. Irreversible:
-    the original weights of those layers are released (a tied embedding keeps its own)."""
-    packed = 0
+def prepack_linears(model: torch.nn.Module, fuse: bool = True) -> tuple[int, int]:
+    """Replace every ``nn.Linear`` of ``model`` in place: sibling groups (``SHARED_INPUT_GROUPS``, same input
+    size, dtype and bias presence) by ``ProductSlice``s of one ``SharedInputProduct`` when ``fuse``, every other
+    one by a ``PackedLinear``. Returns (linear layers replaced, products per forward). Irreversible: the original
+    weights of those layers are released (a tied embedding keeps its own)."""
+    layers = products = 0
     for parent in list(model.modules()):
+        for names in SHARED_INPUT_GROUPS if fuse else ():
+            siblings = [getattr(parent, name, None) for name in names]
+            if not all(type(s) is torch.nn.Linear for s in siblings):
+                continue
+            kinds = {(s.in_features, s.weight.dtype, s.weight.device, s.bias is None) for s in siblings}
+            if len(kinds) != 1:
+                continue
+            shared = SharedInputProduct(siblings)
+            for index, name in enumerate(names):
+                setattr(parent, name, ProductSlice(shared, index))
+            layers, products = layers + len(names), products + 1
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, PackedLinear(child))
-                packed += 1
-    return packed
+                layers, products = layers + 1, products + 1
+    return layers, products
 
 
 def apply_prepack(model: torch.nn.Module, mode: str) -> PrepackChoice:
@@ -133,10 +239,14 @@ def apply_prepack(model: torch.nn.Module, mode: str) -> PrepackChoice:
         if mode == "on":
             raise ConfigError(f"model.prepack=on: {reason}; use model.prepack=auto or off")
         return PrepackChoice(mode, 0, reason)
-    layers = prepack_linears(model)
-    return PrepackChoice(mode, layers, "CPU with oneDNN" if mode == "auto" else "on")
+    layers, products = prepack_linears(model)
+    return PrepackChoice(mode, layers, "CPU with oneDNN" if mode == "auto" else "on", products)
 
 
 def linear_kernels(model: torch.nn.Module) -> str:
-    """``onednn-prepacked`` when ``model``'s linears were prepacked, else ``torch``."""
-    return PREPACKED if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
+    """``onednn-prepacked-fused`` when ``model``'s linears were prepacked with siblings fused, ``onednn-prepacked``
+    when prepacked without, else ``torch``."""
+    modules = list(model.modules())
+    if any(isinstance(m, SharedInputProduct) for m in modules):
+        return PREPACKED_FUSED
+    return PREPACKED if any(isinstance(m, PackedLinear) for m in modules) else "torch"

@@ -69,13 +69,17 @@ def policy_lines(policy: dict | None) -> list[str]:
 
 
 def prepack_lines(policy: dict | None) -> list[str]:
-    """The linear kernels (``model.prepack``), e.g. ``linear layers: oneDNN-prepacked (211; model.prepack=auto)`` or
+    """The linear kernels (``model.prepack``), e.g. ``linear layers: oneDNN-prepacked (211 in 121 products;
+    model.prepack=auto)`` or
     ``linear layers: torch (model.prepack=auto: float16 weights ...)``; nothing when off."""
     pre = (policy or {}).get("prepack")
     if not pre or pre["mode"] == "off":
         return []
     if pre["layers"]:
-        return [f"linear layers: oneDNN-prepacked ({pre['layers']}; model.prepack={pre['mode']})"]
+        products = pre.get("products") or pre["layers"]  # records before sibling fusion have no "products"
+        return [
+            f"linear layers: oneDNN-prepacked ({pre['layers']} in {products} products; model.prepack={pre['mode']})"
+        ]
     return [f"linear layers: torch (model.prepack={pre['mode']}: {pre['reason']})"]
 
 

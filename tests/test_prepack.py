@@ -21,13 +21,22 @@ import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
 from helpers import FAMILIES, hf_greedy, random_prompt, run_lookahead
 
+from lp_runner import prepack
 from lp_runner.calibrate import calibration_key
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.engine import LookaheadEngine
 from lp_runner.errors import ConfigError
 from lp_runner.loading import weights_checksum
 from lp_runner.model import ModelAdapter
-from lp_runner.prepack import PackedLinear, apply_prepack, linear_kernels, prepack_linears, unavailable_reason
+from lp_runner.prepack import (
+    PackedLinear,
+    ProductSlice,
+    SharedInputProduct,
+    apply_prepack,
+    linear_kernels,
+    prepack_linears,
+    unavailable_reason,
+)
 
 pytestmark = pytest.mark.skipif(unavailable_reason(torch.nn.Linear(2, 2)) is not None, reason="no oneDNN here")
 
@@ -63,11 +72,63 @@ def test_prepack_replaces_every_linear_and_leaves_the_rest(tiny, family: str) ->
     linears, embedding = _count_linears(model), model.get_input_embeddings().weight.detach().clone()
     choice = apply_prepack(model, "auto")
     assert choice.layers == linears > 0 and _count_linears(model) == 0
-    assert choice.kernels == linear_kernels(model) == ModelAdapter(model).kernels == "onednn-prepacked"
+    assert choice.kernels == linear_kernels(model) == ModelAdapter(model).kernels == "onednn-prepacked-fused"
     assert torch.equal(model.get_input_embeddings().weight, embedding)  # a tied embedding keeps its weights
-    described = {"mode": "auto", "kernels": "onednn-prepacked", "layers": linears, "reason": "CPU with oneDNN"}
+    layers = model.config.num_hidden_layers
+    products = linears - 3 * layers  # per decoder layer q/k/v -> 1 product, gate/up -> 1
+    described = {
+        "mode": "auto",
+        "kernels": "onednn-prepacked-fused",
+        "layers": linears,
+        "products": products,
+        "reason": "CPU with oneDNN",
+    }
     assert choice.describe() == described
+    assert sum(isinstance(m, SharedInputProduct) for m in model.modules()) == 2 * layers
     assert ModelAdapter(tiny(family)).kernels == "torch"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_siblings_give_the_bits_of_separate_products(tiny, family: str) -> None:
+    """q/k/v and gate/up as one product each: logits bit for bit those of one product per layer (so fusing changes
+    no token), at every row count; each shared product runs once per forward and holds nothing after it."""
+    separate, fused = copy.deepcopy(tiny(family)), copy.deepcopy(tiny(family))
+    assert prepack_linears(separate, fuse=False) == (_count_linears(tiny(family)),) * 2
+    assert linear_kernels(separate) == "onednn-prepacked"
+    prepack_linears(fused)
+    shared = [m for m in fused.modules() if isinstance(m, SharedInputProduct)]
+    calls = []
+    for m in shared:
+        m.product = (lambda original: lambda *a, **k: calls.append(1) or original(*a, **k))(m.product)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8, 17):
+            ids = torch.randint(0, fused.config.vocab_size, (1, rows), generator=gen)
+            calls.clear()
+            got = fused(ids).logits
+            assert len(calls) == len(shared), f"{rows} rows: a sibling missed the shared product"
+            assert torch.equal(got, separate(ids).logits), f"{family}, {rows} rows"
+    assert all(m._input is None and m._slices == () for m in shared)  # nothing held between forwards
+
+
+def test_shared_product_recomputes_for_another_or_a_changed_input() -> None:
+    """The memo serves a sibling only the product of the very tensor it is given, unchanged since."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.nn.Linear(16, 8, bias=True), torch.nn.Linear(16, 4, bias=True)
+    with torch.no_grad():
+        for lin in (a, b):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
+    shared = SharedInputProduct([a, b])
+    first, second = ProductSlice(shared, 0), ProductSlice(shared, 1)
+    x, y = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen)
+    with torch.no_grad():  # not inference mode: its tensors count no in-place changes
+        torch.testing.assert_close(first(x), a(x))
+        torch.testing.assert_close(second(y), b(y))  # another tensor: not x's product
+        torch.testing.assert_close(first(x), a(x))
+        x.mul_(2)  # the same tensor, changed in place
+        torch.testing.assert_close(second(x), b(x))
+        torch.testing.assert_close(second(x), b(x))  # asked twice: computed again, not a stale slice
 
 
 def test_modes_off_on_and_what_cannot_be_packed(tiny) -> None:
@@ -105,7 +166,7 @@ def test_calibration_and_compile_records_are_per_kernel() -> None:
 def test_prepacked_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family: str) -> None:
     stock = tiny(family)
     model = copy.deepcopy(stock)
-    assert prepack_linears(model) > 0
+    assert prepack_linears(model)[0] > 0
     for seed in range(3):
         prompt = random_prompt(24, seed=seed)
         expected = hf_greedy(stock, prompt, 40)
@@ -118,7 +179,7 @@ def test_prepacked_embedded_model_equals_hf_greedy(embedded, humaneval) -> None:
     """The embedded model, prepacked, against HF greedy on the stock model: code and chat, window on and off."""
     stock, tokenizer = embedded
     model = copy.deepcopy(stock)
-    assert prepack_linears(model) == _count_linears(stock)
+    assert prepack_linears(model)[0] == _count_linears(stock)
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Give three tips for a good night's sleep."}], add_generation_prompt=True
     )
@@ -137,11 +198,11 @@ def test_prepacked_embedded_model_equals_hf_greedy(embedded, humaneval) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_prepacked_rounds_equal_hf_greedy(tiny) -> None:
+def test_compiled_prepacked_rounds_equal_hf_greedy(tiny, monkeypatch) -> None:
     """``model.compile`` over prepacked linears: inductor calls the packed product as an external kernel."""
     stock = tiny("llama")
     model = copy.deepcopy(stock)
-    prepack_linears(model)
+    _, products = prepack_linears(model)
     compiled = ModelAdapter(model, compile=True)
     assert compiled.warm_up(64) > 0
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
@@ -149,6 +210,12 @@ def test_compiled_prepacked_rounds_equal_hf_greedy(tiny) -> None:
     for seed in range(2):
         prompt = random_prompt(20, seed=seed)
         assert engine.generate(prompt).output_ids == hf_greedy(stock, prompt, 32), seed
+    # the compiled graph shares each sibling group's product too (one call per product, not one per sibling)
+    calls = []
+    original = prepack._onednn_product
+    monkeypatch.setattr(prepack, "_onednn_product", lambda *a: calls.append(1) or original(*a))
+    forwards = engine.generate(random_prompt(20, seed=5)).stats.forwards
+    assert forwards > 0 and len(calls) == forwards * products, (len(calls), forwards, products)
 
 
 def _run_cli(tmp_path: Path, folder: Path, mode: str, out: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -172,9 +239,16 @@ def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path:
     folder = make_tiny_folder(tmp_path / "model")
     packed_proc, packed = _run_cli(tmp_path, folder, "auto", "packed.jsonl")
     torch_proc, plain = _run_cli(tmp_path, folder, "off", "plain.jsonl")
-    assert packed["policy"]["prepack"]["kernels"] == "onednn-prepacked" and packed["policy"]["prepack"]["layers"] > 0
+    assert packed["policy"]["prepack"]["kernels"] == "onednn-prepacked-fused"
+    assert 0 < packed["policy"]["prepack"]["products"] < packed["policy"]["prepack"]["layers"]
     assert "linear layers: oneDNN-prepacked (" in packed_proc.stderr
-    assert plain["policy"]["prepack"] == {"mode": "off", "kernels": "torch", "layers": 0, "reason": "off"}
+    assert plain["policy"]["prepack"] == {
+        "mode": "off",
+        "kernels": "torch",
+        "layers": 0,
+        "products": 0,
+        "reason": "off",
+    }
     assert "linear layers:" not in torch_proc.stderr
     assert packed["output_ids"] == plain["output_ids"]
     # the checkpoint's checksum either way: a --resume may change model.prepack
