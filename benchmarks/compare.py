@@ -48,7 +48,7 @@ from lp_runner.loading import (  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
 from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
 from lp_runner.policy import RoundPolicy  # noqa: E402
-from lp_runner.prepack import apply_prepack  # noqa: E402
+from lp_runner.prepack import apply_prepack, prepack_linears  # noqa: E402
 from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
 
 PLAIN = dict(context_lookup=False)  # Lookahead Decoding alone: Jacobi pool (+ its repair by committed text)
@@ -214,6 +214,11 @@ def main() -> None:
         "(model.prepack: off), as '<name> torch-linear': the prepacking's gain side by side",
     )  # fmt: skip
     ap.add_argument(
+        "--unfused", default="", metavar="NAMES",
+        help="comma-separated CONFIGS names (or config-file names) also run prepacked without sibling fusion "
+        "(one product per linear layer), as '<name> unfused': the fusion's gain side by side",
+    )  # fmt: skip
+    ap.add_argument(
         "--compiled", default="", metavar="NAMES",
         help="comma-separated CONFIGS names (or config-file names) also run through the compiled static-shape "
         "forward (model.compile: on), as '<name> compiled'; the compile time is in the report",
@@ -268,19 +273,27 @@ def main() -> None:
         engine = LookaheadEngine(adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
         runners[name] = _engine_runner(engine, policy)
         policies[name] = policy
-    for name in filter(None, args.torch_linear.split(",")):
-        if name in settings:
-            engine = LookaheadEngine(stock_adapter, settings[name], gen, eos_ids=[eos])
-            runners[f"{name} torch-linear"] = _engine_runner(engine)
-        elif name in policies:  # as the runner with model.prepack=off: its own curve, its own auto choice
-            spec = next(item for item in args.config_file if item.partition("=")[0] == name)
-            label, policy = config_policy(f"{name} torch-linear={spec.partition('=')[2]}", stock_adapter, model,
-                                          args.recalibrate)  # fmt: skip
-            engine = LookaheadEngine(stock_adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
-            runners[label] = _engine_runner(engine, policy)
-            policies[label] = policy
-        else:
-            raise SystemExit(f"--torch-linear: {name!r} is neither in --configs nor a --config-file name")
+    # the same configs on other linear kernels, side by side: torch's own (model.prepack: off) and prepacked
+    # without sibling fusion (what the default ran before it)
+    variants = [("torch-linear", args.torch_linear, stock_adapter)]
+    if args.unfused:
+        unfused_model = copy.deepcopy(model)
+        prepack_linears(unfused_model, fuse=False)
+        variants.append(("unfused", args.unfused, ModelAdapter(unfused_model)))
+    for suffix, names, variant_adapter in variants:
+        for name in filter(None, names.split(",")):
+            if name in settings:
+                engine = LookaheadEngine(variant_adapter, settings[name], gen, eos_ids=[eos])
+                runners[f"{name} {suffix}"] = _engine_runner(engine)
+            elif name in policies:  # as the runner with those kernels: its own curve, its own auto choice
+                spec = next(item for item in args.config_file if item.partition("=")[0] == name)
+                label, policy = config_policy(f"{name} {suffix}={spec.partition('=')[2]}", variant_adapter, model,
+                                              args.recalibrate)  # fmt: skip
+                engine = LookaheadEngine(variant_adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
+                runners[label] = _engine_runner(engine, policy)
+                policies[label] = policy
+            else:
+                raise SystemExit(f"--{suffix}: {name!r} is neither in --configs nor a --config-file name")
     compile_s = None
     if args.compiled:
         fast = ModelAdapter(packed_model, compile=True)
