@@ -37,10 +37,11 @@ from lp_runner.engine import LookaheadEngine  # noqa: E402
 from lp_runner.job_pool import JobPool  # noqa: E402
 from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
-from lp_runner.parallel.coordinator import Coordinator  # noqa: E402
+from lp_runner.parallel.coordinator import Coordinator, RoundPlan  # noqa: E402
 from lp_runner.prepack import apply_prepack, linear_kernels  # noqa: E402
 from lp_runner.preset import Sample, simulate  # noqa: E402
 from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
+from lp_runner.sources import merge_candidates  # noqa: E402
 
 # Window-off settings (the only ones a simulation can replay): the auto preset's choice on a 2-core CPU (G=1,
 # context 1-3 / 10 tokens) and wider budgets, as a GPU's flatter cost curve would pick.
@@ -51,6 +52,7 @@ SETTINGS: dict[str, LookaheadConfig] = {
     "G4-ctx16": LookaheadConfig(
         lookahead_branch=False, verification_set_size=4, context_tokens=16, pool_scope="prompt"
     ),
+    "G16": LookaheadConfig(lookahead_branch=False, verification_set_size=16, pool_scope="prompt"),
 }
 
 
@@ -86,9 +88,10 @@ def write_outputs(path: Path, chat: int, code: int, max_new: int, threads: int) 
             print(f"{p['id']}: {len(row['output_ids'])} tokens", flush=True)
 
 
-def load_rows(path: Path, ids: set[str] | None = None) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [r for r in rows if ids is None or r["id"] in ids]
+def load_rows(path: Path, order: list[str]) -> list[dict]:
+    """The cached outputs of the prompts in ``order``, in that order (a resumed cache file is not in job order)."""
+    rows = {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+    return [rows[i] for i in order if i in rows]
 
 
 class JobFirstCoordinator(Coordinator):
@@ -100,14 +103,29 @@ class JobFirstCoordinator(Coordinator):
         self.sources = job + [s for s in self.sources if s.name != "job"]
 
 
+class FirstOfEachCoordinator(Coordinator):
+    """Measurement only, the bound of a one-candidate round: every source's first proposal verified side by side
+    (the simulation keeps the one with the most hits), i.e. a perfect choice among them. What G=1 could reach
+    with these sources if the choice between them were never wrong."""
+
+    def plan(self, history, depth):
+        firsts = [p for src in self.sources for p in src.propose(history, 1)[:1]]
+        kept = merge_candidates(firsts, len(firsts))
+        return RoundPlan(history[-1], tuple(kept), ((0, 0),), (tuple(range(len(kept))),))
+
+
 def simulate_job(
-    la: LookaheadConfig, rows: list[dict], store: JobPool | None = None, job_first: bool = False
+    la: LookaheadConfig,
+    rows: list[dict],
+    store: JobPool | None = None,
+    job_first: bool = False,
+    coordinator: type[Coordinator] | None = None,
 ) -> list[tuple[int, int]]:
     """(tokens, forwards) per prompt of one job, run in order; ``store`` carried across prompts (None: prompt
-    scope)."""
+    scope); ``coordinator`` replaces the shipped one (a measurement variant)."""
     out = []
     original = preset.Coordinator
-    preset.Coordinator = JobFirstCoordinator if job_first else Coordinator
+    preset.Coordinator = coordinator or (JobFirstCoordinator if job_first else Coordinator)
     try:
         for r in rows:
             shapes = simulate(la, Sample(tuple(r["prompt_ids"]), tuple(r["output_ids"])), store)
@@ -144,6 +162,26 @@ def compare_scopes(rows: list[dict], max_tokens: int) -> dict:
         res["per_prompt"] = {k: runs[k] for k in ("prompt", "job")}
         out[name] = res
     return out
+
+
+def choice_bound(rows: list[dict], max_tokens: int) -> dict:
+    """At G=1 (the auto preset's CPU choice): tokens per forward by set, each scope as shipped and with a perfect
+    choice among the sources' first proposals (``FirstOfEachCoordinator``). If the job scope's gain stays short
+    of a target even with perfect choices, no ranking between the sources closes it: the store's content does
+    not hold the continuations."""
+    la = SETTINGS["G1"]
+    job = dataclasses.replace(la, pool_scope="job", pool_max_tokens=max_tokens)
+    runs = {
+        "prompt": simulate_job(la, rows),
+        "job": simulate_job(job, rows, JobPool(max_tokens)),
+        "prompt_perfect_choice": simulate_job(la, rows, coordinator=FirstOfEachCoordinator),
+        "job_perfect_choice": simulate_job(job, rows, JobPool(max_tokens), coordinator=FirstOfEachCoordinator),
+    }
+    res = {k: by_set(rows, v) for k, v in runs.items()}
+    res["gain_perfect_choice"] = {
+        s: round(res["job_perfect_choice"][s] / res["prompt_perfect_choice"][s] - 1, 4) for s in res["prompt"]
+    }
+    return res
 
 
 def growth(rows: list[dict], setting: str, result: dict, step: int = 10) -> list[dict]:
@@ -303,8 +341,7 @@ def main() -> None:
     print(f"outputs ready in {time.perf_counter() - start:.0f} s", flush=True)
     if args.only_outputs:
         return
-    ids = {p["id"] for p in job_prompts(args.chat, args.code)}
-    rows = load_rows(path, ids)
+    rows = load_rows(path, [p["id"] for p in job_prompts(args.chat, args.code)])
     scopes = compare_scopes(rows, args.max_tokens)
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -316,6 +353,7 @@ def main() -> None:
         "method": "tokens per forward from preset.simulate (the real Coordinator replayed on the outputs)",
         "settings": {k: preset.describe(v) for k, v in SETTINGS.items()},
         "tokens_per_forward": {k: {kk: vv for kk, vv in v.items() if kk != "per_prompt"} for k, v in scopes.items()},
+        "choice_bound_G1": choice_bound(rows, args.max_tokens),
         "growth_G1": growth(rows, "G1", scopes),
         "growth_G4": growth(rows, "G4", scopes),
         "pool_in_G1": pool_in_effect(rows, "G1", args.max_tokens),
@@ -374,6 +412,22 @@ def markdown(r: dict) -> str:
                 f"| {name}: {r['settings'][name]} | {s} | {res['prompt'][s]:.3f} | {res['job'][s]:.3f} | "
                 f"{100 * res['gain_job_vs_prompt'][s]:+.1f}% | {res['job+prompts'][s]:.3f} | "
                 f"{res['job-first'][s]:.3f} |"
+            )
+    if "choice_bound_G1" in r:
+        b = r["choice_bound_G1"]
+        lines += [
+            "",
+            "G1 with a perfect choice among the sources' first proposals (each verified, the best kept: a bound "
+            "no ranking between sources can pass):",
+            "",
+            "| set | prompt | job | gain | prompt, perfect choice | job, perfect choice | gain |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for s in b["prompt"]:
+            lines.append(
+                f"| {s} | {b['prompt'][s]:.3f} | {b['job'][s]:.3f} | {100 * (b['job'][s] / b['prompt'][s] - 1):+.1f}%"
+                f" | {b['prompt_perfect_choice'][s]:.3f} | {b['job_perfect_choice'][s]:.3f} | "
+                f"{100 * b['gain_perfect_choice'][s]:+.1f}% |"
             )
     for key in ("growth_G1", "growth_G4"):
         lines += ["", f"Chat gain by prompts already seen ({key[7:]}):", "", "| seen | prompt | job | gain |"]
