@@ -166,3 +166,36 @@ def test_forward_cost_benchmark_writes_curve_plot_and_axes(tmp_path):
     assert data["copy_gb_s"] > 0 and data["matmul_gflop_s"] > 0
     for c in data["curves"]:
         assert c["limit_ms"] > 0 and c["x_limit"] > 1, c
+
+
+def test_perfect_choice_bound_verifies_every_sources_first_proposal():
+    """``global_pool.FirstOfEachCoordinator`` (the G=1 bound): each source's first proposal is a candidate of the
+    round, so the simulation keeps whichever verifies longest; on a job where the store knows the answer and the
+    prompt's own text misleads, the bound reaches the store's continuation while the shipped G=1 order (context
+    first at equal match length) does not."""
+    import dataclasses
+
+    from benchmarks import global_pool
+    from lp_runner.job_pool import JobPool
+    from lp_runner.parallel.coordinator import Coordinator
+
+    la = dataclasses.replace(global_pool.SETTINGS["G1"], pool_scope="job", pool_max_tokens=1000)
+    store = JobPool(1000)
+    store.add((), (7, 8, 9, 10, 11, 12))  # an earlier output: 7 8 is followed by 9 10 11 12
+    history = [5, 7, 8, 3, 5, 7, 8]  # the prompt's own text: 7 8 was followed by 3
+    plans = {}
+    for name, cls in (("bound", global_pool.FirstOfEachCoordinator), ("shipped", Coordinator)):
+        coord = cls(la, 1, history[:4], store=store)
+        coord.observe((), history, 3)
+        plans[name] = coord.plan(history, None)
+    assert {p.source for p in plans["bound"].proposals} >= {"context", "job"}
+    assert (9, 10, 11, 12) in [c[:4] for c in plans["bound"].candidates]
+    assert [p.source for p in plans["shipped"].proposals] == ["context"]  # G=1: the context index's, first
+    rows = [
+        {"set": "mtbench", "prompt_ids": [5, 7, 8, 3, 1], "output_ids": [7, 8, 9, 10, 11, 12, 2]},
+        {"set": "mtbench", "prompt_ids": [5, 7, 8, 3, 1], "output_ids": [7, 8, 9, 10, 11, 12, 2]},
+    ]
+    bound_run = global_pool.simulate_job(la, rows, JobPool(1000), coordinator=global_pool.FirstOfEachCoordinator)
+    shipped_run = global_pool.simulate_job(la, rows, JobPool(1000))
+    assert bound_run[0] == shipped_run[0]  # the first prompt: an empty store, the same candidates
+    assert bound_run[1][1] < shipped_run[1][1]  # the second: the store's continuation wins, fewer forwards
