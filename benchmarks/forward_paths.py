@@ -1,6 +1,6 @@
 """One target forward through the adapter on transformers' own paths versus lp_runner's two replacements.
 
-Three variants of ``ModelAdapter`` on one model, each with its own cache holding the same prefix:
+Variants of ``ModelAdapter`` on one model, each with its own cache holding the same prefix:
 
 * ``transformers``: ``DynamicCache`` (concatenates every layer's whole K/V on each forward) and transformers'
   sdpa attention (repeats every cached K/V head per query head when a mask and several rows are given);
@@ -9,7 +9,9 @@ Three variants of ``ModelAdapter`` on one model, each with its own cache holding
 * ``prepacked-unfused``: that, with every linear layer prepacked for oneDNN on its own (``lp_runner.prepack``,
   a copy of the model);
 * ``prepacked``: that, with sibling projections (q/k/v, gate/up) fused into one product each (another copy):
-  what the engine runs on a CPU by default (``model.prepack: auto``).
+  what the engine runs on a CPU by default (``model.prepack: auto``);
+* ``prepacked compiled`` (with ``--compiled``): that forward through ``model.compile: on`` (torch.compile with
+  dynamic shapes on a static cache; compiled once before timing, the compile time printed).
 
 For every (prefix, rows) the variants alternate forward by forward (order rotated each repetition), so the
 printed ratios are measured side by side; each forward is cropped back to the prefix, as a rejected round is.
@@ -54,19 +56,28 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="", help="write OUT.json and OUT.md")
+    ap.add_argument("--compiled", action="store_true", help="add the prepacked forward compiled (model.compile)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _, folder = load_model_and_tokenizer(resolve_model_path(args.model), dtype="float32")
     copies = {"prepacked-unfused": copy.deepcopy(model), "prepacked": copy.deepcopy(model)}
     prepack_linears(copies["prepacked-unfused"], fuse=False)
     prepack_linears(copies["prepacked"])
-    adapters = {name: ModelAdapter(copies.get(name, model), **kw) for name, kw in VARIANTS.items()}
+    variants = dict(VARIANTS)
+    if args.compiled:
+        variants["prepacked compiled"] = dict(compile=True)
+        copies["prepacked compiled"] = copies["prepacked"]  # the same packed weights, compiled
+    adapters = {name: ModelAdapter(copies.get(name, model), **kw) for name, kw in variants.items()}
+    capacity = max(args.prefix) + max(args.rows) + 64
+    for name, adapter in adapters.items():
+        if adapter.compiled:
+            print(f"{name}: compiled in {adapter.warm_up(capacity):.1f} s", flush=True)
     gen = torch.Generator().manual_seed(0)
     results = []
     for prefix in args.prefix:
         tokens = torch.randint(0, model.config.vocab_size, (prefix,), generator=gen)
         tril = torch.ones(prefix, prefix, dtype=torch.bool).tril()
-        caches = {name: a.new_cache() for name, a in adapters.items()}
+        caches = {name: a.new_cache(capacity) for name, a in adapters.items()}
         for name, a in adapters.items():
             a.forward(tokens, torch.arange(prefix), tril, caches[name], torch.tensor([prefix - 1]))
         for q in args.rows:
@@ -95,7 +106,7 @@ def main() -> None:
         cpu = device_name(torch.device("cpu"))
         meta = {"model": str(folder), "cpu": cpu, "threads": args.threads, "reps": args.reps, "results": results}
         out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
-        others = [n for n in VARIANTS if n != "transformers"]
+        others = [n for n in adapters if n != "transformers"]
         md = [
             f"{cpu}, {args.threads} threads, median of {args.reps} forwards per cell, variants interleaved",
             "",

@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 from dist_helpers import env_with_repo, make_tiny_folder, read_jsonl, torchrun_cmd, write_prompts
 
-PROMPTS = 40  # enough that a kill after the first record lands mid-run
+# enough that a signal sent once two records are written lands mid-run: the tiny model's repetitive output makes
+# a prompt take ~7 ms with the default's context lookup and prepacked linears (40 prompts ran out in 0.29 s, and
+# once the job ended before the SIGINT arrived), so the margin is ~1 s at 160
+PROMPTS = 160
 MAX_NEW = 16
 # Fields that measure the run (time, placement, per-round telemetry), not what it generated. The lookahead
 # setting that ran (``policy`` and W / N / G / pool_from_prompt) and so ``forwards`` depend on what the process saw
