@@ -302,10 +302,13 @@ def main() -> None:
         for name in args.compiled.split(","):
             if name in settings:
                 runners[f"{name} compiled"] = _engine_runner(LookaheadEngine(fast, settings[name], gen, eos_ids=[eos]))
-            elif name in policies:
-                policy = policies[name]
+            elif name in policies:  # as the runner with model.compile: on: its own curve, its own auto choice
+                spec = next(item for item in args.config_file if item.partition("=")[0] == name)
+                label, policy = config_policy(f"{name} compiled={spec.partition('=')[2]}", fast, model,
+                                              args.recalibrate)  # fmt: skip
                 engine = LookaheadEngine(fast, policy.lookahead, gen, [eos], None, policy.row_plan)
-                runners[f"{name} compiled"] = _engine_runner(engine, policy)
+                runners[label] = _engine_runner(engine, policy)
+                policies[label] = policy
             else:
                 raise SystemExit(f"--compiled: {name!r} is neither in --configs nor a --config-file name")
     for run in runners.values():
