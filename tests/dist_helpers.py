@@ -98,3 +98,10 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
                 p.send_signal(signal.SIGCONT)
             p.kill()
         p.wait()
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test will Ctrl-C: SIGINT back to its default disposition. A shell starts a
+    background job (``pytest ... &``) with SIGINT ignored, the child inherits that across exec, and Python then
+    never raises KeyboardInterrupt: the test would see the shell's choice, not lp_runner's handling."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

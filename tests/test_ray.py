@@ -31,7 +31,15 @@ if importlib.util.find_spec("ray") is None:  # not imported here: the cluster fi
     pytest.skip("ray is not installed: pip install 'lp_runner[ray]'", allow_module_level=True)
 
 import torch  # noqa: E402
-from dist_helpers import REPO, env_with_repo, free_port, make_tiny_folder, read_jsonl, write_prompts  # noqa: E402
+from dist_helpers import (  # noqa: E402
+    REPO,
+    default_sigint,
+    env_with_repo,
+    free_port,
+    make_tiny_folder,
+    read_jsonl,
+    write_prompts,
+)
 from helpers import hf_greedy
 
 from lp_runner.config import load_config  # noqa: E402
@@ -497,7 +505,9 @@ def test_interrupted_driver_cleans_up_and_resumes(cluster, tiny_dir, tmp_path, s
     prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
     cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2))]
     env = env_with_repo(RAY_ADDRESS=cluster.gcs)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    )
     try:
         deadline = time.monotonic() + 150
         while not (out.exists() and len(out.read_text().splitlines()) >= 2):
