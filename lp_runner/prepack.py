@@ -21,10 +21,10 @@ tied output layer, whose embedding keeps the original for lookups (one extra cop
 Sibling projections that read the same input (an attention's q/k/v, an MLP's gate/up) become one product over
 their stacked weights (``SharedInputProduct``), each sibling a ``ProductSlice`` of its output: 211 products per
 forward of the embedded model become 121, and the small k/v products (192 x 576) no longer pay a call each.
-Measured on the AMD EPYC above (embedded model, K/V 300, median of 15): 42.9 -> 40.1 ms at 1 row and 43.4 ->
-39.7 ms at 4 rows with 2 threads; 56.9 -> 52.9 ms at 1 row with 1 thread. The logits are bit for bit those of the
-separate products (oneDNN reduces each output over the same inputs in the same order; tested on the three tiny
-families), so fusing changes no token and no exactness argument.
+Measured on the AMD EPYC above, side by side (``benchmarks/forward_paths.py``): 2-4% off a forward in one run,
+equal within 1% (8 rows: 4% slower) in another, so a gain within that machine's noise; kept because it costs no
+exactness and no memory. The logits are bit for bit those of the separate products (oneDNN reduces each output
+over the same inputs in the same order; tested on the three tiny families), so fusing changes no token.
 """
 
 from __future__ import annotations

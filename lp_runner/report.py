@@ -69,8 +69,8 @@ def policy_lines(policy: dict | None) -> list[str]:
 
 
 def prepack_lines(policy: dict | None) -> list[str]:
-    """The linear kernels (``model.prepack``), e.g. ``linear layers: oneDNN-prepacked (211 in 121 products;
-    model.prepack=auto)`` or
+    """The linear kernels (``model.prepack``), e.g.
+    ``linear layers: oneDNN-prepacked (211 in 121 products; model.prepack=auto)`` or
     ``linear layers: torch (model.prepack=auto: float16 weights ...)``; nothing when off."""
     pre = (policy or {}).get("prepack")
     if not pre or pre["mode"] == "off":
