@@ -38,7 +38,7 @@ from lp_runner.parallel.comm import first_line
 
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)  # oneDNN's CPU inner products without a special ISA
 PREPACKED = "onednn-prepacked"  # the kernels' name in records, summaries and calibration keys (else "torch")
-PREPACKED_FUSED = "onednn-prepacked-fused"  # ... with sibling projections fused (a faster forward: its own curve)
+PREPACKED_FUSED = "onednn-prepacked-fused"  # ... with sibling projections fused (another forward: its own curve)
 # Sibling linears of one module that HF's Llama, Mistral and Qwen2 forwards call on the same input tensor.
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
