@@ -273,19 +273,25 @@ def main() -> None:
         engine = LookaheadEngine(adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
         runners[name] = _engine_runner(engine, policy)
         policies[name] = policy
-    # the same configs on other linear kernels, side by side: torch's own (model.prepack: off) and prepacked
-    # without sibling fusion (what the default ran before it)
+    # the same configs on other forwards, side by side: torch's own linear (model.prepack: off), prepacked without
+    # sibling fusion (what the default ran before it), and compiled (model.compile: on)
     variants = [("torch-linear", args.torch_linear, stock_adapter)]
     if args.unfused:
         unfused_model = copy.deepcopy(model)
         prepack_linears(unfused_model, fuse=False)
         variants.append(("unfused", args.unfused, ModelAdapter(unfused_model)))
+    compile_s = None
+    if args.compiled:
+        fast = ModelAdapter(packed_model, compile=True)
+        compile_s = fast.warm_up(max(len(ids) for _, ids in encoded) + args.max_new_tokens + 64)
+        print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
+        variants.append(("compiled", args.compiled, fast))
     for suffix, names, variant_adapter in variants:
         for name in filter(None, names.split(",")):
             if name in settings:
                 engine = LookaheadEngine(variant_adapter, settings[name], gen, eos_ids=[eos])
                 runners[f"{name} {suffix}"] = _engine_runner(engine)
-            elif name in policies:  # as the runner with those kernels: its own curve, its own auto choice
+            elif name in policies:  # as the runner with that forward: its own curve, its own auto choice
                 spec = next(item for item in args.config_file if item.partition("=")[0] == name)
                 label, policy = config_policy(f"{name} {suffix}={spec.partition('=')[2]}", variant_adapter, model,
                                               args.recalibrate)  # fmt: skip
@@ -294,23 +300,6 @@ def main() -> None:
                 policies[label] = policy
             else:
                 raise SystemExit(f"--{suffix}: {name!r} is neither in --configs nor a --config-file name")
-    compile_s = None
-    if args.compiled:
-        fast = ModelAdapter(packed_model, compile=True)
-        compile_s = fast.warm_up(max(len(ids) for _, ids in encoded) + args.max_new_tokens + 64)
-        print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
-        for name in args.compiled.split(","):
-            if name in settings:
-                runners[f"{name} compiled"] = _engine_runner(LookaheadEngine(fast, settings[name], gen, eos_ids=[eos]))
-            elif name in policies:  # as the runner with model.compile: on: its own curve, its own auto choice
-                spec = next(item for item in args.config_file if item.partition("=")[0] == name)
-                label, policy = config_policy(f"{name} compiled={spec.partition('=')[2]}", fast, model,
-                                              args.recalibrate)  # fmt: skip
-                engine = LookaheadEngine(fast, policy.lookahead, gen, [eos], None, policy.row_plan)
-                runners[label] = _engine_runner(engine, policy)
-                policies[label] = policy
-            else:
-                raise SystemExit(f"--compiled: {name!r} is neither in --configs nor a --config-file name")
     for run in runners.values():
         run(encoded[0][1][:16])  # warm-up
     methods: dict[str, list[dict]] = {name: [] for name in runners}
