@@ -2,14 +2,18 @@
 
     python benchmarks/groups.py --out results/groups               # bench16, 128 tokens, configs/default.yaml
     python benchmarks/groups.py --limit 2 --max-new-tokens 8       # a check that it runs (no timing meaning)
+    python benchmarks/groups.py --only D1P1,D2P1,D2P1_unshared --repeat 3 --out results/groups_shared
 
 Setups (the CPU stand-in for one device per rank is one core per rank):
-    D=1 x P=1, 2 threads  |  D=2 x P=1, 1 thread each  |  D=1 x P=2 (LP), 1 thread per rank
+    D=1 x P=1, 2 threads  |  D=2 x P=1, 1 thread each (with and without parallel.share_cores: a group with
+    no more work gives its thread to the other)  |  D=1 x P=2 (LP), 1 thread per rank
 Each is one ``python -m lp_runner`` run (D x P > 1 starts torchrun itself). Reported per setup: the job's wall
 time and tokens/s from its summary line (``report.job_line``: generation only, model loading excluded), the
 per-prompt latency p50/p90, per-group utilisation, the process's whole wall time, and the ratio of job
-tokens/s to D=1 x P=1; outputs are compared token by token with the first setup. Records the CPU model
-(lscpu's model name). Writes OUT.json and OUT.md.
+tokens/s to D=1 x P=1 of the same round (``--repeat``: the setups run back to back that many times, and the
+table ends with each setup's ratios and their median: a two-core machine's speed drifts between minutes, and one
+job's tail depends on which prompt lands last); outputs are compared token by token with the first run. Records
+the CPU model (lscpu's model name). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -27,10 +32,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SETUPS = (  # (label, groups D, workers P, threads per rank)
-    ("D=1 x P=1, 2 threads", 1, 1, 2),
-    ("D=2 x P=1, 1 thread each", 2, 1, 1),
-    ("D=1 x P=2, 1 thread per rank", 1, 2, 1),
+SETUPS = (  # (label, groups D, workers P, threads per rank, extra --set, output file tag)
+    ("D=1 x P=1, 2 threads", 1, 1, 2, (), "D1P1"),
+    ("D=2 x P=1, 1 thread each", 2, 1, 1, (), "D2P1"),
+    ("D=2 x P=1, 1 thread each, share_cores=false", 2, 1, 1, ("parallel.share_cores=false",), "D2P1_unshared"),
+    ("D=1 x P=2, 1 thread per rank", 1, 2, 1, (), "D1P2"),
 )
 JOB_LINE = re.compile(
     r"job (?P<wall>[\d.]+) s  (?P<tps>[\d.]+) tokens/s  latency p50 (?P<p50>[\d.]+) s  p90 (?P<p90>[\d.]+) s"
@@ -38,8 +44,8 @@ JOB_LINE = re.compile(
 )
 
 
-def run_setup(prompts: Path, out: Path, groups: int, workers: int, threads: int, args) -> dict:
-    sets = [
+def run_setup(prompts: Path, out: Path, groups: int, workers: int, threads: int, extra: tuple, args) -> dict:
+    sets = [*(arg for item in extra for arg in ("--set", item)),
         "--set", f"parallel.groups={groups}", "--set", f"parallel.workers={workers}",
         "--set", f"model.threads={threads}", "--set", f"generation.max_new_tokens={args.max_new_tokens}",
         "--set", "run.progress=false",
@@ -77,6 +83,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/groups"), help="OUT.json / OUT.md prefix")
     ap.add_argument("--config", default=str(REPO / "configs/default.yaml"))
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--only", default="", help="comma-separated setup tags (D1P1 first), e.g. D1P1,D2P1,D2P1_unshared")
+    ap.add_argument("--repeat", type=int, default=1, help="run the setups this many times, back to back")
     ap.add_argument("--limit", type=int, default=0, help="first N prompts of bench16 only (0: all 16)")
     args = ap.parse_args()
 
@@ -93,18 +101,23 @@ def main() -> None:
     prompt_file = out.with_name(out.name + "_prompts.jsonl")
     prompt_file.write_text("".join(json.dumps({k: v for k, v in p.items() if k != "set"}) + "\n" for p in prompts))
 
-    results = []
-    for label, groups, workers, threads in SETUPS:
-        print(f"running {label} ...", file=sys.stderr, flush=True)
-        res = run_setup(
-            prompt_file, out.with_name(f"{out.name}_D{groups}P{workers}.jsonl"), groups, workers, threads, args
-        )
-        results.append({"setup": label, **res})
-    base = results[0]
-    for res in results:
-        res["throughput_vs_D1P1"] = round(res["job_tokens_per_s"] / max(base["job_tokens_per_s"], 1e-9), 3)
-        res["latency_p50_vs_D1P1"] = round(res["latency_p50_s"] / max(base["latency_p50_s"], 1e-9), 3)
-        res["identical_to_D1P1"] = res["outputs"] == base["outputs"]
+    chosen = [s for s in SETUPS if not args.only or s[5] in args.only.split(",")]
+    if not chosen or chosen[0][5] != "D1P1":
+        raise SystemExit("--only must start with D1P1: every ratio is to it")
+    rounds = []  # one list of results per repeat: the setups back to back, so each ratio is of one stretch of time
+    for rep in range(args.repeat):
+        results = []
+        for label, groups, workers, threads, extra, tag in chosen:
+            print(f"round {rep + 1}/{args.repeat}: running {label} ...", file=sys.stderr, flush=True)
+            jsonl = out.with_name(f"{out.name}_{tag}.jsonl")
+            res = run_setup(prompt_file, jsonl, groups, workers, threads, extra, args)
+            results.append({"setup": label, **res})
+        base = results[0]
+        for res in results:
+            res["throughput_vs_D1P1"] = round(res["job_tokens_per_s"] / max(base["job_tokens_per_s"], 1e-9), 3)
+            res["latency_p50_vs_D1P1"] = round(res["latency_p50_s"] / max(base["latency_p50_s"], 1e-9), 3)
+            res["identical_to_D1P1"] = res["outputs"] == (rounds[0][0] if rounds else base)["outputs"]
+        rounds.append(results)
     summary = {
         "date": date.today().isoformat(),
         "cpu": device_name(torch.device("cpu")),  # lscpu's model name: figures travel with the CPU they ran on
@@ -112,19 +125,27 @@ def main() -> None:
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "config": str(args.config),
-        "setups": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
+        "repeat": args.repeat,
+        "setups": [{k: v for k, v in r.items() if k != "outputs"} for r in rounds[0]],
+        "rounds": [[{k: v for k, v in r.items() if k != "outputs"} for r in results] for results in rounds],
     }
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     rows = [
-        "| setup | job s | job tokens/s | x D1P1 | latency p50 s | p90 s | group busy | same output |",
-        "|---|---|---|---|---|---|---|---|",
+        "| round | setup | job s | job tokens/s | x D1P1 | latency p50 s | p90 s | group busy | same output |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        rows.append(
-            f"| {r['setup']} | {r['job_s']:.2f} | {r['job_tokens_per_s']:.2f} | {r['throughput_vs_D1P1']:.2f}x | "
-            f"{r['latency_p50_s']:.2f} | {r['latency_p90_s']:.2f} | {' '.join(r['group_busy']) or '-'} | "
-            f"{'yes' if r['identical_to_D1P1'] else 'NO'} |"
-        )
+    for rep, results in enumerate(rounds, 1):
+        for r in results:
+            rows.append(
+                f"| {rep} | {r['setup']} | {r['job_s']:.2f} | {r['job_tokens_per_s']:.2f} | "
+                f"{r['throughput_vs_D1P1']:.2f}x | {r['latency_p50_s']:.2f} | {r['latency_p90_s']:.2f} | "
+                f"{' '.join(r['group_busy']) or '-'} | {'yes' if r['identical_to_D1P1'] else 'NO'} |"
+            )
+    if len(rounds) > 1:
+        rows += ["", "| setup | x D1P1 per round | median |", "|---|---|---|"]
+        for k, (label, *_rest) in enumerate(chosen):
+            ratios = [results[k]["throughput_vs_D1P1"] for results in rounds]
+            rows.append(f"| {label} | {' '.join(f'{x:.2f}x' for x in ratios)} | {statistics.median(ratios):.2f}x |")
     table = "\n".join(rows)
     head = f"{summary['cpu']}, {summary['cores']} cores, {len(prompts)} prompts x {args.max_new_tokens} tokens, one job"
     out.with_suffix(".md").write_text(f"{head}\n\n{table}\n")

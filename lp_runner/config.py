@@ -128,6 +128,7 @@ class ParallelConfig:
     groups: int = 1  # D: independent LP groups of P workers each, fed prompts from one work queue (torchrun, Ray)
     dist_backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     timeout_s: float = 120.0  # every collective fails after this long instead of hanging
+    share_cores: bool = True  # CPU, groups > 1: a group with no more work gives its threads to the busy ones
     # Ray backend (parallel.backend=ray): one actor per worker, placed through one placement group.
     ray_address: str = ""  # "" = $RAY_ADDRESS if set, else a local Ray instance started (and stopped) for the run
     cpus_per_worker: float = 1.0  # CPUs reserved per actor

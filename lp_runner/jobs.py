@@ -17,12 +17,14 @@ from collections.abc import Callable, Sequence
 from lp_runner.engine import LookaheadEngine
 from lp_runner.errors import DistributedError, InputError
 from lp_runner.parallel.comm import first_line
+from lp_runner.parallel.cores import CoreShare
 from lp_runner.parallel.groups import JobQueue, RecordCollector, claim_for_group, queue_order, store_client
 from lp_runner.policy import RoundPolicy
 from lp_runner.prompts import PromptSpec
 from lp_runner.runner import (
     TextStreamer,
     Worker,
+    chain_callbacks,
     check_prompt,
     eos_token_ids,
     make_error_record,
@@ -85,15 +87,19 @@ def run_queued(
         collector = RecordCollector(layout, len(order), timeout_s, deliver)
         collector.start()
     queue = JobQueue(store_client(timeout_s), worker.group) if worker.comm.rank == 0 else None
+    cores = share_cores(worker)
     try:
         while (k := claim_for_group(queue, worker.comm)) < len(order):
             i = order[k]
-            on_commit = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
+            streamer = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
+            on_commit = chain_callbacks([hook for hook in (streamer, cores) if hook is not None])
             result = engine.generate(prompt_ids[i], on_commit=on_commit, sample_key=f"id:{specs[i].id}")
             if queue is not None:
                 queue.post(make_record(worker, specs[i], prompt_ids[i], result))  # with the setting that ran
             if policy.observe(prompt_ids[i], result.output_ids):  # the group's ranks see the same tokens
                 engine.set_lookahead(policy.lookahead)
+        if cores is not None:
+            cores.leave()
         if queue is not None:
             queue.finish()
     except BaseException as exc:
@@ -110,3 +116,12 @@ def run_queued(
             raise DistributedError(collector.error)
     save_store(worker)  # world rank 0: group 0's store (each group keeps its own)
     return records
+
+
+def share_cores(worker: Worker) -> CoreShare | None:
+    """This rank's part in giving an idle group's cores to the busy ones (``parallel/cores.py``): CPU ranks with
+    ``parallel.share_cores`` that share their node with other ranks; None elsewhere (a GPU's speed does not come
+    from the host's threads)."""
+    if worker.device.type != "cpu" or not worker.cfg.parallel.share_cores:
+        return None
+    return CoreShare.from_env(lambda: store_client(worker.cfg.parallel.timeout_s))

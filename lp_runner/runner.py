@@ -415,7 +415,9 @@ def run_prompts(
             callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefix))
         if on_commit is not None and worker.is_main:
             callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
-        result = engine.generate(ids, on_commit=_chain(callbacks), committed=prefix, sample_key=f"id:{spec.id}")
+        result = engine.generate(
+            ids, on_commit=chain_callbacks(callbacks), committed=prefix, sample_key=f"id:{spec.id}"
+        )
         rec = make_record(worker, spec, ids, result) if worker.is_main else {}  # with the setting that ran
         if policy.observe(ids, result.output_ids):  # every rank observes the same tokens: the same new setting
             engine.set_lookahead(policy.lookahead)
@@ -443,7 +445,7 @@ def check_prompt(worker: Worker, engine: LookaheadEngine, spec: PromptSpec) -> t
     return ids, None
 
 
-def _chain(callbacks: list[Callable[[Sequence[int]], None]]) -> Callable[[Sequence[int]], None] | None:
+def chain_callbacks(callbacks: list[Callable[[Sequence[int]], None]]) -> Callable[[Sequence[int]], None] | None:
     """One on_commit callback that calls each of ``callbacks`` in order (None when there are none)."""
     if not callbacks:
         return None

@@ -31,6 +31,7 @@ from helpers import hf_greedy
 from lp_runner.config import load_config
 from lp_runner.errors import ConfigError
 from lp_runner.parallel import groups as groups_mod
+from lp_runner.parallel.cores import PERIOD_S, CoreShare, shared_threads
 from lp_runner.parallel.groups import (
     GroupLayout,
     Heartbeat,
@@ -178,6 +179,50 @@ def test_a_silent_group_is_found_while_another_keeps_posting(store_env):
     assert failures and "group 1 (world ranks 1-1) sent no heartbeat" in failures[0]
 
 
+# ---------------------------------------------------------------- idle cores go to the busy groups
+
+
+@pytest.mark.parametrize(
+    "threads,local_ranks,idle_mask,local_rank,expected",
+    [
+        (1, 2, 0b10, 0, 2),  # D=2 x 1 thread: rank 1 left, rank 0 takes both cores
+        (1, 2, 0b00, 0, 1),  # nobody left
+        (1, 3, 0b100, 0, 2),  # 3 threads over ranks 0 and 1: the remainder to the lower rank
+        (1, 3, 0b100, 1, 1),
+        (4, 4, 0b0101, 3, 8),  # 16 threads over ranks 1 and 3
+        (2, 2, 0b01, 0, 2),  # a rank that left keeps what it had
+        (2, 2, 0b11, 1, 2),
+    ],
+)
+def test_shared_threads(threads, local_ranks, idle_mask, local_rank, expected):
+    assert shared_threads(threads, local_ranks, idle_mask, local_rank) == expected
+
+
+def test_core_share_takes_the_threads_a_leaving_rank_gives_up(store_env):
+    """Two ranks of one node on a real TCPStore: rank 1 leaves; rank 0 looks at most every PERIOD_S and then
+    runs on both ranks' threads."""
+    before = torch.get_num_threads()
+    now = [0.0]
+    torch.set_num_threads(1)
+    try:
+        busy = CoreShare(store_client(10), "node0", local_rank=0, local_ranks=2, clock=lambda: now[0])
+        idle = CoreShare(store_client(10), "node0", local_rank=1, local_ranks=2, clock=lambda: now[0])
+        other_node = CoreShare(store_client(10), "node1", local_rank=1, local_ranks=2, clock=lambda: now[0])
+        other_node.leave()  # another node's idle rank frees nothing here
+        now[0] = PERIOD_S
+        busy([7])
+        assert torch.get_num_threads() == 1
+        idle.leave()
+        now[0] += PERIOD_S / 2
+        busy([7])
+        assert torch.get_num_threads() == 1  # not looked yet: one store round trip per PERIOD_S at most
+        now[0] += PERIOD_S / 2
+        busy([7])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------- real jobs (gloo)
 
 
@@ -239,6 +284,28 @@ def test_groups_match_one_group_and_hf_greedy(tmp_path, tiny_dir):
     assert sum(r["stats"]["accepted_tokens"] for r in two) > 0  # guard: lookahead candidates were accepted
     assert d2.stderr.count("tokens/forward") == 1  # one summary, by world rank 0
     assert "groups 2: busy" in d2.stderr and "latency p50" in d2.stderr
+
+
+@pytest.mark.slow
+def test_a_lone_prompt_takes_the_idle_groups_core_and_keeps_its_tokens(tmp_path, tiny_dir):
+    """D=2 with one prompt: group 1 has nothing to do from the start, so group 0 takes its thread mid-generation
+    (logged) and still generates HF greedy's tokens; with ``parallel.share_cores=false`` it keeps one thread."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "long", "prompt": "story 1 story 1 story 1"}])
+    runs = {}
+    for share in ("true", "false"):
+        out = tmp_path / f"{share}.jsonl"
+        args = _args(tiny_dir, prompts, out, "--set", "parallel.groups=2", "--set", f"parallel.share_cores={share}")
+        args[args.index(f"generation.max_new_tokens={MAX_NEW}")] = "generation.max_new_tokens=2000"  # > PERIOD_S
+        runs[share] = (_run([sys.executable, "-m", "lp_runner", *args]).stderr, read_jsonl(out)[0])
+    (shared_err, shared), (alone_err, alone) = runs["true"], runs["false"]
+    assert "local rank 0: 1 of 2 ranks on this node have no more work; 2 threads" in shared_err
+    assert "no more work" not in alone_err
+    assert shared["group"] == 0 and shared["new_tokens"] > 1000  # guard: a long generation, not an early EOS
+    assert shared["output_ids"] == alone["output_ids"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    assert shared["output_ids"] == hf_greedy(model, shared["prompt_ids"], 2000, eos_ids=[2])
 
 
 @pytest.mark.slow
