@@ -48,7 +48,7 @@ from lp_runner.loading import (  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
 from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
 from lp_runner.policy import RoundPolicy  # noqa: E402
-from lp_runner.prepack import apply_prepack, prepack_linears  # noqa: E402
+from lp_runner.prepack import KERNELS, ONEDNN, apply_prepack, prepack_linears  # noqa: E402
 from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
 
 PLAIN = dict(context_lookup=False)  # Lookahead Decoding alone: Jacobi pool (+ its repair by committed text)
@@ -204,9 +204,9 @@ def main() -> None:
         "2:configs/default.yaml; repeatable",
     )  # fmt: skip
     ap.add_argument(
-        "--prepack", default="auto", choices=("auto", "off"),
-        help="lp_runner's linear layers as the runner runs them (model.prepack, default auto: oneDNN-prepacked on "
-        "a CPU); the HF and llama.cpp baselines always run the stock model",
+        "--prepack", default="auto", choices=("auto", "native", "onednn", "off"),
+        help="lp_runner's linear layers as the runner runs them (model.prepack, default auto: the faster packed "
+        "kernel on a CPU, measured); the HF and llama.cpp baselines always run the stock model",
     )  # fmt: skip
     ap.add_argument(
         "--torch-linear", default="", metavar="NAMES",
@@ -217,6 +217,11 @@ def main() -> None:
         "--unfused", default="", metavar="NAMES",
         help="comma-separated CONFIGS names (or config-file names) also run prepacked without sibling fusion "
         "(one product per linear layer), as '<name> unfused': the fusion's gain side by side",
+    )  # fmt: skip
+    ap.add_argument(
+        "--onednn", default="", metavar="NAMES",
+        help="comma-separated CONFIGS names (or config-file names) also run on oneDNN's prepacked products "
+        "(model.prepack: onednn), as '<name> onednn': the native product's gain side by side",
     )  # fmt: skip
     ap.add_argument(
         "--compiled", default="", metavar="NAMES",
@@ -278,8 +283,12 @@ def main() -> None:
     variants = [("torch-linear", args.torch_linear, stock_adapter)]
     if args.unfused:
         unfused_model = copy.deepcopy(model)
-        prepack_linears(unfused_model, fuse=False)
+        prepack_linears(unfused_model, fuse=False, kernel=KERNELS[prepack.kernel])
         variants.append(("unfused", args.unfused, ModelAdapter(unfused_model)))
+    if args.onednn:
+        onednn_model = copy.deepcopy(model)
+        prepack_linears(onednn_model, kernel=ONEDNN)
+        variants.append(("onednn", args.onednn, ModelAdapter(onednn_model)))
     compile_s = None
     if args.compiled:
         fast = ModelAdapter(packed_model, compile=True)

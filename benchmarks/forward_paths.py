@@ -9,9 +9,12 @@ Variants of ``ModelAdapter`` on one model, each with its own cache holding the s
 * ``prepacked-unfused``: that, with every linear layer prepacked for oneDNN on its own (``lp_runner.prepack``,
   a copy of the model);
 * ``prepacked``: that, with sibling projections (q/k/v, gate/up) fused into one product each (another copy):
-  what the engine runs on a CPU by default (``model.prepack: auto``);
-* ``prepacked compiled`` (with ``--compiled``): that forward through ``model.compile: on`` (torch.compile with
-  dynamic shapes on a static cache; compiled once before timing, the compile time printed).
+  oneDNN's products, as ``model.prepack: onednn`` runs them;
+* ``native``: the same fused layers on lp_runner's native product (``lp_runner.native``; another copy), as
+  ``model.prepack: native`` runs them (``auto`` takes whichever of the two it measures faster);
+* ``prepacked compiled`` and ``native compiled`` (with ``--compiled``): those forwards through ``model.compile:
+  on`` (torch.compile with dynamic shapes on a static cache; compiled once before timing, the compile time
+  printed).
 
 For every (prefix, rows) the variants alternate forward by forward (order rotated each repetition), so the
 printed ratios are measured side by side; each forward is cropped back to the prefix, as a rejected round is.
@@ -35,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lp_runner.calibrate import device_name  # noqa: E402
-from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
+from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.model import ModelAdapter, crop  # noqa: E402
-from lp_runner.prepack import prepack_linears  # noqa: E402
+from lp_runner.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears  # noqa: E402
 
 VARIANTS = {
     "transformers": dict(append_buffer=False, packed_gqa=False),
@@ -45,6 +48,7 @@ VARIANTS = {
     "append+packed": dict(append_buffer=True, packed_gqa=True),
     "prepacked-unfused": dict(append_buffer=True, packed_gqa=True),  # on the unfused prepacked copy
     "prepacked": dict(append_buffer=True, packed_gqa=True),  # on the prepacked copy, siblings fused
+    "native": dict(append_buffer=True, packed_gqa=True),  # on the native copy, siblings fused
 }
 
 
@@ -60,13 +64,18 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _, folder = load_model_and_tokenizer(resolve_model_path(args.model), dtype="float32")
-    copies = {"prepacked-unfused": copy.deepcopy(model), "prepacked": copy.deepcopy(model)}
+    copies = {name: copy.deepcopy(model) for name in ("prepacked-unfused", "prepacked", "native")}
     prepack_linears(copies["prepacked-unfused"], fuse=False)
     prepack_linears(copies["prepacked"])
+    reason = native_unavailable_reason(model, default_cache_dir())
+    if reason is not None:
+        raise SystemExit(f"the native product is unavailable here: {reason}")
+    prepack_linears(copies["native"], kernel=NATIVE_KERNEL)
     variants = dict(VARIANTS)
     if args.compiled:
-        variants["prepacked compiled"] = dict(compile=True)
-        copies["prepacked compiled"] = copies["prepacked"]  # the same packed weights, compiled
+        for name in ("prepacked", "native"):  # the same packed weights, compiled
+            variants[f"{name} compiled"] = dict(compile=True)
+            copies[f"{name} compiled"] = copies[name]
     adapters = {name: ModelAdapter(copies.get(name, model), **kw) for name, kw in variants.items()}
     capacity = max(args.prefix) + max(args.rows) + 64
     for name, adapter in adapters.items():

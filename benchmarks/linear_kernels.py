@@ -8,21 +8,17 @@ floor of a forward is those bytes over the machine's bandwidth: ``benchmarks/mac
     python benchmarks/linear_kernels.py --out benchmarks/results/linear_kernels
     python benchmarks/linear_kernels.py --native --rows 1 2 3 4 6 8 --out benchmarks/results/linear_kernels_native
 
-``--native`` adds a third kernel, ``benchmarks/native_gemv.c`` (a plain C GEMV for up to 8 rows, on the
-original weights), compiled here with gcc: a measurement of how far from the memory-bound limit the products
-of a few-row forward could get on this CPU, not a kernel lp_runner uses.
+``--native`` adds a third kernel, lp_runner's native product (``lp_runner/native_gemm.c``, ``model.prepack:
+native``), on its own packed copy.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -32,30 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lp_runner.calibrate import device_name  # noqa: E402
-from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
-from lp_runner.prepack import PackedLinear, prepack_linears  # noqa: E402
-
-
-def native_gemv(threads: int):
-    """``benchmarks/native_gemv.c`` compiled (gcc -O3 -march=native -fopenmp) and loaded: a function of (x, linear)
-    -> x @ linear.weight.T (+ bias), for 1-8 rows of float32."""
-    source = Path(__file__).with_name("native_gemv.c")
-    lib_path = Path(tempfile.mkdtemp(prefix="lp_gemv_")) / "native_gemv.so"
-    cmd = ["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(lib_path)]
-    subprocess.run(cmd, check=True)
-    fn = ctypes.CDLL(str(lib_path)).lp_gemv_f32
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-
-    def product(x: torch.Tensor, m: torch.nn.Linear) -> torch.Tensor:
-        y = torch.empty(x.shape[0], m.out_features, dtype=x.dtype)
-        bias = None if m.bias is None else m.bias.data_ptr()
-        if fn(
-            x.data_ptr(), m.weight.data_ptr(), bias, y.data_ptr(), x.shape[0], m.out_features, m.in_features, threads
-        ):
-            raise ValueError(f"native_gemv takes 1-8 rows, not {x.shape[0]}")
-        return y
-
-    return product
+from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
+from lp_runner.prepack import NATIVE_KERNEL, PackedLinear, native_unavailable_reason, prepack_linears  # noqa: E402
 
 
 def main() -> None:
@@ -73,21 +47,20 @@ def main() -> None:
     stock = [m for m in model.modules() if type(m) is torch.nn.Linear]
     packed_model = copy.deepcopy(model)
     prepack_linears(packed_model, fuse=False)  # layer by layer, as torch runs them (fusing: forward_paths.py)
-    packed = [m for m in packed_model.modules() if isinstance(m, PackedLinear)]
+    packed = [m for m in packed_model.modules() if isinstance(m, PackedLinear)]  # oneDNN (the default kernel)
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in stock)
     kernels = {
         "torch": lambda xs: [torch.nn.functional.linear(xs[m.in_features], m.weight, m.bias) for m in stock],
         "prepacked": lambda xs: [m(xs[m.in_features]) for m in packed],
     }
     if args.native:
-        native = native_gemv(args.threads)
-        kernels["native"] = lambda xs: [native(xs[m.in_features], m) for m in stock]
-        with torch.inference_mode():  # the same products as torch's, up to summation order
-            for m in stock[:7]:
-                x = torch.randn(3, m.in_features, dtype=model.dtype)
-                torch.testing.assert_close(
-                    native(x, m), torch.nn.functional.linear(x, m.weight, m.bias), atol=1e-4, rtol=1e-4
-                )
+        reason = native_unavailable_reason(model, default_cache_dir())
+        if reason is not None:
+            raise SystemExit(f"--native: {reason}")
+        native_model = copy.deepcopy(model)
+        prepack_linears(native_model, fuse=False, kernel=NATIVE_KERNEL)
+        native_layers = [m for m in native_model.modules() if isinstance(m, PackedLinear)]
+        kernels["native"] = lambda xs: [m(xs[m.in_features]) for m in native_layers]
     results = []
     with torch.inference_mode():
         for rows in args.rows:

@@ -31,8 +31,8 @@ class ModelConfig:
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
     compile: str = "auto"  # off | on | auto: rounds through torch.compile (auto: when this device's record says
     # the job is long enough to pay for the compilation; see lp_runner/compile_choice.py)
-    prepack: str = "auto"  # off | on | auto: linear layers' weights reordered once for oneDNN on a CPU (auto: where
-    # oneDNN and the dtype allow; see lp_runner/prepack.py)
+    prepack: str = "auto"  # off | on | auto | native | onednn: linear layers' weights packed once for a CPU kernel
+    # (auto: the faster of lp_runner's native product and oneDNN's where they work, measured; see prepack.py)
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 
 
@@ -182,7 +182,7 @@ _SECTION_TYPES: dict[str, type] = {
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.compile": ("off", "on", "auto"),
-    "model.prepack": ("off", "on", "auto"),
+    "model.prepack": ("off", "on", "auto", "native", "onednn"),
     "lookahead.preset": ("auto", "off"),
     "lookahead.candidate_policy": ("context_first", "pool_first"),
     "lookahead.pool_scope": ("prompt", "job"),

@@ -29,16 +29,22 @@ over the same inputs in the same order; tested on the three tiny families), so f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from lp_runner import native
 from lp_runner.errors import ConfigError
 from lp_runner.parallel.comm import first_line
 
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)  # oneDNN's CPU inner products without a special ISA
 PREPACKED = "onednn-prepacked"  # the kernels' name in records, summaries and calibration keys (else "torch")
 PREPACKED_FUSED = "onednn-prepacked-fused"  # ... with sibling projections fused (another forward: its own curve)
+NATIVE = "native-packed"  # lp_runner's own product (native.py), float32
+NATIVE_FUSED = "native-packed-fused"
 # Sibling linears of one module that HF's Llama, Mistral and Qwen2 forwards call on the same input tensor.
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -61,22 +67,54 @@ def _(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
     return rows.new_empty(rows.shape[0], packed_weight.shape[0])
 
 
-class PackedLinear(torch.nn.Module):
-    """``nn.Linear``'s forward from a weight reordered once for oneDNN (no autograd: inference only)."""
+Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """A way to multiply by a weight packed once: oneDNN's inner product, or lp_runner's native product."""
+
+    key: str  # model.prepack's name for it
+    label: str  # the summary's
+    name: str  # the kernels' name (records, calibration key)
+    fused_name: str  # ... with sibling projections fused
+    pack: Callable[[torch.Tensor], torch.Tensor]  # [out, in] weight -> its packed form
+    eager: Product  # (rows [R, in], packed, bias, out) -> [R, out]
+    compiled: Product  # the same as one opaque op, for torch.compile
+
+
+ONEDNN = LinearKernel(
+    "onednn",
+    "oneDNN-prepacked",
+    PREPACKED,
+    PREPACKED_FUSED,
+    pack=lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, None),
+    eager=lambda rows, packed, bias, out: _onednn_product(rows, packed, bias),
+    compiled=lambda rows, packed, bias, out: _packed_linear_op(rows, packed, bias),
+)
+NATIVE_KERNEL = LinearKernel(
+    "native", "native", NATIVE, NATIVE_FUSED, pack=native.pack, eager=native.product, compiled=native.native_linear_op
+)
+KERNELS = {kernel.key: kernel for kernel in (ONEDNN, NATIVE_KERNEL)}
+
+
+class PackedLinear(torch.nn.Module):
+    """``nn.Linear``'s forward from a weight packed once for ``kernel`` (no autograd: inference only)."""
+
+    def __init__(self, linear: torch.nn.Linear, kernel: LinearKernel = ONEDNN) -> None:
         super().__init__()
+        self.kernel = kernel
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # not in the state dict: the reordered bytes are not the checkpoint's weight (the checksum is taken before)
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
+        self.register_buffer("packed_weight", kernel.pack(weight), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        product = _packed_linear_op if torch.compiler.is_compiling() else _onednn_product
-        out = product(rows, self.packed_weight, self.bias)
+        product = self.kernel.compiled if torch.compiler.is_compiling() else self.kernel.eager
+        out = product(rows, self.packed_weight, self.bias, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -97,12 +135,13 @@ class SharedInputProduct(torch.nn.Module):
     calls of the opaque op by itself).
     """
 
-    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], kernel: LinearKernel = ONEDNN) -> None:
         super().__init__()
+        self.kernel = kernel
         self.in_features = linears[0].in_features
         self.sizes = [lin.out_features for lin in linears]
         weight = torch.cat([lin.weight.detach() for lin in linears])
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
+        self.register_buffer("packed_weight", kernel.pack(weight), persistent=False)
         bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
         self.register_buffer("bias", bias, persistent=False)
         self._forget()
@@ -113,16 +152,17 @@ class SharedInputProduct(torch.nn.Module):
         self._slices: tuple[torch.Tensor, ...] = ()
         self._unserved: set[int] = set()
 
-    def product(self, x: torch.Tensor, op=_onednn_product) -> tuple[torch.Tensor, ...]:
+    def product(self, x: torch.Tensor, compiling: bool = False) -> tuple[torch.Tensor, ...]:
         rows = x.reshape(-1, self.in_features)
-        out = op(rows, self.packed_weight, self.bias)
+        op = self.kernel.compiled if compiling else self.kernel.eager
+        out = op(rows, self.packed_weight, self.bias, sum(self.sizes))
         return out.reshape(*x.shape[:-1], out.shape[-1]).split(self.sizes, dim=-1)
 
     def slice_for(self, index: int, x: torch.Tensor) -> torch.Tensor:
         compiling = torch.compiler.is_compiling()
         version = -1 if compiling else _version(x)
         if x is not self._input or version != self._input_version or index not in self._unserved:
-            self._slices = self.product(x, _packed_linear_op if compiling else _onednn_product)
+            self._slices = self.product(x, compiling)
             self._input, self._input_version = x, version
             self._unserved = set(range(len(self.sizes)))
         out = self._slices[index]
@@ -160,30 +200,35 @@ class ProductSlice(torch.nn.Module):
 class PrepackChoice:
     """What ``model.prepack`` did, for the summary and every record: ``layers`` packed, or why none were."""
 
-    mode: str  # off | on | auto
+    mode: str  # off | on | auto | onednn | native
     layers: int
     reason: str
     products: int = 0  # products per forward the packed layers make (siblings fused: fewer than ``layers``)
+    kernel: str = "onednn"  # KERNELS key of the packed layers' kernel
+    measured_ms: dict[str, float] = field(default_factory=dict)  # auto/on with several kernels: what each took
 
     @property
     def kernels(self) -> str:
         """The linear kernels the forward runs (part of the calibration key: each has its own curve)."""
         if not self.layers:
             return "torch"
-        return PREPACKED_FUSED if self.products < self.layers else PREPACKED
+        kernel = KERNELS[self.kernel]
+        return kernel.fused_name if self.products < self.layers else kernel.name
 
     def describe(self) -> dict:
         return {
             "mode": self.mode,
             "kernels": self.kernels,
+            "label": KERNELS[self.kernel].label if self.layers else "torch",
             "layers": self.layers,
             "products": self.products,
             "reason": self.reason,
+            **({"measured_ms": self.measured_ms} if self.measured_ms else {}),
         }
 
 
 def unavailable_reason(model: torch.nn.Module) -> str | None:
-    """Why this model's linears cannot be prepacked here, or None when they can."""
+    """Why this model's linears cannot be prepacked for oneDNN here, or None when they can."""
     param = next(model.parameters())
     if param.device.type != "cpu":
         return f"the model is on {param.device.type}, prepacking is for CPU forwards"
@@ -204,11 +249,43 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def prepack_linears(model: torch.nn.Module, fuse: bool = True) -> tuple[int, int]:
+def native_unavailable_reason(model: torch.nn.Module, cache_root: Path) -> str | None:
+    """Why lp_runner's native product cannot serve this model here (builds it on first use), or None."""
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"the model is on {param.device.type}, the native product is for CPU forwards"
+    if param.dtype != torch.float32:
+        return f"{str(param.dtype).replace('torch.', '')} weights (the native product: float32)"
+    try:
+        native.load(cache_root)
+    except native.NativeUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def time_kernels(model: torch.nn.Module, kernels: list[LinearKernel], rows: tuple[int, ...] = (1, 8), reps: int = 3):
+    """{kernel key: ms} for one product of the model's largest linear (weights out of cache, as in a forward) at
+    each of ``rows``, summed; kernels interleaved, best of ``reps``. What ``auto`` chooses by: measured here, on
+    this CPU and thread count, not assumed."""
+    linear = max((m for m in model.modules() if type(m) is torch.nn.Linear), key=lambda m: m.weight.numel())
+    layers = {kernel.key: PackedLinear(linear, kernel) for kernel in kernels}
+    xs = [torch.randn(r, linear.in_features, dtype=linear.weight.dtype) for r in rows]
+    best = {key: float("inf") for key in layers}
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first pass warms each kernel
+            for key, layer in layers.items():
+                start = time.perf_counter()
+                for x in xs:
+                    layer(x)
+                best[key] = min(best[key], 1e3 * (time.perf_counter() - start))
+    return best
+
+
+def prepack_linears(model: torch.nn.Module, fuse: bool = True, kernel: LinearKernel = ONEDNN) -> tuple[int, int]:
     """Replace every ``nn.Linear`` of ``model`` in place: sibling groups (``SHARED_INPUT_GROUPS``, same input
     size, dtype and bias presence) by ``ProductSlice``s of one ``SharedInputProduct`` when ``fuse``, every other
-    one by a ``PackedLinear``. Returns (linear layers replaced, products per forward). Irreversible: the original
-    weights of those layers are released (a tied embedding keeps its own)."""
+    one by a ``PackedLinear``, all on ``kernel``. Returns (linear layers replaced, products per forward).
+    Irreversible: the original weights of those layers are released (a tied embedding keeps its own)."""
     layers = products = 0
     for parent in list(model.modules()):
         for names in SHARED_INPUT_GROUPS if fuse else ():
@@ -218,35 +295,57 @@ def prepack_linears(model: torch.nn.Module, fuse: bool = True) -> tuple[int, int
             kinds = {(s.in_features, s.weight.dtype, s.weight.device, s.bias is None) for s in siblings}
             if len(kinds) != 1:
                 continue
-            shared = SharedInputProduct(siblings)
+            shared = SharedInputProduct(siblings, kernel)
             for index, name in enumerate(names):
                 setattr(parent, name, ProductSlice(shared, index))
             layers, products = layers + len(names), products + 1
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, kernel))
                 layers, products = layers + 1, products + 1
     return layers, products
 
 
-def apply_prepack(model: torch.nn.Module, mode: str) -> PrepackChoice:
-    """``model.prepack``: ``auto`` packs where it can (a CPU with oneDNN, float32 or bfloat16 weights), ``on``
-    packs or fails with the reason, ``off`` leaves torch's linear."""
+def apply_prepack(model: torch.nn.Module, mode: str, cache_root: Path | None = None) -> PrepackChoice:
+    """``model.prepack``: ``onednn`` or ``native`` packs with that kernel or fails with the reason; ``auto`` packs
+    with the faster of the kernels that work here (timed on the model's largest linear when both do), else
+    leaves torch's linear; ``on`` is ``auto`` that fails instead; ``off`` leaves torch's linear.
+    ``cache_root``: where the native kernel is built (default: lp_runner's cache folder)."""
     if mode == "off":
         return PrepackChoice(mode, 0, "off")
-    reason = unavailable_reason(model)
-    if reason is not None:
-        if mode == "on":
-            raise ConfigError(f"model.prepack=on: {reason}; use model.prepack=auto or off")
-        return PrepackChoice(mode, 0, reason)
-    layers, products = prepack_linears(model)
-    return PrepackChoice(mode, layers, "CPU with oneDNN" if mode == "auto" else "on", products)
+    if cache_root is None:
+        from lp_runner.loading import default_cache_dir
+
+        cache_root = default_cache_dir()
+    reasons = {}
+    if mode in ("auto", "on", "native"):
+        reasons["native"] = native_unavailable_reason(model, cache_root)
+    if mode in ("auto", "on", "onednn"):
+        reasons["onednn"] = unavailable_reason(model)
+    usable = [KERNELS[key] for key, reason in reasons.items() if reason is None]
+    if not usable:
+        why = "; ".join(f"{KERNELS[key].label}: {reason}" for key, reason in reasons.items())
+        if mode == "auto":
+            return PrepackChoice(mode, 0, why)
+        raise ConfigError(f"model.prepack={mode}: {why}; use model.prepack=auto or off")
+    ms: dict[str, float] = {}
+    if len(usable) == 1:
+        kernel, why = usable[0], "the one that works here" if mode in ("auto", "on") else "as set"
+    else:
+        ms = {key: round(value, 2) for key, value in time_kernels(model, usable).items()}
+        kernel = min(usable, key=lambda k: ms[k.key])
+        why = (
+            "measured: " + " vs ".join(f"{k.label} {ms[k.key]:.1f} ms" for k in usable) + " (largest linear, 1+8 rows)"
+        )
+    layers, products = prepack_linears(model, kernel=kernel)
+    return PrepackChoice(mode, layers, why, products, kernel.key, ms)
 
 
 def linear_kernels(model: torch.nn.Module) -> str:
-    """``onednn-prepacked-fused`` when ``model``'s linears were prepacked with siblings fused, ``onednn-prepacked``
-    when prepacked without, else ``torch``."""
-    modules = list(model.modules())
-    if any(isinstance(m, SharedInputProduct) for m in modules):
-        return PREPACKED_FUSED
-    return PREPACKED if any(isinstance(m, PackedLinear) for m in modules) else "torch"
+    """The kernels' name of ``model``'s packed linears (``onednn-prepacked``, ``native-packed``, ``-fused`` when
+    siblings share a product), else ``torch``."""
+    packed = [m for m in model.modules() if isinstance(m, (PackedLinear, SharedInputProduct))]
+    if not packed:
+        return "torch"
+    kernel = packed[0].kernel
+    return kernel.fused_name if any(isinstance(m, SharedInputProduct) for m in packed) else kernel.name

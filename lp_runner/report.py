@@ -77,9 +77,8 @@ def prepack_lines(policy: dict | None) -> list[str]:
         return []
     if pre["layers"]:
         products = pre.get("products") or pre["layers"]  # records before sibling fusion have no "products"
-        return [
-            f"linear layers: oneDNN-prepacked ({pre['layers']} in {products} products; model.prepack={pre['mode']})"
-        ]
+        label = pre.get("label", "oneDNN-prepacked")  # records before the native kernel have no label
+        return [f"linear layers: {label} ({pre['layers']} in {products} products; model.prepack={pre['mode']})"]
     return [f"linear layers: torch (model.prepack={pre['mode']}: {pre['reason']})"]
 
 

@@ -134,7 +134,8 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         path, dtype=cfg.model.dtype, device=str(device), allow_pickle=cfg.model.allow_pickle
     )
     _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before prepacking reorders them
-    prepack = apply_prepack(model, cfg.model.prepack)
+    cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
+    prepack = apply_prepack(model, cfg.model.prepack, cache_root)
     load_s = time.perf_counter() - start
     worker = Worker(cfg, comm, ModelAdapter(model), tokenizer, folder, device, load_s)
     worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
@@ -147,7 +148,6 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
             problem = check_prompt(worker, checker, spec)[1]
             if problem is not None:
                 raise InputError(f"{spec.describe()}: {problem}")
-    cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
     job_tokens = len(prompts) * cfg.generation.max_new_tokens
     compile_choice = choose_forward(worker, job_tokens, cache_root, say=_log if worker.is_main else None)
     worker.policy = RoundPolicy.build(

@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linear layers (``model.prepack``): the same products, the same tokens, and the choice.
+"""Packed linear layers (``model.prepack``: oneDNN's inner product or lp_runner's native product): the same
+products, the same tokens, and the choice.
 
 Oracles: ``torch.nn.functional.linear`` on the original weights (equal to fp32 rounding) and the packed product of
 each row computed alone (bit for bit: a row's product does not depend on the rows beside it); HF greedy
@@ -21,39 +22,54 @@ import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
 from helpers import FAMILIES, hf_greedy, random_prompt, run_lookahead
 
-from lp_runner import prepack
+from lp_runner import native, prepack
 from lp_runner.calibrate import calibration_key
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.engine import LookaheadEngine
 from lp_runner.errors import ConfigError
-from lp_runner.loading import weights_checksum
+from lp_runner.loading import default_cache_dir, weights_checksum
 from lp_runner.model import ModelAdapter
 from lp_runner.prepack import (
+    KERNELS,
+    ONEDNN,
     PackedLinear,
     ProductSlice,
     SharedInputProduct,
     apply_prepack,
     linear_kernels,
+    native_unavailable_reason,
     prepack_linears,
     unavailable_reason,
 )
 
 pytestmark = pytest.mark.skipif(unavailable_reason(torch.nn.Linear(2, 2)) is not None, reason="no oneDNN here")
+# the native product is built here (tests need a C compiler, as torch.compile's inductor does)
+NATIVE_REASON = native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir())
+KERNEL_KEYS = ["onednn", "native"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.fixture(params=KERNEL_KEYS)
+def kernel(request) -> prepack.LinearKernel:
+    if request.param == "native" and NATIVE_REASON is not None:
+        pytest.fail(f"the native product is unavailable here: {NATIVE_REASON}")
+    return KERNELS[request.param]
+
+
+@pytest.mark.parametrize(
+    "dtype,kernel_key", [(torch.float32, "onednn"), (torch.bfloat16, "onednn"), (torch.float32, "native")]
+)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_product_equals_torch_linear_and_each_row_alone(dtype: torch.dtype, bias: bool) -> None:
+def test_packed_product_equals_torch_linear_and_each_row_alone(dtype: torch.dtype, kernel_key: str, bias: bool) -> None:
     gen = torch.Generator().manual_seed(3)
     linear = torch.nn.Linear(576, 1536, bias=bias, dtype=dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(1536, 576, generator=gen) * 0.02)
         if bias:
             linear.bias.copy_(torch.randn(1536, generator=gen))
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear, KERNELS[kernel_key])
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     with torch.inference_mode():
-        for rows in (1, 2, 3, 8, 33):
+        for rows in (1, 2, 3, 8, 9, 17, 33):  # the native product takes rows 8 at a time
             x = torch.randn(1, rows, 576, generator=gen).to(dtype)  # [B, Q, in] as a decoder layer passes it
             got = packed(x)
             assert got.shape == (1, rows, 1536) and got.dtype == dtype
@@ -67,35 +83,47 @@ def _count_linears(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prepack_replaces_every_linear_and_leaves_the_rest(tiny, family: str) -> None:
+def test_prepack_replaces_every_linear_and_leaves_the_rest(tiny, family: str, kernel) -> None:
     model = copy.deepcopy(tiny(family))  # the shared tiny model must not be mutated
     linears, embedding = _count_linears(model), model.get_input_embeddings().weight.detach().clone()
-    choice = apply_prepack(model, "auto")
+    choice = apply_prepack(model, kernel.key)
     assert choice.layers == linears > 0 and _count_linears(model) == 0
-    assert choice.kernels == linear_kernels(model) == ModelAdapter(model).kernels == "onednn-prepacked-fused"
+    assert choice.kernels == linear_kernels(model) == ModelAdapter(model).kernels == kernel.fused_name
     assert torch.equal(model.get_input_embeddings().weight, embedding)  # a tied embedding keeps its weights
     layers = model.config.num_hidden_layers
     products = linears - 3 * layers  # per decoder layer q/k/v -> 1 product, gate/up -> 1
     described = {
-        "mode": "auto",
-        "kernels": "onednn-prepacked-fused",
+        "mode": kernel.key,
+        "kernels": kernel.fused_name,
+        "label": kernel.label,
         "layers": linears,
         "products": products,
-        "reason": "CPU with oneDNN",
+        "reason": "as set",
     }
     assert choice.describe() == described
     assert sum(isinstance(m, SharedInputProduct) for m in model.modules()) == 2 * layers
     assert ModelAdapter(tiny(family)).kernels == "torch"
 
 
+def test_auto_times_the_kernels_that_work_and_takes_the_faster(tiny) -> None:
+    """``auto`` with both kernels usable measures them on the model's largest linear and names the figures."""
+    model = copy.deepcopy(tiny("llama"))
+    choice = apply_prepack(model, "auto")
+    assert choice.reason.startswith("measured: native ") and " vs oneDNN-prepacked " in choice.reason
+    assert set(choice.measured_ms) == {"native", "onednn"} and all(ms > 0 for ms in choice.measured_ms.values())
+    assert choice.kernel == min(choice.measured_ms, key=choice.measured_ms.get)
+    assert choice.describe()["measured_ms"] == choice.measured_ms  # in every record
+    assert choice.kernels == linear_kernels(model) == KERNELS[choice.kernel].fused_name
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_siblings_give_the_bits_of_separate_products(tiny, family: str) -> None:
+def test_fused_siblings_give_the_bits_of_separate_products(tiny, family: str, kernel) -> None:
     """q/k/v and gate/up as one product each: logits bit for bit those of one product per layer (so fusing changes
     no token), at every row count; each shared product runs once per forward and holds nothing after it."""
     separate, fused = copy.deepcopy(tiny(family)), copy.deepcopy(tiny(family))
-    assert prepack_linears(separate, fuse=False) == (_count_linears(tiny(family)),) * 2
-    assert linear_kernels(separate) == "onednn-prepacked"
-    prepack_linears(fused)
+    assert prepack_linears(separate, fuse=False, kernel=kernel) == (_count_linears(tiny(family)),) * 2
+    assert linear_kernels(separate) == kernel.name
+    prepack_linears(fused, kernel=kernel)
     shared = [m for m in fused.modules() if isinstance(m, SharedInputProduct)]
     calls = []
     for m in shared:
@@ -111,7 +139,7 @@ def test_fused_siblings_give_the_bits_of_separate_products(tiny, family: str) ->
     assert all(m._input is None and m._slices == () for m in shared)  # nothing held between forwards
 
 
-def test_shared_product_recomputes_for_another_or_a_changed_input() -> None:
+def test_shared_product_recomputes_for_another_or_a_changed_input(kernel) -> None:
     """The memo serves a sibling only the product of the very tensor it is given, unchanged since."""
     gen = torch.Generator().manual_seed(1)
     a, b = torch.nn.Linear(16, 8, bias=True), torch.nn.Linear(16, 4, bias=True)
@@ -119,7 +147,7 @@ def test_shared_product_recomputes_for_another_or_a_changed_input() -> None:
         for lin in (a, b):
             lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
             lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
-    shared = SharedInputProduct([a, b])
+    shared = SharedInputProduct([a, b], kernel)
     first, second = ProductSlice(shared, 0), ProductSlice(shared, 1)
     x, y = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen)
     with torch.no_grad():  # not inference mode: its tensors count no in-place changes
@@ -137,10 +165,41 @@ def test_modes_off_on_and_what_cannot_be_packed(tiny) -> None:
     assert (off.layers, off.kernels, off.reason) == (0, "torch", "off") and _count_linears(model) > 0
     half = copy.deepcopy(tiny("llama")).to(torch.float16)
     auto = apply_prepack(half, "auto")
-    assert auto.layers == 0 and auto.kernels == "torch" and "float16 weights" in auto.reason
+    assert auto.layers == 0 and auto.kernels == "torch"
+    assert "native: float16 weights (the native product: float32)" in auto.reason
+    assert "oneDNN-prepacked: float16 weights" in auto.reason
     assert _count_linears(half) > 0  # left as it was
-    with pytest.raises(ConfigError, match=r"model.prepack=on: float16 weights .* use model.prepack=auto or off"):
+    with pytest.raises(
+        ConfigError, match=r"model.prepack=on: native: float16 weights .* use model.prepack=auto or off"
+    ):
         apply_prepack(half, "on")
+    bf16 = copy.deepcopy(tiny("llama")).to(torch.bfloat16)
+    with pytest.raises(
+        ConfigError, match=r"model.prepack=native: native: bfloat16 weights \(the native product: float32\)"
+    ):
+        apply_prepack(bf16, "native")
+    assert apply_prepack(bf16, "auto").kernels == ONEDNN.fused_name  # the one kernel that takes bfloat16
+
+
+def test_without_a_compiler_auto_keeps_onednn_and_says_why(tiny, tmp_path, monkeypatch) -> None:
+    """A machine without a working C compiler: the native build fails with the compiler's first line, ``native``
+    refuses, and ``auto`` packs with oneDNN."""
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(native.NativeUnavailable, match=r"false could not build native_gemm.c"):
+        native.build(tmp_path)
+    assert not list((tmp_path / "native").glob("*.so*"))  # no half-written library left behind
+    model = copy.deepcopy(tiny("llama"))
+    with pytest.raises(ConfigError, match=r"model.prepack=native: native: false could not build native_gemm.c"):
+        apply_prepack(model, "native", tmp_path)
+    choice = apply_prepack(model, "auto", tmp_path)
+    assert (choice.kernel, choice.reason) == ("onednn", "the one that works here")
+
+
+def test_the_native_library_is_built_once_per_source_compiler_and_cpu(tmp_path) -> None:
+    first = native.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert first.parent == tmp_path / "native" and first.name.startswith("lp_native_gemm-")
 
 
 def test_resume_may_change_the_kernels() -> None:
@@ -163,10 +222,10 @@ def test_calibration_and_compile_records_are_per_kernel() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prepacked_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family: str) -> None:
+def test_prepacked_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family: str, kernel) -> None:
     stock = tiny(family)
     model = copy.deepcopy(stock)
-    assert prepack_linears(model)[0] > 0
+    assert prepack_linears(model, kernel=kernel)[0] > 0
     for seed in range(3):
         prompt = random_prompt(24, seed=seed)
         expected = hf_greedy(stock, prompt, 40)
@@ -175,11 +234,11 @@ def test_prepacked_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family: s
 
 
 @pytest.mark.slow
-def test_prepacked_embedded_model_equals_hf_greedy(embedded, humaneval) -> None:
-    """The embedded model, prepacked, against HF greedy on the stock model: code and chat, window on and off."""
+def test_prepacked_embedded_model_equals_hf_greedy(embedded, humaneval, kernel) -> None:
+    """The embedded model, packed, against HF greedy on the stock model: code and chat, window on and off."""
     stock, tokenizer = embedded
     model = copy.deepcopy(stock)
-    assert prepack_linears(model)[0] == _count_linears(stock)
+    assert prepack_linears(model, kernel=kernel)[0] == _count_linears(stock)
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Give three tips for a good night's sleep."}], add_generation_prompt=True
     )
@@ -198,11 +257,11 @@ def test_prepacked_embedded_model_equals_hf_greedy(embedded, humaneval) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_prepacked_rounds_equal_hf_greedy(tiny, monkeypatch) -> None:
-    """``model.compile`` over prepacked linears: inductor calls the packed product as an external kernel."""
+def test_compiled_prepacked_rounds_equal_hf_greedy(tiny, monkeypatch, kernel) -> None:
+    """``model.compile`` over packed linears: inductor calls the packed product as an external kernel."""
     stock = tiny("llama")
     model = copy.deepcopy(stock)
-    _, products = prepack_linears(model)
+    _, products = prepack_linears(model, kernel=kernel)
     compiled = ModelAdapter(model, compile=True)
     assert compiled.warm_up(64) > 0
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
@@ -212,8 +271,9 @@ def test_compiled_prepacked_rounds_equal_hf_greedy(tiny, monkeypatch) -> None:
         assert engine.generate(prompt).output_ids == hf_greedy(stock, prompt, 32), seed
     # the compiled graph shares each sibling group's product too (one call per product, not one per sibling)
     calls = []
-    original = prepack._onednn_product
-    monkeypatch.setattr(prepack, "_onednn_product", lambda *a: calls.append(1) or original(*a))
+    module, name = (prepack, "_onednn_product") if kernel is ONEDNN else (native, "product")
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or original(*a))
     forwards = engine.generate(random_prompt(20, seed=5)).stats.forwards
     assert forwards > 0 and len(calls) == forwards * products, (len(calls), forwards, products)
 
@@ -239,12 +299,15 @@ def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path:
     folder = make_tiny_folder(tmp_path / "model")
     packed_proc, packed = _run_cli(tmp_path, folder, "auto", "packed.jsonl")
     torch_proc, plain = _run_cli(tmp_path, folder, "off", "plain.jsonl")
-    assert packed["policy"]["prepack"]["kernels"] == "onednn-prepacked-fused"
+    pre = packed["policy"]["prepack"]
+    chosen = next(k for k in KERNELS.values() if k.label == pre["label"])  # auto: the faster, measured
+    assert pre["kernels"] == chosen.fused_name and pre["reason"].startswith("measured: ")
     assert 0 < packed["policy"]["prepack"]["products"] < packed["policy"]["prepack"]["layers"]
-    assert "linear layers: oneDNN-prepacked (" in packed_proc.stderr
+    assert f"linear layers: {packed['policy']['prepack']['label']} (" in packed_proc.stderr
     assert plain["policy"]["prepack"] == {
         "mode": "off",
         "kernels": "torch",
+        "label": "torch",
         "layers": 0,
         "products": 0,
         "reason": "off",

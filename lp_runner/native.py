@@ -1,0 +1,167 @@
+"""lp_runner's native fp32 product (``native_gemm.c``): built on first use with the machine's C compiler.
+
+Why: a CPU forward of a few rows is bound by reading the weights, and neither torch's linear (MKL re-packs the
+weight on every call) nor oneDNN's prepacked inner product reads them at the machine's bandwidth at 1-8 rows:
+on an AMD EPYC (2 threads, the embedded model's linears, ``benchmarks/linear_kernels.py``) oneDNN reads 14-18
+GB/s, this kernel 25-31 GB/s at every row count from 1 to 8 (README, "Native products"). Its weight layout,
+blocks of 32 output columns each stored as one contiguous run over the input dimension, lets one pass over the
+weights serve up to 8 rows from registers.
+
+Build: ``cc -O3 -march=native -fopenmp -shared -fPIC`` into the cache folder (``~/.cache/lp_runner/native``),
+named by a hash of the source, the compiler's version and the CPU's flags, so a shared home directory across
+different CPUs keeps one library per kind of CPU. A process builds into a private temporary name and renames it
+into place (ranks of one node may build at once). Without a compiler, or on a build or probe failure, the
+kernel is unavailable and ``model.prepack`` says why (``auto`` falls back to oneDNN's products).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lp_runner.parallel.comm import first_line
+
+SOURCE = Path(__file__).with_name("native_gemm.c")
+BLOCK = 32  # output columns per packed block (NB in the source)
+BUILD_TIMEOUT_S = 120.0
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernel cannot be built or loaded here; the message says why."""
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise NativeUnavailable("no C compiler (cc, gcc or $CC) on PATH")
+    return cc
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for); the machine name where /proc has none."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _library_path(cache_root: Path, cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return cache_root / "native" / f"lp_native_gemm-{key}.so"
+
+
+def build(cache_root: Path) -> Path:
+    """The compiled library for this source, compiler and CPU: from the cache, else built now."""
+    cc = _compiler()
+    target = _library_path(cache_root, cc)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"{Path(cc).name} could not build {SOURCE.name}: {first_line(proc.stderr)}")
+        os.replace(tmp, target)
+    except subprocess.TimeoutExpired:
+        raise NativeUnavailable(f"building {SOURCE.name} took over {BUILD_TIMEOUT_S:g} s") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _gemm(cache_root: str):
+    lib = ctypes.CDLL(str(build(Path(cache_root))))
+    fn = lib.lp_native_gemm_f32
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def load(cache_root: Path) -> None:
+    """Build (or find) and load the kernel, then check it against torch's linear on a probe; raises
+    ``NativeUnavailable`` saying why it cannot be used."""
+    global _FN
+    try:
+        _FN = _gemm(str(cache_root))
+    except NativeUnavailable:
+        raise
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"cannot build or load {SOURCE.name} ({first_line(exc)})") from None
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 70, generator=generator)  # a partial last block and a K that is no multiple of 16
+    bias = torch.randn(40, generator=generator)
+    x = torch.randn(11, 70, generator=generator)  # more than one block of 8 rows
+    with torch.inference_mode():
+        got = product(x, pack(weight), bias, 40)
+        expected = torch.nn.functional.linear(x, weight, bias)
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+        _FN = None
+        raise NativeUnavailable(f"{SOURCE.name} disagrees with torch's linear on a probe")
+
+
+_FN = None
+
+
+def available() -> bool:
+    return _FN is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 -> [ceil(out / BLOCK), in, BLOCK], zero-padded columns: the kernel's layout."""
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, in_features, dtype=torch.float32)
+    padded[:out_features] = weight.detach().to(torch.float32)
+    return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()
+
+
+def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """[R, in] x the packed weight (+ bias) -> [R, out] float32, on torch's current thread count."""
+    if _FN is None:
+        raise NativeUnavailable("the native kernel was not loaded (lp_runner.native.load)")
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if rows.shape[0] == 0:
+        return out
+    in_features = packed.shape[1]
+    if rows.dtype != torch.float32 or rows.shape[1] != in_features:
+        raise ValueError(f"native product takes float32 [R, {in_features}] rows, not {rows.dtype} {list(rows.shape)}")
+    ptr_bias = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if _FN(
+        rows.data_ptr(), packed.data_ptr(), ptr_bias, out.data_ptr(), rows.shape[0], out_features, in_features, threads
+    ):
+        raise ValueError(f"native product refused sizes R={rows.shape[0]} out={out_features} in={in_features}")
+    return out
+
+
+@torch.library.custom_op("lp_runner::native_linear", mutates_args=())
+def native_linear_op(
+    rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """The product as one opaque op for ``torch.compile`` (eager forwards call ``product`` directly)."""
+    return product(rows, packed, bias, out_features)
+
+
+@native_linear_op.register_fake
+def _(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
