@@ -2,8 +2,8 @@
 
 Why: a CPU forward of a few rows is bound by reading the weights, and neither torch's linear (MKL re-packs the
 weight on every call) nor oneDNN's prepacked inner product reads them at the machine's bandwidth at 1-8 rows:
-on an AMD EPYC (2 threads, the embedded model's linears, ``benchmarks/linear_kernels.py``) oneDNN reads 14-18
-GB/s, this kernel 25-31 GB/s at every row count from 1 to 8 (README, "Native products"). Its weight layout,
+on an AMD EPYC (2 threads, the embedded model's linears, ``benchmarks/linear_kernels.py``) oneDNN reads 14-19
+GB/s, this kernel 24-32 GB/s at every row count from 1 to 8 (README, "Native products"). Its weight layout,
 blocks of 32 output columns each stored as one contiguous run over the input dimension, lets one pass over the
 weights serve up to 8 rows from registers.
 
@@ -96,14 +96,15 @@ def _gemm(cache_root: str):
     return fn
 
 
+_FN = None  # the loaded kernel (``load``); every process loads it once
+
+
 def load(cache_root: Path) -> None:
     """Build (or find) and load the kernel, then check it against torch's linear on a probe; raises
     ``NativeUnavailable`` saying why it cannot be used."""
     global _FN
     try:
         _FN = _gemm(str(cache_root))
-    except NativeUnavailable:
-        raise
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"cannot build or load {SOURCE.name} ({first_line(exc)})") from None
     generator = torch.Generator().manual_seed(0)
@@ -116,13 +117,6 @@ def load(cache_root: Path) -> None:
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
         _FN = None
         raise NativeUnavailable(f"{SOURCE.name} disagrees with torch's linear on a probe")
-
-
-_FN = None
-
-
-def available() -> bool:
-    return _FN is not None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

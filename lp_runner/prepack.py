@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linear layers for CPU forwards (``model.prepack``).
+"""Packed linear layers for CPU forwards (``model.prepack``): oneDNN's inner product, or lp_runner's native
+product (``native.py``), on weights packed once; ``auto`` measures both and takes the faster.
 
 Why: on a CPU a forward of this project's models is a string of matrix products against weights far larger than
 the caches, so its floor is the weights' bytes over the memory bandwidth. ``torch.nn.functional.linear`` falls
