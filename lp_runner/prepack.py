@@ -94,7 +94,13 @@ ONEDNN = LinearKernel(
     compiled=lambda rows, packed, bias, out: _packed_linear_op(rows, packed, bias),
 )
 NATIVE_KERNEL = LinearKernel(
-    "native", "native", NATIVE, NATIVE_FUSED, pack=native.pack, eager=native.product, compiled=native.native_linear_op
+    "native",
+    "native",
+    NATIVE,
+    NATIVE_FUSED,
+    pack=native.pack,
+    eager=lambda rows, packed, bias, out: native.product(rows, packed, bias, out),  # looked up per call, as oneDNN's
+    compiled=native.native_linear_op,
 )
 KERNELS = {kernel.key: kernel for kernel in (ONEDNN, NATIVE_KERNEL)}
 
