@@ -313,11 +313,18 @@ def prepack_linears(model: torch.nn.Module, fuse: bool = True, kernel: LinearKer
     return layers, products
 
 
-def apply_prepack(model: torch.nn.Module, mode: str, cache_root: Path | None = None) -> PrepackChoice:
+def apply_prepack(
+    model: torch.nn.Module,
+    mode: str,
+    cache_root: Path | None = None,
+    agree: Callable[[dict[str, float]], dict[str, float]] | None = None,
+) -> PrepackChoice:
     """``model.prepack``: ``onednn`` or ``native`` packs with that kernel or fails with the reason; ``auto`` packs
     with the faster of the kernels that work here (timed on the model's largest linear when both do), else
     leaves torch's linear; ``on`` is ``auto`` that fails instead; ``off`` leaves torch's linear.
-    ``cache_root``: where the native kernel is built (default: lp_runner's cache folder)."""
+    ``cache_root``: where the native kernel is built (default: lp_runner's cache folder). ``agree`` (ranks of one
+    LP group): called exactly once in ``auto``/``on`` by every rank with its timings, returns the timings to
+    decide by (rank 0's), so a group's ranks pack with the same kernel and price one cost curve."""
     if mode == "off":
         return PrepackChoice(mode, 0, "off")
     if cache_root is None:
@@ -330,20 +337,23 @@ def apply_prepack(model: torch.nn.Module, mode: str, cache_root: Path | None = N
     if mode in ("auto", "on", "onednn"):
         reasons["onednn"] = unavailable_reason(model)
     usable = [KERNELS[key] for key, reason in reasons.items() if reason is None]
+    ms: dict[str, float] = {}
+    if len(usable) > 1:
+        ms = {key: round(value, 2) for key, value in time_kernels(model, usable).items()}
+    if agree is not None and mode in ("auto", "on"):
+        ms = agree(ms)  # a collective: every rank calls it, whatever it could measure or use
     if not usable:
         why = "; ".join(f"{KERNELS[key].label}: {reason}" for key, reason in reasons.items())
         if mode == "auto":
             return PrepackChoice(mode, 0, why)
         raise ConfigError(f"model.prepack={mode}: {why}; use model.prepack=auto or off")
-    ms: dict[str, float] = {}
-    if len(usable) == 1:
-        kernel, why = usable[0], "the one that works here" if mode in ("auto", "on") else "as set"
+    measured = [k for k in usable if k.key in ms]
+    if len(measured) > 1:
+        kernel = min(measured, key=lambda k: ms[k.key])
+        why = "measured: " + " vs ".join(f"{k.label} {ms[k.key]:.1f} ms" for k in measured)
+        why += " (largest linear, 1+8 rows" + (", rank 0's)" if agree is not None else ")")
     else:
-        ms = {key: round(value, 2) for key, value in time_kernels(model, usable).items()}
-        kernel = min(usable, key=lambda k: ms[k.key])
-        why = (
-            "measured: " + " vs ".join(f"{k.label} {ms[k.key]:.1f} ms" for k in usable) + " (largest linear, 1+8 rows)"
-        )
+        kernel, why = usable[0], "the one that works here" if mode in ("auto", "on") else "as set"
     layers, products = prepack_linears(model, kernel=kernel)
     return PrepackChoice(mode, layers, why, products, kernel.key, ms)
 

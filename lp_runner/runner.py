@@ -74,6 +74,11 @@ class Worker:
         return self.comm.rank == 0 and self.group == 0
 
 
+def _rank0_timings(comm: Communicator, ms: dict[str, float]) -> dict[str, float]:
+    """The kernel timings rank 0 of this LP group measured: its ranks pack with the same kernel."""
+    return json.loads(comm.all_gather_strings(json.dumps(ms))[0])
+
+
 def resolve_device(spec: str, local_rank: int) -> torch.device:
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,7 +140,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     )
     _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before prepacking reorders them
     cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
-    prepack = apply_prepack(model, cfg.model.prepack, cache_root)
+    prepack = apply_prepack(model, cfg.model.prepack, cache_root, agree=lambda ms: _rank0_timings(comm, ms))
     load_s = time.perf_counter() - start
     worker = Worker(cfg, comm, ModelAdapter(model), tokenizer, folder, device, load_s)
     worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat

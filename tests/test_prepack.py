@@ -116,6 +116,23 @@ def test_auto_times_the_kernels_that_work_and_takes_the_faster(tiny) -> None:
     assert choice.kernels == linear_kernels(model) == KERNELS[choice.kernel].fused_name
 
 
+def test_a_group_packs_with_the_kernel_rank_0_measured_faster(tiny) -> None:
+    """``agree`` (the runner: rank 0's timings over the LP group) decides for every rank, whatever it measured;
+    it is called once, also where nothing can be packed (it is a collective)."""
+    seen = []
+
+    def rank0(ms):
+        seen.append(dict(ms))
+        return {"native": 9.0, "onednn": 1.0}
+
+    choice = apply_prepack(copy.deepcopy(tiny("llama")), "auto", agree=rank0)
+    assert len(seen) == 1 and set(seen[0]) == {"native", "onednn"}
+    assert choice.kernel == "onednn" and choice.measured_ms == {"native": 9.0, "onednn": 1.0}
+    assert choice.reason.endswith("(largest linear, 1+8 rows, rank 0's)")
+    half = copy.deepcopy(tiny("llama")).to(torch.float16)
+    assert apply_prepack(half, "auto", agree=rank0).kernels == "torch" and len(seen) == 2
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_siblings_give_the_bits_of_separate_products(tiny, family: str, kernel) -> None:
     """q/k/v and gate/up as one product each: logits bit for bit those of one product per layer (so fusing changes
