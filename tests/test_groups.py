@@ -288,7 +288,7 @@ def test_groups_match_one_group_and_hf_greedy(tmp_path, tiny_dir):
 
 @pytest.mark.slow
 def test_a_lone_prompt_takes_the_idle_groups_core_and_keeps_its_tokens(tmp_path, tiny_dir):
-    """D=2 with one prompt: group 1 has nothing to do from the start, so group 0 takes its thread mid-generation
+    """D=2 with one prompt: one group has nothing to do from the start, so the other takes its thread mid-generation
     (logged) and still generates HF greedy's tokens; with ``parallel.share_cores=false`` it keeps one thread."""
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "long", "prompt": "story 1 story 1 story 1"}])
     runs = {}
@@ -298,9 +298,10 @@ def test_a_lone_prompt_takes_the_idle_groups_core_and_keeps_its_tokens(tmp_path,
         args[args.index(f"generation.max_new_tokens={MAX_NEW}")] = "generation.max_new_tokens=2000"  # > PERIOD_S
         runs[share] = (_run([sys.executable, "-m", "lp_runner", *args]).stderr, read_jsonl(out)[0])
     (shared_err, shared), (alone_err, alone) = runs["true"], runs["false"]
-    assert "local rank 0: 1 of 2 ranks on this node have no more work; 2 threads" in shared_err
+    busy = shared["group"]  # whichever group claimed the prompt first; the other is idle from the start
+    assert f"local rank {busy}: 1 of 2 ranks on this node have no more work; 2 threads" in shared_err
     assert "no more work" not in alone_err
-    assert shared["group"] == 0 and shared["new_tokens"] > 1000  # guard: a long generation, not an early EOS
+    assert shared["new_tokens"] > 1000  # guard: a long generation, not an early EOS
     assert shared["output_ids"] == alone["output_ids"]
     from transformers import AutoModelForCausalLM
 
