@@ -22,9 +22,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from lp_runner.errors import DistributedError
 from lp_runner.logs import log
-from lp_runner.parallel.comm import first_line
+from lp_runner.parallel.groups import store_call
 
 PERIOD_S = 0.5  # how often a busy rank looks at its node's idle mask (one store round trip, ~0.1 ms)
 MAX_LOCAL_RANKS = 62  # bits of the store's int64 counter a mask may use
@@ -95,7 +94,4 @@ class CoreShare:
 
     @staticmethod
     def _call(op: Callable[[], int]) -> int:
-        try:
-            return op()
-        except Exception as exc:
-            raise DistributedError(f"lost the job's store ({first_line(exc)}): world rank 0 is gone") from None
+        return store_call(op, "store")

@@ -131,10 +131,16 @@ class JobQueue:
 
     @staticmethod
     def _call(op: Callable[[], Any]) -> Any:
-        try:
-            return op()
-        except Exception as exc:
-            raise DistributedError(f"lost the job's work queue ({first_line(exc)}): world rank 0 is gone") from None
+        return store_call(op, "work queue")
+
+
+def store_call(op: Callable[[], Any], what: str) -> Any:
+    """``op()`` on the launcher's store; a lost store (world rank 0 is gone) is a ``DistributedError`` naming
+    ``what`` the caller used it for."""
+    try:
+        return op()
+    except Exception as exc:
+        raise DistributedError(f"lost the job's {what} ({first_line(exc)}): world rank 0 is gone") from None
 
 
 def claim_for_group(queue: JobQueue | None, comm) -> int:
