@@ -72,6 +72,13 @@ def _grown(cached: torch.Tensor, new: torch.Tensor, size: int) -> torch.Tensor:
     return grown
 
 
+def kv_head_shape(text_config) -> tuple[int, int]:
+    """(K/V heads, head dim) of a decoder's attention layers, from its (text) config."""
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return heads, head_dim
+
+
 def static_capacity(needed: int) -> int:
     """The static buffer for ``needed`` positions: the next power of two from ``MIN_CAPACITY`` (a compiled forward
     is specialised to its capacity, so nearby generations share one)."""
@@ -79,6 +86,16 @@ def static_capacity(needed: int) -> int:
     while capacity < needed:
         capacity *= 2
     return capacity
+
+
+def _static_buffer(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` [batch, heads, capacity, head dim] with every dimension but the capacity marked static for
+    ``torch.compile``: under ``dynamic=True`` each would otherwise be a symbol, and dynamo's duck sizing gives
+    equal sizes one symbol, so a round of as many rows as there are K/V heads would tie the row count to the
+    head count (a graph fixed to that row count; the next round recompiles)."""
+    for dim in (0, 1, 3):
+        torch._dynamo.mark_static(buffer, dim)
+    return buffer
 
 
 class StaticBufferLayer(DynamicLayer):
@@ -99,9 +116,17 @@ class StaticBufferLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
-        self.values = value_states.new_zeros((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        self.keys = _static_buffer(key_states.new_zeros((*key_states.shape[:2], self.capacity, key_states.shape[-1])))
+        self.values = _static_buffer(
+            value_states.new_zeros((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        )
         self.is_initialized = True
+
+    def allocate(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The buffers now, before the first forward (batch 1). A compiled forward then never traces the
+        allocation: it would be guarded on ``is_initialized``, which the next call fails (a second compilation)."""
+        empty = torch.empty(1, heads, 0, head_dim, dtype=dtype, device=device)
+        self.lazy_initialization(empty, empty)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -122,7 +147,7 @@ class StaticBufferLayer(DynamicLayer):
                 old = getattr(self, name)
                 new = old.new_zeros((*old.shape[:2], self.capacity, old.shape[-1]))
                 new[:, :, : old.shape[-2]] = old
-                setattr(self, name, new)
+                setattr(self, name, _static_buffer(new))
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.length

@@ -31,7 +31,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from lp_runner.attention import packed_gqa, sliding_window_mask, supports_packed_gqa
 from lp_runner.errors import LPError
-from lp_runner.kv_cache import AppendBufferLayer, StaticBufferLayer, static_capacity
+from lp_runner.kv_cache import AppendBufferLayer, StaticBufferLayer, kv_head_shape, static_capacity
 from lp_runner.layout import additive_mask
 from lp_runner.prepack import linear_kernels
 
@@ -81,6 +81,7 @@ class ModelAdapter:
         self.dtype = next(model.parameters()).dtype
         self.kernels = linear_kernels(model)  # torch's linear or oneDNN-prepacked (``model.prepack``)
         self.vocab_size = model.config.get_text_config().vocab_size
+        self.kv_shape = kv_head_shape(model.config.get_text_config())  # (K/V heads, head dim): static buffers
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation
         if compile:
@@ -143,8 +144,12 @@ class ModelAdapter:
         if static:
             for layer in static:
                 layer.reserve(total)
+                if not layer.is_initialized:
+                    layer.allocate(*self.kv_shape, self.dtype, self.device)
             capacity = static[0].capacity
             slots = torch.arange(past, total, device=self.device)
+            if self.compiled:  # a tensor reached through the cache, not an argument: dynamo would fix its length
+                torch._dynamo.mark_dynamic(slots, 0)
             for layer in static:
                 layer.write_slots = slots
         else:
@@ -189,8 +194,10 @@ class ModelAdapter:
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
+        # three rows, two of them read: sizes that no later round's can be forced equal to (dynamo's duck sizing
+        # would otherwise specialise the graph to rows == logit rows, and the first other round would recompile)
         self.forward(
-            torch.zeros(2, dtype=torch.long), torch.arange(2), causal(2), self.new_cache(capacity), torch.tensor([1])
+            torch.zeros(3, dtype=torch.long), torch.arange(3), causal(3), self.new_cache(capacity), torch.tensor([1, 2])
         )
         return time.perf_counter() - start
 
@@ -199,6 +206,8 @@ class ModelAdapter:
         attention = packed_gqa(self.model.config) if switch else nullcontext()
         if self.compiled and len(logit_rows) == 1:  # never a size-1 dimension in a compiled graph (see above)
             return self._run(input_ids, position_ids, mask, cache, logit_rows.repeat(2))[:1]
+        if self.compiled:  # one kind of tensor in every call: dynamo guards on it, a change would recompile
+            input_ids, position_ids, logit_rows = (_inference_tensor(t) for t in (input_ids, position_ids, logit_rows))
         with attention:
             out = self._call(
                 input_ids=input_ids.to(self.device).unsqueeze(0),
@@ -209,6 +218,14 @@ class ModelAdapter:
                 **{self._cache_kw: cache},
             )
         return out.logits[0]  # [R, vocab]
+
+
+def _inference_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an inference tensor (called in inference mode). A compiled graph is guarded on its inputs'
+    dispatch keys, and a tensor made outside inference mode carries one an inference tensor lacks: without this,
+    the engine's first rounds (tensors from the host) and later ones (tensors from earlier forwards) each
+    compiled the whole forward again (35-40 s each on a 2-core CPU)."""
+    return t if t.is_inference() else t.clone()
 
 
 def compiled_forward(model: PreTrainedModel):
