@@ -132,6 +132,8 @@ class Replica:
         self.worker: Any = None
         self.outbox: list[tuple] = []
         self.lock = threading.Lock()
+        self.threads = 0  # this rank's own thread count (model.threads resolved at start)
+        self.shared = 0  # its share of its node's threads once other groups there left (``share_threads``)
 
     def node(self) -> dict[str, Any]:
         import ray
@@ -163,7 +165,19 @@ class Replica:
         os.environ.update(env)
         setup_logging(env.get(LEVEL_ENV, "INFO"))  # the driver's --log-level; lines reach the driver's stderr
         self.worker = start_worker(config_from_dict(cfg_data))
+        import torch
+
+        self.threads = torch.get_num_threads()
         return self.worker.load_s
+
+    def share_threads(self, node_ranks: int, idle_mask: int, index: int) -> None:
+        """Groups of this job on this node have no more work (the driver's ``_share_cores``): from the next round
+        on, run on this rank's share of the threads all ``node_ranks`` ranks had (``shared_threads``; bit i of
+        ``idle_mask`` set: slot i left; this rank is slot ``index``). Called while ``run`` generates (the actor is
+        threaded); ``run``'s own thread applies it, since a forward uses its calling thread's count."""
+        from lp_runner.parallel.cores import shared_threads
+
+        self.shared = shared_threads(self.threads, node_ranks, idle_mask, index)
 
     def fingerprint(self) -> str:
         """The loaded model's weights checksum (what ``--resume`` compares with the output's records)."""
@@ -194,6 +208,7 @@ class Replica:
         done = [0]
 
         def on_commit(i: int, tokens: Sequence[int]) -> None:
+            self._take_shared_threads()
             self._send(("tokens", indices[i], list(tokens)))
             if stream:
                 if i not in streamers:  # resumed: continue after the text the driver already printed
@@ -209,8 +224,16 @@ class Replica:
             self._send(("record", indices[done[0]], rec))
             done[0] += 1
 
+        self._take_shared_threads()
         run_prompts(self.worker, specs, on_record=on_record, committed=committed, on_commit=on_commit)
         return done[0]
+
+    def _take_shared_threads(self) -> None:
+        import torch
+
+        if self.shared and self.shared != torch.get_num_threads():
+            log.info("a group on this node has no more work: %d threads", self.shared)
+            torch.set_num_threads(self.shared)
 
     def save_store(self, path: str) -> None:
         """``run.pool_out`` with D > 1 groups: lane 0's store, saved once after the job (as torchrun saves group
@@ -241,6 +264,7 @@ class _Group:
     pg: Any
     actors: list[Any]
     load_s: float = 0.0
+    ips: list[str] = field(default_factory=list)  # each rank's node
 
     @property
     def size(self) -> int:
@@ -328,6 +352,8 @@ class _Driver:
         self.queue = list(range(len(self.specs)))  # job order; a free lane takes the first
         self.lanes: dict[int, _Group] = {}  # the lanes' current groups (torn down by the main thread on a stop)
         self.lane_finished: dict[int, list[tuple[list[int], list[int]]]] = {}  # per lane: its store's content
+        self.node_slots: dict[str, list[tuple[int, int]]] = {}  # per node: (lane, rank) of every actor placed there
+        self.idle_lanes: set[int] = set()  # lanes whose groups finished with the queue empty (their cores freed)
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.weights_checked = False
@@ -432,6 +458,7 @@ class _Driver:
                     if self.stop.is_set():
                         raise _Stopped
                     self.lanes[lane] = group
+                    self._place(lane, group)
                     self.load_s = max(self.load_s, group.load_s)
                     check = not self.weights_checked and self.output is not None and bool(self.output.done)
                     self.weights_checked = True
@@ -442,6 +469,7 @@ class _Driver:
                         lost_at = None
                 if check:
                     self.output.check_weights(self.ray.get(group.actors[0].fingerprint.remote()))
+                self._share_cores()  # a rebuilt group on a node that other lanes have left
                 finished = self.lane_finished[lane]  # a rebuilt group's store starts from what this lane ran
                 while current is not None:
                     self._run_one(group, lane, current, finished)
@@ -449,6 +477,9 @@ class _Driver:
                     current = self._claim()
                 if lane == 0 and self.cfg.run.pool_out:
                     self.ray.get(group.actors[0].save_store.remote(self.cfg.run.pool_out))
+                with self.lock:
+                    self.idle_lanes.add(lane)
+                self._share_cores()
                 return
             except _WorkerLost as lost:
                 if self.stop.is_set():
@@ -467,6 +498,34 @@ class _Driver:
                 if group is not None:
                     group.teardown()
             generation += 1
+
+    def _place(self, lane: int, group: _Group) -> None:
+        """Record where ``lane``'s (new) group runs: one slot per rank on its node (under the lock)."""
+        for slots in self.node_slots.values():
+            slots[:] = [slot for slot in slots if slot[0] != lane]
+        for rank, ip in enumerate(group.ips):
+            self.node_slots.setdefault(ip, []).append((lane, rank))
+
+    def _share_cores(self) -> None:
+        """``parallel.share_cores`` on Ray (CPU, D > 1): the threads of the lanes that have left a node go to the
+        busy ranks still on it, as torchrun ranks share them through the store (``parallel/cores.py``). Only the
+        cores this job held are shared: a lane that never started frees no reservation of its own. Each busy
+        rank is told its node's slots and which left; it takes its share from its next round."""
+        if not self.cfg.parallel.share_cores or self.bundle.get("GPU") or self.cfg.parallel.groups < 2:
+            return
+        calls = []
+        with self.lock:
+            for slots in self.node_slots.values():
+                idle = sum(1 << i for i, (lane, _) in enumerate(slots) if lane in self.idle_lanes)
+                if not idle:
+                    continue
+                for i, (lane, rank) in enumerate(slots):
+                    group = self.lanes.get(lane)
+                    if lane not in self.idle_lanes and group is not None and rank < group.size:
+                        calls.append(group.actors[rank].share_threads.remote(len(slots), idle, i))
+        for ref in calls:
+            with contextlib.suppress(Exception):  # a rank lost meanwhile: its lane's recovery deals with it
+                self.ray.get(ref, timeout=self.cfg.parallel.timeout_s)
 
     def _run_one(self, group: _Group, lane: int, i: int, finished: list) -> None:
         """Prompt i on the lane's group, from its committed prefix (empty unless a lost group began it)."""
@@ -630,6 +689,7 @@ class _Driver:
                 }
                 refs.append(actor.start.remote(cfg_data, env))
             group.load_s = self._gather(refs, "start", None)[0]
+            group.ips = [info["ip"] for info in infos]
         except BaseException:
             group.teardown()
             raise

@@ -451,6 +451,26 @@ def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, ti
 
 
 @pytest.mark.slow
+def test_two_groups_share_the_cores_a_finished_group_frees(cluster, tiny_dir, tmp_path):
+    """parallel.groups=2 x 1 thread, three long prompts: the group that finds the queue empty leaves while the other
+    runs the third prompt, whose actor then takes both threads mid-generation (its log line reaches the driver) and
+    still writes HF greedy's tokens (``parallel.share_cores``, as under torchrun)."""
+    long = 1500
+    specs = [{"id": str(i), "prompt": "story 1 story 1 story 1"} for i in range(3)]
+    prompts = write_prompts(tmp_path / "p.jsonl", specs)
+    out = tmp_path / "o.jsonl"
+    args = _args(tiny_dir, prompts, out, long, *_ray_args(1), "--set", "parallel.groups=2")
+    proc = _cli(args, timeout=400, RAY_ADDRESS=cluster.gcs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "a group on this node has no more work: 2 threads" in proc.stderr, proc.stderr[-3000:]
+    records = read_jsonl(out)
+    assert sorted(r["id"] for r in records) == ["0", "1", "2"] and {r["group"] for r in records} == {0, 1}
+    assert records[0]["new_tokens"] > 1000  # guard: long generations, not an early EOS
+    want = _hf_greedy(tiny_dir, records[0]["prompt_ids"], long)
+    assert all(r["output_ids"] == want for r in records)
+
+
+@pytest.mark.slow
 def test_two_groups_out_of_restarts_stop_every_group(cluster, tiny_dir, tmp_path):
     """parallel.max_restarts=0: group 1's loss is fatal; group 0 is stopped too (its actor torn down), exit 3."""
     from ray.util.state import list_actors
