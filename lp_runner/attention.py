@@ -55,8 +55,54 @@ def packed_gqa_sdpa(
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
+NATIVE_MAX_ROWS = 8  # packed rows (query heads per K/V head x round rows) up to which the native loop runs
+
+
+def native_gqa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, H_kv, K, D]
+    value: torch.Tensor,  # [B, H_kv, K, D]
+    attention_mask: torch.Tensor | None,  # [B or 1, 1, Q, K]
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # ([B, Q, H, D], no weights)
+    """``packed_gqa_sdpa`` with lp_runner's native attention (``native.attention``) for rounds of a few rows: the
+    same packing, the same mask, softmax over the visible keys only. Models whose products are native use it
+    (``ModelAdapter``: the library is then built and probed); larger rounds, batches, other dtypes and special
+    attention (softcap, position bias) keep ``packed_gqa_sdpa``."""
+    from lp_runner import native
+
+    batch, heads, rows, dim = query.shape
+    groups = heads // key.shape[1]
+    special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+    if (
+        batch != 1
+        or attention_mask is None
+        or attention_mask.dim() != 4
+        or attention_mask.shape[:2] != (1, 1)
+        or groups * rows > NATIVE_MAX_ROWS
+        or special
+        or dropout
+        or query.dtype != torch.float32
+        or query.device.type != "cpu"
+    ):
+        return packed_gqa_sdpa(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    scale = scaling if scaling is not None else dim**-0.5
+    op = native.native_attention_op if torch.compiler.is_compiling() else native.attention
+    out = op(query.reshape(key.shape[1], groups * rows, dim), key[0], value[0], attention_mask[0, 0], scale)
+    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+NATIVE_GQA = "lp_runner_native_gqa"
 AttentionInterface.register(PACKED_GQA, packed_gqa_sdpa)
-AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)  # the same masks as sdpa, should one ever be built
+AttentionInterface.register(NATIVE_GQA, native_gqa_attention)
+for _name in (PACKED_GQA, NATIVE_GQA):
+    AttentionMaskInterface.register(_name, sdpa_mask)  # the same masks as sdpa, should one ever be built
 
 
 def supports_packed_gqa(config) -> bool:
@@ -65,9 +111,10 @@ def supports_packed_gqa(config) -> bool:
 
 
 @contextmanager
-def packed_gqa(config) -> Iterator[None]:
-    """Run the model with ``packed_gqa_sdpa`` inside the block; transformers' sdpa is restored on exit."""
-    config._attn_implementation = PACKED_GQA
+def packed_gqa(config, implementation: str = PACKED_GQA) -> Iterator[None]:
+    """Run the model with ``implementation`` (``packed_gqa_sdpa``, or ``native_gqa_attention``: ``NATIVE_GQA``)
+    inside the block; transformers' sdpa is restored on exit."""
+    config._attn_implementation = implementation
     try:
         yield
     finally:

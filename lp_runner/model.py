@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from lp_runner.attention import packed_gqa, sliding_window_mask, supports_packed_gqa
+from lp_runner.attention import NATIVE_GQA, PACKED_GQA, packed_gqa, sliding_window_mask, supports_packed_gqa
 from lp_runner.errors import LPError
 from lp_runner.kv_cache import AppendBufferLayer, StaticBufferLayer, kv_head_shape, static_capacity
 from lp_runner.layout import additive_mask
@@ -79,7 +79,9 @@ class ModelAdapter:
             raise UnsupportedModelError(f"{type(model).__name__} cannot run under lp_runner: {exc}") from None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.kernels = linear_kernels(model)  # torch's linear or oneDNN-prepacked (``model.prepack``)
+        self.kernels = linear_kernels(model)  # torch's linear, oneDNN's or the native product (``model.prepack``)
+        # a model on the native product (its library built and probed) attends with its native loop too
+        self.attention = NATIVE_GQA if self.kernels.startswith("native") else PACKED_GQA
         self.vocab_size = model.config.get_text_config().vocab_size
         self.kv_shape = kv_head_shape(model.config.get_text_config())  # (K/V heads, head dim): static buffers
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -203,7 +205,7 @@ class ModelAdapter:
 
     def _run(self, input_ids, position_ids, mask, cache: DynamicCache, logit_rows: torch.Tensor) -> torch.Tensor:
         switch = self.packed_gqa and mask is not None and supports_packed_gqa(self.model.config)
-        attention = packed_gqa(self.model.config) if switch else nullcontext()
+        attention = packed_gqa(self.model.config, self.attention) if switch else nullcontext()
         if self.compiled and len(logit_rows) == 1:  # never a size-1 dimension in a compiled graph (see above)
             return self._run(input_ids, position_ids, mask, cache, logit_rows.repeat(2))[:1]
         if self.compiled:  # one kind of tensor in every call: dynamo guards on it, a change would recompile

@@ -88,23 +88,26 @@ def build(cache_root: Path) -> Path:
 
 
 @functools.cache
-def _gemm(cache_root: str):
+def _library(cache_root: str):
     lib = ctypes.CDLL(str(build(Path(cache_root))))
-    fn = lib.lp_native_gemm_f32
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    lib.lp_native_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.lp_native_gemm_f32.restype = ctypes.c_int
+    lib.lp_native_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
+    lib.lp_native_attention_f32.restype = ctypes.c_int
+    return lib
 
 
-_FN = None  # the loaded kernel (``load``); every process loads it once
+_FN = None  # the loaded product (``load``); every process loads the library once
+_ATTENTION = None  # the loaded attention, checked as the product is
 
 
 def load(cache_root: Path) -> None:
     """Build (or find) and load the kernel, then check it against torch's linear on a probe; raises
     ``NativeUnavailable`` saying why it cannot be used."""
-    global _FN
+    global _FN, _ATTENTION
     try:
-        _FN = _gemm(str(cache_root))
+        lib = _library(str(cache_root))
+        _FN, _ATTENTION = lib.lp_native_gemm_f32, lib.lp_native_attention_f32
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"cannot build or load {SOURCE.name} ({first_line(exc)})") from None
     generator = torch.Generator().manual_seed(0)
@@ -115,8 +118,17 @@ def load(cache_root: Path) -> None:
         got = product(x, pack(weight), bias, 40)
         expected = torch.nn.functional.linear(x, weight, bias)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
-        _FN = None
+        _FN = _ATTENTION = None
         raise NativeUnavailable(f"{SOURCE.name} disagrees with torch's linear on a probe")
+    q, k, v = (torch.randn(2, n, 24, generator=generator) for n in (6, 9, 9))  # 2 heads, 3 rows x 2 groups
+    mask = torch.zeros(3, 9).masked_fill(torch.rand(3, 9, generator=generator) < 0.4, torch.finfo(torch.float32).min)
+    mask[:, 0] = 0.0  # every row sees a key
+    with torch.inference_mode():
+        got = attention(q, k, v, mask, 0.3)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(2, 1), scale=0.3)
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        _FN = _ATTENTION = None
+        raise NativeUnavailable(f"{SOURCE.name}'s attention disagrees with torch's sdpa on a probe")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -159,3 +171,48 @@ def native_linear_op(
 @native_linear_op.register_fake
 def _(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], out_features)
+
+
+def attention(
+    query: torch.Tensor,  # [H, M, D]: M packed rows per K/V head; row r reads mask row r % Q
+    key: torch.Tensor,  # [H, C, D], slots contiguous (heads may be strided: a cache buffer's first C slots)
+    value: torch.Tensor,  # [H, C, D], as key
+    mask: torch.Tensor,  # [Q, C] additive: 0 visible, the dtype's min hidden
+    scale: float,
+) -> torch.Tensor:  # [H, M, D] float32
+    """Softmax attention of a few packed rows over a K/V buffer, visible keys only, on torch's thread count.
+
+    Why: torch's CPU sdpa (flash) costs 40-130 us per layer for a one- or two-row round over a few hundred keys,
+    ~15% of a compiled one-row forward of the embedded model, while the arithmetic is a few microseconds; this
+    loop skips the hidden keys (a static cache's unused slots among them) instead of scoring them."""
+    if _ATTENTION is None:
+        raise NativeUnavailable("the native kernel was not loaded (lp_runner.native.load)")
+    query, mask = query.contiguous(), mask.contiguous()
+    key, value = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (key, value))  # slots in place
+    heads, rows, dim = query.shape
+    if key.shape != value.shape or key.shape[0] != heads or key.shape[2] != dim or mask.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"native attention: query {list(query.shape)}, key {list(key.shape)}, value {list(value.shape)}, "
+            f"mask {list(mask.shape)} do not fit"
+        )
+    out = torch.empty_like(query)
+    args = (query, key, value, mask, out)
+    if any(t.dtype != torch.float32 for t in args):
+        raise ValueError("native attention takes float32 tensors")
+    sizes = (heads, rows, mask.shape[0], key.shape[1], dim, key.stride(0), value.stride(0))
+    if _ATTENTION(*(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads()):
+        raise ValueError(f"native attention refused sizes {sizes}")
+    return out
+
+
+@torch.library.custom_op("lp_runner::native_attention", mutates_args=())
+def native_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``attention`` as one opaque op for ``torch.compile``."""
+    return attention(query, key, value, mask, scale)
+
+
+@native_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(query)

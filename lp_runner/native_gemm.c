@@ -11,6 +11,7 @@
    the call or the block the column falls in: a row's result does not depend on the rows beside it, and the
    columns of stacked sibling weights are those of each weight alone (bit for bit). */
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define NB 32
@@ -67,6 +68,73 @@ int lp_native_gemm_f32(const float *x, const float *p, const float *b, float *y,
     if (b)
       for (long m = 0; m < M; m++)
         for (int c = 0; c < ncols; c++) y[(size_t)m * N + n + c] += b[n + c];
+  }
+  return 0;
+}
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+/* The sum of a vector's 16 lanes as a tree (depth 4, not a chain of 16 dependent adds). */
+static inline float hsum16(v16 a) {
+  v8 lo, hi;
+  memcpy(&lo, &a, sizeof lo);
+  memcpy(&hi, (const char *)&a + sizeof lo, sizeof hi);
+  v8 s8 = lo + hi;
+  v4 l4, h4;
+  memcpy(&l4, &s8, sizeof l4);
+  memcpy(&h4, (const char *)&s8 + sizeof l4, sizeof h4);
+  v4 s4 = l4 + h4;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* Attention of a few packed rows over a K/V buffer (lp_runner/attention.py, with the native product).
+
+   q [H, M, D]: the M = groups x Q packed query rows of each K/V head h (row r reads the mask of round row r % Q);
+   k, v [H, C, D]: the cache's first C slots, head h at k + h * ks (v + h * vs), each slot D contiguous floats;
+   mask [Q, C] additive (0 visible; a key at or below -1e30 hidden);
+   out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
+   A hidden key's weight is exp(-huge) = 0 in fp32 in any softmax, so skipping it changes nothing. */
+int lp_native_attention_f32(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
+                            long M, long Q, long C, long D, long ks, long vs, float scale, int threads) {
+  if (H < 1 || M < 1 || Q < 1 || C < 1 || D < 1 || threads < 1) return -1;
+#pragma omp parallel num_threads(threads)
+  {
+    float *s = (float *)malloc(sizeof(float) * (size_t)C);
+    int *idx = (int *)malloc(sizeof(int) * (size_t)C);
+#pragma omp for schedule(static)
+    for (long t = 0; t < H * M; t++) {
+      long h = t / M, r = t % M;
+      const float *qr = q + (size_t)t * D, *mr = mask + (size_t)(r % Q) * C;
+      const float *kh = k + (size_t)h * ks, *vh = v + (size_t)h * vs;
+      float *o = out + (size_t)t * D;
+      int n = 0;
+      float best = -3.4e38f;
+      for (long j = 0; j < C; j++) {
+        if (mr[j] <= -1e30f) continue;
+        const float *kj = kh + (size_t)j * D;
+        float dot = 0.f;
+        if (D % 16 == 0) {
+          v16 acc = {0};
+          for (long d = 0; d < D; d += 16) acc += *(const v16 *)(qr + d) * *(const v16 *)(kj + d);
+          dot = hsum16(acc);
+        } else {
+          for (long d = 0; d < D; d++) dot += qr[d] * kj[d];
+        }
+        float sj = dot * scale + mr[j];
+        s[n] = sj;
+        idx[n++] = (int)j;
+        if (sj > best) best = sj;
+      }
+      float total = 0.f;
+      for (int i = 0; i < n; i++) total += (s[i] = __builtin_expf(s[i] - best));
+      for (long d = 0; d < D; d++) o[d] = 0.f;
+      for (int i = 0; i < n; i++) {
+        float p = s[i] / total;
+        const float *vj = vh + (size_t)idx[i] * D;
+        for (long d = 0; d < D; d++) o[d] += p * vj[d];
+      }
+    }
   }
   return 0;
 }

@@ -12,9 +12,17 @@ import torch
 from helpers import FAMILIES, random_prompt
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from lp_runner.attention import PACKED_GQA, packed_gqa_sdpa, sliding_window_mask, supports_packed_gqa
+from lp_runner.attention import (
+    PACKED_GQA,
+    native_gqa_attention,
+    packed_gqa_sdpa,
+    sliding_window_mask,
+    supports_packed_gqa,
+)
 from lp_runner.layout import additive_mask
+from lp_runner.loading import default_cache_dir
 from lp_runner.model import ModelAdapter
+from lp_runner.prepack import native_unavailable_reason
 
 
 class _Attention(torch.nn.Module):
@@ -47,6 +55,30 @@ def test_packed_gqa_equals_transformers_sdpa(kv_heads: int, rows: int) -> None:
     k, v = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     ref = torch.softmax(query @ k.transpose(-1, -2) * dim**-0.5 + mask, dim=-1) @ v  # [1, H, Q, D]
     torch.testing.assert_close(got, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [16, 12])  # the vector path and the scalar one
+@pytest.mark.parametrize("kv_heads,rows", [(1, 1), (2, 1), (2, 2), (3, 2), (6, 3), (1, 9)])
+def test_native_attention_equals_transformers_sdpa(kv_heads: int, rows: int, dim: int) -> None:
+    """native_gqa_attention (the native loop up to NATIVE_MAX_ROWS packed rows, packed_gqa_sdpa beyond) against
+    transformers' sdpa, on a static cache's buffer: slots past the round hidden by the mask, heads strided (a
+    buffer's first slots, as the append-buffer cache passes them)."""
+    if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
+        pytest.skip("no native kernel here")
+    gen = torch.Generator().manual_seed(7 * kv_heads + rows + dim)
+    heads, past, capacity = 6, 13, 40
+    query = torch.randn(1, heads, rows, dim, generator=gen)
+    buffers = [torch.randn(1, kv_heads, capacity + 8, dim, generator=gen) for _ in range(2)]
+    key, value = (b[:, :, :capacity] for b in buffers)  # strided over heads
+    visibility = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
+    mask = additive_mask(visibility, past, torch.float32, width=capacity)  # [1, 1, Q, capacity]
+    module = _Attention(heads // kv_heads)
+    with torch.inference_mode():
+        got, _ = native_gqa_attention(module, query, key, value, mask, scaling=dim**-0.5)
+        want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
+    assert got.shape == want.shape == (1, rows, heads, dim)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(mask[..., past + rows :], torch.zeros_like(mask[..., past + rows :]))  # guard: hidden
 
 
 @pytest.mark.parametrize("family", FAMILIES)
