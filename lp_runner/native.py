@@ -200,7 +200,10 @@ def attention(
     if any(t.dtype != torch.float32 for t in args):
         raise ValueError("native attention takes float32 tensors")
     sizes = (heads, rows, mask.shape[0], key.shape[1], dim, key.stride(0), value.stride(0))
-    if _ATTENTION(*(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads()):
+    status = _ATTENTION(*(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError(f"native attention could not allocate {key.shape[1]} scores per thread")
+    if status:
         raise ValueError(f"native attention refused sizes {sizes}")
     return out
 

@@ -98,12 +98,18 @@ static inline float hsum16(v16 a) {
 int lp_native_attention_f32(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
                             long M, long Q, long C, long D, long ks, long vs, float scale, int threads) {
   if (H < 1 || M < 1 || Q < 1 || C < 1 || D < 1 || threads < 1) return -1;
+  int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
     float *s = (float *)malloc(sizeof(float) * (size_t)C);
     int *idx = (int *)malloc(sizeof(int) * (size_t)C);
+    if (!s || !idx) {
+#pragma omp atomic write
+      failed = 1;
+    }
 #pragma omp for schedule(static)
     for (long t = 0; t < H * M; t++) {
+      if (!s || !idx) continue;
       long h = t / M, r = t % M;
       const float *qr = q + (size_t)t * D, *mr = mask + (size_t)(r % Q) * C;
       const float *kh = k + (size_t)h * ks, *vh = v + (size_t)h * vs;
@@ -135,6 +141,8 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
         for (long d = 0; d < D; d++) o[d] += p * vj[d];
       }
     }
+    free(s);
+    free(idx);
   }
-  return 0;
+  return failed ? -2 : 0;
 }
