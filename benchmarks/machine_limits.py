@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lp_runner.kv_cache import kv_head_shape
+
 
 @dataclass(frozen=True)
 class MachineLimits:
@@ -70,8 +72,7 @@ def forward_bytes(model: torch.nn.Module, kv_len: int) -> int:
     (2 tensors x layers x K/V heads x head dim, in the model's dtype)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = model.config.get_text_config()
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads, head_dim = kv_head_shape(cfg)
     element = next(model.parameters()).element_size()
     return weights + 2 * cfg.num_hidden_layers * heads * head_dim * kv_len * element
 

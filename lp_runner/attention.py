@@ -24,7 +24,26 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lp_runner import native
+
 PACKED_GQA = "lp_runner_packed_gqa_sdpa"
+
+
+def _special(kwargs: dict) -> bool:
+    """Attention with a softcap or a position bias: transformers' own function only."""
+    return kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+
+
+def _pack_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, Q, D] -> [B, H_kv, groups * Q, D]: head h = kv * groups + g becomes row g*Q + i of its K/V head, so
+    packed row r reads the mask of query row r % Q."""
+    batch, heads, rows, dim = query.shape
+    return query.reshape(batch, kv_heads, heads // kv_heads * rows, dim)
+
+
+def _unpack_heads(out: torch.Tensor, query_shape: torch.Size) -> torch.Tensor:
+    """The packed rows' outputs back in transformers' layout: [B, Q, H, D], contiguous."""
+    return out.reshape(query_shape).transpose(1, 2).contiguous()
 
 
 def packed_gqa_sdpa(
@@ -41,18 +60,15 @@ def packed_gqa_sdpa(
     """transformers' sdpa attention, minus the K/V repeat for a masked multi-row query (see the module doc)."""
     groups = query.shape[1] // key.shape[1]  # query heads per K/V head, read from the tensors themselves
     rows = query.shape[2]
-    special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
-    if groups == 1 or rows == 1 or attention_mask is None or attention_mask.shape[1] != 1 or special:
+    if groups == 1 or rows == 1 or attention_mask is None or attention_mask.shape[1] != 1 or _special(kwargs):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    batch, heads, _, dim = query.shape
-    packed_query = query.reshape(batch, key.shape[1], groups * rows, dim)  # head h = kv * groups + g -> row g*Q + i
     packed_mask = attention_mask.repeat(1, 1, groups, 1)  # row g*Q + i reads the mask of query row i
     out = torch.nn.functional.scaled_dot_product_attention(
-        packed_query, key, value, attn_mask=packed_mask, dropout_p=dropout, scale=scaling
+        _pack_heads(query, key.shape[1]), key, value, attn_mask=packed_mask, dropout_p=dropout, scale=scaling
     )  # [B, H_kv, groups * Q, D]
-    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+    return _unpack_heads(out, query.shape), None
 
 
 NATIVE_MAX_ROWS = 8  # packed rows (query heads per K/V head x round rows) up to which the native loop runs
@@ -73,18 +89,15 @@ def native_gqa_attention(
     same packing, the same mask, softmax over the visible keys only. Models whose products are native use it
     (``ModelAdapter``: the library is then built and probed); larger rounds, batches, other dtypes and special
     attention (softcap, position bias) keep ``packed_gqa_sdpa``."""
-    from lp_runner import native
-
     batch, heads, rows, dim = query.shape
     groups = heads // key.shape[1]
-    special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
     if (
         batch != 1
         or attention_mask is None
         or attention_mask.dim() != 4
         or attention_mask.shape[:2] != (1, 1)
         or groups * rows > NATIVE_MAX_ROWS
-        or special
+        or _special(kwargs)
         or dropout
         or query.dtype != torch.float32
         or query.device.type != "cpu"
@@ -94,8 +107,8 @@ def native_gqa_attention(
         )
     scale = scaling if scaling is not None else dim**-0.5
     op = native.native_attention_op if torch.compiler.is_compiling() else native.attention
-    out = op(query.reshape(key.shape[1], groups * rows, dim), key[0], value[0], attention_mask[0, 0], scale)
-    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+    out = op(_pack_heads(query, key.shape[1])[0], key[0], value[0], attention_mask[0, 0], scale)
+    return _unpack_heads(out, query.shape), None
 
 
 NATIVE_GQA = "lp_runner_native_gqa"
