@@ -88,61 +88,175 @@ static inline float hsum16(v16 a) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+typedef int v16i __attribute__((vector_size(64), aligned(4)));
+
+/* e^x per lane for x <= 0 (softmax's shifted scores): Cephes' expf, the exponent scaled in by integer add;
+   x below -87.3 gives exactly 0 (a hidden key's -inf among them). Within 2 ulp of expf over [-87.3, 0]. */
+static inline v16 exp16(v16 x) {
+  const v16 lo = (v16){0} - 87.3f;
+  v16i keep = x >= lo;
+  x = (v16)((v16i)x & keep) + (v16)((v16i)lo & ~keep); /* clamp without a NaN-prone min */
+  v16 t = x * 1.44269504088896341f + 12582912.0f;        /* round(x / ln 2) in the low mantissa bits */
+  v16 n = t - 12582912.0f;
+  x = x - n * 0.693359375f - n * -2.12194440e-4f;
+  v16 y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  v16i scale = ((v16i)t - 0x4B400000 + 127) << 23; /* 2^n */
+  return (v16)((v16i)(y * (v16)scale) & keep);
+}
+
+/* Sixteen vectors' lane sums as one vector (lane l: the sum of p[l]'s lanes), a transpose-and-add tree of 15
+   steps instead of 16 horizontal sums: each source's lanes are added in the same fixed order whatever its
+   neighbours hold. */
+static inline v16 sum16x16(const v16 *p) {
+  const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const v16i lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const v16i lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const v16i hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const v16i lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const v16i hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 a[8], b[4], c[2];
+  for (int m = 0; m < 8; m++)
+    a[m] = __builtin_shuffle(p[2 * m], p[2 * m + 1], lo8) + __builtin_shuffle(p[2 * m], p[2 * m + 1], hi8);
+  for (int m = 0; m < 4; m++)
+    b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo4) + __builtin_shuffle(a[2 * m], a[2 * m + 1], hi4);
+  for (int m = 0; m < 2; m++)
+    c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], lo2) + __builtin_shuffle(b[2 * m], b[2 * m + 1], hi2);
+  return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
+}
+
+/* Lane partials of q . k (D a multiple of 16): lane l sums the products at d = l mod 16, in increasing d. */
+static inline v16 dot_partials(const float *a, const float *b, long D) {
+  v16 acc = *(const v16 *)a * *(const v16 *)b;
+  for (long d = 16; d < D; d += 16) acc += *(const v16 *)(a + d) * *(const v16 *)(b + d);
+  return acc;
+}
+
+/* o = sum_j w[j] v_j over the keys the mask row shows (j < end), in increasing j; DV = D / 16 vectors a row.
+   Inlined with a constant DV (64 and 128 wide heads), the row's sums stay in registers across all keys. */
+static inline __attribute__((always_inline)) void weighted_values(float *o, const float *w, const float *mr,
+                                                                  const float *vh, long end, const int DV) {
+  v16 acc[16];
+  for (int c = 0; c < DV; c++) acc[c] = (v16){0};
+  for (long j = 0; j < end; j++)
+    if (mr[j] > -1e30f) {
+      const float *vj = vh + (size_t)j * DV * 16;
+      for (int c = 0; c < DV; c++) acc[c] += w[j] * *(const v16 *)(vj + 16 * c);
+    }
+  for (int c = 0; c < DV; c++) *(v16 *)(o + 16 * c) = acc[c];
+}
+
+#define RB 4 /* packed rows per task (one K/V head) */
+
 /* Attention of a few packed rows over a K/V buffer (lp_runner/attention.py, with the native product).
 
    q [H, M, D]: the M = groups x Q packed query rows of each K/V head h (row r reads the mask of round row r % Q);
    k, v [H, C, D]: the cache's first C slots, head h at k + h * ks (v + h * vs), each slot D contiguous floats;
    mask [Q, C] additive (0 visible; a key at or below -1e30 hidden);
    out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
-   A hidden key's weight is exp(-huge) = 0 in fp32 in any softmax, so skipping it changes nothing. */
+
+   A task is up to RB rows of one head: the head's keys and values, read from memory by its first row, are in
+   cache for the others. Per row, 16 keys' scores at a time (sum16x16), a vector exp, and the weighted sum of
+   values in registers for 64- and 128-wide heads. Hidden keys are never
+   read (a static cache's spare slots may hold anything) and weigh exactly 0, as in any fp32 softmax; keys past
+   the last visible one are not visited at all. Every row is computed alone, in the same order whatever rows
+   share its task: a row's result does not depend on the rows beside it (the product's guarantee, kept).
+   A row that sees no key gets zeros. */
 int lp_native_attention_f32(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
                             long M, long Q, long C, long D, long ks, long vs, float scale, int threads) {
   if (H < 1 || M < 1 || Q < 1 || C < 1 || D < 1 || threads < 1) return -1;
+  long chunks = (M + RB - 1) / RB, stride = (C + 15) & ~15L;
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
-    float *s = (float *)malloc(sizeof(float) * (size_t)C);
-    int *idx = (int *)malloc(sizeof(int) * (size_t)C);
-    if (!s || !idx) {
+    float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)(RB * stride));
+    if (!s) {
 #pragma omp atomic write
       failed = 1;
     }
 #pragma omp for schedule(static)
-    for (long t = 0; t < H * M; t++) {
-      if (!s || !idx) continue;
-      long h = t / M, r = t % M;
-      const float *qr = q + (size_t)t * D, *mr = mask + (size_t)(r % Q) * C;
+    for (long t = 0; t < H * chunks; t++) {
+      if (!s) continue;
+      long h = t / chunks, r0 = (t % chunks) * RB;
+      int rb = M - r0 < RB ? (int)(M - r0) : RB;
       const float *kh = k + (size_t)h * ks, *vh = v + (size_t)h * vs;
-      float *o = out + (size_t)t * D;
-      int n = 0;
-      float best = -3.4e38f;
-      for (long j = 0; j < C; j++) {
-        if (mr[j] <= -1e30f) continue;
-        const float *kj = kh + (size_t)j * D;
-        float dot = 0.f;
-        if (D % 16 == 0) {
-          v16 acc = {0};
-          for (long d = 0; d < D; d += 16) acc += *(const v16 *)(qr + d) * *(const v16 *)(kj + d);
-          dot = hsum16(acc);
-        } else {
-          for (long d = 0; d < D; d++) dot += qr[d] * kj[d];
-        }
-        float sj = dot * scale + mr[j];
-        s[n] = sj;
-        idx[n++] = (int)j;
-        if (sj > best) best = sj;
+      const float *qr[RB], *mr[RB];
+      float *o[RB];
+      long end = 0; /* one past the last key any of the rows sees */
+      for (int i = 0; i < rb; i++) {
+        qr[i] = q + ((size_t)h * M + r0 + i) * D;
+        mr[i] = mask + (size_t)((r0 + i) % Q) * C;
+        o[i] = out + ((size_t)h * M + r0 + i) * D;
+        for (long j = C - 1; j >= end; j--)
+          if (mr[i][j] > -1e30f) {
+            end = j + 1;
+            break;
+          }
       }
-      float total = 0.f;
-      for (int i = 0; i < n; i++) total += (s[i] = __builtin_expf(s[i] - best));
-      for (long d = 0; d < D; d++) o[d] = 0.f;
-      for (int i = 0; i < n; i++) {
-        float p = s[i] / total;
-        const float *vj = vh + (size_t)idx[i] * D;
-        for (long d = 0; d < D; d++) o[d] += p * vj[d];
+      long span = (end + 15) & ~15L;
+      for (int i = 0; i < rb; i++) {
+        float *si = s + i * stride;
+        for (long j0 = 0; j0 < end; j0 += 16) {
+          int nj = end - j0 < 16 ? (int)(end - j0) : 16;
+          if (D % 16 == 0) {
+            v16 partial[16], dots;
+            for (int l = 0; l < 16; l++)
+              partial[l] = l < nj && mr[i][j0 + l] > -1e30f ? dot_partials(qr[i], kh + (size_t)(j0 + l) * D, D)
+                                                            : (v16){0};
+            dots = sum16x16(partial);
+            for (int l = 0; l < nj; l++) si[j0 + l] = dots[l];
+          } else {
+            for (int l = 0; l < nj; l++) {
+              const float *kj = kh + (size_t)(j0 + l) * D;
+              float dot = 0.f;
+              if (mr[i][j0 + l] > -1e30f)
+                for (long d = 0; d < D; d++) dot += qr[i][d] * kj[d];
+              si[j0 + l] = dot;
+            }
+          }
+          for (int l = 0; l < nj; l++) {
+            float m = mr[i][j0 + l];
+            si[j0 + l] = m > -1e30f ? si[j0 + l] * scale + m : -__builtin_inff();
+          }
+        }
+      }
+      float inv[RB];
+      for (int i = 0; i < rb; i++) {
+        float *si = s + i * stride;
+        for (long j = end; j < span; j++) si[j] = -__builtin_inff();
+        float best = -__builtin_inff();
+        for (long j = 0; j < end; j++) best = si[j] > best ? si[j] : best;
+        v16 total = {0};
+        if (best > -__builtin_inff())
+          for (long j = 0; j < span; j += 16) {
+            v16 e = exp16(*(v16 *)(si + j) - best);
+            *(v16 *)(si + j) = e;
+            total += e;
+          }
+        float sum = hsum16(total);
+        inv[i] = sum > 0.f ? 1.f / sum : 0.f;
+        if (D == 64)
+          weighted_values(o[i], si, mr[i], vh, end, 4);
+        else if (D == 128)
+          weighted_values(o[i], si, mr[i], vh, end, 8);
+        else if (D % 16 == 0 && D <= 256)
+          weighted_values(o[i], si, mr[i], vh, end, (int)(D / 16));
+        else {
+          for (long d = 0; d < D; d++) o[i][d] = 0.f;
+          for (long j = 0; j < end; j++)
+            if (mr[i][j] > -1e30f)
+              for (long d = 0; d < D; d++) o[i][d] += si[j] * vh[(size_t)j * D + d];
+        }
+        for (long d = 0; d < D; d++) o[i][d] *= inv[i];
       }
     }
     free(s);
-    free(idx);
   }
   return failed ? -2 : 0;
 }

@@ -170,3 +170,52 @@ def test_native_attention_frees_its_scratch() -> None:
     for _ in range(2_000):
         native.attention(q, k, v, mask, 0.125)
     assert resident_mb() - before < 64
+
+
+def _native_or_skip():
+    if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
+        pytest.skip("no native kernel here")
+    from lp_runner import native
+
+    return native
+
+
+def _static_round(heads: int, rows: int, dim: int, seed: int):
+    """Packed queries [heads, groups 3 x rows, dim] over a static buffer of 40 slots: 13 cached, the round's rows
+    under a random visibility (each row sees itself), the rest spare."""
+    gen = torch.Generator().manual_seed(seed)
+    past, capacity = 13, 40
+    q = torch.randn(heads, 3 * rows, dim, generator=gen)
+    k, v = (torch.randn(heads, capacity, dim, generator=gen) for _ in range(2))
+    visibility = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
+    mask = additive_mask(visibility, past, torch.float32, width=capacity)[0, 0]  # [rows, capacity]
+    return q, k, v, mask, past + rows
+
+
+@pytest.mark.parametrize("dim", [64, 12])  # the vector path and the scalar one
+def test_native_attention_rows_do_not_depend_on_their_neighbours(dim: int) -> None:
+    """Each packed row's output is bit for bit what it gets alone (the product's guarantee, kept by the attention
+    loop): a round's verified row then equals the one-row decode of the same token at the same place."""
+    native = _native_or_skip()
+    q, k, v, mask, _ = _static_round(2, 3, dim, seed=dim)  # 9 packed rows: more than one task of rows per head
+    together = native.attention(q, k, v, mask, dim**-0.5)
+    for r in range(q.shape[1]):
+        alone = native.attention(q[:, r : r + 1], k, v, mask[r % 3 : r % 3 + 1], dim**-0.5)
+        assert torch.equal(alone[:, 0], together[:, r]), r
+
+
+def test_native_attention_never_reads_hidden_slots() -> None:
+    """A static buffer's spare slots hold whatever an earlier round left there, NaN included: a hidden key must
+    not be read at all (a masked NaN score is still NaN), so the output is the same bits as with zeros there."""
+    native = _native_or_skip()
+    q, k, v, mask, used = _static_round(2, 2, 64, seed=3)
+    clean = native.attention(q, k, v, mask, 0.125)
+    k[:, used:], v[:, used:] = float("nan"), float("nan")
+    hidden = mask == torch.finfo(torch.float32).min
+    k[:, 13:used][:, hidden[0, 13:used]] = float("nan")  # a round key that row 0 does not see: hidden from it
+    assert torch.equal(native.attention(q[:, :1], k, v, mask[:1], 0.125), clean[:, :1])
+    assert torch.isfinite(clean).all()
+    assert torch.equal(
+        native.attention(q, k[:, :used].contiguous(), v[:, :used].contiguous(), mask[:, :used], 0.125)[:, :1],
+        clean[:, :1],
+    )
