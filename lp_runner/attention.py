@@ -74,6 +74,39 @@ def packed_gqa_sdpa(
 NATIVE_MAX_ROWS = 8  # packed rows (query heads per K/V head x round rows) up to which the native loop runs
 
 
+def packed_attention(
+    query: torch.Tensor,  # [H_kv, M, D]: M = groups x Q packed rows per K/V head (``_pack_heads``)
+    key: torch.Tensor,  # [H_kv, K, D]
+    value: torch.Tensor,  # [H_kv, K, D]
+    mask: torch.Tensor,  # [Q, K] additive; packed row r reads row r % Q
+    scale: float,
+) -> torch.Tensor:  # [H_kv, M, D]
+    """The packed rows' attention, its kernel chosen by their number when it runs: the native loop up to
+    ``NATIVE_MAX_ROWS`` packed rows, torch's sdpa beyond, on the same inputs ``packed_gqa_sdpa`` gives it (the
+    mask tiled per query head). The choice lives here, not in the model's code, so that a compiled graph has no
+    branch on the row count: one graph serves every round (a branch in the graph compiled a second one at the
+    first round on the other side of the bound, 40 s into the job)."""
+    if query.shape[1] <= NATIVE_MAX_ROWS:
+        return native.attention(query, key, value, mask, scale)
+    tiled = mask.repeat(query.shape[1] // mask.shape[0], 1)  # [M, K]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query[None], key[None], value[None], attn_mask=tiled[None, None], scale=scale
+    )[0]
+
+
+@torch.library.custom_op("lp_runner::packed_attention", mutates_args=())
+def packed_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``packed_attention`` as one opaque op for ``torch.compile``: the graph holds the call, not the choice."""
+    return packed_attention(query, key, value, mask, scale)
+
+
+@packed_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
 def native_gqa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, H, Q, D]
@@ -87,16 +120,15 @@ def native_gqa_attention(
 ) -> tuple[torch.Tensor, None]:  # ([B, Q, H, D], no weights)
     """``packed_gqa_sdpa`` with lp_runner's native attention (``native.attention``) for rounds of a few rows: the
     same packing, the same mask, softmax over the visible keys only. Models whose products are native use it
-    (``ModelAdapter``: the library is then built and probed); larger rounds, batches, other dtypes and special
-    attention (softcap, position bias) keep ``packed_gqa_sdpa``."""
-    batch, heads, rows, dim = query.shape
-    groups = heads // key.shape[1]
+    (``ModelAdapter``: the library is then built and probed). Rounds of more than ``NATIVE_MAX_ROWS`` packed rows
+    run torch's sdpa (``packed_attention`` chooses); batches, other dtypes and special attention (softcap,
+    position bias) keep ``packed_gqa_sdpa``."""
+    batch, _, _, dim = query.shape
     if (
         batch != 1
         or attention_mask is None
         or attention_mask.dim() != 4
         or attention_mask.shape[:2] != (1, 1)
-        or groups * rows > NATIVE_MAX_ROWS
         or _special(kwargs)
         or dropout
         or query.dtype != torch.float32
@@ -106,7 +138,7 @@ def native_gqa_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     scale = scaling if scaling is not None else dim**-0.5
-    op = native.native_attention_op if torch.compiler.is_compiling() else native.attention
+    op = packed_attention_op if torch.compiler.is_compiling() else packed_attention
     out = op(_pack_heads(query, key.shape[1])[0], key[0], value[0], attention_mask[0, 0], scale)
     return _unpack_heads(out, query.shape), None
 

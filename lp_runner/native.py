@@ -206,16 +206,3 @@ def attention(
     if status:
         raise ValueError(f"native attention refused sizes {sizes}")
     return out
-
-
-@torch.library.custom_op("lp_runner::native_attention", mutates_args=())
-def native_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``attention`` as one opaque op for ``torch.compile``."""
-    return attention(query, key, value, mask, scale)
-
-
-@native_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.empty_like(query)
