@@ -2,7 +2,9 @@
 (``native_gqa_attention``), eager and compiled, on the embedded model with native products, side by side.
 
 Four adapters share one model (native products): eager and compiled (``model.compile``), each with either
-attention. For every row count they alternate forward by forward on a cached prefix (order rotated each
+attention; a fifth runs the compiled native forward with dynamo's guards checked on every round
+(``skip_guards=False``: the same graph, no compilation of its own), so the cost of the checks the adapter skips
+after a cache's first forward is in the same table. For every row count they alternate forward by forward on a cached prefix (order rotated each
 repetition; each forward cropped back), so the printed medians are measured together; the logits' largest
 difference from eager sdpa and whether every argmax agrees are printed too.
 
@@ -53,6 +55,9 @@ def main() -> None:
             if compiled:
                 print(f"{name}: compiled in {adapter.warm_up(capacity):.1f} s", flush=True)
             adapters[name] = adapter
+    checked = ModelAdapter(model, compile=True, skip_guards=False)  # the compiled native graph, guards checked
+    print(f"compiled native, guards checked: warm in {checked.warm_up(capacity):.1f} s", flush=True)
+    adapters["compiled native guards checked"] = checked
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (args.prefix,), generator=gen)
     tril = torch.ones(args.prefix, args.prefix, dtype=torch.bool).tril()

@@ -9,6 +9,7 @@ cores: the compiling tests are slow.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -18,13 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
-from helpers import FAMILIES, hf_greedy, random_prompt
+from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
 
+from lp_runner.attention import NATIVE_GQA, NATIVE_MAX_ROWS
 from lp_runner.compile_choice import CompileRecord, decide
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.costmodel import RowPlan
 from lp_runner.engine import LookaheadEngine
+from lp_runner.loading import default_cache_dir
 from lp_runner.model import ModelAdapter, causal, crop
+from lp_runner.prepack import apply_prepack, native_unavailable_reason
 
 BUCKETS = (2, 4, 8, 16, 32)  # a padding plan: every round runs at the next of these
 
@@ -58,6 +62,54 @@ def test_compiled_rounds_equal_eager_rounds_and_hf_greedy(tiny, family: str) -> 
     assert compiled.warm_up(64) > 0
     with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up's graph serves every later round
         _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager, compiled)
+
+
+@pytest.mark.slow
+def test_native_kernels_compile_one_graph_for_every_round(tiny) -> None:
+    """A model on the native kernels attends with the native loop up to NATIVE_MAX_ROWS packed rows and with sdpa
+    beyond; the choice is made inside the op when it runs, so one graph serves both sides (a branch on the row
+    count in the graph compiled a second graph at the first one-row round, mid-job). The rounds also run with
+    the later rounds' guard checks skipped (``skip_guards``): a recompilation would raise there too."""
+    stock = tiny("llama")
+    if native_unavailable_reason(stock, default_cache_dir()) is not None:
+        pytest.skip("no native kernel here")
+    model = copy.deepcopy(stock)
+    apply_prepack(model, "native")
+    torch._dynamo.reset()
+    eager, compiled = ModelAdapter(model), ModelAdapter(model, compile=True)
+    assert compiled.attention == NATIVE_GQA and compiled.skip_guards
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert groups * 2 <= NATIVE_MAX_ROWS < groups * max(BUCKETS)  # both kernels run below
+    assert compiled.warm_up(64) > 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _compiled_rounds_equal_eager_rounds_and_hf_greedy(stock, eager, compiled)
+
+
+@pytest.mark.slow
+def test_skipped_guards_still_tell_two_models_of_one_class_apart() -> None:
+    """Two Llamas of different sizes share dynamo's cache (one class, one forward): with the guards of later rounds
+    skipped, every round of each must still run its own graph. Rounds alternate between the models, each on its
+    own cache, against their eager rounds."""
+    models = [tiny_model("llama"), tiny_model("llama", seed=1, hidden_size=96, num_attention_heads=6)]
+    torch._dynamo.reset()
+    pairs = [(ModelAdapter(m), ModelAdapter(m, compile=True)) for m in models]
+    for _, compiled in pairs:
+        compiled.warm_up(64)
+    caches = {}
+    for eager, compiled in pairs:
+        for adapter in (eager, compiled):
+            caches[id(adapter)] = adapter.new_cache(64)
+            adapter.forward(torch.arange(20), torch.arange(20), causal(20), caches[id(adapter)], torch.tensor([19]))
+    for rows in (1, 2, 5, 9):
+        for eager, compiled in pairs:
+            got, want = (
+                adapter.forward(torch.arange(rows), torch.arange(20, 20 + rows), causal(rows), caches[id(adapter)],
+                                torch.arange(rows))
+                for adapter in (compiled, eager)
+            )  # fmt: skip
+            torch.testing.assert_close(got, want, msg=f"{rows} rows")
+            for adapter in (eager, compiled):
+                crop(caches[id(adapter)], 20)
 
 
 def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter, compiled: ModelAdapter) -> None:
