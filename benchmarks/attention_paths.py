@@ -4,9 +4,9 @@
 Four adapters share one model (native products): eager and compiled (``model.compile``), each with either
 attention; a fifth runs the compiled native forward with dynamo's guards checked on every round
 (``skip_guards=False``: the same graph, no compilation of its own), so the cost of the checks the adapter skips
-after a cache's first forward is in the same table. For every row count they alternate forward by forward on a cached prefix (order rotated each
-repetition; each forward cropped back), so the printed medians are measured together; the logits' largest
-difference from eager sdpa and whether every argmax agrees are printed too.
+after a cache's first forward is in the same table. For every row count they alternate forward by forward on a
+cached prefix (order rotated each repetition; each forward cropped back), so the printed medians are measured
+together; the logits' largest difference from eager sdpa and whether every argmax agrees are printed too.
 
     python benchmarks/attention_paths.py --out benchmarks/results/attention_paths
 """

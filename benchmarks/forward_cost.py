@@ -8,8 +8,11 @@ over Q, so a drifting machine bends no part of the curve; CUDA synchronised arou
 function ``lp_runner tune`` calibrates with.
 
 Every point also shows its distance to this machine's limit (``machine_limits.py``: weights and K/V bytes over
-the measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger), so the table says how
-far the forward is from the hardware, per row count. ``--compile`` measures the compiled static-shape forward
+the measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger; each rate the better of
+a measurement before and one after the curve), so the table says how far the forward is from the hardware, per
+row count. The last column pairs each forward with a copy timed right before it (median of the pairs' ratios):
+this host's bandwidth moves by 2x within minutes, so a limit measured at another moment says more about the
+moment than about the forward. ``--compile`` measures the compiled static-shape forward
 (``model.compile: on``) instead of the eager one, after its compilation (reported).
 
     python benchmarks/forward_cost.py --out results/forward_cost            # embedded model, 2 threads
@@ -34,11 +37,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.machine_limits import forward_bytes, forward_flops, measure_limits  # noqa: E402
+from benchmarks.machine_limits import (  # noqa: E402
+    forward_bytes,
+    forward_flops,
+    measure_limits,
+    paired_memory_ratios,
+)
 from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.costmodel import measure_curve  # noqa: E402
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
-from lp_runner.model import ModelAdapter  # noqa: E402
+from lp_runner.model import ModelAdapter, crop  # noqa: E402
 from lp_runner.prepack import apply_prepack  # noqa: E402
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 56, 64, 96, 120)
@@ -129,9 +137,27 @@ def main() -> None:
     rows = sorted({1, *args.rows})  # Q=1 is every ratio's reference
     sync = (lambda: torch.cuda.synchronize(adapter.device)) if adapter.device.type == "cuda" else None
     compile_s = adapter.warm_up(max(args.prefix) + max(rows)) if args.compile else 0.0
+    before = measure_limits(adapter.device, adapter.dtype)
     curve = measure_curve(adapter, args.prefix, rows, reps=args.reps, sync=sync)
-    limits = measure_limits(adapter.device, adapter.dtype)
+    after = measure_limits(adapter.device, adapter.dtype)
+    limits = before.best(after)  # the machine's rates are the best seen around the curve (one slow moment lowers one)
+    print(json.dumps({"copy_gb_s before/after": [round(x.copy_gb_s, 1) for x in (before, after)]}), flush=True)
     print(json.dumps({"copy_gb_s": round(limits.copy_gb_s, 1), "matmul_gflop_s": round(limits.matmul_gflop_s, 1)}))
+    paired = {}  # (prefix, rows) -> median of forward / memory limit, each forward after its own copy
+    for kv_len in args.prefix:
+        cache = adapter.new_cache(kv_len + max(rows))
+        prefix_ids = torch.arange(kv_len) % adapter.vocab_size
+        tril = torch.ones(kv_len, kv_len, dtype=torch.bool).tril()
+        adapter.forward(prefix_ids, torch.arange(kv_len), tril, cache, torch.tensor([kv_len - 1]))
+        for q in rows:
+
+            def forward(q=q, cache=cache, kv_len=kv_len):
+                vis = torch.ones(q, q, dtype=torch.bool).tril()
+                adapter.forward(torch.arange(q), torch.arange(kv_len, kv_len + q), vis, cache, torch.tensor([q - 1]))
+                crop(cache, kv_len)
+
+            ratios = paired_memory_ratios(forward, forward_bytes(stock, kv_len), adapter.device, reps=args.reps + 4)
+            paired[(kv_len, q)] = sorted(ratios)[len(ratios) // 2]
     curves = []
     for p in curve.points:
         one = next(q for q in curve.points if q.kv_len == p.kv_len and q.rows == 1)
@@ -144,6 +170,7 @@ def main() -> None:
             "ratio_head_all": round(p.all_s / one.all_s, 3),
             "limit_ms": round(1e3 * bound, 2),
             "x_limit": round(p.body_s / bound, 2),  # the forward as a round runs it (head on the rows it uses)
+            "x_memory_limit_paired": round(paired[(p.kv_len, p.rows)], 2),
         }
         curves.append(row)
         print(json.dumps(row), flush=True)
@@ -176,12 +203,13 @@ def main() -> None:
         f"weights {report['weights_mb']} MB, copy bandwidth {report['copy_gb_s']} GB/s, "
         f"matmul {report['matmul_gflop_s']} GFLOP/s. limit: max(bytes / bandwidth, FLOPs / matmul rate).",
         "",
-        "| prefix | rows Q | ms (head on 1 row) | ms (head on all rows) | ratio to Q=1 | limit ms | x limit |",
-        "|---|---|---|---|---|---|---|",
+        "| prefix | rows Q | ms (head on 1 row) | ms (head on all rows) | ratio to Q=1 | limit ms | x limit "
+        "| x memory limit, paired |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     md += [
         f"| {c['prefix']} | {c['rows']} | {c['ms_head_last']} | {c['ms_head_all']} | {c['ratio_head_all']} "
-        f"| {c['limit_ms']} | {c['x_limit']} |"
+        f"| {c['limit_ms']} | {c['x_limit']} | {c['x_memory_limit_paired']} |"
         for c in curves
     ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")

@@ -37,6 +37,11 @@ class MachineLimits:
     def bound_s(self, bytes_read: int, flops: float) -> float:
         return max(self.memory_s(bytes_read), self.compute_s(flops))
 
+    def best(self, other: MachineLimits) -> MachineLimits:
+        """The higher of two measurements' rates: a shared machine's noise only ever lowers a measured rate, so a
+        limit is the best rate seen (``forward_cost.py`` measures before and after its curve)."""
+        return MachineLimits(max(self.copy_gb_s, other.copy_gb_s), max(self.matmul_gflop_s, other.matmul_gflop_s))
+
 
 def _best_of(fn: Callable[[], object], sync: Callable[[], None] | None, reps: int) -> float:
     fn()
@@ -65,6 +70,36 @@ def measure_limits(
     b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     mm_s = _best_of(lambda: a @ b, sync, reps)
     return MachineLimits(2 * copy_bytes / copy_s / 1e9, 2 * matmul_n**3 / mm_s / 1e9)
+
+
+def paired_memory_ratios(
+    forward: Callable[[], object],
+    bytes_read: int,
+    device: torch.device,
+    reps: int = 9,
+    copy_bytes: int = 512 << 20,
+) -> list[float]:
+    """``forward``'s time over the memory-bound time of ``bytes_read`` at the copy bandwidth measured right
+    before it, ``reps`` times: a distance to the machine that holds on a host whose bandwidth moves (this one's
+    copy rate moved between 24 and 52 GB/s within minutes while a forward's time stayed within 20%), where a
+    limit measured at another moment than the forward says more about the moment than about the forward."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    forward()
+    ratios = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        copy_s = time.perf_counter() - t
+        t = time.perf_counter()
+        forward()
+        sync()
+        forward_s = time.perf_counter() - t
+        ratios.append(forward_s / (bytes_read / (2 * copy_bytes / copy_s)))
+    return ratios
 
 
 def forward_bytes(model: torch.nn.Module, kv_len: int) -> int:
