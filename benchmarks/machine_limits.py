@@ -81,7 +81,7 @@ def paired_memory_ratios(
 ) -> list[float]:
     """``forward``'s time over the memory-bound time of ``bytes_read`` at the copy bandwidth measured right
     before it, ``reps`` times: a distance to the machine that holds on a host whose bandwidth moves (this one's
-    copy rate moved between 24 and 52 GB/s within minutes while a forward's time stayed within 20%), where a
+    copy rate moved between 24 and 52 GB/s within minutes while a one-row forward's moved within 23-31 ms), where a
     limit measured at another moment than the forward says more about the moment than about the forward."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
