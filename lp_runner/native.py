@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from lp_runner.ops import define_op
 from lp_runner.parallel.comm import first_line
 
 SOURCE = Path(__file__).with_name("native_gemm.c")
@@ -160,17 +161,12 @@ def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return out
 
 
-@torch.library.custom_op("lp_runner::native_linear", mutates_args=())
-def native_linear_op(
-    rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """The product as one opaque op for ``torch.compile`` (eager forwards call ``product`` directly)."""
-    return product(rows, packed, bias, out_features)
-
-
-@native_linear_op.register_fake
-def _(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0], out_features)
+native_linear_op = define_op(  # the product as one opaque op for torch.compile (eager forwards call ``product``)
+    "native_linear",
+    "(Tensor rows, Tensor packed, Tensor? bias, int out_features) -> Tensor",
+    lambda rows, packed, bias, out_features: product(rows, packed, bias, out_features),  # looked up per call
+    lambda rows, packed, bias, out_features: rows.new_empty(rows.shape[0], out_features),
+)
 
 
 def attention(

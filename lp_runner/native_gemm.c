@@ -138,21 +138,64 @@ static inline v16 dot_partials(const float *a, const float *b, long D) {
   return acc;
 }
 
-/* o = sum_j w[j] v_j over the keys the mask row shows (j < end), in increasing j; DV = D / 16 vectors a row.
-   Inlined with a constant DV (64 and 128 wide heads), the row's sums stay in registers across all keys. */
-static inline __attribute__((always_inline)) void weighted_values(float *o, const float *w, const float *mr,
-                                                                  const float *vh, long end, const int DV) {
-  v16 acc[16];
-  for (int c = 0; c < DV; c++) acc[c] = (v16){0};
-  for (long j = 0; j < end; j++)
-    if (mr[j] > -1e30f) {
-      const float *vj = vh + (size_t)j * DV * 16;
-      for (int c = 0; c < DV; c++) acc[c] += w[j] * *(const v16 *)(vj + 16 * c);
+#define RB 4 /* packed rows per task (one K/V head) */
+
+/* The scores of up to RB rows over keys [0, end), 16 keys at a time: each key is loaded once for all the rows, each
+   row's dot product is the same expression whatever rows share the task (DV = D / 16 vectors a slot). */
+static inline __attribute__((always_inline)) void scores_shared(const float *const *qr, const float *const *mr, int rb,
+                                                                const float *kh, long end, float scale, float *s,
+                                                                long stride, const int DV) {
+  for (long j0 = 0; j0 < end; j0 += 16) {
+    int nj = end - j0 < 16 ? (int)(end - j0) : 16;
+    v16 partial[RB][16];
+    for (int l = 0; l < 16; l++) {
+      v16 kc[8];
+      if (l < nj)
+        for (int c = 0; c < DV; c++) kc[c] = *(const v16 *)(kh + (size_t)(j0 + l) * DV * 16 + 16 * c);
+      for (int i = 0; i < RB; i++) {
+        if (l < nj && i < rb && mr[i][j0 + l] > -1e30f) {
+          v16 acc = *(const v16 *)qr[i] * kc[0];
+          for (int c = 1; c < DV; c++) acc += *(const v16 *)(qr[i] + 16 * c) * kc[c];
+          partial[i][l] = acc;
+        } else {
+          partial[i][l] = (v16){0};
+        }
+      }
     }
-  for (int c = 0; c < DV; c++) *(v16 *)(o + 16 * c) = acc[c];
+    for (int i = 0; i < rb; i++) {
+      v16 dots = sum16x16(partial[i]);
+      float *si = s + i * stride;
+      for (int l = 0; l < nj; l++) {
+        float m = mr[i][j0 + l];
+        si[j0 + l] = m > -1e30f ? dots[l] * scale + m : -__builtin_inff();
+      }
+    }
+  }
 }
 
-#define RB 4 /* packed rows per task (one K/V head) */
+/* o_i = inv_i * sum_j w_i[j] v_j over the keys row i sees (j < end), in increasing j, for up to RB rows, G rows at a
+   time with their sums in registers: each value is loaded once for G rows. */
+static inline __attribute__((always_inline)) void values_shared(float *const *o, const float *s, long stride,
+                                                                const float *const *mr, int rb, const float *vh,
+                                                                long end, const float *inv, const int DV,
+                                                                const int G) {
+  for (int i0 = 0; i0 < rb; i0 += G) {
+    v16 acc[RB][8];
+    for (int i = 0; i < G; i++)
+      for (int c = 0; c < DV; c++) acc[i][c] = (v16){0};
+    for (long j = 0; j < end; j++) {
+      v16 vc[8];
+      for (int c = 0; c < DV; c++) vc[c] = *(const v16 *)(vh + (size_t)j * DV * 16 + 16 * c);
+      for (int i = 0; i < G; i++)
+        if (i0 + i < rb && mr[i0 + i][j] > -1e30f) {
+          float w = s[(i0 + i) * stride + j];
+          for (int c = 0; c < DV; c++) acc[i][c] += w * vc[c];
+        }
+    }
+    for (int i = 0; i < G && i0 + i < rb; i++)
+      for (int c = 0; c < DV; c++) *(v16 *)(o[i0 + i] + 16 * c) = acc[i][c] * inv[i0 + i];
+  }
+}
 
 /* Attention of a few packed rows over a K/V buffer (lp_runner/attention.py, with the native product).
 
@@ -161,12 +204,12 @@ static inline __attribute__((always_inline)) void weighted_values(float *o, cons
    mask [Q, C] additive (0 visible; a key at or below -1e30 hidden);
    out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
 
-   A task is up to RB rows of one head: the head's keys and values, read from memory by its first row, are in
-   cache for the others. Per row, 16 keys' scores at a time (sum16x16), a vector exp, and the weighted sum of
-   values in registers for 64- and 128-wide heads. Hidden keys are never
-   read (a static cache's spare slots may hold anything) and weigh exactly 0, as in any fp32 softmax; keys past
-   the last visible one are not visited at all. Every row is computed alone, in the same order whatever rows
-   share its task: a row's result does not depend on the rows beside it (the product's guarantee, kept).
+   A task is up to RB rows of one head; for heads of at most 128 floats each key and each value is loaded once for
+   all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (sum16x16), a vector exp, and the
+   weighted sum of values in registers. Hidden keys are never scored or weighed (a static cache's spare slots may
+   hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in any
+   fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its task:
+   a row's result does not depend on the rows beside it (the product's guarantee, kept).
    A row that sees no key gets zeros. */
 int lp_native_attention_f32(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
                             long M, long Q, long C, long D, long ks, long vs, float scale, int threads) {
@@ -200,32 +243,33 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
           }
       }
       long span = (end + 15) & ~15L;
-      for (int i = 0; i < rb; i++) {
-        float *si = s + i * stride;
-        for (long j0 = 0; j0 < end; j0 += 16) {
-          int nj = end - j0 < 16 ? (int)(end - j0) : 16;
-          if (D % 16 == 0) {
-            v16 partial[16], dots;
-            for (int l = 0; l < 16; l++)
-              partial[l] = l < nj && mr[i][j0 + l] > -1e30f ? dot_partials(qr[i], kh + (size_t)(j0 + l) * D, D)
-                                                            : (v16){0};
-            dots = sum16x16(partial);
-            for (int l = 0; l < nj; l++) si[j0 + l] = dots[l];
-          } else {
-            for (int l = 0; l < nj; l++) {
-              const float *kj = kh + (size_t)(j0 + l) * D;
-              float dot = 0.f;
-              if (mr[i][j0 + l] > -1e30f)
-                for (long d = 0; d < D; d++) dot += qr[i][d] * kj[d];
-              si[j0 + l] = dot;
+      int shared = D % 16 == 0 && D <= 128; /* vector slots: keys and values loaded once per task */
+      if (D == 64)
+        scores_shared(qr, mr, rb, kh, end, scale, s, stride, 4);
+      else if (D == 128)
+        scores_shared(qr, mr, rb, kh, end, scale, s, stride, 8);
+      else if (shared)
+        scores_shared(qr, mr, rb, kh, end, scale, s, stride, (int)(D / 16));
+      else
+        for (int i = 0; i < rb; i++) {
+          float *si = s + i * stride;
+          for (long j = 0; j < end; j++) {
+            const float *kj = kh + (size_t)j * D;
+            float m = mr[i][j];
+            if (m <= -1e30f) {
+              si[j] = -__builtin_inff();
+              continue;
             }
-          }
-          for (int l = 0; l < nj; l++) {
-            float m = mr[i][j0 + l];
-            si[j0 + l] = m > -1e30f ? si[j0 + l] * scale + m : -__builtin_inff();
+            float dot = 0.f;
+            if (D % 16 == 0) {
+              v16 acc = dot_partials(qr[i], kj, D);
+              dot = hsum16(acc);
+            } else {
+              for (long d = 0; d < D; d++) dot += qr[i][d] * kj[d];
+            }
+            si[j] = dot * scale + m;
           }
         }
-      }
       float inv[RB];
       for (int i = 0; i < rb; i++) {
         float *si = s + i * stride;
@@ -241,20 +285,22 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
           }
         float sum = hsum16(total);
         inv[i] = sum > 0.f ? 1.f / sum : 0.f;
-        if (D == 64)
-          weighted_values(o[i], si, mr[i], vh, end, 4);
-        else if (D == 128)
-          weighted_values(o[i], si, mr[i], vh, end, 8);
-        else if (D % 16 == 0 && D <= 256)
-          weighted_values(o[i], si, mr[i], vh, end, (int)(D / 16));
-        else {
+      }
+      if (D == 64)
+        values_shared(o, s, stride, mr, rb, vh, end, inv, 4, 4);
+      else if (D == 128)
+        values_shared(o, s, stride, mr, rb, vh, end, inv, 8, 2);
+      else if (shared)
+        values_shared(o, s, stride, mr, rb, vh, end, inv, (int)(D / 16), 2);
+      else
+        for (int i = 0; i < rb; i++) {
+          const float *si = s + i * stride;
           for (long d = 0; d < D; d++) o[i][d] = 0.f;
           for (long j = 0; j < end; j++)
             if (mr[i][j] > -1e30f)
               for (long d = 0; d < D; d++) o[i][d] += si[j] * vh[(size_t)j * D + d];
+          for (long d = 0; d < D; d++) o[i][d] *= inv[i];
         }
-        for (long d = 0; d < D; d++) o[i][d] *= inv[i];
-      }
     }
     free(s);
   }

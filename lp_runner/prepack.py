@@ -39,6 +39,7 @@ import torch
 
 from lp_runner import native
 from lp_runner.errors import ConfigError
+from lp_runner.ops import define_op
 from lp_runner.parallel.comm import first_line
 
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)  # oneDNN's CPU inner products without a special ISA
@@ -55,17 +56,14 @@ def _onednn_product(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch
     return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
 
 
-@torch.library.custom_op("lp_runner::packed_linear", mutates_args=())
-def _packed_linear_op(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The product as one opaque op for ``torch.compile``: inductor cannot lower oneDNN's op at symbolic row
-    counts, but calls a custom op as an external kernel (eager forwards call oneDNN directly, without this
-    wrapper's dispatch cost)."""
-    return _onednn_product(rows, packed_weight, bias)
-
-
-@_packed_linear_op.register_fake
-def _(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0], packed_weight.shape[0])
+# The oneDNN product as one opaque op for ``torch.compile``: inductor cannot lower oneDNN's op at symbolic row
+# counts, but calls a custom op as an external kernel (eager forwards call oneDNN directly, without the dispatch).
+_packed_linear_op = define_op(
+    "packed_linear",
+    "(Tensor rows, Tensor packed_weight, Tensor? bias) -> Tensor",
+    lambda rows, packed_weight, bias: _onednn_product(rows, packed_weight, bias),  # looked up per call
+    lambda rows, packed_weight, bias: rows.new_empty(rows.shape[0], packed_weight.shape[0]),
+)
 
 
 Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
