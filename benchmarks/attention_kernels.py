@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.tables import write_results  # noqa: E402
 from lp_runner import native  # noqa: E402
 from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.loading import default_cache_dir  # noqa: E402
@@ -85,16 +86,9 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         cpu = device_name(torch.device("cpu"))
-        meta = {"cpu": cpu, "threads": args.threads, "calls": args.calls, "results": results}
-        out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
-        cols = list(results[0])
-        md = [f"{cpu}, {args.threads} threads, lower quartile of {args.calls} calls each, interleaved", ""]
-        md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        md += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in results]
-        out.with_suffix(".md").write_text("\n".join(md) + "\n")
+        caption = f"{cpu}, {args.threads} threads, lower quartile of {args.calls} calls each, interleaved"
+        write_results(Path(args.out), {"cpu": cpu, "threads": args.threads, "calls": args.calls}, caption, results)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.tables import write_results  # noqa: E402
 from lp_runner.attention import NATIVE_GQA, PACKED_GQA  # noqa: E402
 from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
@@ -87,16 +88,10 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         cpu = device_name(torch.device("cpu"))
-        meta = {"cpu": cpu, "threads": args.threads, "prefix": args.prefix, "reps": args.reps, "results": results}
-        out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
-        keys = list(results[0])
-        md = [f"{cpu}, {args.threads} threads, K/V {args.prefix}, median of {args.reps} forwards, interleaved", ""]
-        md += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        md += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in results]
-        out.with_suffix(".md").write_text("\n".join(md) + "\n")
+        caption = f"{cpu}, {args.threads} threads, K/V {args.prefix}, median of {args.reps} forwards, interleaved"
+        meta = {"cpu": cpu, "threads": args.threads, "prefix": args.prefix, "reps": args.reps}
+        write_results(Path(args.out), meta, caption, results)
 
 
 if __name__ == "__main__":
