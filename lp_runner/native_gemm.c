@@ -131,17 +131,10 @@ static inline v16 sum16x16(const v16 *p) {
   return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
 
-/* Lane partials of q . k (D a multiple of 16): lane l sums the products at d = l mod 16, in increasing d. */
-static inline v16 dot_partials(const float *a, const float *b, long D) {
-  v16 acc = *(const v16 *)a * *(const v16 *)b;
-  for (long d = 16; d < D; d += 16) acc += *(const v16 *)(a + d) * *(const v16 *)(b + d);
-  return acc;
-}
-
 #define RB 4 /* packed rows per task (one K/V head) */
 
 /* The scores of up to RB rows over keys [0, end), 16 keys at a time: each key is loaded once for all the rows, each
-   row's dot product is the same expression whatever rows share the task (DV = D / 16 vectors a slot). */
+   row's dot product is the same expression whatever rows share the task (DV = D / 16 <= 16 vectors a slot). */
 static inline __attribute__((always_inline)) void scores_shared(const float *const *qr, const float *const *mr, int rb,
                                                                 const float *kh, long end, float scale, float *s,
                                                                 long stride, const int DV) {
@@ -149,7 +142,7 @@ static inline __attribute__((always_inline)) void scores_shared(const float *con
     int nj = end - j0 < 16 ? (int)(end - j0) : 16;
     v16 partial[RB][16];
     for (int l = 0; l < 16; l++) {
-      v16 kc[8];
+      v16 kc[16];
       if (l < nj)
         for (int c = 0; c < DV; c++) kc[c] = *(const v16 *)(kh + (size_t)(j0 + l) * DV * 16 + 16 * c);
       for (int i = 0; i < RB; i++) {
@@ -180,11 +173,11 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
                                                                 long end, const float *inv, const int DV,
                                                                 const int G) {
   for (int i0 = 0; i0 < rb; i0 += G) {
-    v16 acc[RB][8];
+    v16 acc[RB][16];
     for (int i = 0; i < G; i++)
       for (int c = 0; c < DV; c++) acc[i][c] = (v16){0};
     for (long j = 0; j < end; j++) {
-      v16 vc[8];
+      v16 vc[16];
       for (int c = 0; c < DV; c++) vc[c] = *(const v16 *)(vh + (size_t)j * DV * 16 + 16 * c);
       for (int i = 0; i < G; i++)
         if (i0 + i < rb && mr[i0 + i][j] > -1e30f) {
@@ -204,9 +197,9 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
    mask [Q, C] additive (0 visible; a key at or below -1e30 hidden);
    out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
 
-   A task is up to RB rows of one head; for heads of at most 128 floats each key and each value is loaded once for
-   all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (sum16x16), a vector exp, and the
-   weighted sum of values in registers. Hidden keys are never scored or weighed (a static cache's spare slots may
+   A task is up to RB rows of one head; for heads of a multiple of 16 floats, up to 256, each key and each value is
+   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (sum16x16), a
+   vector exp, and the weighted sum of values in registers. Hidden keys are never scored or weighed (a static cache's spare slots may
    hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in any
    fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its task:
    a row's result does not depend on the rows beside it (the product's guarantee, kept).
@@ -243,7 +236,7 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
           }
       }
       long span = (end + 15) & ~15L;
-      int shared = D % 16 == 0 && D <= 128; /* vector slots: keys and values loaded once per task */
+      int shared = D % 16 == 0 && D <= 256; /* vector slots: keys and values loaded once per task */
       if (D == 64)
         scores_shared(qr, mr, rb, kh, end, scale, s, stride, 4);
       else if (D == 128)
@@ -261,12 +254,7 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
               continue;
             }
             float dot = 0.f;
-            if (D % 16 == 0) {
-              v16 acc = dot_partials(qr[i], kj, D);
-              dot = hsum16(acc);
-            } else {
-              for (long d = 0; d < D; d++) dot += qr[i][d] * kj[d];
-            }
+            for (long d = 0; d < D; d++) dot += qr[i][d] * kj[d];
             si[j] = dot * scale + m;
           }
         }

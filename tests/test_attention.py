@@ -59,14 +59,21 @@ def test_packed_gqa_equals_transformers_sdpa(kv_heads: int, rows: int) -> None:
     torch.testing.assert_close(got, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dim", [16, 12])  # the vector path and the scalar one
+def _native_or_skip():
+    if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
+        pytest.skip("no native kernel here")
+    from lp_runner import native
+
+    return native
+
+
+@pytest.mark.parametrize("dim", [16, 256, 12])  # the vector path (shortest and widest head) and the scalar one
 @pytest.mark.parametrize("kv_heads,rows", [(1, 1), (2, 1), (2, 2), (3, 2), (6, 3), (1, 9)])
 def test_native_attention_equals_transformers_sdpa(kv_heads: int, rows: int, dim: int) -> None:
     """native_gqa_attention (the native loop up to NATIVE_MAX_ROWS packed rows, packed_gqa_sdpa beyond) against
     transformers' sdpa, on a static cache's buffer: slots past the round hidden by the mask, heads strided (a
     buffer's first slots, as the append-buffer cache passes them)."""
-    if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
-        pytest.skip("no native kernel here")
+    _native_or_skip()
     gen = torch.Generator().manual_seed(7 * kv_heads + rows + dim)
     heads, past, capacity = 6, 13, 40
     query = torch.randn(1, heads, rows, dim, generator=gen)
@@ -155,9 +162,7 @@ def test_sliding_window_mask_is_cut_per_row() -> None:
 def test_native_attention_frees_its_scratch() -> None:
     """Each call allocates per-thread score buffers in C; 2,000 calls over 16,384 keys would keep 256 MB resident
     if they were not freed (a leak a long job would find): the process's resident memory must stay flat."""
-    if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
-        pytest.skip("no native kernel here")
-    from lp_runner import native
+    native = _native_or_skip()
 
     def resident_mb() -> float:
         with open("/proc/self/statm") as fh:
@@ -170,14 +175,6 @@ def test_native_attention_frees_its_scratch() -> None:
     for _ in range(2_000):
         native.attention(q, k, v, mask, 0.125)
     assert resident_mb() - before < 64
-
-
-def _native_or_skip():
-    if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
-        pytest.skip("no native kernel here")
-    from lp_runner import native
-
-    return native
 
 
 def _static_round(heads: int, rows: int, dim: int, seed: int):
