@@ -30,10 +30,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from lp_runner import native_layers as native_layer_path
 from lp_runner.attention import NATIVE_GQA, PACKED_GQA, packed_gqa, sliding_window_mask, supports_packed_gqa
 from lp_runner.errors import LPError
 from lp_runner.kv_cache import AppendBufferLayer, StaticBufferLayer, kv_head_shape, static_capacity
 from lp_runner.layout import additive_mask
+from lp_runner.native_layers import NATIVE_LAYERS_SUFFIX, install_native_layers
 from lp_runner.prepack import linear_kernels
 
 SLIDING = "sliding_attention"  # the layer type whose mask is windowed (transformers' name in ``layer_types``)
@@ -55,12 +57,16 @@ class ModelAdapter:
         static_cache: bool = False,
         compile: bool = False,
         skip_guards: bool = True,
+        native_layers: bool = True,
     ) -> None:
         """``append_buffer`` / ``packed_gqa`` off: transformers' own DynamicLayer / sdpa path (benchmarks A/B them).
         ``static_cache``: static-shape rounds (``StaticBufferLayer``, a full-capacity mask), as compiled forwards
         need them. ``compile``: static-shape rounds through ``torch.compile`` (see ``compiled_forward``); eager
         stays the fallback and the oracle. ``skip_guards`` (compiled, after ``warm_up``): dynamo's guards are
-        checked on the first forward of every cache and skipped on its later rounds (see ``_guard_stance``)."""
+        checked on the first forward of every cache and skipped on its later rounds (see ``_guard_stance``).
+        ``native_layers``: a model on native products whose decoder layers can run as one native call each
+        (``native_layers.py``) runs its eager rounds that way, on static buffers (its compiled rounds trace the
+        original layers)."""
         self.model = model
         self.append_buffer = append_buffer
         self.packed_gqa = packed_gqa
@@ -86,6 +92,12 @@ class ModelAdapter:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kernels = linear_kernels(model)  # torch's linear, oneDNN's or the native product (``model.prepack``)
+        self.native_layers = 0  # decoder layers run as one native call each (eager rounds)
+        if native_layers and self.kernels.startswith("native") and not compile:
+            self.native_layers = install_native_layers(model)
+        if self.native_layers:
+            self.static_cache = True  # the native layer writes K/V at the adapter's slots
+            self.kernels += NATIVE_LAYERS_SUFFIX  # another forward: its own cost curve
         # a model on the native product (its library built and probed) attends with its native loop too
         self.attention = NATIVE_GQA if self.kernels.startswith("native") else PACKED_GQA
         self.vocab_size = model.config.get_text_config().vocab_size
@@ -217,7 +229,8 @@ class ModelAdapter:
             return self._run(input_ids, position_ids, mask, cache, logit_rows.repeat(2))[:1]
         if self.compiled:  # one kind of tensor in every call: dynamo guards on it, a change would recompile
             input_ids, position_ids, logit_rows = (_inference_tensor(t) for t in (input_ids, position_ids, logit_rows))
-        with attention, self._guard_stance(cache):
+        layers = native_layer_path.active() if self.native_layers else nullcontext()
+        with attention, layers, self._guard_stance(cache):
             out = self._call(
                 input_ids=input_ids.to(self.device).unsqueeze(0),
                 position_ids=position_ids.to(self.device).unsqueeze(0),

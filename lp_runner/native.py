@@ -74,7 +74,7 @@ def build(cache_root: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp]
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-lm", "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
@@ -95,20 +95,28 @@ def _library(cache_root: str):
     lib.lp_native_gemm_f32.restype = ctypes.c_int
     lib.lp_native_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
     lib.lp_native_attention_f32.restype = ctypes.c_int
+    lib.lp_native_llama_layer.argtypes = (
+        ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 12 + [ctypes.c_long] * 2)
+        + [ctypes.c_void_p] * 2
+        + [ctypes.c_long] * 7
+        + [ctypes.c_float, ctypes.c_int]
+    )
+    lib.lp_native_llama_layer.restype = ctypes.c_int
     return lib
 
 
 _FN = None  # the loaded product (``load``); every process loads the library once
 _ATTENTION = None  # the loaded attention, checked as the product is
+_LAYER = None  # the loaded decoder layer (native_layers.py checks it against the model's own layer)
 
 
 def load(cache_root: Path) -> None:
     """Build (or find) and load the kernel, then check it against torch's linear on a probe; raises
     ``NativeUnavailable`` saying why it cannot be used."""
-    global _FN, _ATTENTION
+    global _FN, _ATTENTION, _LAYER
     try:
         lib = _library(str(cache_root))
-        _FN, _ATTENTION = lib.lp_native_gemm_f32, lib.lp_native_attention_f32
+        _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"cannot build or load {SOURCE.name} ({first_line(exc)})") from None
     generator = torch.Generator().manual_seed(0)
@@ -119,7 +127,7 @@ def load(cache_root: Path) -> None:
         got = product(x, pack(weight), bias, 40)
         expected = torch.nn.functional.linear(x, weight, bias)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
-        _FN = _ATTENTION = None
+        _FN = _ATTENTION = _LAYER = None
         raise NativeUnavailable(f"{SOURCE.name} disagrees with torch's linear on a probe")
     q, k, v = (torch.randn(2, n, 24, generator=generator) for n in (6, 9, 9))  # 2 heads, 3 rows x 2 groups
     mask = torch.zeros(3, 9).masked_fill(torch.rand(3, 9, generator=generator) < 0.4, torch.finfo(torch.float32).min)
@@ -128,7 +136,7 @@ def load(cache_root: Path) -> None:
         got = attention(q, k, v, mask, 0.3)
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(2, 1), scale=0.3)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
-        _FN = _ATTENTION = None
+        _FN = _ATTENTION = _LAYER = None
         raise NativeUnavailable(f"{SOURCE.name}'s attention disagrees with torch's sdpa on a probe")
 
 
@@ -202,3 +210,66 @@ def attention(
     if status:
         raise ValueError(f"native attention refused sizes {sizes}")
     return out
+
+
+def llama_layer(
+    hidden: torch.Tensor,  # [R, E], updated in place: the residual stream after the layer
+    weights: tuple,  # native_layers.LayerWeights.as_args(): norms, epsilon, packed weights and biases
+    cos: torch.Tensor,  # [R, D]
+    sin: torch.Tensor,  # [R, D]
+    slots: torch.Tensor,  # [R] int64: where each row's K/V goes
+    mask: torch.Tensor,  # [R, C] additive
+    keys: torch.Tensor,  # [H_kv, C, D] view of the layer's K buffer (slots contiguous), written at ``slots``
+    values: torch.Tensor,  # [H_kv, C, D], as keys
+    heads: int,
+    intermediate: int,
+    scale: float,
+) -> None:
+    """One Llama-family decoder layer on ``hidden`` in a single C call (``lp_native_llama_layer``)."""
+    if _LAYER is None:
+        raise NativeUnavailable("the native kernel was not loaded (lp_runner.native.load)")
+    rows, embed = hidden.shape
+    kv_heads, capacity, dim = keys.shape
+    if (
+        not all(t.is_contiguous() for t in (hidden, cos, sin, mask, slots))
+        or keys.stride()[1:] != (dim, 1)
+        or values.stride() != keys.stride()
+        or cos.shape != (rows, dim)
+        or sin.shape != cos.shape
+        or mask.shape != (rows, capacity)
+        or slots.shape != (rows,)
+        or slots.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"native layer: hidden {list(hidden.shape)}, cos {list(cos.shape)}, mask {list(mask.shape)}, slots "
+            f"{list(slots.shape)} and K/V {list(keys.shape)} do not fit (contiguous, K/V slots in place)"
+        )
+    ln1, ln2, eps, *packed = weights
+    status = _LAYER(
+        hidden.data_ptr(),
+        ln1.data_ptr(),
+        ln2.data_ptr(),
+        float(eps),
+        *(None if t is None else t.data_ptr() for t in packed),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(0),
+        values.stride(0),
+        slots.data_ptr(),
+        mask.data_ptr(),
+        capacity,
+        rows,
+        embed,
+        heads,
+        kv_heads,
+        dim,
+        intermediate,
+        float(scale),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError("native layer: out of memory")
+    if status:
+        raise ValueError(f"native layer refused sizes rows={rows} embed={embed} heads={heads}/{kv_heads} dim={dim}")

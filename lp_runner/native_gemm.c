@@ -10,6 +10,7 @@
    Every output is the sum over k in increasing order of one row and one column, whatever M, the row's place in
    the call or the block the column falls in: a row's result does not depend on the rows beside it, and the
    columns of stacked sibling weights are those of each weight alone (bit for bit). */
+#include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -293,4 +294,86 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
     free(s);
   }
   return failed ? -2 : 0;
+}
+
+/* One decoder layer of the Llama family (Llama, Mistral, Qwen2: pre-norm RMSNorm, rotary q/k in the rotate-half
+   convention, grouped-query attention over a K/V buffer, SiLU-gated MLP) on R rows, in one call, so that a
+   forward of a few rows pays one call per layer instead of some twenty small ops (native_layers.py says why).
+   h [R, E] is the residual stream, updated in place. Products are lp_native_gemm_f32 on the packed weights
+   (q/k/v stacked, gate/up stacked); attention is lp_native_attention_f32 on the query heads packed per K/V
+   head (row g*R + i of K/V head kv is query head kv*G + g of row i). The round's K and V (after rotary) are
+   written at slots[i] of kbuf / vbuf ([Hkv, slots, D], head strides ks / vs) before attention reads them.
+   cos / sin [R, D]: the model's rotary embedding at each row's position. mask [R, C] additive over the C slots.
+   Each element is computed as transformers' eager expression computes it, up to the order of float sums.
+   0; -1 bad sizes; -2 out of memory. */
+static float *scratch(size_t n) { return (float *)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64); }
+
+static void rms_norm(const float *x, const float *w, float eps, float *y, long R, long E) {
+  for (long r = 0; r < R; r++) {
+    const float *xr = x + (size_t)r * E;
+    float *yr = y + (size_t)r * E;
+    double squares = 0.0;
+    for (long e = 0; e < E; e++) squares += (double)xr[e] * xr[e];
+    float inv = 1.f / sqrtf((float)(squares / E) + eps);
+    for (long e = 0; e < E; e++) yr[e] = w[e] * (xr[e] * inv);
+  }
+}
+
+static void rotate(float *x, const float *cos, const float *sin, long D) {
+  long half = D / 2;
+  float t[512];
+  memcpy(t, x, sizeof(float) * (size_t)D);
+  for (long d = 0; d < half; d++) x[d] = t[d] * cos[d] + (-t[d + half]) * sin[d];
+  for (long d = half; d < D; d++) x[d] = t[d] * cos[d] + t[d - half] * sin[d];
+}
+
+int lp_native_llama_layer(float *h, const float *ln1, const float *ln2, float eps, const float *wqkv,
+                          const float *bqkv, const float *wo, const float *bo, const float *wgu, const float *bgu,
+                          const float *wd, const float *bd, const float *cos, const float *sin, float *kbuf,
+                          float *vbuf, long ks, long vs, const long *slots, const float *mask, long C, long R, long E,
+                          long H, long Hkv, long D, long I, float scale, int threads) {
+  if (R < 1 || E < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || D > 512 || I < 1 || C < 1) return -1;
+  long G = H / Hkv, nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
+  float *x = scratch((size_t)R * E), *qkv = scratch((size_t)R * nqkv), *qp = scratch((size_t)R * nq);
+  float *ao = scratch((size_t)R * nq), *gu = scratch((size_t)R * 2 * I), *act = scratch((size_t)R * I);
+  float *y = scratch((size_t)R * E);
+  int status = 0;
+  if (!x || !qkv || !qp || !ao || !gu || !act || !y) {
+    status = -2;
+    goto done;
+  }
+  rms_norm(h, ln1, eps, x, R, E);
+  if ((status = lp_native_gemm_f32(x, wqkv, bqkv, qkv, R, nqkv, E, threads))) goto done;
+  for (long i = 0; i < R; i++) {
+    float *row = qkv + (size_t)i * nqkv;
+    const float *c = cos + (size_t)i * D, *s = sin + (size_t)i * D;
+    for (long hd = 0; hd < H + Hkv; hd++) rotate(row + hd * D, c, s, D); /* query heads, then key heads */
+    for (long kv = 0; kv < Hkv; kv++) {
+      for (long g = 0; g < G; g++)
+        memcpy(qp + ((size_t)kv * G * R + g * R + i) * D, row + (kv * G + g) * D, sizeof(float) * (size_t)D);
+      memcpy(kbuf + (size_t)kv * ks + (size_t)slots[i] * D, row + nq + kv * D, sizeof(float) * (size_t)D);
+      memcpy(vbuf + (size_t)kv * vs + (size_t)slots[i] * D, row + nq + nkv + kv * D, sizeof(float) * (size_t)D);
+    }
+  }
+  if ((status = lp_native_attention_f32(qp, kbuf, vbuf, mask, ao, Hkv, G * R, R, C, D, ks, vs, scale, threads)))
+    goto done;
+  for (long i = 0; i < R; i++) /* back to [R, H * D] (query head kv * G + g), into qp: read no more */
+    for (long kv = 0; kv < Hkv; kv++)
+      for (long g = 0; g < G; g++)
+        memcpy(qp + (size_t)i * nq + (kv * G + g) * D, ao + ((size_t)kv * G * R + g * R + i) * D,
+               sizeof(float) * (size_t)D);
+  if ((status = lp_native_gemm_f32(qp, wo, bo, y, R, E, nq, threads))) goto done;
+  for (size_t j = 0; j < (size_t)R * E; j++) h[j] = h[j] + y[j];
+  rms_norm(h, ln2, eps, x, R, E);
+  if ((status = lp_native_gemm_f32(x, wgu, bgu, gu, R, 2 * I, E, threads))) goto done;
+  for (long i = 0; i < R; i++)
+    for (long j = 0; j < I; j++) {
+      float g = gu[(size_t)i * 2 * I + j];
+      act[(size_t)i * I + j] = g / (1.f + expf(-g)) * gu[(size_t)i * 2 * I + I + j];
+    }
+  if ((status = lp_native_gemm_f32(act, wd, bd, y, R, E, I, threads))) goto done;
+  for (size_t j = 0; j < (size_t)R * E; j++) h[j] = h[j] + y[j];
+done:
+  free(x), free(qkv), free(qp), free(ao), free(gu), free(act), free(y);
+  return status;
 }

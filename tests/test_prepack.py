@@ -29,6 +29,7 @@ from lp_runner.engine import LookaheadEngine
 from lp_runner.errors import ConfigError
 from lp_runner.loading import default_cache_dir, weights_checksum
 from lp_runner.model import ModelAdapter
+from lp_runner.native_layers import NATIVE_LAYERS_SUFFIX
 from lp_runner.prepack import (
     KERNELS,
     ONEDNN,
@@ -88,7 +89,9 @@ def test_prepack_replaces_every_linear_and_leaves_the_rest(tiny, family: str, ke
     linears, embedding = _count_linears(model), model.get_input_embeddings().weight.detach().clone()
     choice = apply_prepack(model, kernel.key)
     assert choice.layers == linears > 0 and _count_linears(model) == 0
-    assert choice.kernels == linear_kernels(model) == ModelAdapter(model).kernels == kernel.fused_name
+    assert choice.kernels == linear_kernels(model) == kernel.fused_name
+    layers = NATIVE_LAYERS_SUFFIX if kernel.key == "native" else ""  # its decoder layers run natively too
+    assert ModelAdapter(model).kernels == kernel.fused_name + layers
     assert torch.equal(model.get_input_embeddings().weight, embedding)  # a tied embedding keeps its weights
     layers = model.config.num_hidden_layers
     products = linears - 3 * layers  # per decoder layer q/k/v -> 1 product, gate/up -> 1

@@ -1,0 +1,259 @@
+"""Native decoder layers: a Llama-family layer as one C call (``lp_native_llama_layer``) for eager CPU rounds.
+
+Why: with the products native (``model.prepack``), a forward of a few rows is the weights' bytes over the memory
+bandwidth plus what it costs to reach them. An eager transformers layer reaches them through some twenty Python-
+level ops (norms, projections, rotary, the cache write, attention, the MLP's activation and the residual adds);
+even compiled, the 30 layers of the embedded model cost about 6 ms of Python and dispatch per forward on a 2-core
+CPU, against about 15 ms of products (a profile of the compiled one-row forward). One C call per layer takes the
+same steps on the same packed weights and the same K/V buffer, so what is left is the products themselves.
+
+Which layers: those whose structure is the one the C function computes, checked module by module
+(``layer_weights``): Llama, Mistral and Qwen2 decoder layers (pre-norm RMSNorm, rotary q/k in the rotate-half
+convention, grouped-query attention, SiLU-gated MLP, optional q/k/v biases) whose q/k/v and gate/up products are
+native ``SharedInputProduct``s and whose o/down products are native ``PackedLinear``s. Anything else keeps its
+own forward.
+
+When: a forward of the adapter (inside ``active()``) at batch 1 on a static K/V buffer (``StaticBufferLayer``,
+whose slots the adapter sets) with the adapter's additive mask, of at most ``attention.NATIVE_MAX_ROWS`` packed
+attention rows (a round; a prefill runs the original layers, where torch's kernels serve many rows better).
+Everything else (transformers' own callers of the same model, such as ``generate``, a dynamic cache, a compiled
+trace) runs the original layer, so the model stays what it was for them.
+
+Exactness: each element is the expression transformers' eager layer evaluates, on the same products; only the
+order of float sums (the norms' mean) and the exponential's implementation differ, at fp32 rounding level, as
+any kernel change may. The tests compare against transformers' own greedy ``generate`` token for token and
+against the original layers' logits and K/V.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from lp_runner import native
+from lp_runner.attention import NATIVE_MAX_ROWS
+from lp_runner.kv_cache import StaticBufferLayer
+from lp_runner.prepack import NATIVE_KERNEL, PackedLinear, ProductSlice, SharedInputProduct
+
+# decoder layer and norm classes whose forward is the one lp_native_llama_layer computes (checked by name: the
+# classes live in each model's own transformers module)
+LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+NATIVE_LAYERS_SUFFIX = "-layers"  # appended to the adapter's kernels name (calibration keys, summaries)
+
+
+_active = threading.local()  # set by ``active()``: the adapter whose forward runs native layers
+
+
+@contextmanager
+def active() -> Iterator[None]:
+    """Inside the block (an adapter's forward that chose native layers) wrapped layers run natively; anywhere
+    else (another adapter of the same model, ``generate``) they run their original forward."""
+    before = getattr(_active, "on", False)
+    _active.on = True
+    try:
+        yield
+    finally:
+        _active.on = before
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """What ``native.llama_layer`` reads of one decoder layer (packed weights: the products' own buffers)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps: float
+    qkv: SharedInputProduct
+    o: PackedLinear
+    gate_up: SharedInputProduct
+    down: PackedLinear
+    heads: int
+    intermediate: int
+    scale: float
+
+    @property
+    def groups(self) -> int:
+        """Query heads per K/V head: the packed attention rows per round row."""
+        return self.qkv.sizes[0] // self.qkv.sizes[1]
+
+    def as_args(self) -> tuple:
+        return (
+            self.ln1,
+            self.ln2,
+            self.eps,
+            self.qkv.packed_weight,
+            self.qkv.bias,
+            self.o.packed_weight,
+            self.o.bias,
+            self.gate_up.packed_weight,
+            self.gate_up.bias,
+            self.down.packed_weight,
+            self.down.bias,
+        )
+
+
+def _shared(slices: list, count: int) -> SharedInputProduct | None:
+    """The one native SharedInputProduct behind ``slices`` (in order 0..count-1), else None."""
+    if not all(isinstance(s, ProductSlice) for s in slices):
+        return None
+    shared = slices[0].shared
+    if any(s.shared is not shared for s in slices) or [s.index for s in slices] != list(range(count)):
+        return None
+    return shared if shared.kernel is NATIVE_KERNEL and len(shared.sizes) == count else None
+
+
+def _norm(module) -> tuple[torch.Tensor, float] | None:
+    if type(module).__name__ not in NORM_CLASSES or module.weight.dtype != torch.float32:
+        return None
+    return module.weight.detach().contiguous(), float(module.variance_epsilon)
+
+
+def layer_weights(layer: torch.nn.Module) -> LayerWeights | str:
+    """The layer's weights for the native layer, or why it cannot take it (one line)."""
+    name = type(layer).__name__
+    if name not in LAYER_CLASSES:
+        return f"{name} is not a Llama, Mistral or Qwen2 decoder layer"
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return f"{name} has no self_attn or mlp"
+    if any(hasattr(attn, extra) for extra in ("q_norm", "k_norm", "sinks")):
+        return f"{name} normalises q/k or has attention sinks"
+    qkv = _shared([getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")], 3)
+    gate_up = _shared([getattr(mlp, n, None) for n in ("gate_proj", "up_proj")], 2)
+    o, down = getattr(attn, "o_proj", None), getattr(mlp, "down_proj", None)
+    if qkv is None or gate_up is None:
+        return "q/k/v or gate/up are not one native product each (model.prepack=native, fused)"
+    if not all(isinstance(m, PackedLinear) and m.kernel is NATIVE_KERNEL for m in (o, down)):
+        return "o_proj or down_proj is not a native product"
+    if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"the MLP's activation is {type(getattr(mlp, 'act_fn', None)).__name__}, not SiLU"
+    norms = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+    if None in norms or norms[0][1] != norms[1][1]:
+        return "the layer norms are not float32 RMSNorms of one epsilon"
+    heads_dim = qkv.sizes[0]
+    dim = getattr(attn, "head_dim", None)
+    if not dim or heads_dim % dim or qkv.sizes[1] != qkv.sizes[2] or qkv.sizes[1] % dim or dim % 2 or dim > 512:
+        return f"unsupported head sizes (q/k/v {qkv.sizes}, head dim {dim})"
+    heads, kv_heads = heads_dim // dim, qkv.sizes[1] // dim
+    if heads % kv_heads or gate_up.sizes[0] != gate_up.sizes[1] or down.in_features != gate_up.sizes[0]:
+        return f"unsupported sizes (heads {heads}/{kv_heads}, gate/up {gate_up.sizes})"
+    if o.in_features != heads_dim or o.out_features != qkv.in_features or down.out_features != qkv.in_features:
+        return "the projections' sizes do not chain"
+    if getattr(attn, "attention_dropout", 0.0) and attn.training:
+        return "attention dropout in training mode"
+    return LayerWeights(
+        norms[0][0], norms[1][0], norms[0][1], qkv, o, gate_up, down, heads, gate_up.sizes[0], float(attn.scaling)
+    )
+
+
+def _native_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A wrapped decoder layer's forward: one native call where it can (see the module doc), else its own."""
+    original = type(layer).forward
+    if torch.compiler.is_compiling() or not getattr(_active, "on", False):
+        return original(layer, hidden_states, *args, **kwargs)
+    weights: LayerWeights = layer._lp_native_weights
+    mask = kwargs.get("attention_mask", args[0] if args else None)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    embeddings = kwargs.get("position_embeddings")
+    cached = cache.layers[layer.self_attn.layer_idx] if cache is not None and hasattr(cache, "layers") else None
+    native_path = (
+        isinstance(cached, StaticBufferLayer)
+        and cached.is_initialized
+        and cached.write_slots is not None
+        and embeddings is not None
+        and isinstance(mask, torch.Tensor)
+        and hidden_states.dim() == 3
+        and hidden_states.shape[0] == 1
+        and hidden_states.dtype == torch.float32
+        and hidden_states.device.type == "cpu"
+        and hidden_states.shape[1] * weights.groups <= NATIVE_MAX_ROWS
+    )
+    rnd = None
+    if native_path:
+        rnd = _round_inputs(mask, embeddings, cached.write_slots, hidden_states.shape[1], cached.keys.shape[2])
+    if rnd is None:
+        return original(layer, hidden_states, *args, **kwargs)
+    out = hidden_states[0].clone(memory_format=torch.contiguous_format)  # [R, E], updated in place
+    native.llama_layer(
+        out,
+        weights.as_args(),
+        *rnd.tensors,
+        cached.keys[0],
+        cached.values[0],
+        weights.heads,
+        weights.intermediate,
+        weights.scale,
+    )
+    return out[None]
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What every layer of one forward shares: the mask, the rotary tables and the write slots, made contiguous
+    once per forward (``_round_inputs`` keeps the last one, keyed by the identity of the objects it came from)."""
+
+    source: tuple  # (mask, embeddings, slots) objects as the model passed them: held, so no other can reuse their id
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # cos [R, D], sin [R, D], slots, mask
+
+
+_last_round = threading.local()
+
+
+def _round_inputs(mask, embeddings, slots: torch.Tensor, rows: int, capacity: int) -> _Round | None:
+    """The forward's shared inputs for ``native.llama_layer``, or None when they are not the adapter's kind (a
+    [1, 1, R, capacity] float32 mask, [.., R, D] rotary tables): the layer then runs its own forward."""
+    last = getattr(_last_round, "value", None)
+    if last is not None and all(a is b for a, b in zip(last.source, (mask, embeddings, slots), strict=True)):
+        return last
+    if mask.dim() != 4 or tuple(mask.shape) != (1, 1, rows, capacity) or mask.dtype != torch.float32:
+        return None
+    cos, sin = (t.reshape(t.shape[-2], t.shape[-1]).to(torch.float32).contiguous() for t in embeddings)
+    if cos.shape[0] != rows or slots.shape != (rows,):
+        return None
+    rnd = _Round((mask, embeddings, slots), (cos, sin, slots.contiguous(), mask[0, 0].contiguous()))
+    _last_round.value = rnd
+    return rnd
+
+
+def native_layers_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s decoder layers cannot run natively (one line), or None when every one can."""
+    layers = _decoder_layers(model)
+    if layers is None:
+        return "no decoder layer list (model.model.layers)"
+    if all(hasattr(layer, "_lp_native_weights") for layer in layers):
+        return None
+    if native._LAYER is None:
+        return "the native kernel is not loaded"
+    for layer in layers:
+        weights = layer_weights(layer)
+        if isinstance(weights, str):
+            return weights
+    return None
+
+
+def install_native_layers(model: torch.nn.Module) -> int:
+    """Give every decoder layer of ``model`` the native forward (``_native_forward``) when all of them can take
+    it (else none: a model runs one kind of layer); returns how many layers have it. Idempotent.
+
+    The layer objects stay (their forward is an instance attribute; the weights' reference a plain attribute),
+    so the module tree and the state dict, and with them the weights checksum, are the checkpoint's."""
+    if native_layers_reason(model) is not None:
+        return 0
+    layers = _decoder_layers(model)
+    for layer in layers:
+        if not hasattr(layer, "_lp_native_weights"):
+            layer._lp_native_weights = layer_weights(layer)
+            layer.forward = types.MethodType(_native_forward, layer)
+    return len(layers)
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) else None

@@ -1,0 +1,164 @@
+"""Native decoder layers (``native_layers.py``): one C call per Llama-family layer in eager rounds.
+
+Oracles: the same packed model's original layers (transformers' own layer code on the same native products), on
+the same static cache, for logits and the K/V written (equal to fp32 rounding, every argmax the same); HF greedy
+``generate`` on the *unpacked* model for whole generations (the three tiny families, window on and off, and the
+embedded model). A counter on the C call proves the native path ran where a test says it does, and did not
+where it must not (``generate`` on the same model object, a prefill, an adapter that declined it).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import FAMILIES, hf_greedy, random_prompt, run_lookahead
+
+from lp_runner import native, native_layers
+from lp_runner.loading import default_cache_dir, weights_checksum
+from lp_runner.model import ModelAdapter, causal, crop
+from lp_runner.prepack import KERNELS, native_unavailable_reason, prepack_linears
+
+NATIVE_REASON = native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir())
+pytestmark = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"no native kernel: {NATIVE_REASON}")
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[int]:
+    """Rows of every native layer call made while the test runs."""
+    seen: list[int] = []
+    real = native.llama_layer
+
+    def counted(hidden, *args, **kwargs):
+        seen.append(hidden.shape[0])
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(native, "llama_layer", counted)
+    return seen
+
+
+def _native_model(stock: torch.nn.Module) -> torch.nn.Module:
+    model = copy.deepcopy(stock)
+    prepack_linears(model, kernel=KERNELS["native"])
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> None:
+    """Rounds of 1-8 rows over a cached prefix: logits and the K/V written as the model's own layers give them
+    (same products, same static cache), to fp32 rounding, with every argmax the same."""
+    model = _native_model(tiny(family))
+    layers = model.config.num_hidden_layers
+    reference = ModelAdapter(model, native_layers=False, static_cache=True)
+    fast = ModelAdapter(model)
+    assert fast.native_layers == layers and fast.kernels.endswith(native_layers.NATIVE_LAYERS_SUFFIX)
+    assert reference.native_layers == 0 and not reference.kernels.endswith(native_layers.NATIVE_LAYERS_SUFFIX)
+    calls.clear()  # the adapters' own two-row probe ran natively
+    prefix = torch.tensor(random_prompt(40, seed=1))
+    caches = [a.new_cache(64) for a in (reference, fast)]
+    for adapter, cache in zip((reference, fast), caches, strict=True):
+        adapter.forward(prefix, torch.arange(40), causal(40), cache, torch.tensor([39]))
+    assert calls == []  # a prefill of 40 rows runs the original layers
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 3, 8):
+        ids = torch.randint(0, 50, (rows,), generator=gen)
+        vis = torch.rand(rows, rows, generator=gen) < 0.5
+        vis |= torch.eye(rows, dtype=torch.bool)
+        vis = vis.tril()
+        positions = 40 + vis.sum(1) - 1  # each row's depth in its branch
+        before = len(calls)
+        ref_logits, fast_logits = (
+            a.forward(ids, positions, vis, c, torch.arange(rows))
+            for a, c in zip((reference, fast), caches, strict=True)
+        )
+        assert calls[before:] == [rows] * layers
+        torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(fast_logits.argmax(-1), ref_logits.argmax(-1))
+        for ref_layer, fast_layer in zip(caches[0].layers, caches[1].layers, strict=True):
+            for name in ("keys", "values"):
+                got, want = getattr(fast_layer, name)[:, :, : 40 + rows], getattr(ref_layer, name)[:, :, : 40 + rows]
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for cache in caches:
+            crop(cache, 40)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_layer_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family: str, calls) -> None:
+    stock = tiny(family)
+    model = _native_model(stock)
+    for seed in range(3):
+        prompt = random_prompt(24, seed=seed)
+        expected = hf_greedy(stock, prompt, 40)
+        assert run_lookahead(model, prompt, W=4, N=3, G=4).output_ids == expected, (family, seed, "window")
+        assert run_lookahead(model, prompt, W=1, N=4, G=3, lookahead_branch=False).output_ids == expected
+    assert calls, "the engine's rounds ran the original layers"
+
+
+def test_outside_the_adapter_the_model_is_what_it_was(tiny, calls) -> None:
+    """``generate`` on the same model object, after an adapter installed native layers, runs the original
+    layers (no native call) and gives the tokens it gave before; the state dict (and so the weights checksum,
+    what ``--resume`` compares) is unchanged."""
+    model = _native_model(tiny("llama"))
+    prompt = random_prompt(16, seed=4)
+    before, checksum, keys = hf_greedy(model, prompt, 12), weights_checksum(model), list(model.state_dict())
+    assert ModelAdapter(model).native_layers == model.config.num_hidden_layers
+    assert calls == [2] * model.config.num_hidden_layers  # the adapter's own probe: inside the adapter
+    calls.clear()
+    assert hf_greedy(model, prompt, 12) == before and calls == []
+    assert list(model.state_dict()) == keys and weights_checksum(model) == checksum
+
+
+def test_layers_that_cannot_take_it_keep_their_forward(tiny) -> None:
+    """Torch's or oneDNN's products, unfused siblings, another activation: no layer is changed, and the reason
+    names what is missing."""
+    for model, reason in (
+        (copy.deepcopy(tiny("llama")), "not one native product"),
+        (_onednn(tiny("llama")), "not one native product"),
+        (_unfused(tiny("llama")), "not one native product"),
+        (_gelu(tiny("llama")), "not SiLU"),
+    ):
+        assert reason in native_layers.native_layers_reason(model)
+        assert native_layers.install_native_layers(model) == 0
+        assert ModelAdapter(model).native_layers == 0
+        assert not any(hasattr(layer, "_lp_native_weights") for layer in model.model.layers)
+
+
+def _onednn(stock):
+    model = copy.deepcopy(stock)
+    prepack_linears(model, kernel=KERNELS["onednn"])
+    return model
+
+
+def _unfused(stock):
+    model = copy.deepcopy(stock)
+    prepack_linears(model, fuse=False, kernel=KERNELS["native"])
+    return model
+
+
+def _gelu(stock):
+    model = _native_model(stock)
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    return model
+
+
+@pytest.mark.slow
+def test_native_layer_embedded_model_equals_hf_greedy(embedded, humaneval, calls) -> None:
+    """The embedded model with native layers against HF greedy on the stock model: code and chat, window on
+    and off, every round's layers native."""
+    stock, tokenizer = embedded
+    model = _native_model(stock)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}],
+        add_generation_prompt=True,
+    )
+    chat = chat["input_ids"] if hasattr(chat, "keys") else chat
+    prompts = [tokenizer(p)["input_ids"] for p in humaneval(2)] + [list(chat)]
+    eos = [tokenizer.eos_token_id]
+    for kwargs in ({"W": 5, "N": 4, "G": 5}, {"W": 1, "N": 5, "G": 1, "lookahead_branch": False}):
+        for ids in prompts:
+            expected = hf_greedy(stock, ids, 64, eos)
+            calls.clear()
+            assert run_lookahead(model, ids, max_new_tokens=64, eos_ids=eos, **kwargs).output_ids == expected
+            assert calls and set(calls) != {len(ids)}, "no round ran natively"
