@@ -33,6 +33,8 @@ class ModelConfig:
     # the job is long enough to pay for the compilation; see lp_runner/compile_choice.py)
     prepack: str = "auto"  # off | on | auto | native | onednn: linear layers' weights packed once for a CPU kernel
     # (auto: the faster of lp_runner's native product and oneDNN's where they work, measured; see prepack.py)
+    native_layers: bool = True  # on native products, Llama-family decoder layers run as one native call each in
+    # eager rounds (lp_runner/native_layers.py); false: transformers' layer code on the same products
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 
 

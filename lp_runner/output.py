@@ -42,7 +42,7 @@ NEW_SUFFIX = ".new"
 LOCK_HOLDER_ENV = "LP_RUNNER_OUTPUT_LOCK_HOLDER"
 # Settings that do not change a single generated token: left out of the digest, so a resume may change them.
 # how the model is run, not which tokens it gives: threads and prepacked kernels differ at most at fp32 rounding
-_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle", "prepack")}
+_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle", "prepack", "native_layers")}
 _DIGEST_SECTIONS = ("model", "lookahead", "generation")
 
 

@@ -78,7 +78,10 @@ def prepack_lines(policy: dict | None) -> list[str]:
     if pre["layers"]:
         products = pre.get("products") or pre["layers"]  # records before sibling fusion have no "products"
         label = pre.get("label", "oneDNN-prepacked")  # records before the native kernel have no label
-        return [f"linear layers: {label} ({pre['layers']} in {products} products; model.prepack={pre['mode']})"]
+        line = f"linear layers: {label} ({pre['layers']} in {products} products; model.prepack={pre['mode']})"
+        if pre.get("native_layers"):
+            line += f"; decoder layers: native ({pre['native_layers']}, one call each)"
+        return [line]
     return [f"linear layers: torch (model.prepack={pre['mode']}: {pre['reason']})"]
 
 

@@ -142,7 +142,8 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
     prepack = apply_prepack(model, cfg.model.prepack, cache_root, agree=lambda ms: _rank0_timings(comm, ms))
     load_s = time.perf_counter() - start
-    worker = Worker(cfg, comm, ModelAdapter(model), tokenizer, folder, device, load_s)
+    adapter = ModelAdapter(model, native_layers=cfg.model.native_layers)
+    worker = Worker(cfg, comm, adapter, tokenizer, folder, device, load_s)
     worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
     worker.group = layout.group if layout is not None else 0
     if (control or comm).world_size > 1:
@@ -164,7 +165,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         log=_log if worker.is_main else None,
     )
     worker.policy.compile = compile_choice.describe()
-    worker.policy.prepack = prepack.describe()
+    worker.policy.prepack = {**prepack.describe(), "native_layers": worker.adapter.native_layers}
     worker.store = job_store(cfg, tokenizer)
     return worker
 

@@ -298,12 +298,14 @@ def test_compiled_prepacked_rounds_equal_hf_greedy(tiny, monkeypatch, kernel) ->
     assert forwards > 0 and len(calls) == forwards * products, (len(calls), forwards, products)
 
 
-def _run_cli(tmp_path: Path, folder: Path, mode: str, out: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _run_cli(
+    tmp_path: Path, folder: Path, mode: str, out: str, *extra: str
+) -> tuple[subprocess.CompletedProcess, dict]:
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
     proc = subprocess.run(
         [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / out)]
         + ["--set", f"model.path={folder}", "--set", f"model.prepack={mode}", "--set", "model.threads=1"]
-        + ["--set", "generation.max_new_tokens=12", "--set", "model.compile=off"],
+        + ["--set", "generation.max_new_tokens=12", "--set", "model.compile=off", *extra],
         cwd=REPO,
         env={**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache")},
         capture_output=True,
@@ -331,13 +333,21 @@ def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path:
         "layers": 0,
         "products": 0,
         "reason": "off",
+        "native_layers": 0,
     }
     assert "linear layers:" not in torch_proc.stderr
     assert packed["output_ids"] == plain["output_ids"]
+    # native products: decoder layers native by default, transformers' layers with model.native_layers=false
+    layers_proc, layers = _run_cli(tmp_path, folder, "native", "layers.jsonl")
+    _, unlayered = _run_cli(tmp_path, folder, "native", "unlayered.jsonl", "--set", "model.native_layers=false")
+    assert layers["policy"]["prepack"]["native_layers"] == 2 and unlayered["policy"]["prepack"]["native_layers"] == 0
+    assert "; decoder layers: native (2, one call each)" in layers_proc.stderr
+    assert layers["output_ids"] == unlayered["output_ids"] == plain["output_ids"]
     # the checkpoint's checksum either way: a --resume may change model.prepack
     from transformers import AutoModelForCausalLM
 
     assert packed["weights_checksum"] == plain["weights_checksum"]
     assert packed["weights_checksum"] == weights_checksum(AutoModelForCausalLM.from_pretrained(folder))
-    # each kernel has its own calibrated curve
-    assert len(list((tmp_path / "cache" / "calibration").glob("curve-*.json"))) == 2
+    # each kernel has its own calibrated curve (native products with and without native layers: two)
+    curves = 3 if chosen.key == "native" else 4
+    assert len(list((tmp_path / "cache" / "calibration").glob("curve-*.json"))) == curves
