@@ -87,7 +87,8 @@ def test_lp_ranks_use_rank0_curve(tmp_path) -> None:
 
     model, _, _ = load_model_and_tokenizer(folder)
     checksum = weights_checksum(model)  # the checkpoint's, taken before prepacking as the runner does
-    kernels = apply_prepack(model, "auto").kernels  # the runner's default model.prepack
+    apply_prepack(model, "auto")  # the runner's default model.prepack
+    kernels = ModelAdapter(model).kernels  # what the runner's adapter runs (native decoder layers included)
     key = calibration_key(torch.device("cpu"), torch.float32, checksum, kernels=kernels)
     key["threads"] = 1
     dear = {q: 50.0 + 30.0 * (q - 1) for q in QUICK_ROWS}  # no window, few rows
