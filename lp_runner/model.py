@@ -229,6 +229,12 @@ class ModelAdapter:
             return self._run(input_ids, position_ids, mask, cache, logit_rows.repeat(2))[:1]
         if self.compiled:  # one kind of tensor in every call: dynamo guards on it, a change would recompile
             input_ids, position_ids, logit_rows = (_inference_tensor(t) for t in (input_ids, position_ids, logit_rows))
+        if self.native_layers and mask is not None:  # the whole round natively, where the model and round allow
+            logits = native_layer_path.forward_model(
+                self.model, input_ids.to(self.device), position_ids.to(self.device), mask, cache, logit_rows
+            )
+            if logits is not None:
+                return logits
         layers = native_layer_path.active() if self.native_layers else nullcontext()
         with attention, layers, self._guard_stance(cache):
             out = self._call(
