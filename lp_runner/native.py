@@ -107,7 +107,7 @@ def _library(cache_root: str):
 
 _FN = None  # the loaded product (``load``); every process loads the library once
 _ATTENTION = None  # the loaded attention, checked as the product is
-_LAYER = None  # the loaded decoder layer (native_layers.py checks it against the model's own layer)
+_LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
 
 
 def load(cache_root: Path) -> None:

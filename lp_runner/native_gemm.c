@@ -333,6 +333,8 @@ int lp_native_llama_layer(float *h, const float *ln1, const float *ln2, float ep
                           float *vbuf, long ks, long vs, const long *slots, const float *mask, long C, long R, long E,
                           long H, long Hkv, long D, long I, float scale, int threads) {
   if (R < 1 || E < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || D > 512 || I < 1 || C < 1) return -1;
+  for (long i = 0; i < R; i++)
+    if (slots[i] < 0 || slots[i] >= C) return -1; /* a K/V slot outside the buffer: refused before any write */
   long G = H / Hkv, nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
   float *x = scratch((size_t)R * E), *qkv = scratch((size_t)R * nqkv), *qp = scratch((size_t)R * nq);
   float *ao = scratch((size_t)R * nq), *gu = scratch((size_t)R * 2 * I), *act = scratch((size_t)R * I);

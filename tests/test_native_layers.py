@@ -197,3 +197,25 @@ def test_native_layer_embedded_model_equals_hf_greedy(embedded, humaneval, calls
             calls.clear()
             assert run_lookahead(model, ids, max_new_tokens=64, eos_ids=eos, **kwargs).output_ids == expected
             assert calls and set(calls) != {len(ids)}, "no round ran natively"
+
+
+def test_a_slot_outside_the_buffer_is_refused_before_any_write(tiny) -> None:
+    """The C layer checks every K/V slot against the buffer before it writes: a bad slot is an error, and the
+    buffer and the residual stream are left as they were."""
+    model = _native_model(tiny("llama"))
+    adapter = ModelAdapter(model)
+    cache = adapter.new_cache(64)
+    adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
+    layer, weights = cache.layers[0], model.model.layers[0]._lp_native_weights
+    capacity, dim = layer.keys.shape[2], layer.keys.shape[3]
+    hidden = torch.randn(2, model.config.hidden_size)
+    before, keys = hidden.clone(), layer.keys.clone()
+    cos, sin = torch.ones(2, dim), torch.zeros(2, dim)
+    mask = torch.zeros(2, capacity)
+    for slots in (torch.tensor([8, capacity]), torch.tensor([-1, 9])):
+        with pytest.raises(ValueError, match="native layer refused"):
+            native.llama_layer(
+                hidden, weights.as_args(), cos, sin, slots, mask, layer.keys[0], layer.values[0],
+                weights.heads, weights.intermediate, weights.scale,
+            )  # fmt: skip
+    assert torch.equal(hidden, before) and torch.equal(layer.keys, keys)
