@@ -235,8 +235,7 @@ class ModelAdapter:
             )
             if logits is not None:
                 return logits
-        layers = native_layer_path.active() if self.native_layers else nullcontext()
-        with attention, layers, self._guard_stance(cache):
+        with attention, self._guard_stance(cache):
             out = self._call(
                 input_ids=input_ids.to(self.device).unsqueeze(0),
                 position_ids=position_ids.to(self.device).unsqueeze(0),

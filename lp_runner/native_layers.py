@@ -13,11 +13,11 @@ convention, grouped-query attention, SiLU-gated MLP, optional q/k/v biases) whos
 native ``SharedInputProduct``s and whose o/down products are native ``PackedLinear``s. Anything else keeps its
 own forward.
 
-When: a forward of the adapter (inside ``active()``) at batch 1 on a static K/V buffer (``StaticBufferLayer``,
-whose slots the adapter sets) with the adapter's additive mask, of at most ``attention.NATIVE_MAX_ROWS`` packed
-attention rows (a round; a prefill runs the original layers, where torch's kernels serve many rows better).
-Everything else (transformers' own callers of the same model, such as ``generate``, a dynamic cache, a compiled
-trace) runs the original layer, so the model stays what it was for them.
+When: the adapter's own rounds (``forward_model``, which also replaces transformers' model loop around the
+layers) at batch 1 on a static K/V buffer (``StaticBufferLayer``, whose slots the adapter sets) with the
+adapter's additive mask, of at most ``attention.NATIVE_MAX_ROWS`` packed attention rows (a prefill runs the
+model's own forward, where torch's kernels serve many rows better). The model itself is not changed, so every
+other caller (``generate``, a compiled trace, an adapter with ``native_layers=False``) runs transformers' layers.
 
 Exactness: each element is the expression transformers' eager layer evaluates, on the same products; only the
 order of float sums (the norms' mean) and the exponential's implementation differ, at fp32 rounding level, as
@@ -28,10 +28,6 @@ against the original layers' logits and K/V.
 from __future__ import annotations
 
 import functools
-import threading
-import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -47,21 +43,6 @@ LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"
 NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 MODEL_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # see ``forward_model``
 NATIVE_LAYERS_SUFFIX = "-layers"  # appended to the adapter's kernels name (calibration keys, summaries)
-
-
-_active = threading.local()  # set by ``active()``: the adapter whose forward runs native layers
-
-
-@contextmanager
-def active() -> Iterator[None]:
-    """Inside the block (an adapter's forward that chose native layers) wrapped layers run natively; anywhere
-    else (another adapter of the same model, ``generate``) they run their original forward."""
-    before = getattr(_active, "on", False)
-    _active.on = True
-    try:
-        yield
-    finally:
-        _active.on = before
 
 
 @dataclass(frozen=True)
@@ -158,75 +139,6 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights | str:
     )
 
 
-def _native_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A wrapped decoder layer's forward: one native call where it can (see the module doc), else its own."""
-    original = type(layer).forward
-    if torch.compiler.is_compiling() or not getattr(_active, "on", False):
-        return original(layer, hidden_states, *args, **kwargs)
-    weights: LayerWeights = layer._lp_native_weights
-    mask = kwargs.get("attention_mask", args[0] if args else None)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    embeddings = kwargs.get("position_embeddings")
-    cached = cache.layers[layer.self_attn.layer_idx] if cache is not None and hasattr(cache, "layers") else None
-    native_path = (
-        isinstance(cached, StaticBufferLayer)
-        and cached.is_initialized
-        and cached.write_slots is not None
-        and embeddings is not None
-        and isinstance(mask, torch.Tensor)
-        and hidden_states.dim() == 3
-        and hidden_states.shape[0] == 1
-        and hidden_states.dtype == torch.float32
-        and hidden_states.device.type == "cpu"
-        and hidden_states.shape[1] * weights.groups <= NATIVE_MAX_ROWS
-    )
-    rnd = None
-    if native_path:
-        rnd = _round_inputs(mask, embeddings, cached.write_slots, hidden_states.shape[1], cached.keys.shape[2])
-    if rnd is None:
-        return original(layer, hidden_states, *args, **kwargs)
-    out = hidden_states[0].clone(memory_format=torch.contiguous_format)  # [R, E], updated in place
-    native.llama_layer(
-        out,
-        weights.as_args(),
-        *rnd.tensors,
-        cached.keys[0],
-        cached.values[0],
-        weights.heads,
-        weights.intermediate,
-        weights.scale,
-    )
-    return out[None]
-
-
-@dataclass(frozen=True)
-class _Round:
-    """What every layer of one forward shares: the mask, the rotary tables and the write slots, made contiguous
-    once per forward (``_round_inputs`` keeps the last one, keyed by the identity of the objects it came from)."""
-
-    source: tuple  # (mask, embeddings, slots) objects as the model passed them: held, so no other can reuse their id
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # cos [R, D], sin [R, D], slots, mask
-
-
-_last_round = threading.local()
-
-
-def _round_inputs(mask, embeddings, slots: torch.Tensor, rows: int, capacity: int) -> _Round | None:
-    """The forward's shared inputs for ``native.llama_layer``, or None when they are not the adapter's kind (a
-    [1, 1, R, capacity] float32 mask, [.., R, D] rotary tables): the layer then runs its own forward."""
-    last = getattr(_last_round, "value", None)
-    if last is not None and all(a is b for a, b in zip(last.source, (mask, embeddings, slots), strict=True)):
-        return last
-    if mask.dim() != 4 or tuple(mask.shape) != (1, 1, rows, capacity) or mask.dtype != torch.float32:
-        return None
-    cos, sin = (t.reshape(t.shape[-2], t.shape[-1]).to(torch.float32).contiguous() for t in embeddings)
-    if cos.shape[0] != rows or slots.shape != (rows,):
-        return None
-    rnd = _Round((mask, embeddings, slots), (cos, sin, slots.contiguous(), mask[0, 0].contiguous()))
-    _last_round.value = rnd
-    return rnd
-
-
 @torch.inference_mode()
 def forward_model(
     model: torch.nn.Module,
@@ -244,7 +156,7 @@ def forward_model(
     of the embedded model on a 2-core CPU (module calls, keyword plumbing, the mask mapping), a sixth of a
     one-row round. For a causal LM of ``MODEL_CLASSES`` (whose forward is exactly these steps: no embedding
     scale, no logit soft-cap) every layer of which took ``install_native_layers``; None otherwise, and for
-    rounds the layers themselves would not run natively (too many rows, another cache or mask)."""
+    rounds it does not serve (too many rows, another cache or mask), which the model's own forward runs."""
     if type(model).__name__ not in MODEL_CLASSES or torch.compiler.is_compiling():
         return None
     base = model.model
@@ -308,18 +220,19 @@ def native_layers_reason(model: torch.nn.Module) -> str | None:
 
 
 def install_native_layers(model: torch.nn.Module) -> int:
-    """Give every decoder layer of ``model`` the native forward (``_native_forward``) when all of them can take
-    it (else none: a model runs one kind of layer); returns how many layers have it. Idempotent.
+    """Give every decoder layer of ``model`` its ``LayerWeights`` (what ``forward_model`` reads) when all of them
+    can take the native layer (else none: a model runs one kind of layer); returns how many layers have them.
+    Idempotent.
 
-    The layer objects stay (their forward is an instance attribute; the weights' reference a plain attribute),
-    so the module tree and the state dict, and with them the weights checksum, are the checkpoint's."""
+    The layers themselves are untouched (the weights' reference is a plain attribute), so the module tree, the
+    state dict and with them the weights checksum are the checkpoint's, and the model's own forward is
+    transformers' for every other caller."""
     if native_layers_reason(model) is not None:
         return 0
     layers = _decoder_layers(model)
     for layer in layers:
         if not hasattr(layer, "_lp_native_weights"):
             layer._lp_native_weights = layer_weights(layer)
-            layer.forward = types.MethodType(_native_forward, layer)
     return len(layers)
 
 

@@ -84,41 +84,6 @@ def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> No
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_model_loop_gives_the_bits_of_transformers_loop(tiny, family: str, monkeypatch) -> None:
-    """``forward_model`` (the adapter's whole round without transformers' model loop) against the same native
-    layers called from transformers' own loop: the same logits and K/V, bit for bit, since each step is the same
-    module or kernel in the same order."""
-    model = _native_model(tiny(family))
-    adapter = ModelAdapter(model)
-    loops: list[bool] = []  # per round: whether forward_model ran it (not None)
-    real = native_layers.forward_model
-
-    def spy(*args):
-        out = real(*args)
-        loops.append(out is not None)
-        return out
-
-    monkeypatch.setattr(native_layers, "forward_model", spy)
-    caches = [adapter.new_cache(64), adapter.new_cache(64)]
-    prefix = torch.tensor(random_prompt(30, seed=5))
-    for cache in caches:
-        adapter.forward(prefix, torch.arange(30), causal(30), cache, torch.tensor([29]))
-    for rows in (1, 3, 6):
-        ids = torch.tensor(random_prompt(rows, seed=rows))
-        positions, vis = torch.arange(30, 30 + rows), causal(rows)
-        loops.clear()
-        fast = adapter.forward(ids, positions, vis, caches[0], torch.arange(rows))
-        assert loops == [True]
-        with monkeypatch.context() as m:
-            m.setattr(native_layers, "forward_model", lambda *a: None)  # transformers' loop, native layers
-            slow = adapter.forward(ids, positions, vis, caches[1], torch.arange(rows))
-        assert torch.equal(fast, slow)
-        for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
-            assert torch.equal(a.keys[:, :, : 30 + rows], b.keys[:, :, : 30 + rows])
-            assert torch.equal(a.values[:, :, : 30 + rows], b.values[:, :, : 30 + rows])
-
-
-@pytest.mark.parametrize("family", FAMILIES)
 def test_native_layer_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family: str, calls) -> None:
     stock = tiny(family)
     model = _native_model(stock)
