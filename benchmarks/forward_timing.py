@@ -1,0 +1,64 @@
+"""Shared by the forward benchmarks that put several adapters of one model side by side (``attention_paths.py``,
+``native_layers.py``): the embedded model on native products, a cached prefix per adapter, and rounds timed
+forward by forward in rotating order, so every adapter's median is measured at the same moments."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
+from lp_runner.model import ModelAdapter, causal, crop
+from lp_runner.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears
+
+
+def native_embedded_model(threads: int) -> torch.nn.Module:
+    """The embedded model in fp32 with every linear on the native product (exits saying why where it cannot)."""
+    torch.set_num_threads(threads)
+    model, _, _ = load_model_and_tokenizer(resolve_model_path("embedded"), dtype="float32")
+    reason = native_unavailable_reason(model, default_cache_dir())
+    if reason is not None:
+        raise SystemExit(f"the native kernel is unavailable here: {reason}")
+    prepack_linears(model, kernel=NATIVE_KERNEL)
+    return model
+
+
+def prefilled_caches(
+    adapters: dict[str, ModelAdapter], prefix: int, capacity: int, gen: torch.Generator
+) -> dict[str, object]:
+    """Per adapter, a cache of ``capacity`` slots holding the same random ``prefix`` tokens."""
+    vocab = next(iter(adapters.values())).vocab_size
+    tokens = torch.randint(0, vocab, (prefix,), generator=gen)
+    caches = {name: a.new_cache(capacity) for name, a in adapters.items()}
+    for name, a in adapters.items():
+        a.forward(tokens, torch.arange(prefix), causal(prefix), caches[name], torch.tensor([prefix - 1]))
+    return caches
+
+
+def time_rounds(
+    adapters: dict[str, ModelAdapter], caches: dict, prefix: int, rows: int, reps: int, gen: torch.Generator
+) -> dict:
+    """One causal round of ``rows`` random tokens after the prefix, ``reps`` times per adapter (plus one warm-up
+    pass), order rotated each repetition, each forward cropped back. Returns the row of a results table: the
+    median ms per adapter, the logits' largest difference from the first adapter's and whether every argmax
+    agrees with it."""
+    names, first = list(adapters), next(iter(adapters))
+    ids = torch.randint(0, adapters[first].vocab_size, (rows,), generator=gen)
+    positions = torch.arange(prefix, prefix + rows)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    logits = {}
+    for rep in range(reps + 1):  # the first repetition warms every adapter at this row count
+        k = rep % len(names)
+        for name in names[k:] + names[:k]:
+            start = time.perf_counter()
+            logits[name] = adapters[name].forward(ids, positions, causal(rows), caches[name], torch.arange(rows))
+            elapsed = time.perf_counter() - start
+            crop(caches[name], prefix)
+            if rep:
+                times[name].append(elapsed)
+    row = {"rows": rows, **{f"ms {n}": round(1e3 * statistics.median(t), 2) for n, t in times.items()}}
+    row[f"max |logit - {first}|"] = max(float((v - logits[first]).abs().max()) for v in logits.values())
+    row["argmax agree"] = all(torch.equal(v.argmax(-1), logits[first].argmax(-1)) for v in logits.values())
+    return row
