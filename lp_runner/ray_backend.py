@@ -485,13 +485,10 @@ class _Driver:
                 if self.stop.is_set():
                     raise _Stopped from None
                 lost_at = time.monotonic()
-                if self._recover_lane(group, lane, current, str(lost), workers):
-                    workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
-                else:  # the lost group had written prompt i: nothing to resume
-                    lost_at = None
-                    current = self._claim()
-                    if current is None:
-                        return
+                current = self._recover_lane(group, lane, current, str(lost), workers)
+                if current is None:  # the lost group had written its prompt and the queue is empty
+                    return
+                workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
             finally:
                 with self.lock:
                     self.lanes.pop(lane, None)
@@ -540,17 +537,24 @@ class _Driver:
 
         self._gather(refs, "the run", None, tick=tick)
 
-    def _recover_lane(self, group: _Group | None, lane: int, i: int, reason: str, workers: int) -> bool:
-        """``_recover`` for one lane: account for the loss of the group that held prompt i; False when prompt i
-        was already written (the lane then takes the next prompt on a new group)."""
+    def _recover_lane(self, group: _Group | None, lane: int, i: int, reason: str, workers: int) -> int | None:
+        """``_recover`` for one lane: account for the loss of the group that held prompt i and return the prompt
+        its rebuilt group runs. That is i, from its committed prefix; or, when the loss came after prompt i's
+        record was written (the actor died between its last poll and the end of its run), the next prompt from
+        the queue, from token 0: the group is rebuilt all the same, so the loss is counted and reported on the
+        prompt that paid for it. None when the queue is empty too (nothing to rebuild for)."""
         if group is not None and group.actors:
             with contextlib.suppress(Exception):
                 self._take(
                     self.ray.get(group.actors[0].poll.remote(), timeout=min(5.0, self.cfg.parallel.timeout_s)), lane
                 )
         with self.lock:
-            if i in self.progress.records:
-                return False
+            written = i in self.progress.records
+            if written:
+                i = self._claim()
+                if i is None:
+                    log.warning("group %d: %s after its last prompt was written; nothing left to run", lane, reason)
+                    return None
             limit = self.cfg.parallel.max_restarts
             if len(self.recoveries) >= limit:
                 raise DistributedError(
@@ -570,15 +574,16 @@ class _Driver:
             self.progress.recovery.setdefault(i, []).append(event)
             count = len(self.recoveries)
         log.warning(
-            "group %d: %s; resuming prompt '%s' at token %d (recovery %d/%d)",
+            "group %d: %s; %s prompt '%s' at token %d (recovery %d/%d)",
             lane,
             reason,
+            "its prompt was written; starting" if written else "resuming",
             event["prompt"],
             event["resumed_at_token"],
             count,
             limit,
         )
-        return True
+        return i
 
     def _recover(self, group: _Group | None, reason: str, workers: int) -> bool:
         """Account for a lost worker before the group is rebuilt; False when nothing is left to run."""

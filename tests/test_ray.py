@@ -231,6 +231,33 @@ def test_resources_bundle_and_capacity():
         parse_resources("accel")
 
 
+def test_a_loss_after_the_lanes_prompt_was_written_is_still_a_recovery(caplog):
+    """The race the killed-group test can land in: the actor dies after rank 0 reported prompt i's record (between
+    its last poll and the end of ``run``). The lane rebuilds its group all the same, so the loss counts against
+    ``parallel.max_restarts`` and is reported on the next prompt the lane takes (from token 0); with the queue
+    empty it is only a warning. The driver's bookkeeping, no cluster (``group=None``: nothing to drain)."""
+    from lp_runner.errors import DistributedError
+    from lp_runner.prompts import PromptSpec
+    from lp_runner.ray_backend import _Driver
+
+    cfg = load_config(None, ["parallel.groups=2", "parallel.max_restarts=1"])
+    specs = [PromptSpec(id=str(i), prompt="x") for i in range(3)]
+    driver = _Driver(None, cfg, specs, None, single=False)
+    assert driver._claim() == 0 and driver._claim() == 1  # lane 0 holds prompt 0, lane 1 prompt 1
+    driver.progress.committed[0] = [5, 6]
+    driver.progress.records[1] = {"id": "1"}  # lane 1's prompt was written before its actor died
+    assert driver._recover_lane(None, 1, 1, "worker rank 0 was lost", 1) == 2  # the lane's next prompt
+    assert driver.queue == [] and len(driver.recoveries) == 1
+    (event,) = driver.progress.recovery[2]
+    assert event["lost"] == "group 1: worker rank 0 was lost" and event["resumed_at_token"] == 0
+    assert "its prompt was written; starting prompt '2' at token 0 (recovery 1/1)" in caplog.text
+    with pytest.raises(DistributedError, match="gave up after 1 recoveries .* group 0: worker rank 0 was lost"):
+        driver._recover_lane(None, 0, 0, "worker rank 0 was lost", 1)  # a held prompt, over the bound
+    driver.progress.records[2] = {"id": "2"}
+    assert driver._recover_lane(None, 1, 2, "worker rank 0 was lost", 1) is None  # written, queue empty
+    assert len(driver.recoveries) == 1 and "nothing left to run" in caplog.text
+
+
 def test_missing_ray_is_a_clear_error(monkeypatch, capsys, tmp_path):
     from lp_runner.__main__ import main
 
