@@ -8,10 +8,13 @@ blocks of 32 output columns each stored as one contiguous run over the input dim
 weights serve up to 8 rows from registers.
 
 Build: ``cc -O3 -march=native -fopenmp -shared -fPIC`` into the cache folder (``~/.cache/lp_runner/native``),
-named by a hash of the source, the compiler's version and the CPU's flags, so a shared home directory across
-different CPUs keeps one library per kind of CPU. A process builds into a private temporary name and renames it
-into place (ranks of one node may build at once). Without a compiler, or on a build or probe failure, the
-kernel is unavailable and ``model.prepack`` says why (``auto`` falls back to oneDNN's products).
+named by a hash of the source, the compiler's version, the CPU's flags and any extra flags, so a shared home
+directory across different CPUs keeps one library per kind of CPU. ``$LP_RUNNER_NATIVE_CFLAGS`` adds flags
+after those (``-mno-avx512f`` builds the AVX2 register tile on an AVX-512 machine): how this project tests and
+measures the instruction sets it does not run on (``tests/test_native_isa.py``, ``benchmarks/native_isa.py``).
+A process builds into a private temporary name and renames it into place (ranks of one node may build at once).
+Without a compiler, or on a build or probe failure, the kernel is unavailable and ``model.prepack`` says why
+(``auto`` falls back to oneDNN's products).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -34,6 +38,7 @@ from lp_runner.parallel.comm import first_line
 SOURCE = Path(__file__).with_name("native_gemm.c")
 BLOCK = 32  # output columns per packed block (NB in the source)
 BUILD_TIMEOUT_S = 120.0
+EXTRA_FLAGS_ENV = "LP_RUNNER_NATIVE_CFLAGS"  # extra compiler flags, appended (tests and benchmarks: other ISAs)
 
 
 class NativeUnavailable(RuntimeError):
@@ -59,22 +64,29 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
-def _library_path(cache_root: Path, cc: str) -> Path:
+def extra_flags() -> tuple[str, ...]:
+    """``$LP_RUNNER_NATIVE_CFLAGS``, split as a shell would."""
+    return tuple(shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
+
+
+def _library_path(cache_root: Path, cc: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    return cache_root / "native" / f"lp_native_gemm-{key}.so"
+    ident = SOURCE.read_bytes() + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()
+    return cache_root / "native" / f"lp_native_gemm-{hashlib.sha256(ident).hexdigest()[:16]}.so"
 
 
-def build(cache_root: Path) -> Path:
-    """The compiled library for this source, compiler and CPU: from the cache, else built now."""
+def build(cache_root: Path, flags: tuple[str, ...] | None = None) -> Path:
+    """The compiled library for this source, compiler, CPU and extra ``flags`` (default: ``extra_flags()``):
+    from the cache, else built now."""
     cc = _compiler()
-    target = _library_path(cache_root, cc)
+    flags = extra_flags() if flags is None else flags
+    target = _library_path(cache_root, cc, flags)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-lm", "-o", tmp]
+    cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-lm", "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
@@ -89,8 +101,9 @@ def build(cache_root: Path) -> Path:
 
 
 @functools.cache
-def _library(cache_root: str):
-    lib = ctypes.CDLL(str(build(Path(cache_root))))
+def library(cache_root: str, flags: tuple[str, ...] = ()):
+    """The built library, loaded, with its entry points typed (one per root and flags for the process)."""
+    lib = ctypes.CDLL(str(build(Path(cache_root), flags)))
     lib.lp_native_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.lp_native_gemm_f32.restype = ctypes.c_int
     lib.lp_native_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
@@ -115,7 +128,7 @@ def load(cache_root: Path) -> None:
     ``NativeUnavailable`` saying why it cannot be used."""
     global _FN, _ATTENTION, _LAYER
     try:
-        lib = _library(str(cache_root))
+        lib = library(str(cache_root), extra_flags())
         _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"cannot build or load {SOURCE.name} ({first_line(exc)})") from None

@@ -2,10 +2,10 @@
 
    y[m*N + n] = sum_k x[m*K + k] * w[n][k] (+ b[n]) for m < M, n < N, with the weight packed once
    (native.pack) into blocks of NB output columns: p[block][k][c] = w[block*NB + c][k], the last block zero-padded.
-   One block is one contiguous stream of K*NB floats; for up to 8 input rows at a time, each k loads the block's
-   two vectors once and multiplies them into 2 accumulators per row (x[m][k] broadcast): no horizontal sums,
-   no re-reads of the weight from memory, so a forward of 1-8 rows costs about the weights' bytes over the
-   memory bandwidth. Blocks split over OpenMP threads (torch's libgomp: the same soname, already loaded).
+   One block is one contiguous stream of K*NB floats; for up to MR input rows at a time (8 with AVX-512), each k
+   loads the block's vectors once and multiplies them into accumulators per row (x[m][k] broadcast): no
+   horizontal sums, no re-reads of the weight from memory, so a forward of 1-8 rows costs about the weights'
+   bytes over the memory bandwidth. Blocks split over OpenMP threads (torch's libgomp: the same soname, already loaded).
 
    Every output is the sum over k in increasing order of one row and one column, whatever M, the row's place in
    the call or the block the column falls in: a row's result does not depend on the rows beside it, and the
@@ -16,32 +16,72 @@
 #include <string.h>
 
 #define NB 32
+
+/* The register tile, per instruction set: a pass over a block takes up to MR rows and NV vectors of VL columns
+   at a time (a chunk of VL * NV columns), with MM * NV accumulators, NV weight vectors and one broadcast in
+   registers. Whole-block chunks: a pass over half a block reads every other cache line of the block's stream,
+   which measured up to 2x slower than the same arithmetic over the whole block (benchmarks/results/native_isa.md).
+   AVX-512 (32 registers of 16 floats): 8 rows x 2 vectors (19 registers). AVX2 (16 registers of 8): 3 rows x 4
+   (12 accumulators, the weights as memory operands where registers run out); the AVX-512 tile there (8 rows x
+   4 vectors) spilled every accumulator on every k: built with -mno-avx512f on this project's AVX-512 machine it
+   was 3.7x slower at one row and 28x at 8 than the AVX-512 build. Others (NEON's 32 or SSE's 16 registers of 4
+   floats): 2 rows x 8 (16 accumulators, 8 weights: 25 on NEON; SSE takes the weights from memory). Every
+   output is the same sum in the same order whatever the tile, so every target with FMA gives the same bits
+   (tests/test_native_isa.py). */
+#if defined(__AVX512F__)
+#define VL 16
+#define MR 8
+#define NV 2
+#elif defined(__AVX__)
+#define VL 8
+#define MR 3
+#define NV 4
+#else
+#define VL 4
+#define MR 2
+#define NV 8
+#endif
+#define CHUNK (VL * NV)
+typedef float vec __attribute__((vector_size(VL * 4), aligned(4)));
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
-#define MICRO(MM)                                                                                        \
-  static inline void micro_##MM(const float *x, const float *pb, float *out, int N, int K, int ncols) { \
-    v16 a[MM][2];                                                                                      \
-    for (int m = 0; m < MM; m++) a[m][0] = a[m][1] = (v16){0};                                           \
-    for (int k = 0; k < K; k++) {                                                                      \
-      v16 w0 = *(const v16 *)(pb + (size_t)k * NB), w1 = *(const v16 *)(pb + (size_t)k * NB + 16);      \
-      for (int m = 0; m < MM; m++) {                                                                   \
-        float xs = x[(size_t)m * K + k];                                                               \
-        a[m][0] += w0 * xs;                                                                            \
-        a[m][1] += w1 * xs;                                                                            \
-      }                                                                                                \
-    }                                                                                                  \
-    for (int m = 0; m < MM; m++) {                                                                     \
-      float tmp[NB];                                                                                   \
-      memcpy(tmp, &a[m][0], sizeof(v16));                                                              \
-      memcpy(tmp + 16, &a[m][1], sizeof(v16));                                                         \
-      memcpy(out + (size_t)m * N, tmp, sizeof(float) * (size_t)ncols);                                 \
-    }                                                                                                  \
+#define MICRO(MM)                                                                                           \
+  static inline void micro_##MM(const float *x, const float *pb, float *out, int N, int K, int ncols) {    \
+    for (int c0 = 0; c0 < ncols; c0 += CHUNK) {                                                           \
+      vec a[MM][NV];                                                                                      \
+      for (int m = 0; m < MM; m++)                                                                        \
+        for (int j = 0; j < NV; j++) a[m][j] = (vec){0};                                                  \
+      for (int k = 0; k < K; k++) {                                                                       \
+        vec w[NV];                                                                                        \
+        for (int j = 0; j < NV; j++) w[j] = *(const vec *)(pb + (size_t)k * NB + c0 + j * VL);            \
+        for (int m = 0; m < MM; m++) {                                                                    \
+          float xs = x[(size_t)m * K + k];                                                                \
+          for (int j = 0; j < NV; j++) a[m][j] += w[j] * xs;                                              \
+        }                                                                                                 \
+      }                                                                                                   \
+      int n = ncols - c0 < CHUNK ? ncols - c0 : CHUNK;                                                    \
+      for (int m = 0; m < MM; m++) {                                                                      \
+        float tmp[CHUNK];                                                                                 \
+        memcpy(tmp, a[m], sizeof tmp);                                                                    \
+        memcpy(out + (size_t)m * N + c0, tmp, sizeof(float) * (size_t)n);                                 \
+      }                                                                                                   \
+    }                                                                                                     \
   }
-MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
+MICRO(1)
+#if MR >= 2
+MICRO(2)
+#endif
+#if MR >= 3
+MICRO(3)
+#endif
+#if MR >= 8
+MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
+#endif
 
 static inline void micro(int mm, const float *x, const float *pb, float *out, int N, int K, int ncols) {
   switch (mm) {
     case 1: micro_1(x, pb, out, N, K, ncols); break;
+#if MR >= 8
     case 2: micro_2(x, pb, out, N, K, ncols); break;
     case 3: micro_3(x, pb, out, N, K, ncols); break;
     case 4: micro_4(x, pb, out, N, K, ncols); break;
@@ -49,6 +89,12 @@ static inline void micro(int mm, const float *x, const float *pb, float *out, in
     case 6: micro_6(x, pb, out, N, K, ncols); break;
     case 7: micro_7(x, pb, out, N, K, ncols); break;
     default: micro_8(x, pb, out, N, K, ncols); break;
+#elif MR == 3
+    case 2: micro_2(x, pb, out, N, K, ncols); break;
+    default: micro_3(x, pb, out, N, K, ncols); break;
+#else
+    default: micro_2(x, pb, out, N, K, ncols); break;
+#endif
   }
 }
 
@@ -62,8 +108,8 @@ int lp_native_gemm_f32(const float *x, const float *p, const float *b, float *y,
     long n = blk * NB;
     int ncols = N - n < NB ? (int)(N - n) : NB;
     const float *pb = p + (size_t)blk * K * NB;
-    for (long m0 = 0; m0 < M; m0 += 8) {
-      int mm = M - m0 < 8 ? (int)(M - m0) : 8;
+    for (long m0 = 0; m0 < M; m0 += MR) {
+      int mm = M - m0 < MR ? (int)(M - m0) : MR;
       micro(mm, x + (size_t)m0 * K, pb, y + (size_t)m0 * N + n, (int)N, (int)K, ncols);
     }
     if (b)
@@ -89,30 +135,56 @@ static inline float hsum16(v16 a) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+typedef int veci __attribute__((vector_size(VL * 4), aligned(4)));
 typedef int v16i __attribute__((vector_size(64), aligned(4)));
+
+/* The attention works on 16-lane groups (16 keys' scores, 16 floats of a head) held as P16 native vectors,
+   lanes u * VL .. of the group in part u. Its arithmetic is lane by lane and its sums are hsum16's tree, so
+   every instruction set computes the same bits. (GCC's 16-lane vectors on a target without them go through
+   the stack lane by lane for every scalar operand: the attention built for AVX2 that way ran 6x slower.) */
+#define P16 (16 / VL)
+
+/* hsum16 of the 16 lanes held as P16 native parts: the same additions in the same order. */
+static inline float hsum_parts(const vec *p) {
+#if VL == 16
+  return hsum16(p[0]);
+#else
+#if VL == 8
+  v4 l4, h4;
+  vec s8 = p[0] + p[1];
+  memcpy(&l4, &s8, sizeof l4);
+  memcpy(&h4, (const char *)&s8 + sizeof l4, sizeof h4);
+  v4 s4 = l4 + h4;
+#else
+  v4 s4 = (p[0] + p[2]) + (p[1] + p[3]);
+#endif
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#endif
+}
 
 /* e^x per lane for x <= 0 (softmax's shifted scores): Cephes' expf, the exponent scaled in by integer add;
    x below -87.3 gives exactly 0 (a hidden key's -inf among them). Within 2 ulp of expf over [-87.3, 0]. */
-static inline v16 exp16(v16 x) {
-  const v16 lo = (v16){0} - 87.3f;
-  v16i keep = x >= lo;
-  x = (v16)((v16i)x & keep) + (v16)((v16i)lo & ~keep); /* clamp without a NaN-prone min */
-  v16 t = x * 1.44269504088896341f + 12582912.0f;        /* round(x / ln 2) in the low mantissa bits */
-  v16 n = t - 12582912.0f;
+static inline vec expv(vec x) {
+  const vec lo = (vec){0} - 87.3f;
+  veci keep = x >= lo;
+  x = (vec)((veci)x & keep) + (vec)((veci)lo & ~keep); /* clamp without a NaN-prone min */
+  vec t = x * 1.44269504088896341f + 12582912.0f;        /* round(x / ln 2) in the low mantissa bits */
+  vec n = t - 12582912.0f;
   x = x - n * 0.693359375f - n * -2.12194440e-4f;
-  v16 y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+  vec y = 1.9875691500e-4f * x + 1.3981999507e-3f;
   y = y * x + 8.3334519073e-3f;
   y = y * x + 4.1665795894e-2f;
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * x * x + x + 1.0f;
-  v16i scale = ((v16i)t - 0x4B400000 + 127) << 23; /* 2^n */
-  return (v16)((v16i)(y * (v16)scale) & keep);
+  veci scale = ((veci)t - 0x4B400000 + 127) << 23; /* 2^n */
+  return (vec)((veci)(y * (vec)scale) & keep);
 }
 
 /* Sixteen vectors' lane sums as one vector (lane l: the sum of p[l]'s lanes), a transpose-and-add tree of 15
    steps instead of 16 horizontal sums: each source's lanes are added in the same fixed order whatever its
-   neighbours hold. */
+   neighbours hold (hsum16's order). AVX-512 only: elsewhere 16 hsum_parts. */
+#if VL == 16
 static inline v16 sum16x16(const v16 *p) {
   const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
@@ -131,33 +203,41 @@ static inline v16 sum16x16(const v16 *p) {
     c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], lo2) + __builtin_shuffle(b[2 * m], b[2 * m + 1], hi2);
   return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
 }
+#endif
 
 #define RB 4 /* packed rows per task (one K/V head) */
 
 /* The scores of up to RB rows over keys [0, end), 16 keys at a time: each key is loaded once for all the rows, each
-   row's dot product is the same expression whatever rows share the task (DV = D / 16 <= 16 vectors a slot). */
+   row's dot product is the same expression whatever rows share the task (DV = D / 16 <= 16 groups a slot). */
 static inline __attribute__((always_inline)) void scores_shared(const float *const *qr, const float *const *mr, int rb,
                                                                 const float *kh, long end, float scale, float *s,
                                                                 long stride, const int DV) {
   for (long j0 = 0; j0 < end; j0 += 16) {
     int nj = end - j0 < 16 ? (int)(end - j0) : 16;
-    v16 partial[RB][16];
+    vec partial[RB][16][P16];
     for (int l = 0; l < 16; l++) {
-      v16 kc[16];
+      vec kc[16 * P16];
       if (l < nj)
-        for (int c = 0; c < DV; c++) kc[c] = *(const v16 *)(kh + (size_t)(j0 + l) * DV * 16 + 16 * c);
+        for (int c = 0; c < DV * P16; c++) kc[c] = *(const vec *)(kh + (size_t)(j0 + l) * DV * 16 + VL * c);
       for (int i = 0; i < RB; i++) {
         if (l < nj && i < rb && mr[i][j0 + l] > -1e30f) {
-          v16 acc = *(const v16 *)qr[i] * kc[0];
-          for (int c = 1; c < DV; c++) acc += *(const v16 *)(qr[i] + 16 * c) * kc[c];
-          partial[i][l] = acc;
+          for (int u = 0; u < P16; u++) { /* from zero: each add has one product to fuse, whatever unrolls */
+            vec acc = (vec){0};
+            for (int c = 0; c < DV; c++) acc += *(const vec *)(qr[i] + 16 * c + VL * u) * kc[c * P16 + u];
+            partial[i][l][u] = acc;
+          }
         } else {
-          partial[i][l] = (v16){0};
+          for (int u = 0; u < P16; u++) partial[i][l][u] = (vec){0};
         }
       }
     }
     for (int i = 0; i < rb; i++) {
-      v16 dots = sum16x16(partial[i]);
+#if VL == 16
+      v16 dots = sum16x16(&partial[i][0][0]);
+#else
+      float dots[16];
+      for (int l = 0; l < 16; l++) dots[l] = hsum_parts(partial[i][l]);
+#endif
       float *si = s + i * stride;
       for (int l = 0; l < nj; l++) {
         float m = mr[i][j0 + l];
@@ -167,6 +247,15 @@ static inline __attribute__((always_inline)) void scores_shared(const float *con
   }
 }
 
+/* Accumulators values_shared keeps in registers: G rows x D / VL vectors (16 of AVX-512's 32 registers, 8 of
+   AVX2's or SSE's 16; the values are memory operands). */
+#if VL == 16
+#define ACC_VECS 16
+#else
+#define ACC_VECS 8
+#endif
+#define VALUE_ROWS(DV) ((DV) * P16 >= ACC_VECS ? 1 : ACC_VECS / ((DV) * P16) > RB ? RB : ACC_VECS / ((DV) * P16))
+
 /* o_i = inv_i * sum_j w_i[j] v_j over the keys row i sees (j < end), in increasing j, for up to RB rows, G rows at a
    time with their sums in registers: each value is loaded once for G rows. */
 static inline __attribute__((always_inline)) void values_shared(float *const *o, const float *s, long stride,
@@ -174,20 +263,19 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
                                                                 long end, const float *inv, const int DV,
                                                                 const int G) {
   for (int i0 = 0; i0 < rb; i0 += G) {
-    v16 acc[RB][16];
+    vec acc[RB][16 * P16];
     for (int i = 0; i < G; i++)
-      for (int c = 0; c < DV; c++) acc[i][c] = (v16){0};
+      for (int c = 0; c < DV * P16; c++) acc[i][c] = (vec){0};
     for (long j = 0; j < end; j++) {
-      v16 vc[16];
-      for (int c = 0; c < DV; c++) vc[c] = *(const v16 *)(vh + (size_t)j * DV * 16 + 16 * c);
+      const float *vj = vh + (size_t)j * DV * 16;
       for (int i = 0; i < G; i++)
         if (i0 + i < rb && mr[i0 + i][j] > -1e30f) {
           float w = s[(i0 + i) * stride + j];
-          for (int c = 0; c < DV; c++) acc[i][c] += w * vc[c];
+          for (int c = 0; c < DV * P16; c++) acc[i][c] += w * *(const vec *)(vj + VL * c);
         }
     }
     for (int i = 0; i < G && i0 + i < rb; i++)
-      for (int c = 0; c < DV; c++) *(v16 *)(o[i0 + i] + 16 * c) = acc[i][c] * inv[i0 + i];
+      for (int c = 0; c < DV * P16; c++) *(vec *)(o[i0 + i] + VL * c) = acc[i][c] * inv[i0 + i];
   }
 }
 
@@ -265,22 +353,24 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
         for (long j = end; j < span; j++) si[j] = -__builtin_inff();
         float best = -__builtin_inff();
         for (long j = 0; j < end; j++) best = si[j] > best ? si[j] : best;
-        v16 total = {0};
+        vec total[P16];
+        for (int u = 0; u < P16; u++) total[u] = (vec){0};
         if (best > -__builtin_inff())
-          for (long j = 0; j < span; j += 16) {
-            v16 e = exp16(*(v16 *)(si + j) - best);
-            *(v16 *)(si + j) = e;
-            total += e;
-          }
-        float sum = hsum16(total);
+          for (long j = 0; j < span; j += 16)
+            for (int u = 0; u < P16; u++) {
+              vec e = expv(*(vec *)(si + j + VL * u) - best);
+              *(vec *)(si + j + VL * u) = e;
+              total[u] += e;
+            }
+        float sum = hsum_parts(total);
         inv[i] = sum > 0.f ? 1.f / sum : 0.f;
       }
       if (D == 64)
-        values_shared(o, s, stride, mr, rb, vh, end, inv, 4, 4);
+        values_shared(o, s, stride, mr, rb, vh, end, inv, 4, VALUE_ROWS(4));
       else if (D == 128)
-        values_shared(o, s, stride, mr, rb, vh, end, inv, 8, 2);
+        values_shared(o, s, stride, mr, rb, vh, end, inv, 8, VALUE_ROWS(8));
       else if (shared)
-        values_shared(o, s, stride, mr, rb, vh, end, inv, (int)(D / 16), 2);
+        values_shared(o, s, stride, mr, rb, vh, end, inv, (int)(D / 16), VALUE_ROWS(D / 16));
       else
         for (int i = 0; i < rb; i++) {
           const float *si = s + i * stride;

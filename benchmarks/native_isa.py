@@ -1,0 +1,201 @@
+"""The native kernels built for other instruction sets, on this CPU, side by side: does the speed travel?
+
+``lp_runner/native_gemm.c`` picks its register tile by instruction set (AVX-512, AVX2, 4-float vectors). An
+AVX-512 machine can build and run the other two (``-mno-avx512f``; ``-march=x86-64``: SSE2, no FMA), so the
+tiles every user's CPU gets are measured here, against the build this CPU takes by default, in one process:
+each build's library is loaded next to the others and swapped in round by round (rotating order).
+
+- products: every linear of the embedded model (random weights of its shapes, packed), one pass in forward
+  order, at each row count: the median ms, and the weights' bytes over it in GB/s;
+- forwards: the embedded model's whole eager round (native decoder layers, the model loop) after a cached
+  prefix, at each row count: the median ms; the logits compared with the default build's (bit for bit for the
+  builds with FMA).
+
+    python benchmarks/native_isa.py --out benchmarks/results/native_isa
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.forward_timing import native_embedded_model, prefilled_caches  # noqa: E402
+from lp_runner import native  # noqa: E402
+from lp_runner.calibrate import device_name  # noqa: E402
+from lp_runner.loading import default_cache_dir  # noqa: E402
+from lp_runner.model import ModelAdapter, causal, crop  # noqa: E402
+
+# build name -> extra compiler flags (after -march=native)
+BUILDS = {"default": (), "avx2": ("-mno-avx512f",), "x86-64": ("-march=x86-64",)}
+
+
+def builds_here() -> dict[str, tuple[str, ...]]:
+    """The builds that differ from the default on this CPU and can run on it."""
+    flags = set(native._cpu_flags().split())
+    chosen = {"default": ()}
+    if "avx512f" in flags and "avx2" in flags:
+        chosen["avx2"] = BUILDS["avx2"]
+    if "sse2" in flags:  # any x86-64
+        chosen["x86-64"] = BUILDS["x86-64"]
+    return chosen
+
+
+def use(lib) -> None:
+    """Route lp_runner's native calls to ``lib`` (a benchmark's swap; the runner loads one library)."""
+    native._FN, native._ATTENTION, native._LAYER = (
+        lib.lp_native_gemm_f32,
+        lib.lp_native_attention_f32,
+        lib.lp_native_llama_layer,
+    )
+
+
+def time_products(libs: dict, shapes: list[tuple[int, int]], rows: list[int], reps: int, threads: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    packed = [(native.pack(torch.randn(o, i, generator=gen)), o, i) for o, i in shapes]
+    weight_bytes = sum(p.numel() * 4 for p, _, _ in packed)
+    table = []
+    for r in rows:
+        xs = {i: torch.randn(r, i, generator=gen) for i in {i for _, i in shapes}}
+        outs = {o: torch.empty(r, o) for o in {o for o, _ in shapes}}
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        names = list(libs)
+        for rep in range(reps + 1):
+            k = rep % len(names)
+            for name in names[k:] + names[:k]:
+                fn = libs[name].lp_native_gemm_f32
+                start = time.perf_counter()
+                for p, o, i in packed:
+                    fn(xs[i].data_ptr(), p.data_ptr(), None, outs[o].data_ptr(), r, o, i, threads)
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+        row = {"rows": r}
+        for name, t in times.items():
+            ms = 1e3 * statistics.median(t)
+            row[f"ms {name}"] = round(ms, 2)
+            row[f"GB/s {name}"] = round(weight_bytes / ms / 1e6, 1)
+        table.append(row)
+        print(json.dumps(row), flush=True)
+    return table
+
+
+def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int, prefix: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    adapter = ModelAdapter(model)
+    names = list(libs)
+    use(libs["default"])
+    cache = prefilled_caches({"a": adapter}, prefix, prefix + max(rows) + 1, gen)["a"]
+    table = []
+    for r in rows:
+        ids = torch.randint(0, adapter.vocab_size, (r,), generator=gen)
+        positions = torch.arange(prefix, prefix + r)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        logits = {}
+        for rep in range(reps + 1):
+            k = rep % len(names)
+            for name in names[k:] + names[:k]:
+                use(libs[name])
+                start = time.perf_counter()
+                logits[name] = adapter.forward(ids, positions, causal(r), cache, torch.arange(r))
+                elapsed = time.perf_counter() - start
+                crop(cache, prefix)
+                if rep:
+                    times[name].append(elapsed)
+        row = {"rows": r, **{f"ms {n}": round(1e3 * statistics.median(t), 2) for n, t in times.items()}}
+        for name in names[1:]:
+            row[f"ms {name} / default"] = round(row[f"ms {name}"] / row["ms default"], 2)
+            row[f"{name} bits equal"] = torch.equal(logits[name], logits["default"])
+            row[f"max |logit {name} - default|"] = float((logits[name] - logits["default"]).abs().max())
+        table.append(row)
+        print(json.dumps(row), flush=True)
+    use(libs["default"])
+    return table
+
+
+def same(row: dict, name: str) -> str:
+    """'bits' where build ``name``'s logits equal the default's, else their largest difference."""
+    if row[f"{name} bits equal"]:
+        return "bits"
+    return f"{row[f'max |logit {name} - default|']:.1e}"
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"# Native kernels per instruction set, {result['date']}",
+        "",
+        f"{result['device']}, {result['threads']} threads, fp32, the embedded model. Builds: "
+        + ", ".join(f"`{n}` ({' '.join(f) or '-march=native'})" for n, f in result["builds"].items())
+        + f". Median of {result['reps']} passes, builds interleaved.",
+        "",
+        "## Products (every linear of the model, one pass)",
+        "",
+    ]
+    names = list(result["builds"])
+    lines += ["| rows | " + " | ".join(f"{n} ms (GB/s)" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+    for row in result["products"]:
+        cells = [f"{row[f'ms {n}']} ({row[f'GB/s {n}']})" for n in names]
+        lines.append(f"| {row['rows']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Forwards (native decoder layers, the model loop)", ""]
+    lines += [
+        "| rows | "
+        + " | ".join(f"{n} ms" for n in names)
+        + " | "
+        + " | ".join(f"{n} / default" for n in names[1:])
+        + " | logits equal to default |",
+        "|---" * (2 * len(names) + 1) + "|",
+    ]
+    for row in result["forwards"]:
+        equal = ", ".join(f"{n}: {same(row, n)}" for n in names[1:])
+        lines.append(
+            f"| {row['rows']} | "
+            + " | ".join(str(row[f"ms {n}"]) for n in names)
+            + " | "
+            + " | ".join(f"{row[f'ms {n} / default']}x" for n in names[1:])
+            + f" | {equal} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--prefix", type=int, default=256, help="cached tokens before each round")
+    ap.add_argument("--builds", nargs="+", help=f"a subset of {list(BUILDS)} (default: those this CPU can run)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    model = native_embedded_model(args.threads)
+    builds = builds_here() if not args.builds else {n: BUILDS[n] for n in args.builds}
+    root = str(default_cache_dir())
+    libs = {name: native.library(root, flags) for name, flags in builds.items()}
+    cfg = model.config  # the products of a layer (q/k/v and gate/up stacked, as packed) and the output layer
+    e, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * d
+    shapes = [(e + 2 * kv, e), (e, e), (2 * i, e), (e, i)] * cfg.num_hidden_layers + [(cfg.vocab_size, e)]
+    result = {
+        "date": str(date.today()),
+        "device": device_name(torch.device("cpu")),
+        "threads": args.threads,
+        "reps": args.reps,
+        "builds": {n: list(f) for n, f in builds.items()},
+        "products": time_products(libs, shapes, args.rows, args.reps, args.threads),
+        "forwards": time_forwards(libs, model, args.rows, args.reps, args.prefix),
+    }
+    text = markdown(result)
+    print(text)
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.out + ".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
