@@ -12,6 +12,8 @@ each build's library is loaded next to the others and swapped in round by round 
   builds with FMA).
 
     python benchmarks/native_isa.py --out benchmarks/results/native_isa
+    git show REV:lp_runner/native_gemm.c > /tmp/old.c
+    python benchmarks/native_isa.py --baseline /tmp/old.c --out ...   # adds each build of that source, "NAME@base"
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -47,6 +51,14 @@ def builds_here() -> dict[str, tuple[str, ...]]:
     if "sse2" in flags:  # any x86-64
         chosen["x86-64"] = BUILDS["x86-64"]
     return chosen
+
+
+def compile_source(source: Path, flags: tuple[str, ...]):
+    """Another version of the kernels' source (``--baseline``), built with lp_runner's flags, loaded."""
+    out = Path(tempfile.mkdtemp(prefix="lp_isa_")) / "lib.so"
+    cmd = ["cc", "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-lm", "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return native.open_library(out)
 
 
 def use(lib) -> None:
@@ -133,7 +145,8 @@ def markdown(result: dict) -> str:
         "",
         f"{result['device']}, {result['threads']} threads, fp32, the embedded model. Builds: "
         + ", ".join(f"`{n}` ({' '.join(f) or '-march=native'})" for n, f in result["builds"].items())
-        + f". Median of {result['reps']} passes, builds interleaved.",
+        + f". Median of {result['reps']} passes, builds interleaved."
+        + (f" `@base`: the same builds of `{result['baseline']}`." if result["baseline"] else ""),
         "",
         "## Products (every linear of the model, one pass)",
         "",
@@ -171,12 +184,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before each round")
     ap.add_argument("--builds", nargs="+", help=f"a subset of {list(BUILDS)} (default: those this CPU can run)")
+    ap.add_argument("--baseline", type=Path, help="another native_gemm.c: each build of it too, as NAME@base")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     model = native_embedded_model(args.threads)
     builds = builds_here() if not args.builds else {n: BUILDS[n] for n in args.builds}
     root = str(default_cache_dir())
     libs = {name: native.library(root, flags) for name, flags in builds.items()}
+    if args.baseline:
+        for name, flags in list(builds.items()):
+            libs[f"{name}@base"] = compile_source(args.baseline, flags)
+            builds[f"{name}@base"] = flags
     cfg = model.config  # the products of a layer (q/k/v and gate/up stacked, as packed) and the output layer
     e, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * d
@@ -187,6 +205,7 @@ def main() -> None:
         "threads": args.threads,
         "reps": args.reps,
         "builds": {n: list(f) for n, f in builds.items()},
+        "baseline": str(args.baseline or ""),
         "products": time_products(libs, shapes, args.rows, args.reps, args.threads),
         "forwards": time_forwards(libs, model, args.rows, args.reps, args.prefix),
     }

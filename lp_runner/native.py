@@ -103,7 +103,12 @@ def build(cache_root: Path, flags: tuple[str, ...] | None = None) -> Path:
 @functools.cache
 def library(cache_root: str, flags: tuple[str, ...] = ()):
     """The built library, loaded, with its entry points typed (one per root and flags for the process)."""
-    lib = ctypes.CDLL(str(build(Path(cache_root), flags)))
+    return open_library(build(Path(cache_root), flags))
+
+
+def open_library(path: Path):
+    """A built copy of ``native_gemm.c`` (this one, or another version a benchmark builds), loaded and typed."""
+    lib = ctypes.CDLL(str(path))
     lib.lp_native_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.lp_native_gemm_f32.restype = ctypes.c_int
     lib.lp_native_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
