@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,30 @@ def test_cli_builds_from_the_flags_in_the_environment(tmp_path: Path) -> None:
         records[label] = json.loads(out.read_text().splitlines()[0])
     assert records[name]["output_ids"] == records["default"]["output_ids"]
     assert len(list((tmp_path / "cache" / "native").glob("lp_native_gemm-*.so"))) == 2  # one per flags
+
+
+CROSS_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+HARNESS = Path(__file__).with_name("native_harness.c")
+
+
+def _harness_outputs(tmp_path: Path, name: str, compiler: list[str], runner: list[str]) -> list[str]:
+    exe = tmp_path / name
+    source = f'-DNATIVE_SOURCE="{native.SOURCE}"'
+    cmd = [*compiler, "-O3", "-fopenmp", source, str(HARNESS), "-lm", "-o", str(exe)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    proc = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300, check=True)
+    return proc.stdout.split()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="compares an aarch64 build with this x86-64 one")
+@pytest.mark.skipif(not (CROSS_CC and QEMU), reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt)")
+def test_an_aarch64_build_gives_this_machines_bits(tmp_path: Path) -> None:
+    """The NEON tile (4-float vectors, 2 rows x 8), cross-built for aarch64 and run under qemu: products of 1-17
+    rows, attention for every head-size path and a whole decoder layer (K/V written included) print the same
+    bits as this machine's own build (``tests/native_harness.c``). A development check: CI has no cross tools."""
+    cc = shutil.which("cc") or "gcc"
+    here = _harness_outputs(tmp_path, "native", [cc, "-march=native"], [])
+    arm = _harness_outputs(tmp_path, "aarch64", [CROSS_CC, "-march=armv8-a"], [QEMU, "-L", "/usr/aarch64-linux-gnu"])
+    assert len(here) == len(arm) == 15606
+    differing = [i for i, (a, b) in enumerate(zip(here, arm, strict=True)) if a != b]
+    assert not differing, (len(differing), differing[:5])
