@@ -17,10 +17,10 @@
 
 #define NB 32
 
-/* The register tile, per instruction set: a pass over a block takes up to MR rows and NV vectors of VL columns
-   at a time (a chunk of VL * NV columns), with MM * NV accumulators, NV weight vectors and one broadcast in
-   registers. Whole-block chunks: a pass over half a block reads every other cache line of the block's stream,
-   which measured up to 2x slower than the same arithmetic over the whole block (benchmarks/results/native_isa.md).
+/* The register tile, per instruction set: a pass over a block takes up to MR rows and the block's NV vectors of
+   VL columns, with MM * NV accumulators, NV weight vectors and one broadcast in registers. Whole blocks: a pass
+   over half a block reads every other cache line of the block's stream, which measured up to 2x slower than the
+   same arithmetic over the whole block (on this project's EPYC, AVX2 and SSE builds).
    AVX-512 (32 registers of 16 floats): 8 rows x 2 vectors (19 registers). AVX2 (16 registers of 8): 3 rows x 4
    (12 accumulators, the weights as memory operands where registers run out); the AVX-512 tile there (8 rows x
    4 vectors) spilled every accumulator on every k: built with -mno-avx512f on this project's AVX-512 machine it
@@ -41,30 +41,28 @@
 #define MR 2
 #define NV 8
 #endif
-#define CHUNK (VL * NV)
 typedef float vec __attribute__((vector_size(VL * 4), aligned(4)));
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
+_Static_assert(VL * NV == NB, "a pass covers a whole block");
+
 #define MICRO(MM)                                                                                           \
   static inline void micro_##MM(const float *x, const float *pb, float *out, int N, int K, int ncols) {    \
-    for (int c0 = 0; c0 < ncols; c0 += CHUNK) {                                                           \
-      vec a[MM][NV];                                                                                      \
-      for (int m = 0; m < MM; m++)                                                                        \
-        for (int j = 0; j < NV; j++) a[m][j] = (vec){0};                                                  \
-      for (int k = 0; k < K; k++) {                                                                       \
-        vec w[NV];                                                                                        \
-        for (int j = 0; j < NV; j++) w[j] = *(const vec *)(pb + (size_t)k * NB + c0 + j * VL);            \
-        for (int m = 0; m < MM; m++) {                                                                    \
-          float xs = x[(size_t)m * K + k];                                                                \
-          for (int j = 0; j < NV; j++) a[m][j] += w[j] * xs;                                              \
-        }                                                                                                 \
-      }                                                                                                   \
-      int n = ncols - c0 < CHUNK ? ncols - c0 : CHUNK;                                                    \
+    vec a[MM][NV];                                                                                        \
+    for (int m = 0; m < MM; m++)                                                                          \
+      for (int j = 0; j < NV; j++) a[m][j] = (vec){0};                                                    \
+    for (int k = 0; k < K; k++) {                                                                         \
+      vec w[NV];                                                                                          \
+      for (int j = 0; j < NV; j++) w[j] = *(const vec *)(pb + (size_t)k * NB + j * VL);                   \
       for (int m = 0; m < MM; m++) {                                                                      \
-        float tmp[CHUNK];                                                                                 \
-        memcpy(tmp, a[m], sizeof tmp);                                                                    \
-        memcpy(out + (size_t)m * N + c0, tmp, sizeof(float) * (size_t)n);                                 \
+        float xs = x[(size_t)m * K + k];                                                                  \
+        for (int j = 0; j < NV; j++) a[m][j] += w[j] * xs;                                                \
       }                                                                                                   \
+    }                                                                                                     \
+    for (int m = 0; m < MM; m++) {                                                                        \
+      float tmp[NB];                                                                                      \
+      memcpy(tmp, a[m], sizeof tmp);                                                                      \
+      memcpy(out + (size_t)m * N, tmp, sizeof(float) * (size_t)ncols);                                    \
     }                                                                                                     \
   }
 MICRO(1)
