@@ -5,7 +5,8 @@ weight on every call) nor oneDNN's prepacked inner product reads them at the mac
 on an AMD EPYC (2 threads, the embedded model's linears, ``benchmarks/linear_kernels.py``) oneDNN reads 14-19
 GB/s, this kernel 24-32 GB/s at every row count from 1 to 8 (README, "Native products"). Its weight layout,
 blocks of 32 output columns each stored as one contiguous run over the input dimension, lets one pass over the
-weights serve up to 8 rows from registers.
+weights serve several rows from registers (8 with AVX-512, 3 with AVX2, 2 with 4-float vectors: the source's
+register tile per instruction set).
 
 Build: ``cc -O3 -march=native -fopenmp -shared -fPIC`` into the cache folder (``~/.cache/lp_runner/native``),
 named by a hash of the source, the compiler's version, the CPU's flags and any extra flags, so a shared home
