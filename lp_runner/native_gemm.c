@@ -5,7 +5,8 @@
    One block is one contiguous stream of K*NB floats; for up to MR input rows at a time (8 with AVX-512), each k
    loads the block's vectors once and multiplies them into accumulators per row (x[m][k] broadcast): no
    horizontal sums, no re-reads of the weight from memory, so a forward of 1-8 rows costs about the weights'
-   bytes over the memory bandwidth. Blocks split over OpenMP threads (torch's libgomp: the same soname, already loaded).
+   bytes over the memory bandwidth. Blocks split over OpenMP threads (torch's libgomp: the same soname, already
+   loaded).
 
    Every output is the sum over k in increasing order of one row and one column, whatever M, the row's place in
    the call or the block the column falls in: a row's result does not depend on the rows beside it, and the
@@ -285,9 +286,10 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
    out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
 
    A task is up to RB rows of one head; for heads of a multiple of 16 floats, up to 256, each key and each value is
-   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (sum16x16), a
-   vector exp, and the weighted sum of values in registers. Hidden keys are never scored or weighed (a static cache's spare slots may
-   hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in any
+   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (sum16x16 with
+   AVX-512, 16 hsum_parts elsewhere), a vector exp, and the weighted sum of values in registers. Hidden keys are
+   never scored or weighed (a static cache's spare slots may hold anything; keys past the last visible one are not
+   visited at all), a hidden key weighs exactly 0, as in any
    fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its task:
    a row's result does not depend on the rows beside it (the product's guarantee, kept).
    A row that sees no key gets zeros. */
