@@ -14,7 +14,6 @@ together; the logits' largest difference from eager sdpa and whether every argma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.forward_timing import native_embedded_model, prefilled_caches, time_rounds  # noqa: E402
+from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
 from lp_runner.attention import NATIVE_GQA, PACKED_GQA  # noqa: E402
 from lp_runner.calibrate import device_name  # noqa: E402
@@ -52,12 +51,7 @@ def main() -> None:
     checked = ModelAdapter(model, compile=True, skip_guards=False)  # the compiled native graph, guards checked
     print(f"compiled native, guards checked: warm in {checked.warm_up(capacity):.1f} s", flush=True)
     adapters["compiled native guards checked"] = checked
-    gen = torch.Generator().manual_seed(0)
-    caches = prefilled_caches(adapters, args.prefix, capacity, gen)
-    results = []
-    for q in args.rows:
-        results.append(time_rounds(adapters, caches, args.prefix, q, args.reps, gen))
-        print(json.dumps(results[-1]), flush=True)
+    results = time_row_counts(adapters, args.prefix, capacity, args.rows, args.reps)
     if args.out:
         cpu = device_name(torch.device("cpu"))
         caption = f"{cpu}, {args.threads} threads, K/V {args.prefix}, median of {args.reps} forwards, interleaved"

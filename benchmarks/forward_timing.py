@@ -4,6 +4,7 @@ forward by forward in rotating order, so every adapter's median is measured at t
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -62,3 +63,15 @@ def time_rounds(
     row[f"max |logit - {first}|"] = max(float((v - logits[first]).abs().max()) for v in logits.values())
     row["argmax agree"] = all(torch.equal(v.argmax(-1), logits[first].argmax(-1)) for v in logits.values())
     return row
+
+
+def time_row_counts(adapters: dict[str, ModelAdapter], prefix: int, capacity: int, rows: list[int], reps: int) -> list:
+    """``time_rounds`` at each of ``rows`` on caches prefilled with the same ``prefix`` tokens (seed 0), each
+    table row printed as it is measured. Returns the table."""
+    gen = torch.Generator().manual_seed(0)
+    caches = prefilled_caches(adapters, prefix, capacity, gen)
+    results = []
+    for q in rows:
+        results.append(time_rounds(adapters, caches, prefix, q, reps, gen))
+        print(json.dumps(results[-1]), flush=True)
+    return results

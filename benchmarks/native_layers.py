@@ -13,7 +13,6 @@ adapter and whether every argmax agrees are printed too.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.forward_timing import native_embedded_model, prefilled_caches, time_rounds  # noqa: E402
+from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
 from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
@@ -49,12 +48,7 @@ def main() -> None:
         print(f"compiled in {compile_s} s", flush=True)
     if not adapters["eager, native layers"].native_layers:
         raise SystemExit("the embedded model's layers did not take the native path")
-    gen = torch.Generator().manual_seed(0)
-    caches = prefilled_caches(adapters, args.prefix, capacity, gen)
-    results = []
-    for q in args.rows:
-        results.append(time_rounds(adapters, caches, args.prefix, q, args.reps, gen))
-        print(json.dumps(results[-1]), flush=True)
+    results = time_row_counts(adapters, args.prefix, capacity, args.rows, args.reps)
     if args.out:
         cpu = device_name(torch.device("cpu"))
         caption = (
