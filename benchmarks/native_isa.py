@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,36 +37,10 @@ from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.loading import default_cache_dir  # noqa: E402
 from lp_runner.model import ModelAdapter, causal, crop  # noqa: E402
 
-# build name -> extra compiler flags (after -march=native)
-BUILDS = {"default": (), "avx2": ("-mno-avx512f",), "x86-64": ("-march=x86-64",)}
-
-
-def builds_here() -> dict[str, tuple[str, ...]]:
-    """The builds that differ from the default on this CPU and can run on it."""
-    flags = set(native._cpu_flags().split())
-    chosen = {"default": ()}
-    if "avx512f" in flags and "avx2" in flags:
-        chosen["avx2"] = BUILDS["avx2"]
-    if "sse2" in flags:  # any x86-64
-        chosen["x86-64"] = BUILDS["x86-64"]
-    return chosen
-
 
 def compile_source(source: Path, flags: tuple[str, ...]):
-    """Another version of the kernels' source (``--baseline``), built with lp_runner's flags, loaded."""
-    out = Path(tempfile.mkdtemp(prefix="lp_isa_")) / "lib.so"
-    cmd = ["cc", "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-lm", "-o", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return native.open_library(out)
-
-
-def use(lib) -> None:
-    """Route lp_runner's native calls to ``lib`` (a benchmark's swap; the runner loads one library)."""
-    native._FN, native._ATTENTION, native._LAYER = (
-        lib.lp_native_gemm_f32,
-        lib.lp_native_attention_f32,
-        lib.lp_native_llama_layer,
-    )
+    """Another version of the kernels' source (``--baseline``), built as lp_runner builds its own, loaded."""
+    return native.open_library(native.build(Path(tempfile.mkdtemp(prefix="lp_isa_")), flags, source))
 
 
 def time_products(libs: dict, shapes: list[tuple[int, int]], rows: list[int], reps: int, threads: int) -> list[dict]:
@@ -103,7 +76,7 @@ def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int
     gen = torch.Generator().manual_seed(1)
     adapter = ModelAdapter(model)
     names = list(libs)
-    use(libs["default"])
+    native.route(libs["default"])
     cache = prefilled_caches({"a": adapter}, prefix, prefix + max(rows) + 1, gen)["a"]
     table = []
     for r in rows:
@@ -114,7 +87,7 @@ def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int
         for rep in range(reps + 1):
             k = rep % len(names)
             for name in names[k:] + names[:k]:
-                use(libs[name])
+                native.route(libs[name])
                 start = time.perf_counter()
                 logits[name] = adapter.forward(ids, positions, causal(r), cache, torch.arange(r))
                 elapsed = time.perf_counter() - start
@@ -128,7 +101,7 @@ def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int
             row[f"max |logit {name} - default|"] = float((logits[name] - logits["default"]).abs().max())
         table.append(row)
         print(json.dumps(row), flush=True)
-    use(libs["default"])
+    native.route(libs["default"])
     return table
 
 
@@ -183,12 +156,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before each round")
-    ap.add_argument("--builds", nargs="+", help=f"a subset of {list(BUILDS)} (default: those this CPU can run)")
+    ap.add_argument("--builds", nargs="+", help="a subset of default, avx2, x86-64 (default: those this CPU can run)")
     ap.add_argument("--baseline", type=Path, help="another native_gemm.c: each build of it too, as NAME@base")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     model = native_embedded_model(args.threads)
-    builds = builds_here() if not args.builds else {n: BUILDS[n] for n in args.builds}
+    builds = {"default": ()} | {name: flags for name, (flags, _) in native.stand_in_builds().items()}
+    if args.builds:
+        builds = {n: builds[n] for n in args.builds}
     root = str(default_cache_dir())
     libs = {name: native.library(root, flags) for name, flags in builds.items()}
     if args.baseline:

@@ -70,31 +70,44 @@ def extra_flags() -> tuple[str, ...]:
     return tuple(shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
 
 
-def _library_path(cache_root: Path, cc: str, flags: tuple[str, ...]) -> Path:
+def stand_in_builds() -> dict[str, tuple[tuple[str, ...], bool]]:
+    """The other instruction sets' tiles this CPU can build and run: name -> (extra flags, whether it gives this
+    CPU's default build's bits). AVX2 on an AVX-512 CPU (both with FMA: the same bits); SSE2 on any x86-64
+    (no FMA: fp32 rounding apart). What tests/test_native_isa.py and benchmarks/native_isa.py cover."""
+    cpu = set(_cpu_flags().split())
+    builds = {}
+    if {"avx512f", "avx2", "fma"} <= cpu:
+        builds["avx2"] = (("-mno-avx512f",), True)
+    if platform.machine() == "x86_64":
+        builds["x86-64"] = (("-march=x86-64",), False)
+    return builds
+
+
+def _library_path(cache_root: Path, cc: str, flags: tuple[str, ...], source: Path) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    ident = SOURCE.read_bytes() + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()
+    ident = source.read_bytes() + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()
     return cache_root / "native" / f"lp_native_gemm-{hashlib.sha256(ident).hexdigest()[:16]}.so"
 
 
-def build(cache_root: Path, flags: tuple[str, ...] | None = None) -> Path:
+def build(cache_root: Path, flags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Path:
     """The compiled library for this source, compiler, CPU and extra ``flags`` (default: ``extra_flags()``):
-    from the cache, else built now."""
+    from the cache, else built now. ``source``: another version of ``native_gemm.c`` (a benchmark's baseline)."""
     cc = _compiler()
     flags = extra_flags() if flags is None else flags
-    target = _library_path(cache_root, cc, flags)
+    target = _library_path(cache_root, cc, flags, source)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-lm", "-o", tmp]
+    cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-lm", "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
-            raise NativeUnavailable(f"{Path(cc).name} could not build {SOURCE.name}: {first_line(proc.stderr)}")
+            raise NativeUnavailable(f"{Path(cc).name} could not build {source.name}: {first_line(proc.stderr)}")
         os.replace(tmp, target)
     except subprocess.TimeoutExpired:
-        raise NativeUnavailable(f"building {SOURCE.name} took over {BUILD_TIMEOUT_S:g} s") from None
+        raise NativeUnavailable(f"building {source.name} took over {BUILD_TIMEOUT_S:g} s") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -129,13 +142,18 @@ _ATTENTION = None  # the loaded attention, checked as the product is
 _LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
 
 
+def route(lib) -> None:
+    """Send every native call to ``lib`` (``load``; benchmarks swapping builds of the kernels in one process)."""
+    global _FN, _ATTENTION, _LAYER
+    _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
+
+
 def load(cache_root: Path) -> None:
     """Build (or find) and load the kernel, then check it against torch's linear on a probe; raises
     ``NativeUnavailable`` saying why it cannot be used."""
     global _FN, _ATTENTION, _LAYER
     try:
-        lib = library(str(cache_root), extra_flags())
-        _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
+        route(library(str(cache_root), extra_flags()))
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"cannot build or load {SOURCE.name} ({first_line(exc)})") from None
     generator = torch.Generator().manual_seed(0)

@@ -29,12 +29,7 @@ from lp_runner.model import ModelAdapter, causal, crop
 from lp_runner.prepack import KERNELS, native_unavailable_reason, prepack_linears
 
 NATIVE_REASON = native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir())
-CPU_FLAGS = set(native._cpu_flags().split())
-OTHER_BUILDS = {}  # name -> (extra flags, same bits as the default build)
-if {"avx512f", "avx2", "fma"} <= CPU_FLAGS:
-    OTHER_BUILDS["avx2"] = (("-mno-avx512f",), True)
-if platform.machine() == "x86_64":
-    OTHER_BUILDS["x86-64"] = (("-march=x86-64",), False)
+OTHER_BUILDS = native.stand_in_builds()  # name -> (extra flags, same bits as the default build)
 pytestmark = [
     pytest.mark.skipif(NATIVE_REASON is not None, reason=f"no native kernel: {NATIVE_REASON}"),
     pytest.mark.skipif(not OTHER_BUILDS, reason="this CPU stands in for no other instruction set"),
