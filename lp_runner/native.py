@@ -134,6 +134,8 @@ def open_library(path: Path):
         + [ctypes.c_float, ctypes.c_int]
     )
     lib.lp_native_llama_layer.restype = ctypes.c_int
+    lib.lp_native_silu_gate_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2  # the layer's activation
+    lib.lp_native_silu_gate_f32.restype = ctypes.c_int
     return lib
 
 

@@ -216,3 +216,36 @@ def test_native_attention_never_reads_hidden_slots() -> None:
         native.attention(q, k[:, :used].contiguous(), v[:, :used].contiguous(), mask[:, :used], 0.125)[:, :1],
         clean[:, :1],
     )
+
+
+@pytest.mark.parametrize("dim", [64, 128, 32])  # the specialised vector paths and the generic one
+def test_native_attention_with_keys_every_row_sees(dim: int) -> None:
+    """Keys that every row of a task sees (a round's cached prefix) are scored and weighed without mask reads;
+    rows whose visible prefixes end at different keys (inside a 16-key group, at its edge, at key 0) and hide keys
+    after it, as a packed round's branches do: sdpa's output to fp32 rounding, each row bit for bit its output
+    alone, and a NaN in a key hidden from a row after its prefix never reaches that row."""
+    native = _native_or_skip()
+    gen = torch.Generator().manual_seed(dim)
+    heads, groups, keys = 2, 3, 100
+    prefixes = [64, 0, 17, 48, 100, 33, 80, 64]  # rows of one task share the smallest
+    rows = len(prefixes)
+    q = torch.randn(heads, groups * rows, dim, generator=gen)
+    k, v = (torch.randn(heads, keys, dim, generator=gen) for _ in range(2))
+    hidden = torch.finfo(torch.float32).min
+    mask = torch.zeros(rows, keys).masked_fill(torch.rand(rows, keys, generator=gen) < 0.4, hidden)
+    for r, p in enumerate(prefixes):
+        mask[r, :p] = 0.0
+        if p < keys:
+            mask[r, p] = hidden  # the prefix ends here
+    mask[1, 5] = 0.0  # row 1 sees keys after its empty prefix
+    got = native.attention(q, k, v, mask, dim**-0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(groups, 1), scale=dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for r in range(groups * rows):
+        alone = native.attention(q[:, r : r + 1], k, v, mask[r % rows : r % rows + 1], dim**-0.5)
+        assert torch.equal(alone[:, 0], got[:, r]), r
+    k[:, 17], v[:, 17] = float("nan"), float("nan")  # hidden from row 2 (its prefix ends there) and others
+    blind = [r for r in range(groups * rows) if mask[r % rows, 17] == hidden]
+    assert 2 in blind and 0 not in blind  # row 0 (prefix 64) sees key 17 and shares a task with row 2
+    again = native.attention(q, k, v, mask, dim**-0.5)  # row 2 shares its task with rows that see key 17
+    assert torch.equal(again[:, blind], got[:, blind])

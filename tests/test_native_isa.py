@@ -85,23 +85,26 @@ def test_products_of_every_tile_size(build: str) -> None:
 @pytest.mark.parametrize("build", BUILD_NAMES)
 def test_attention_on_each_build(build: str, routed_to) -> None:
     """The attention kernel for head sizes of every path (16-lane groups: 1, 2, 3, 4 and 8 of them, specialised
-    or not; 40: the scalar path), tasks of 1-4 rows, hidden keys: the default build's bits (FMA builds), torch's
-    sdpa to fp32 rounding."""
+    or not; 40: the scalar path), tasks of 1-4 rows, hidden keys, with and without a prefix of keys every row sees
+    (read without mask checks): the default build's bits (FMA builds), torch's sdpa to fp32 rounding."""
     flags, bitwise = OTHER_BUILDS[build]
     gen = torch.Generator().manual_seed(5)
     hidden = torch.finfo(torch.float32).min
-    for dim, kv_heads, queries, groups, keys in (
-        (16, 2, 5, 2, 40),
-        (32, 2, 3, 3, 50),
-        (48, 1, 4, 2, 33),
-        (64, 3, 8, 3, 70),
-        (128, 2, 2, 4, 90),
-        (40, 2, 3, 2, 30),
+    for dim, kv_heads, queries, groups, keys, seen in (  # seen: keys every row sees (a cached prefix)
+        (16, 2, 5, 2, 40, 0),
+        (32, 2, 3, 3, 50, 0),
+        (48, 1, 4, 2, 33, 0),
+        (64, 3, 8, 3, 70, 0),
+        (64, 3, 8, 3, 90, 49),
+        (128, 2, 2, 4, 90, 0),
+        (128, 2, 3, 4, 80, 64),
+        (40, 2, 3, 2, 30, 0),
     ):
         q = torch.randn(kv_heads, queries * groups, dim, generator=gen)
         k, v = (torch.randn(kv_heads, keys, dim, generator=gen) for _ in range(2))
         mask = torch.zeros(queries, keys).masked_fill(torch.rand(queries, keys, generator=gen) < 0.3, hidden)
         mask[:, 0] = 0.0
+        mask[:, :seen] = 0.0
         out = {}
         for name in ("default", build):
             routed_to(() if name == "default" else flags)
