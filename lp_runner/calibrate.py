@@ -9,8 +9,8 @@ The quick curve: the body cost (LM head on one row) at every row count of ``QUIC
 plus the head on every row at the largest count (``costmodel.measure_curve(head_rows=...)``); repetitions
 interleaved, medians. About 90 forwards: a few seconds for a small model on a CPU, well under a second on a
 GPU. It is cached under the cache dir, keyed by everything that changes it (device model, threads, dtype,
-weights checksum, torch version, and the grid through ``CALIBRATION_VERSION``), and reused; ``--recalibrate``
-measures again.
+weights checksum, torch version, the kernels and the native library's build, and the grid through
+``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures again.
 
 Under LP only rank 0 measures (the others wait, so the measurement has the machine to itself) and every rank
 uses rank 0's curve: the replicated coordinators must make identical choices.
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from lp_runner import native
 from lp_runner.costmodel import CostCurve, measure_curve
 
 CALIBRATION_VERSION = 2  # bump when the measurement (or its grid) changes: older cache entries are then ignored
@@ -77,6 +78,7 @@ def calibration_key(
     return {
         "compiled": compiled,  # a compiled forward has its own curve
         "kernels": kernels,  # and so do prepacked linears (lp_runner/prepack.py)
+        "build": native.build_id() if kernels.startswith("native") else "",  # and each build of the native code
         "version": CALIBRATION_VERSION,
         "device": device_name(device),
         "device_type": device.type,

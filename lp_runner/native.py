@@ -144,16 +144,27 @@ _ATTENTION = None  # the loaded attention, checked as the product is
 _LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
 
 
+_BUILD = ""  # the routed library's file name: a hash of its source, compiler, CPU and flags (build_id)
+
+
 def route(lib) -> None:
     """Send every native call to ``lib`` (``load``; benchmarks swapping builds of the kernels in one process)."""
-    global _FN, _ATTENTION, _LAYER
+    global _FN, _ATTENTION, _LAYER, _BUILD
     _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
+    _BUILD = Path(lib._name).stem
+
+
+def build_id() -> str:
+    """Which build of the kernels runs (empty before ``load``): part of the calibration key, so a new version of
+    ``native_gemm.c``, another compiler or other flags measure their own cost curve instead of reusing one
+    measured on other code."""
+    return _BUILD
 
 
 def load(cache_root: Path) -> None:
     """Build (or find) and load the kernel, then check it against torch's linear on a probe; raises
     ``NativeUnavailable`` saying why it cannot be used."""
-    global _FN, _ATTENTION, _LAYER
+    global _FN, _ATTENTION, _LAYER, _BUILD
     try:
         route(library(str(cache_root), extra_flags()))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -167,6 +178,7 @@ def load(cache_root: Path) -> None:
         expected = torch.nn.functional.linear(x, weight, bias)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
         _FN = _ATTENTION = _LAYER = None
+        _BUILD = ""
         raise NativeUnavailable(f"{SOURCE.name} disagrees with torch's linear on a probe")
     q, k, v = (torch.randn(2, n, 24, generator=generator) for n in (6, 9, 9))  # 2 heads, 3 rows x 2 groups
     mask = torch.zeros(3, 9).masked_fill(torch.rand(3, 9, generator=generator) < 0.4, torch.finfo(torch.float32).min)
@@ -176,6 +188,7 @@ def load(cache_root: Path) -> None:
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(2, 1), scale=0.3)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
         _FN = _ATTENTION = _LAYER = None
+        _BUILD = ""
         raise NativeUnavailable(f"{SOURCE.name}'s attention disagrees with torch's sdpa on a probe")
 
 
