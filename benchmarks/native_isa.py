@@ -8,8 +8,9 @@ each build's library is loaded next to the others and swapped in round by round 
 - products: every linear of the embedded model (random weights of its shapes, packed), one pass in forward
   order, at each row count: the median ms, and the weights' bytes over it in GB/s;
 - forwards: the embedded model's whole eager round (native decoder layers, the model loop) after a cached
-  prefix, at each row count: the median ms; the logits compared with the default build's (bit for bit for the
-  builds with FMA).
+  prefix, at each row count: the median ms and, where 1 is among the row counts, each build's price of a row
+  count in its own one-row forwards (row counts interleaved too); the logits compared with the default build's
+  (bit for bit for the builds with FMA).
 
     python benchmarks/native_isa.py --out benchmarks/results/native_isa
     git show REV:lp_runner/native_gemm.c > /tmp/old.c
@@ -73,35 +74,42 @@ def time_products(libs: dict, shapes: list[tuple[int, int]], rows: list[int], re
 
 
 def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int, prefix: int) -> list[dict]:
+    """Each build's whole forward at each row count: row counts and builds both interleaved within every pass
+    (rotating orders), so the ratios between builds and between row counts are each measured side by side."""
     gen = torch.Generator().manual_seed(1)
     adapter = ModelAdapter(model)
     names = list(libs)
     native.route(libs["default"])
     cache = prefilled_caches({"a": adapter}, prefix, prefix + max(rows) + 1, gen)["a"]
-    table = []
-    for r in rows:
-        ids = torch.randint(0, adapter.vocab_size, (r,), generator=gen)
-        positions = torch.arange(prefix, prefix + r)
-        times: dict[str, list[float]] = {name: [] for name in names}
-        logits = {}
-        for rep in range(reps + 1):
+    ids = {r: torch.randint(0, adapter.vocab_size, (r,), generator=gen) for r in rows}
+    times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in names for r in rows}
+    logits = {}
+    for rep in range(reps + 1):
+        for r in rows[rep % len(rows) :] + rows[: rep % len(rows)]:
             k = rep % len(names)
             for name in names[k:] + names[:k]:
                 native.route(libs[name])
                 start = time.perf_counter()
-                logits[name] = adapter.forward(ids, positions, causal(r), cache, torch.arange(r))
+                logits[name, r] = adapter.forward(
+                    ids[r], torch.arange(prefix, prefix + r), causal(r), cache, torch.arange(r)
+                )
                 elapsed = time.perf_counter() - start
                 crop(cache, prefix)
                 if rep:
-                    times[name].append(elapsed)
-        row = {"rows": r, **{f"ms {n}": round(1e3 * statistics.median(t), 2) for n, t in times.items()}}
+                    times[name, r].append(elapsed)
+    native.route(libs["default"])
+    table = []
+    for r in rows:
+        row = {"rows": r, **{f"ms {n}": round(1e3 * statistics.median(times[n, r]), 2) for n in names}}
+        if 1 in rows:
+            for n in names:  # the row count's price in that build's own one-row forwards
+                row[f"{n} x one row"] = round(statistics.median(times[n, r]) / statistics.median(times[n, 1]), 2)
         for name in names[1:]:
             row[f"ms {name} / default"] = round(row[f"ms {name}"] / row["ms default"], 2)
-            row[f"{name} bits equal"] = torch.equal(logits[name], logits["default"])
-            row[f"max |logit {name} - default|"] = float((logits[name] - logits["default"]).abs().max())
+            row[f"{name} bits equal"] = torch.equal(logits[name, r], logits["default", r])
+            row[f"max |logit {name} - default|"] = float((logits[name, r] - logits["default", r]).abs().max())
         table.append(row)
         print(json.dumps(row), flush=True)
-    native.route(libs["default"])
     return table
 
 
@@ -130,21 +138,22 @@ def markdown(result: dict) -> str:
         cells = [f"{row[f'ms {n}']} ({row[f'GB/s {n}']})" for n in names]
         lines.append(f"| {row['rows']} | " + " | ".join(cells) + " |")
     lines += ["", "## Forwards (native decoder layers, the model loop)", ""]
+    per_row = f"{names[0]} x one row" in result["forwards"][0]
     lines += [
         "| rows | "
         + " | ".join(f"{n} ms" for n in names)
-        + " | "
-        + " | ".join(f"{n} / default" for n in names[1:])
+        + "".join(f" | {n} x one row" for n in names if per_row)
+        + "".join(f" | {n} / default" for n in names[1:])
         + " | logits equal to default |",
-        "|---" * (2 * len(names) + 1) + "|",
+        "|---" * ((3 if per_row else 2) * len(names) + 1) + "|",
     ]
     for row in result["forwards"]:
         equal = ", ".join(f"{n}: {same(row, n)}" for n in names[1:])
         lines.append(
             f"| {row['rows']} | "
             + " | ".join(str(row[f"ms {n}"]) for n in names)
-            + " | "
-            + " | ".join(f"{row[f'ms {n} / default']}x" for n in names[1:])
+            + "".join(f" | {row[f'{n} x one row']}x" for n in names if per_row)
+            + "".join(f" | {row[f'ms {n} / default']}x" for n in names[1:])
             + f" | {equal} |"
         )
     return "\n".join(lines) + "\n"
