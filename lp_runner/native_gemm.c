@@ -299,8 +299,9 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
 
    A task is up to RB rows of one head; for heads of a multiple of 16 floats, up to 256, each key and each value is
    loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (sum16x16 with
-   AVX-512, 16 hsum_parts elsewhere), a vector exp, and the weighted sum of values in registers. Hidden keys are
-   never scored or weighed (a static cache's spare slots may hold anything; keys past the last visible one are not
+   AVX-512, 16 hsum_parts elsewhere), a vector exp, and the weighted sum of values in registers. The keys every row
+   of a task sees (a round's cached prefix: most keys) are scored and weighed without reading the mask per key;
+   the others are checked key by key. Hidden keys are never scored or weighed (a static cache's spare slots may hold anything; keys past the last visible one are not
    visited at all), a hidden key weighs exactly 0, as in any
    fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its task:
    a row's result does not depend on the rows beside it (the product's guarantee, kept).
