@@ -301,10 +301,10 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
    loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (sum16x16 with
    AVX-512, 16 hsum_parts elsewhere), a vector exp, and the weighted sum of values in registers. The keys every row
    of a task sees (a round's cached prefix: most keys) are scored and weighed without reading the mask per key;
-   the others are checked key by key. Hidden keys are never scored or weighed (a static cache's spare slots may hold anything; keys past the last visible one are not
-   visited at all), a hidden key weighs exactly 0, as in any
-   fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its task:
-   a row's result does not depend on the rows beside it (the product's guarantee, kept).
+   the others are checked key by key. Hidden keys are never scored or weighed (a static cache's spare slots may
+   hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in
+   any fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its
+   task: a row's result does not depend on the rows beside it (the product's guarantee, kept).
    A row that sees no key gets zeros. */
 int lp_native_attention_f32(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
                             long M, long Q, long C, long D, long ks, long vs, float scale, int threads) {
@@ -458,7 +458,8 @@ static void silu_gate_row(const float *g, const float *u, float *out, long I) {
    product's layout). 0, or -1 on bad sizes. */
 int lp_native_silu_gate_f32(const float *gu, float *act, long R, long I) {
   if (R < 1 || I < 1) return -1;
-  for (long i = 0; i < R; i++) silu_gate_row(gu + (size_t)i * 2 * I, gu + (size_t)i * 2 * I + I, act + (size_t)i * I, I);
+  for (long i = 0; i < R; i++)
+    silu_gate_row(gu + (size_t)i * 2 * I, gu + (size_t)i * 2 * I + I, act + (size_t)i * I, I);
   return 0;
 }
 
