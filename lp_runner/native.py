@@ -155,6 +155,13 @@ def route(lib) -> None:
     _BUILD = Path(lib._name).stem
 
 
+def _unroute() -> None:
+    """No native calls (a build that failed its probe)."""
+    global _FN, _ATTENTION, _LAYER, _BUILD
+    _FN = _ATTENTION = _LAYER = None
+    _BUILD = ""
+
+
 def build_id() -> str:
     """Which build of the kernels runs (empty before ``load``): part of the calibration key, so a new version of
     ``native_gemm.c``, another compiler or other flags measure their own cost curve instead of reusing one
@@ -165,7 +172,6 @@ def build_id() -> str:
 def load(cache_root: Path) -> None:
     """Build (or find) and load the kernel, then check it against torch's linear on a probe; raises
     ``NativeUnavailable`` saying why it cannot be used."""
-    global _FN, _ATTENTION, _LAYER, _BUILD
     try:
         route(library(str(cache_root), extra_flags()))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -178,8 +184,7 @@ def load(cache_root: Path) -> None:
         got = product(x, pack(weight), bias, 40)
         expected = torch.nn.functional.linear(x, weight, bias)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
-        _FN = _ATTENTION = _LAYER = None
-        _BUILD = ""
+        _unroute()
         raise NativeUnavailable(f"{SOURCE.name} disagrees with torch's linear on a probe")
     q, k, v = (torch.randn(2, n, 24, generator=generator) for n in (6, 9, 9))  # 2 heads, 3 rows x 2 groups
     mask = torch.zeros(3, 9).masked_fill(torch.rand(3, 9, generator=generator) < 0.4, torch.finfo(torch.float32).min)
@@ -188,8 +193,7 @@ def load(cache_root: Path) -> None:
         got = attention(q, k, v, mask, 0.3)
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(2, 1), scale=0.3)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
-        _FN = _ATTENTION = _LAYER = None
-        _BUILD = ""
+        _unroute()
         raise NativeUnavailable(f"{SOURCE.name}'s attention disagrees with torch's sdpa on a probe")
 
 

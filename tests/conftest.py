@@ -38,3 +38,14 @@ def embedded() -> tuple[PreTrainedModel, object]:
 def humaneval() -> Callable[[int], list[str]]:
     """``humaneval(n)`` -> the first n HumanEval prompts."""
     return humaneval_prompts
+
+
+@pytest.fixture
+def native_routing(monkeypatch):
+    """lp_runner.native's routed library (its entry points and build id) restored after the test, which may
+    ``native.route`` another build."""
+    from lp_runner import native
+
+    for name in ("_FN", "_ATTENTION", "_LAYER", "_BUILD"):
+        monkeypatch.setattr(native, name, getattr(native, name))
+    return native

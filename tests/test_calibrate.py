@@ -17,17 +17,15 @@ from lp_runner.loading import weights_checksum
 from lp_runner.model import ModelAdapter
 
 
-def test_each_build_of_the_native_kernels_has_its_own_curve(monkeypatch) -> None:
+def test_each_build_of_the_native_kernels_has_its_own_curve(native_routing) -> None:
     """A new version of native_gemm.c (or another compiler, or other flags) changes what a forward costs: its
     curve is measured again, not read from a cache filled by other code. torch's kernels keep their key."""
-    from lp_runner import native
     from lp_runner.loading import default_cache_dir
     from lp_runner.prepack import native_unavailable_reason
 
+    native = native_routing
     if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
         pytest.skip("no native kernel here")
-    for name in ("_FN", "_ATTENTION", "_LAYER", "_BUILD"):  # routed back to the default build afterwards
-        monkeypatch.setattr(native, name, getattr(native, name))
     cpu, kernels = torch.device("cpu"), "native-packed-fused-layers"
     native.load(default_cache_dir())
     key, torch_key = (calibration_key(cpu, torch.float32, "abc", kernels=k) for k in (kernels, "torch"))

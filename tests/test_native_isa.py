@@ -42,14 +42,11 @@ def _lib(flags: tuple[str, ...]):
 
 
 @pytest.fixture
-def routed_to(monkeypatch):
+def routed_to(native_routing):
     """Route lp_runner's native calls to the library built with the given flags, for the test's duration."""
 
     def route(flags: tuple[str, ...]) -> None:
-        lib = _lib(flags)
-        monkeypatch.setattr(native, "_FN", lib.lp_native_gemm_f32)
-        monkeypatch.setattr(native, "_ATTENTION", lib.lp_native_attention_f32)
-        monkeypatch.setattr(native, "_LAYER", lib.lp_native_llama_layer)
+        native.route(_lib(flags))
 
     return route
 
