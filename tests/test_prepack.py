@@ -46,6 +46,9 @@ from lp_runner.prepack import (
 pytestmark = pytest.mark.skipif(unavailable_reason(torch.nn.Linear(2, 2)) is not None, reason="no oneDNN here")
 # the native product is built here (tests need a C compiler, as torch.compile's inductor does)
 NATIVE_REASON = native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir())
+# oneDNN's bfloat16 inner product needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2-only CPU (this project
+# has met an AMD EPYC without AVX-512) cannot run it, and prepacking says so (``unavailable_reason``)
+BF16_REASON = unavailable_reason(torch.nn.Linear(2, 2, dtype=torch.bfloat16))
 KERNEL_KEYS = ["onednn", "native"]
 
 
@@ -61,6 +64,8 @@ def kernel(request) -> prepack.LinearKernel:
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_product_equals_torch_linear_and_each_row_alone(dtype: torch.dtype, kernel_key: str, bias: bool) -> None:
+    if dtype == torch.bfloat16 and BF16_REASON is not None:
+        pytest.skip(BF16_REASON)
     gen = torch.Generator().manual_seed(3)
     linear = torch.nn.Linear(576, 1536, bias=bias, dtype=dtype)
     with torch.no_grad():
@@ -77,6 +82,26 @@ def test_packed_product_equals_torch_linear_and_each_row_alone(dtype: torch.dtyp
             torch.testing.assert_close(got, torch.nn.functional.linear(x, linear.weight, linear.bias), **tol)
             alone = torch.cat([packed(x[:, i : i + 1]) for i in range(rows)], dim=1)
             assert torch.equal(got, alone), f"{rows} rows: a row's product depends on the rows beside it"
+
+
+def test_native_product_in_chunks_keeps_each_rows_bits() -> None:
+    """More rows than one register tile walk each block in chunks of 64 inner elements, every row group per chunk
+    (and groups of up to 8 tiles at a time), their sums stored and reloaded between chunks; one tile's rows or
+    fewer take the whole inner size in one pass. Oracle: each row alone (the one-pass path), bit for bit, and
+    torch's linear; inner sizes below, at and across the chunk, row counts across the groups of every ISA's tile
+    (AVX-512 8 rows, groups of 64; AVX2 3, 24; 4-float 2, 16)."""
+    if NATIVE_REASON is not None:
+        pytest.fail(f"the native product is unavailable here: {NATIVE_REASON}")
+    gen = torch.Generator().manual_seed(11)
+    for in_features in (40, 64, 67, 200):
+        weight, bias = torch.randn(70, in_features, generator=gen), torch.randn(70, generator=gen)
+        packed = native.pack(weight)
+        for rows in (4, 9, 17, 25, 65, 70):
+            x = torch.randn(rows, in_features, generator=gen)
+            got = native.product(x, packed, bias, 70)
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+            alone = torch.cat([native.product(x[r : r + 1], packed, bias, 70) for r in range(rows)])
+            assert torch.equal(got, alone), (in_features, rows)
 
 
 def _count_linears(model: torch.nn.Module) -> int:
@@ -198,7 +223,13 @@ def test_modes_off_on_and_what_cannot_be_packed(tiny) -> None:
         ConfigError, match=r"model.prepack=native: native: bfloat16 weights \(the native product: float32\)"
     ):
         apply_prepack(bf16, "native")
-    assert apply_prepack(bf16, "auto").kernels == ONEDNN.fused_name  # the one kernel that takes bfloat16
+    auto = apply_prepack(bf16, "auto")
+    if BF16_REASON is None:
+        assert auto.kernels == ONEDNN.fused_name  # the one kernel that takes bfloat16
+    else:  # a CPU whose oneDNN has no bfloat16 product: neither kernel, each named with its reason
+        assert (auto.layers, auto.kernels) == (0, "torch")
+        assert "native: bfloat16 weights (the native product: float32)" in auto.reason
+        assert "oneDNN-prepacked: oneDNN cannot run a bfloat16 inner product here" in auto.reason
 
 
 def test_without_a_compiler_auto_keeps_onednn_and_says_why(tiny, tmp_path, monkeypatch) -> None:
