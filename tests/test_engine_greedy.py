@@ -326,3 +326,19 @@ def test_generation_at_the_end_of_the_context(tiny) -> None:
     prompt = random_prompt(500, 3)
     result = run_lookahead(model, prompt, 7, 5, 7, True, 12)
     assert result.output_ids == hf_greedy(model, prompt, 12)
+
+
+def test_remembered_oracle_answers_as_a_fresh_one() -> None:
+    """``remember_greedy``'s memo (the embedded model's oracle) serves shorter budgets, EOS stops and longer
+    budgets exactly as fresh ``generate`` calls on an unregistered copy of the same model would."""
+    import copy
+
+    from helpers import remember_greedy
+
+    fresh = tiny_model("qwen2", seed=4)
+    remembered = remember_greedy(copy.deepcopy(fresh))
+    prompt = random_prompt(PROMPT_LEN, seed=4)
+    long_run = hf_greedy(remembered, prompt, 30)
+    eos = [long_run[12]]  # a token of the output: its first occurrence ends an EOS run early
+    for budget, stop in ((30, []), (10, []), (45, []), (30, eos), (5, eos), (60, eos)):
+        assert hf_greedy(remembered, prompt, budget, stop) == hf_greedy(fresh, prompt, budget, stop), (budget, stop)
