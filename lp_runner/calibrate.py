@@ -18,9 +18,7 @@ uses rank 0's curve: the replicated coordinators must make identical choices.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -31,6 +29,7 @@ import torch
 
 from lp_runner import native
 from lp_runner.costmodel import CostCurve, measure_curve
+from lp_runner.keyed_store import keyed_path, read_keyed, write_keyed
 
 CALIBRATION_VERSION = 2  # bump when the measurement (or its grid) changes: older cache entries are then ignored
 QUICK_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # rounds past 48 rows: extrapolated from 32-48
@@ -90,28 +89,20 @@ def calibration_key(
 
 
 def cache_file(cache_root: Path, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_root / "calibration" / f"curve-{digest}.json"
+    return keyed_path(cache_root, "calibration", "curve", key)
 
 
 def load_cached(path: Path, key: dict) -> CostCurve | None:
     """The cached curve for ``key``, or None when absent, unreadable or made for another key."""
+    data = read_keyed(path, key)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("key") != key:
-            return None
-        return CostCurve.from_dict(data["curve"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return None if data is None else CostCurve.from_dict(data["curve"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 
 def save(path: Path, key: dict, curve: CostCurve, seconds: float) -> None:
-    """Write atomically (a rename), so a concurrent job never reads half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = {"key": key, "curve": curve.to_dict(), "measured_s": round(seconds, 3), "when": time.time()}
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    write_keyed(path, key, curve=curve.to_dict(), measured_s=round(seconds, 3))
 
 
 def measure_quick(adapter, budget_s: float | None = None) -> CostCurve:

@@ -19,9 +19,6 @@ The decision and its reason go to every record and the summary. Under LP, rank 0
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lp_runner.calibrate import calibration_key
+from lp_runner.keyed_store import keyed_path, read_keyed, write_keyed
 
 RECORD_ROWS = (2, 8)  # the rounds timed for the record: a short and a typical packed round
 RECORD_KV = 256
@@ -56,8 +54,7 @@ class CompileChoice:
 
 
 def record_file(cache_root: Path, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_root / "compile" / f"record-{digest}.json"
+    return keyed_path(cache_root, "compile", "record", key)
 
 
 def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, kernels: str = "torch") -> dict:
@@ -65,18 +62,15 @@ def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, 
 
 
 def load_record(path: Path, key: dict) -> CompileRecord | None:
+    data = read_keyed(path, key)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return CompileRecord(**data["record"]) if data.get("key") == key else None
-    except (OSError, ValueError, KeyError, TypeError):
+        return None if data is None else CompileRecord(**data["record"])
+    except (KeyError, TypeError):
         return None
 
 
 def save_record(path: Path, key: dict, record: CompileRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "record": asdict(record), "when": time.time()}, indent=1))
-    os.replace(tmp, path)
+    write_keyed(path, key, record=asdict(record))
 
 
 def decide(mode: str, record: CompileRecord | None, job_tokens: int) -> tuple[bool, str]:

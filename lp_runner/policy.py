@@ -56,7 +56,7 @@ class RoundPolicy:
         plan_for_search = row_plan or RowPlan.identity()
         auto = None
         if la.preset == "auto":
-            auto = AutoPreset(la, cfg.pinned_lookahead(), cal.curve, plan_for_search, comm.world_size)
+            auto = AutoPreset(la, cfg.pinned_lookahead(), cal.curve, plan_for_search, comm.world_size, cache_root)
         return cls(auto.lookahead if auto else la, row_plan, cal, auto)
 
     def observe(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> bool:
@@ -72,6 +72,7 @@ class RoundPolicy:
         out["lookahead"] = dataclasses.asdict(self.lookahead)
         if self.auto is not None:
             out["choice"] = self.auto.choice.to_dict()
+            out["choice"]["from_cache"] = self.auto.from_cache and self.auto.choice is self.auto.history[0]
         if self.calibration is not None:
             out["calibration"] = self.calibration.summary()
         if self.compile is not None:

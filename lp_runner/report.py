@@ -52,7 +52,8 @@ def policy_lines(policy: dict | None) -> list[str]:
         return lines
     choice, cal = policy["choice"], policy.get("calibration", {})
     lines += [
-        f"preset auto ({choice['samples']} outputs, {choice['evaluated']} settings priced): predicted "
+        f"preset auto ({choice['samples']} outputs, {choice['evaluated']} settings priced"
+        f"{', read from the cache' if choice.get('from_cache') else ''}): predicted "
         f"{choice['predicted_ms_per_token']:.1f} ms/token, {choice['predicted_tokens_per_forward']:.2f} tokens/forward"
     ]
     curve = choice.get("curve_body_ms", {})

@@ -136,3 +136,29 @@ def test_auto_preset_adapts_to_observed_outputs_deterministically() -> None:
     assert changed[0] == changed[1]
     assert a.lookahead == b.lookahead and a.choice.samples == "observed"
     assert len(a.history) == 2
+
+
+def test_startup_choice_is_cached_for_the_same_inputs_only(tmp_path) -> None:
+    """The start-up search's result, read back from the cache, equals the search itself; another curve, pin or
+    world size searches again, and so does an unreadable file."""
+    curve = curve_from_ms(AMD_MS)
+    plan = RowPlan.from_curve(curve)
+    searched = AutoPreset(LookaheadConfig(), (), curve, plan)  # no cache at all
+    first = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path)
+    again = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path)
+    assert not searched.from_cache and not first.from_cache and again.from_cache
+    assert again.choice == first.choice == searched.choice
+    files = list((tmp_path / "preset").glob("startup-*.json"))
+    assert len(files) == 1
+    dearer = curve_from_ms({q: 56 * q for q in AMD_MS})  # every row costs a whole forward: no proposal pays
+    others = [
+        AutoPreset(LookaheadConfig(), (), dearer, plan, cache_root=tmp_path),  # only the curve differs
+        AutoPreset(LookaheadConfig(max_verify_rows=3), ("max_verify_rows",), curve, plan, cache_root=tmp_path),
+        AutoPreset(LookaheadConfig(), (), curve, plan, world_size=2, cache_root=tmp_path),
+    ]
+    assert not any(o.from_cache for o in others)
+    assert others[0].choice != searched.choice  # the dearer rows move the choice: the key must hold the curve
+    assert len(list((tmp_path / "preset").glob("startup-*.json"))) == 4
+    files[0].write_text("{not json")
+    broken = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path)
+    assert not broken.from_cache and broken.choice == searched.choice
