@@ -6,15 +6,48 @@ modules can import them; the fixtures here only wrap them with caching and threa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
-import pytest
-import torch
-from helpers import humaneval_prompts, shared_tiny_model
-from transformers import PreTrainedModel
+# Before torch loads libgomp: the suite runs on two pytest-xdist workers (README), so a test's 2-thread job shares
+# the cores with the other worker, and OpenMP threads that spin-wait at every barrier then run up to 8x slower
+# (test_embedded_exact's docstring). Passive waiting sleeps instead; it changes no result, only waiting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers import humaneval_prompts, remember_greedy, shared_tiny_model  # noqa: E402
+from transformers import PreTrainedModel  # noqa: E402
 
 # The machine is shared (2 cores): one intra-op thread keeps tiny-model tests fast and predictable.
 torch.set_num_threads(1)
+
+# The files that took longest (durations of the whole suite in one process on a 2-core AMD EPYC, Zen 3: 59 min),
+# long first. Under pytest-xdist (README: -n 2 --dist loadfile --no-loadscope-reorder) a worker that runs low takes
+# the next whole file in collection order: the long ones go first and the short ones fill the end, so the workers
+# finish together instead of one idling while the other runs a long file it picked up last. Files that launch
+# jobs of several processes (torchrun, Ray) alternate with files that run in the test process, so the two workers
+# less often run two multi-process jobs at once on two cores.
+LONGEST_FIRST = (
+    "test_ray.py",  # 538 s, a Ray cluster
+    "test_embedded_exact.py",  # 353 s, in process
+    "test_faults.py",  # 484 s, torchrun
+    "test_half_precision.py",  # 236 s, in process
+    "test_lp.py",  # 271 s, torchrun
+    "test_prepack.py",  # 308 s, mostly in process
+    "test_groups.py",  # 210 s, torchrun
+    "test_compile.py",  # 268 s, mostly in process
+    "test_job_pool_exact.py",  # 191 s
+    "test_sampling_e2e.py",  # 134 s
+    "test_config_cli.py",  # 129 s
+    "test_native_layers.py",  # 77 s
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of LONGEST_FIRST first, in its order; the rest after them in their own order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +64,7 @@ def embedded() -> tuple[PreTrainedModel, object]:
 
     folder = fetch_embedded_model()
     model, tokenizer, _ = load_model_and_tokenizer(folder, dtype=torch.float32, device="cpu")
-    return model, tokenizer
+    return remember_greedy(model), tokenizer  # the oracle's outputs on it are computed once per prompt
 
 
 @pytest.fixture(scope="session")
