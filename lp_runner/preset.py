@@ -275,14 +275,17 @@ def search(
 
 
 @lru_cache(maxsize=1)
-def code_digest() -> str:
+def code_digest() -> str | None:
     """A digest of lp_runner's sources and data files: the start-up search is a function of its inputs and of
-    this code (the simulation replays the coordinator, the pricing the cost model, the samples ship in data/)."""
-    root = resources.files("lp_runner")
+    this code (the simulation replays the coordinator, the pricing the cost model, the samples ship in data/).
+    None when the package is not a folder of files (a zipped install): its choice is then never cached."""
+    root = Path(str(resources.files("lp_runner")))
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json", ".c") and p.is_file())
+    if not files:
+        return None
     digest = hashlib.sha256()
-    for path in sorted(Path(str(root)).rglob("*")):
-        if path.suffix in (".py", ".json", ".c") and path.is_file():
-            digest.update(path.relative_to(str(root)).as_posix().encode() + b"\0" + path.read_bytes())
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:20]
 
 
@@ -370,7 +373,7 @@ class AutoPreset:
         """The search over the shipped samples, or its result from the cache (a read-only cache costs the search
         again next time, not the run)."""
         path = key = None
-        if cache_root is not None:
+        if cache_root is not None and code_digest() is not None:
             key = startup_key(self.base, self.pinned, self.curve, self.row_plan, self.world_size)
             path = keyed_path(cache_root, "preset", "startup", key)
             data = read_keyed(path, key)

@@ -162,3 +162,15 @@ def test_startup_choice_is_cached_for_the_same_inputs_only(tmp_path) -> None:
     files[0].write_text("{not json")
     broken = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path)
     assert not broken.from_cache and broken.choice == searched.choice
+
+
+def test_startup_choice_is_not_cached_without_a_code_digest(tmp_path, monkeypatch) -> None:
+    """Sources that cannot be read as files give no digest: a cached choice could outlive the code that made it,
+    so nothing is written or read."""
+    from lp_runner import preset
+
+    monkeypatch.setattr(preset, "code_digest", lambda: None)
+    curve = curve_from_ms(AMD_MS)
+    runs = [AutoPreset(LookaheadConfig(), (), curve, RowPlan.from_curve(curve), cache_root=tmp_path) for _ in "ab"]
+    assert not any(r.from_cache for r in runs) and runs[0].choice == runs[1].choice
+    assert not (tmp_path / "preset").exists()
