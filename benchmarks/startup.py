@@ -29,6 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
 from lp_runner.calibrate import device_name  # noqa: E402
 
 PRESET_LINE = re.compile(r"preset auto \((?P<how>[^)]*)\): (?P<rest>.*)")
@@ -67,7 +69,7 @@ def main() -> None:
     cache = work / "cache"
     source = Path(os.environ.get("LP_RUNNER_CACHE", Path.home() / ".cache" / "lp_runner"))
     if (source / "models").is_dir():  # the embedded model without a second fetch
-        (cache).mkdir(parents=True)
+        cache.mkdir(parents=True)
         (cache / "models").symlink_to(source / "models")
     prompts = work / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "def quicksort(arr):"}) + "\n")
@@ -86,7 +88,7 @@ def main() -> None:
         ratios.append(pair["searched"] / pair["cached"])
     if len(settings) != 1:
         sys.exit(f"the two variants chose differently: {settings}")
-    cpu = device_name(__import__("torch").device("cpu"))
+    cpu = device_name(torch.device("cpu"))
     rows = [
         f"# Start-up: the auto preset's search computed vs read from the cache ({date.today()}, {cpu})",
         "",

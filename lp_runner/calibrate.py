@@ -94,11 +94,7 @@ def cache_file(cache_root: Path, key: dict) -> Path:
 
 def load_cached(path: Path, key: dict) -> CostCurve | None:
     """The cached curve for ``key``, or None when absent, unreadable or made for another key."""
-    data = read_keyed(path, key)
-    try:
-        return None if data is None else CostCurve.from_dict(data["curve"])
-    except (KeyError, TypeError, ValueError):
-        return None
+    return read_keyed(path, key, lambda data: CostCurve.from_dict(data["curve"]))
 
 
 def save(path: Path, key: dict, curve: CostCurve, seconds: float) -> None:

@@ -62,11 +62,7 @@ def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, 
 
 
 def load_record(path: Path, key: dict) -> CompileRecord | None:
-    data = read_keyed(path, key)
-    try:
-        return None if data is None else CompileRecord(**data["record"])
-    except (KeyError, TypeError):
-        return None
+    return read_keyed(path, key, lambda data: CompileRecord(**data["record"]))
 
 
 def save_record(path: Path, key: dict, record: CompileRecord) -> None:

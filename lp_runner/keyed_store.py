@@ -13,7 +13,11 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def keyed_path(cache_root: Path, folder: str, stem: str, key: dict) -> Path:
@@ -22,14 +26,20 @@ def keyed_path(cache_root: Path, folder: str, stem: str, key: dict) -> Path:
     return Path(cache_root) / folder / f"{stem}-{digest}.json"
 
 
-def read_keyed(path: Path, key: dict) -> dict | None:
-    """The file's fields when it was written for ``key``; None when absent, unreadable or for another key."""
+def read_keyed(path: Path, key: dict, parse: Callable[[dict], T]) -> T | None:
+    """``parse`` of the file's fields when it was written for ``key``; None when absent, unreadable, for another
+    key, or fields ``parse`` cannot read (a file of an older version)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     as_stored = json.loads(json.dumps(key))  # the key as JSON gives it back (tuples as lists)
-    return data if isinstance(data, dict) and data.get("key") == as_stored else None
+    if not isinstance(data, dict) or data.get("key") != as_stored:
+        return None
+    try:
+        return parse(data)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def write_keyed(path: Path, key: dict, **fields: object) -> None:

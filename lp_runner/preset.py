@@ -376,12 +376,9 @@ class AutoPreset:
         if cache_root is not None and code_digest() is not None:
             key = startup_key(self.base, self.pinned, self.curve, self.row_plan, self.world_size)
             path = keyed_path(cache_root, "preset", "startup", key)
-            data = read_keyed(path, key)
-            try:
-                if data is not None:
-                    return choice_from_fields(data["choice"]), True
-            except (KeyError, TypeError, ValueError):
-                pass  # a file of another version: search again
+            cached = read_keyed(path, key, lambda data: choice_from_fields(data["choice"]))
+            if cached is not None:
+                return cached, True
         prior = shipped_prior()
         choice = self._search(prior.samples, prior.recorded, "shipped")
         if path is not None:
