@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,43 @@ def test_curve_interpolates_rows_logit_rows_and_kv():
     assert c.seconds(0) == 0.0
     assert c.ratio(9, kv_len=100) == pytest.approx(1.8)
     assert CostCurve.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def _seconds_by_definition(points, rows, logit_rows, kv_len):
+    """``CostCurve.seconds`` written from its definition, the points filtered and sorted on every lookup."""
+
+    def interp(xs, ys, x):
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(sum(1 for v in xs if v < x), 1), len(xs) - 1)
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    def at(kv):
+        pts = sorted((p for p in points if p.kv_len == kv), key=lambda p: p.rows)
+        xs = [p.rows for p in pts]
+        body, full = interp(xs, [p.body_s for p in pts], rows), interp(xs, [p.all_s for p in pts], rows)
+        return full if rows == 1 else body + max(full - body, 0.0) * (logit_rows - 1) / (rows - 1)
+
+    kvs = sorted({p.kv_len for p in points})
+    return max(interp(kvs, [at(k) for k in kvs], kv_len), 0.0)
+
+
+def test_curve_lookup_equals_its_definition():
+    """The curve's tables, sorted once, give every lookup bit for bit (the auto preset prices ~25,000 rounds a
+    search with them): unsorted points, K/V lengths with different row counts, extrapolation on both axes."""
+    rng = random.Random(2)
+    for _ in range(60):
+        points = [
+            CurvePoint(kv, q, rng.uniform(0.01, 0.05), rng.uniform(0.01, 0.08))
+            for kv in rng.sample([64, 128, 300, 512, 1000], rng.randrange(1, 4))
+            for q in rng.sample(range(1, 40), rng.randrange(1, 6))
+        ]
+        rng.shuffle(points)
+        curve = CostCurve(tuple(points))
+        for _ in range(25):
+            rows, kv_len = rng.randrange(1, 60), rng.randrange(0, 1500)
+            logit_rows = rng.randrange(1, rows + 1)
+            assert curve.seconds(rows, logit_rows, kv_len) == _seconds_by_definition(points, rows, logit_rows, kv_len)
 
 
 def test_linear_curve_and_comm_assumption():
