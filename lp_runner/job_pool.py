@@ -19,10 +19,11 @@ a Ray recovery rebuilds it from the records already written.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from lp_runner.errors import InputError
@@ -58,6 +59,7 @@ class JobPool:
         self._tokens = array("q")
         self._index: list[dict[tuple[int, ...], array]] = [{} for _ in range(MAX_KEY + 1)]
         self.generations = 0  # generations added (evicted ones included)
+        self.evictions = 0  # times the bound was hit and the oldest generations dropped
 
     # -- growth -----------------------------------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
@@ -95,6 +97,7 @@ class JobPool:
     def _evict(self) -> None:
         """Oldest sequences out until the bound holds, then one rebuild of the index (between generations only:
         its cost is amortized over the tokens added since the last eviction, at least a quarter of the bound)."""
+        self.evictions += 1
         target = (3 * self.max_tokens) // 4
         drop = 0
         while self._num_tokens > target and drop < len(self._seqs):
@@ -108,19 +111,22 @@ class JobPool:
             self._index_seq(seq)
 
     # -- lookup -----------------------------------------------------------------------------------------------
-    def continuations(self, history: Sequence[int], length: int, min_key: int = 1) -> tuple[int, list[Suffix]]:
+    def continuations(
+        self, history: Sequence[int], length: int, min_key: int = 1, before: int | None = None
+    ) -> tuple[int, list[Suffix]]:
         """(match length k, what followed the ``SCAN`` most recent occurrences of the longest matching suffix of
         ``history``, most recent first, each up to ``length`` tokens); (0, []) when no suffix of at least
-        ``min_key`` tokens occurred."""
-        if length <= 0 or not self._seqs:
+        ``min_key`` tokens occurred. ``before``: only the text stored before that token position (``StoreView``)."""
+        if length <= 0 or not self._seqs or before == 0:
             return 0, []
         tokens = self._tokens
         for k in range(min(MAX_KEY, len(history)), min_key - 1, -1):
             ends = self._index[k].get(tuple(history[len(history) - k :]))
             if not ends:
                 continue
+            hi = len(ends) if before is None else bisect.bisect_left(ends, before)
             out = []
-            for end in reversed(ends[-SCAN:]):
+            for end in reversed(ends[max(hi - SCAN, 0) : hi]):
                 cont = tuple(tokens[end + 1 : end + 1 + length])
                 if SEP in cont:
                     cont = cont[: cont.index(SEP)]
@@ -189,6 +195,37 @@ def read_pool_file(path: str | Path, tokenizer_fingerprint: str) -> tuple[list[l
     return seqs, int(data.get("generations", len(seqs)))
 
 
+class StoreView:
+    """A ``JobPool`` as it stood when it held only its first ``before`` tokens: read-only, for ``JobPoolSource``.
+
+    Why: the auto preset simulates a job's samples in order for every setting it prices, each against the store
+    of the samples before it. Stores only grow until they evict, so one store built once, read through a view per
+    sample, answers as each setting's own store would; building a store per setting was a tenth of a search
+    (``store_views``)."""
+
+    def __init__(self, store: JobPool, before: int) -> None:
+        self.store = store
+        self.before = before
+
+    def continuations(self, history: Sequence[int], length: int, min_key: int = 1) -> tuple[int, list[Suffix]]:
+        return self.store.continuations(history, length, min_key, self.before)
+
+
+def store_views(
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int, store_prompts: bool = STORE_PROMPTS
+) -> list[StoreView] | None:
+    """Per (prompt, output) sample in order, the store of the samples before it (``StoreView``); None where the
+    samples would make the store evict (a view cannot show what an eviction removed)."""
+    store = JobPool(max_tokens, store_prompts)
+    views = []
+    for prompt_ids, output_ids in samples:
+        views.append(StoreView(store, len(store._tokens)))
+        store.add(prompt_ids, output_ids)
+        if store.evictions:
+            return None
+    return views
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """What a pool file's token ids mean: a hash of the vocabulary (token -> id) and the special tokens."""
     vocab = sorted(tokenizer.get_vocab().items())
@@ -213,7 +250,7 @@ class JobPoolSource:
 
     name = "job"
 
-    def __init__(self, store: JobPool, num_tokens: int, adaptive: bool = True, min_ngram: int = 1) -> None:
+    def __init__(self, store: JobPool | StoreView, num_tokens: int, adaptive: bool = True, min_ngram: int = 1) -> None:
         self.store = store
         self.num_tokens = num_tokens
         self.adaptive = adaptive
@@ -239,14 +276,17 @@ class JobPoolSource:
 
 def rank_continuations(conts: Sequence[Suffix], limit: int, length: int) -> list[Suffix]:
     """See ``JobPoolSource``; ``conts`` most recent first, each non-empty."""
-    firsts = _by_frequency(c[0] for c in conts)
+    firsts = _by_frequency([c[0] for c in conts])
     out: list[Suffix] = []
     for first in firsts[:limit]:
         members = [c for c in conts if c[0] == first]
         path = [first]
         while len(path) < length:
+            if len(members) == 1:  # one occurrence left: the path follows it to its end (most lookups end here)
+                path.extend(members[0][len(path) : length])
+                break
             depth = len(path)
-            nexts = _by_frequency(c[depth] for c in members if len(c) > depth)
+            nexts = _by_frequency([c[depth] for c in members if len(c) > depth])
             if not nexts:
                 break
             path.append(nexts[0])
@@ -255,9 +295,13 @@ def rank_continuations(conts: Sequence[Suffix], limit: int, length: int) -> list
     return out
 
 
-def _by_frequency(tokens: Iterable[int]) -> list[int]:
+def _by_frequency(tokens: Sequence[int]) -> list[int]:
     """Distinct tokens, most frequent first, ties in order of first appearance: [7, 9, 7, 3, 9, 7] -> [7, 9, 3]."""
-    counts: dict[int, int] = {}
+    if len(tokens) < 2:
+        return list(tokens)
+    counts = dict.fromkeys(tokens, 0)  # in order of first appearance
+    if len(counts) == 1:
+        return list(counts)
     for t in tokens:
-        counts[t] = counts.get(t, 0) + 1
-    return sorted(counts, key=lambda t: -counts[t])  # sorted is stable: first appearance breaks ties
+        counts[t] += 1
+    return sorted(counts, key=counts.__getitem__, reverse=True)  # stable under reverse: ties keep their order

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from pathlib import Path
 from lp_runner.config import LookaheadConfig, check_lookahead
 from lp_runner.costmodel import CostCurve, RoundShape, RowPlan, predict
 from lp_runner.errors import ConfigError
-from lp_runner.job_pool import JobPool
+from lp_runner.job_pool import JobPool, StoreView, store_views
 from lp_runner.keyed_store import keyed_path, read_keyed, write_keyed
 from lp_runner.parallel.coordinator import Coordinator
 
@@ -67,12 +68,12 @@ class Sample:
     output_ids: tuple[int, ...]
 
 
-def simulate(la: LookaheadConfig, sample: Sample, store: JobPool | None = None) -> list[RoundShape]:
+def simulate(la: LookaheadConfig, sample: Sample, store: JobPool | StoreView | None = None) -> list[RoundShape]:
     """The round shapes the engine produces at P = 1 for ``la`` (window off) on ``sample``, without the model.
 
     ``store``: the job store the engine would read under ``pool_scope: job`` (None: none, whatever the scope);
-    the sample is added to it at the end, as the engine does, so simulating a job's samples in order with one
-    store reproduces the job.
+    a ``JobPool`` gets the sample at the end, as the engine does, so simulating a job's samples in order with one
+    store reproduces the job; a ``StoreView`` (``job_pool.store_views``: the store before this sample) is only read.
 
     Verification against the known output: a candidate's hits are its longest common prefix with the output
     that follows the live key (past the output's end nothing is known, which only matters in the last round,
@@ -107,7 +108,7 @@ def simulate(la: LookaheadConfig, sample: Sample, store: JobPool | None = None) 
         past_len, ordinary = past_len + ordinary + best_hits, 1
         coord.feedback(plan, best, best_hits)
         coord.observe((), history, emitted)
-    if store is not None:
+    if isinstance(store, JobPool):
         store.add(sample.prompt_ids, out)
     return shapes
 
@@ -208,6 +209,24 @@ def _price(
     return ms, (tokens / rounds if rounds else 0.0)
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector held off for the duration (a decorator or a ``with``).
+
+    Why: a search allocates millions of short-lived tuples, lists and plans, none of them in a reference cycle
+    (reference counting frees each), and every burst of allocations triggers a collection; in a job's process,
+    with torch, transformers and a model loaded, a full collection walks every live object. Collections resume,
+    and catch up, when the search returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@collector_paused()
 def search(
     base: LookaheadConfig,
     pinned: Sequence[str],
@@ -232,13 +251,26 @@ def search(
     pinned = set(pinned) - NOT_ROUND_SHAPE
     host_s = HOST_SHARE * curve.seconds(1, kv_len=curve.kv_lens[0])
     priced: dict[tuple, tuple[float, float]] = {}
+    views: dict[int, list[StoreView] | None] = {}  # per store bound: one store for every setting, read in views
 
     def evaluate(la: LookaheadConfig) -> tuple[float, int] | None:
         key = dataclasses.astuple(la)
         if key not in priced:
-            # under pool_scope: job the engine's store proposes too: the samples in order, through one store
-            store = JobPool(la.pool_max_tokens) if la.pool_scope == "job" else None
-            shapes = [simulate(la, s, store) for s in samples]
+            # under pool_scope: job the engine's store proposes too: the samples in order, each seeing the
+            # store of the samples before it
+            if la.pool_scope != "job":
+                shapes = [simulate(la, s) for s in samples]
+            else:
+                if la.pool_max_tokens not in views:
+                    views[la.pool_max_tokens] = store_views(
+                        [(s.prompt_ids, s.output_ids) for s in samples], la.pool_max_tokens
+                    )
+                seen = views[la.pool_max_tokens]
+                if seen is None:  # the samples fill the store: it evicts, as each setting's own store does
+                    store = JobPool(la.pool_max_tokens)
+                    shapes = [simulate(la, s, store) for s in samples]
+                else:
+                    shapes = [simulate(la, s, v) for s, v in zip(samples, seen, strict=True)]
             priced[key] = _price(shapes, curve, row_plan, host_s, world_size)
         return priced[key][0], 1
 

@@ -115,11 +115,10 @@ class ContextSource:
         self._indexed = 0  # history positions indexed so far
 
     def observe(self, history: Sequence[int], num_new: int) -> None:
+        index, top = self._index, self.max_ngram
         for end in range(self._indexed, len(history)):
-            for k in range(1, self.max_ngram + 1):
-                if end - k + 1 < 0:
-                    break
-                self._index[k].setdefault(tuple(history[end - k + 1 : end + 1]), []).append(end)
+            for k in range(1, min(top, end + 1) + 1):
+                index[k].setdefault(tuple(history[end - k + 1 : end + 1]), []).append(end)
         self._indexed = len(history)
 
     def feedback(self, fb: Feedback) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 
 import pytest
 
 from lp_runner.config import LookaheadConfig
 from lp_runner.errors import InputError
-from lp_runner.job_pool import SEP, JobPool, JobPoolSource, rank_continuations
+from lp_runner.job_pool import SCAN, SEP, JobPool, JobPoolSource, rank_continuations, store_views
 from lp_runner.parallel.coordinator import Coordinator
 from lp_runner.preset import Sample, simulate
 from lp_runner.sources import Feedback, Proposal
@@ -45,6 +46,66 @@ def test_rank_continuations(conts, limit, length, expected):
     assert rank_continuations(conts, limit, length) == expected
 
 
+def test_lookup_reads_the_scan_most_recent_occurrences():
+    store = JobPool(10_000)
+    store.add((), tuple(t for i in range(SCAN + 30) for t in (1, 1000 + i)))  # (1, 1000), (1, 1001), ...
+    k, conts = store.continuations((1,), 1)
+    assert k == 1 and conts == [(1000 + i,) for i in range(SCAN + 29, 29, -1)]
+
+
+def _rank_by_definition(conts, limit, length):
+    """``rank_continuations`` as its docstring defines it, with no shortcut: the oracle for the fast one."""
+
+    def by_frequency(tokens):
+        counts = {}
+        for t in tokens:
+            counts[t] = counts.get(t, 0) + 1
+        return sorted(counts, key=lambda t: -counts[t])
+
+    out = []
+    for first in by_frequency(c[0] for c in conts)[:limit]:
+        members, path = [c for c in conts if c[0] == first], [first]
+        while len(path) < length:
+            nexts = by_frequency(c[len(path)] for c in members if len(c) > len(path))
+            if not nexts:
+                break
+            members = [c for c in members if len(c) > len(path) and c[len(path)] == nexts[0]]
+            path.append(nexts[0])
+        out.append(tuple(path))
+    return out
+
+
+def test_rank_continuations_matches_its_definition():
+    rng = random.Random(1)
+    for _ in range(2000):
+        conts = [tuple(rng.randrange(4) for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 12))]
+        limit, length = rng.randrange(1, 5), rng.randrange(1, 7)
+        assert rank_continuations(conts, limit, length) == _rank_by_definition(conts, limit, length)
+
+
+@pytest.mark.parametrize("store_prompts", [False, True])
+def test_store_views_answer_as_each_samples_own_store(store_prompts):
+    """One store built once, read through a view per sample, answers every lookup as a store holding only the
+    samples before it (the auto preset's search reads views instead of building a store per setting). A vocabulary
+    of 5 makes keys recur more than SCAN times and continuations run into the next sample's text."""
+    rng = random.Random(0)
+    samples = [
+        (tuple(rng.randrange(5) for _ in range(rng.randrange(0, 5))), tuple(rng.randrange(5) for _ in range(n)))
+        for n in (90, 0, 135, 1, 180, 114, 156, 7, 132, 183)
+    ]
+    views = store_views(samples, 10_000, store_prompts)
+    own = JobPool(10_000, store_prompts)
+    for (prompt, output), view in zip(samples, views, strict=True):
+        for _ in range(40):
+            history = tuple(rng.randrange(5) for _ in range(rng.randrange(1, 5)))
+            length, min_key = rng.randrange(1, 6), rng.randrange(1, 4)
+            assert view.continuations(history, length, min_key) == own.continuations(history, length, min_key)
+        own.add(prompt, output)
+    total = sum(len(o) + (len(p) if store_prompts else 0) for p, o in samples)
+    assert store_views(samples, total, store_prompts) is not None
+    assert store_views(samples, total - 1, store_prompts) is None  # the store would evict: no views
+
+
 def test_source_proposes_and_adapts():
     store = JobPool(100)
     store.add((), (1, 2, 3, 4, 5))
@@ -72,6 +133,7 @@ def test_memory_bound_evicts_oldest():
     assert store.sequences == ((40, 41, 42, 43), (50, 51, 52, 53))
     assert store.continuations((41,), 2) == (1, [(42, 43)])
     assert store.continuations((1,), 2) == (0, [])  # evicted text no longer proposes
+    assert store.evictions == 2  # at the 3rd and the 5th generation
     long = JobPool(max_tokens=3)
     long.add((), (1, 2, 3, 4, 5))  # longer than the bound: its last tokens
     assert long.sequences == ((3, 4, 5),) and long.num_tokens == 3

@@ -8,11 +8,13 @@ dear -> no window, an expensive small row count dominated by a cheaper larger on
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 from helpers import FAMILIES, make_engine, random_prompt
 from test_padding import AMD_MS, curve_from_ms
 
+from lp_runner import preset
 from lp_runner.config import LookaheadConfig, load_config
 from lp_runner.costmodel import CostCurve, RowPlan, shapes_from_records
 from lp_runner.preset import AutoPreset, Sample, search, shipped_prior, simulate
@@ -136,6 +138,42 @@ def test_auto_preset_adapts_to_observed_outputs_deterministically() -> None:
     assert changed[0] == changed[1]
     assert a.lookahead == b.lookahead and a.choice.samples == "observed"
     assert len(a.history) == 2
+
+
+def test_search_through_store_views_chooses_as_with_a_store_per_setting(monkeypatch) -> None:
+    """Under pool_scope: job every setting simulates the samples in order against the store of the samples
+    before each: one store read through views (the fast path) and one store built per setting (the path where
+    the samples would make the store evict) give the same choice, to the last bit of its prediction."""
+    curve = curve_from_ms(AMD_MS)
+    plan = RowPlan.from_curve(curve)
+    samples = shipped_prior().samples * 2  # the second pass repeats the first: the store proposes
+    la = LookaheadConfig(pool_scope="job")
+    with_views = search(la, (), curve, plan, samples, (), "observed")
+    monkeypatch.setattr(preset, "store_views", lambda *args: None)
+    per_setting = search(la, (), curve, plan, samples, (), "observed")
+    assert with_views == per_setting
+    no_store = search(dataclasses.replace(la, pool_scope="prompt"), ("pool_scope",), curve, plan, samples, (), "x")
+    assert no_store.predicted_ms_per_token != with_views.predicted_ms_per_token  # the store is in the prediction
+
+
+def test_search_holds_the_collector_off_and_restores_it(monkeypatch) -> None:
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return simulate(*args, **kwargs)
+
+    monkeypatch.setattr(preset, "simulate", recording)
+    curve, samples = curve_from_ms(AMD_MS), shipped_prior().samples[:2]
+    assert gc.isenabled()
+    search(LookaheadConfig(), (), curve, RowPlan.identity(), samples)
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()  # a caller's own setting is left as it was
+    try:
+        search(LookaheadConfig(), (), curve, RowPlan.identity(), samples)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_startup_choice_is_cached_for_the_same_inputs_only(tmp_path) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lp_runner.config import LookaheadConfig
-from lp_runner.job_pool import JobPool, JobPoolSource
+from lp_runner.job_pool import JobPool, JobPoolSource, StoreView
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 from lp_runner.pool import NGramPool, Suffix, sequence_ngrams
 from lp_runner.sources import CandidateSource, ContextSource, Feedback, PoolSource, Proposal, merge_candidates
@@ -50,7 +50,7 @@ class RoundPlan:
         return zlib.crc32(blob) & 0x7FFFFFFF
 
 
-def make_sources(la: LookaheadConfig, prompt_ids: Sequence[int], pool: NGramPool, store: JobPool | None):
+def make_sources(la: LookaheadConfig, prompt_ids: Sequence[int], pool: NGramPool, store: JobPool | StoreView | None):
     """The candidate sources of one generation, in policy order (adding a source: its class and a line here).
 
     The pool always; context lookup (``context_lookup``) first or second by ``candidate_policy``; the job store
@@ -82,7 +82,7 @@ class Coordinator:
         world_size: int,
         prompt_ids: Sequence[int],
         group_by_first_token: bool = False,
-        store: JobPool | None = None,
+        store: JobPool | StoreView | None = None,
     ) -> None:
         """``store``: the job's store (``pool_scope: job``), read only here (see ``make_sources``)."""
         self.la = la
@@ -112,8 +112,12 @@ class Coordinator:
         longer match than the context index's (measured on MT-bench with SmolLM2,
         ``benchmarks/results/global_pool.md``: a longer match is the better evidence, whichever text it is in).
         Example: context matched 1 token, the store 2 -> [job, context, pool]."""
-        match = {name: max((p.match_len for p in props), default=0) for name, props in named}
-        if match.get(JobPoolSource.name, 0) <= match.get(ContextSource.name, 0):
+        by_name = dict(named)
+        job = by_name.get(JobPoolSource.name)
+        if not job:  # no job proposals (most rounds): nothing to move
+            return named
+        context = by_name.get(ContextSource.name) or ()
+        if max(p.match_len for p in job) <= max((p.match_len for p in context), default=0):
             return named
         at = next(i for i, (name, _) in enumerate(named) if name == JobPoolSource.name)
         return [named[at], *named[:at], *named[at + 1 :]]
