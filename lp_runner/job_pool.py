@@ -117,7 +117,7 @@ class JobPool:
         """(match length k, what followed the ``SCAN`` most recent occurrences of the longest matching suffix of
         ``history``, most recent first, each up to ``length`` tokens); (0, []) when no suffix of at least
         ``min_key`` tokens occurred. ``before``: only the text stored before that token position (``StoreView``)."""
-        if length <= 0 or not self._seqs or before == 0:
+        if length <= 0 or not self._seqs:
             return 0, []
         tokens = self._tokens
         for k in range(min(MAX_KEY, len(history)), min_key - 1, -1):

@@ -258,19 +258,15 @@ def search(
         if key not in priced:
             # under pool_scope: job the engine's store proposes too: the samples in order, each seeing the
             # store of the samples before it
-            if la.pool_scope != "job":
-                shapes = [simulate(la, s) for s in samples]
-            else:
+            stores: list[JobPool | StoreView | None] = [None] * len(samples)
+            if la.pool_scope == "job":
                 if la.pool_max_tokens not in views:
                     views[la.pool_max_tokens] = store_views(
                         [(s.prompt_ids, s.output_ids) for s in samples], la.pool_max_tokens
                     )
-                seen = views[la.pool_max_tokens]
-                if seen is None:  # the samples fill the store: it evicts, as each setting's own store does
-                    store = JobPool(la.pool_max_tokens)
-                    shapes = [simulate(la, s, store) for s in samples]
-                else:
-                    shapes = [simulate(la, s, v) for s, v in zip(samples, seen, strict=True)]
+                # where the samples fill the store it evicts: this setting's own store, grown sample by sample
+                stores = views[la.pool_max_tokens] or [JobPool(la.pool_max_tokens)] * len(samples)
+            shapes = [simulate(la, s, store) for s, store in zip(samples, stores, strict=True)]
             priced[key] = _price(shapes, curve, row_plan, host_s, world_size)
         return priced[key][0], 1
 
