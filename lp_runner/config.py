@@ -31,8 +31,10 @@ class ModelConfig:
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
     compile: str = "auto"  # off | on | auto: rounds through torch.compile (auto: when this device's record says
     # the job is long enough to pay for the compilation; see lp_runner/compile_choice.py)
-    prepack: str = "auto"  # off | on | auto | native | onednn: linear layers' weights packed once for a CPU kernel
-    # (auto: the faster of lp_runner's native product and oneDNN's where they work, measured; see prepack.py)
+    prepack: str = "auto"  # off | on | auto | native | onednn | native-bf16: linear layers' weights packed once
+    # for a CPU kernel (auto: the faster of lp_runner's native product and oneDNN's where they work, measured; see
+    # prepack.py). native-bf16: the native product on the linear weights rounded to bfloat16 (half the bytes per
+    # forward; float32 arithmetic: exact for the model with those rounded weights, not for the original)
     native_layers: bool = True  # on native products, Llama-family decoder layers run as one native call each in
     # eager rounds (lp_runner/native_layers.py); false: transformers' layer code on the same products
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
@@ -184,7 +186,7 @@ _SECTION_TYPES: dict[str, type] = {
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.compile": ("off", "on", "auto"),
-    "model.prepack": ("off", "on", "auto", "native", "onednn"),
+    "model.prepack": ("off", "on", "auto", "native", "onednn", "native-bf16"),
     "lookahead.preset": ("auto", "off"),
     "lookahead.candidate_policy": ("context_first", "pool_first"),
     "lookahead.pool_scope": ("prompt", "job"),

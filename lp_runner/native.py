@@ -134,6 +134,13 @@ def open_library(path: Path):
         + [ctypes.c_float, ctypes.c_int]
     )
     lib.lp_native_llama_layer.restype = ctypes.c_int
+    # on bfloat16 weights (older sources lack them): the float32 entries' arguments, the weights' pointers aside
+    for bf16, twin in (
+        ("lp_native_gemm_bf16w", lib.lp_native_gemm_f32),
+        ("lp_native_llama_layer_bf16w", lib.lp_native_llama_layer),
+    ):
+        if hasattr(lib, bf16):
+            getattr(lib, bf16).argtypes, getattr(lib, bf16).restype = twin.argtypes, ctypes.c_int
     if hasattr(lib, "lp_native_silu_gate_f32"):  # the layer's activation, for its test (older sources lack it)
         lib.lp_native_silu_gate_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
         lib.lp_native_silu_gate_f32.restype = ctypes.c_int
@@ -143,6 +150,9 @@ def open_library(path: Path):
 _FN = None  # the loaded product (``load``); every process loads the library once
 _ATTENTION = None  # the loaded attention, checked as the product is
 _LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
+_FN_BF16 = None  # the product and the layer on weights stored as bfloat16 (None: unavailable, _BF16_REASON says why)
+_LAYER_BF16 = None
+_BF16_REASON = "the native kernel was not loaded (lp_runner.native.load)"
 
 
 _BUILD = ""  # the routed library's file name: a hash of its source, compiler, CPU and flags (build_id)
@@ -150,8 +160,12 @@ _BUILD = ""  # the routed library's file name: a hash of its source, compiler, C
 
 def route(lib) -> None:
     """Send every native call to ``lib`` (``load``; benchmarks swapping builds of the kernels in one process)."""
-    global _FN, _ATTENTION, _LAYER, _BUILD
+    global _FN, _ATTENTION, _LAYER, _FN_BF16, _LAYER_BF16, _BF16_REASON, _BUILD
     _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
+    _FN_BF16 = getattr(lib, "lp_native_gemm_bf16w", None)
+    _LAYER_BF16 = getattr(lib, "lp_native_llama_layer_bf16w", None)
+    has_bf16 = _FN_BF16 is not None and _LAYER_BF16 is not None
+    _BF16_REASON = "" if has_bf16 else "this build of the native kernel has no product on bfloat16 weights"
     _BUILD = Path(lib._name).stem
 
 
@@ -160,6 +174,20 @@ def _unroute() -> None:
     global _FN, _ATTENTION, _LAYER, _BUILD
     _FN = _ATTENTION = _LAYER = None
     _BUILD = ""
+    _no_bf16("the native kernel failed its probe")
+
+
+def _no_bf16(reason: str) -> None:
+    """No native calls on bfloat16 weights, for ``reason`` (the float32 ones may stay)."""
+    global _FN_BF16, _LAYER_BF16, _BF16_REASON
+    _FN_BF16 = _LAYER_BF16 = None
+    _BF16_REASON = reason
+
+
+def bf16_unavailable_reason() -> str | None:
+    """Why the loaded kernel cannot multiply by weights stored as bfloat16 (``model.prepack=native-bf16``), or
+    None when it can."""
+    return _BF16_REASON or None
 
 
 def build_id() -> str:
@@ -195,21 +223,46 @@ def load(cache_root: Path) -> None:
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
         _unroute()
         raise NativeUnavailable(f"{SOURCE.name}'s attention disagrees with torch's sdpa on a probe")
+    if _FN_BF16 is not None:  # bfloat16 storage: the float32 product on the rounded weights, bit for bit
+        with torch.inference_mode():
+            got = product(x, pack(weight, torch.bfloat16), bias, 40)
+            expected = product(x, pack(weight.to(torch.bfloat16)), bias, 40)
+        if not torch.equal(got, expected):  # the float32 product stays: it passed its own probe
+            _no_bf16(f"{SOURCE.name}'s product on bfloat16 weights differs from its float32 product on a probe")
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] float32 -> [ceil(out / BLOCK), in, BLOCK], zero-padded columns: the kernel's layout."""
+STORAGE = (torch.float32, torch.bfloat16)  # how ``pack`` can store the weights
+
+
+def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, in] -> [ceil(out / BLOCK), in, BLOCK] in ``storage``, zero-padded columns: the kernel's layout.
+
+    float32: p[block, k, c] = w[block * BLOCK + c, k]. bfloat16 (the weight rounded to nearest even, as
+    ``Tensor.to`` rounds): each block's row of 32 holds columns c and c + 16 side by side in one 32-bit word, so
+    the kernel widens them with a single integer op each (see ``native_gemm.c``); ``product`` then gives the
+    float32 product on the rounded weight, bit for bit."""
+    if storage not in STORAGE:
+        raise ValueError(f"native weights are stored as float32 or bfloat16, not {storage}")
     out_features, in_features = weight.shape
     blocks = -(-out_features // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, in_features, dtype=torch.float32)
-    padded[:out_features] = weight.detach().to(torch.float32)
-    return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()
+    padded = torch.zeros(blocks * BLOCK, in_features, dtype=storage)
+    padded[:out_features] = weight.detach().to(storage)
+    if storage == torch.float32:
+        return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()
+    half = BLOCK // 2
+    return padded.view(blocks, 2, half, in_features).permute(0, 3, 2, 1).contiguous().view(blocks, in_features, BLOCK)
 
 
 def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """[R, in] x the packed weight (+ bias) -> [R, out] float32, on torch's current thread count."""
-    if _FN is None:
-        raise NativeUnavailable("the native kernel was not loaded (lp_runner.native.load)")
+    """[R, in] x the packed weight (+ bias) -> [R, out] float32, on torch's current thread count; the packed
+    weight's dtype says how ``pack`` stored it."""
+    fn = _FN_BF16 if packed.dtype == torch.bfloat16 else _FN
+    if fn is None:
+        raise NativeUnavailable(
+            "the native kernel was not loaded (lp_runner.native.load)"
+            if _FN is None
+            else "this build of the native kernel has no product on bfloat16 weights"
+        )
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0] == 0:
@@ -219,7 +272,7 @@ def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"native product takes float32 [R, {in_features}] rows, not {rows.dtype} {list(rows.shape)}")
     ptr_bias = None if bias is None else bias.data_ptr()
     threads = torch.get_num_threads()
-    if _FN(
+    if fn(
         rows.data_ptr(), packed.data_ptr(), ptr_bias, out.data_ptr(), rows.shape[0], out_features, in_features, threads
     ):
         raise ValueError(f"native product refused sizes R={rows.shape[0]} out={out_features} in={in_features}")
@@ -282,9 +335,15 @@ def llama_layer(
     intermediate: int,
     scale: float,
 ) -> None:
-    """One Llama-family decoder layer on ``hidden`` in a single C call (``lp_native_llama_layer``)."""
-    if _LAYER is None:
-        raise NativeUnavailable("the native kernel was not loaded (lp_runner.native.load)")
+    """One Llama-family decoder layer on ``hidden`` in a single C call (``lp_native_llama_layer``, or its
+    ``_bf16w`` twin where the packed weights are stored as bfloat16: all four are, one kernel packs a model)."""
+    layer = _LAYER_BF16 if weights[3].dtype == torch.bfloat16 else _LAYER
+    if layer is None:
+        raise NativeUnavailable(
+            "the native kernel was not loaded (lp_runner.native.load)"
+            if _LAYER is None
+            else "this build of the native kernel has no layer on bfloat16 weights"
+        )
     rows, embed = hidden.shape
     kv_heads, capacity, dim = keys.shape
     if (
@@ -302,7 +361,7 @@ def llama_layer(
             f"{list(slots.shape)} and K/V {list(keys.shape)} do not fit (contiguous, K/V slots in place)"
         )
     ln1, ln2, eps, *packed = weights
-    status = _LAYER(
+    status = layer(
         hidden.data_ptr(),
         ln1.data_ptr(),
         ln2.data_ptr(),

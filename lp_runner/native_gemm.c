@@ -47,46 +47,68 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 _Static_assert(VL * NV == NB, "a pass covers a whole block");
 
-/* The tile's loop over k in [0, KN): the block's vectors loaded once per k, multiplied into MM rows' accumulators
-   a[MM][NV] (x[m][k] broadcast); PREFETCH is a statement run at the top of each k. */
-#define TILE_LOOP(MM, KN, PREFETCH)                                                                         \
+/* The weights' storage: float32, or bfloat16 (model.prepack=native-bf16): the upper half of a float32, so a
+   weight widens to the float32 value exactly and the products that follow are the float32 kernel's, bit for bit,
+   on the rounded weights; half the bytes streamed per forward. In a block's row of 32 bfloat16 weights (one
+   64-byte line per k), 32-bit word i holds column i in its low half and column i + 16 in its high half
+   (native.pack), so one shift (columns 0-15) or one mask (16-31) of a plain vector load widens VL columns: one
+   integer op per weight vector, where zero-extending 16-bit lanes took a shuffle and a shift, and cost the 8-row
+   product a fifth of its speed (the shuffles compete with the FMAs). Any VL up to 16 reads whole words. */
+typedef unsigned int uvec __attribute__((vector_size(VL * 4), aligned(4)));
+#define LOAD_F32(row, j) (*(const vec *)((row) + (j) * VL))
+static inline __attribute__((always_inline)) vec load_bf16(const unsigned short *row, int j) {
+  int c = j * VL; /* the first of the VL columns */
+  uvec w = *(const uvec *)(row + 2 * (c & 15));
+  return (vec)(c < 16 ? w << 16 : w & 0xffff0000u);
+}
+#define LOAD_BF16(row, j) load_bf16(row, j)
+
+/* The tile's loop over k in [0, KN): the block's vectors loaded once per k (LOAD: from the weights' storage),
+   multiplied into MM rows' accumulators a[MM][NV] (x[m][k] broadcast); PREFETCH is a statement run at the top of
+   each k. */
+#define TILE_LOOP(MM, KN, PREFETCH, LOAD)                                                                   \
   for (int k = 0; k < (KN); k++) {                                                                        \
     PREFETCH;                                                                                             \
     vec w[NV];                                                                                            \
-    for (int j = 0; j < NV; j++) w[j] = *(const vec *)(pb + (size_t)k * NB + j * VL);                     \
+    for (int j = 0; j < NV; j++) w[j] = LOAD(pb + (size_t)k * NB, j);                                      \
     for (int m = 0; m < MM; m++) {                                                                        \
       float xs = x[(size_t)m * K + k];                                                                    \
       for (int j = 0; j < NV; j++) a[m][j] += w[j] * xs;                                                  \
     }                                                                                                     \
   }
 
-/* whole_MM: one pass of MM rows over the whole K of a block, into out (row stride N, ncols columns).
-   chunk_MM: one pass over k in [0, kn) of a block (a chunk of its K): the accumulators start at zero (first) or
-   from acc and end in acc ([MM][NB]) (storing and reloading a float sum between chunks changes no bit); each k
+/* whole_SUF_MM: one pass of MM rows over the whole K of a block, into out (row stride N, ncols columns).
+   chunk_SUF_MM: one pass over k in [0, kn) of a block (a chunk of its K): the accumulators start at zero (first)
+   or from acc and end in acc ([MM][NB]) (storing and reloading a float sum between chunks changes no bit); each k
    also prefetches pfn lines of pf, up to pf_lines of them. Two functions, so the one-pass path (every 1-row
-   forward) carries no branch of the other. */
-#define MICRO(MM)                                                                                           \
-  static inline void whole_##MM(const float *x, const float *pb, float *out, int N, int K, int ncols) {    \
+   forward) carries no branch of the other. SUF, WT, LOAD: the weights' storage (f_: float; h_: bfloat16 bits). */
+#define WHOLE_OF(MM, SUF, WT, LOAD)                                                                         \
+  static inline void whole_##SUF##MM(const float *x, const WT *pb, float *out, int N, int K, int ncols) {  \
     vec a[MM][NV];                                                                                        \
     for (int m = 0; m < MM; m++)                                                                          \
       for (int j = 0; j < NV; j++) a[m][j] = (vec){0};                                                    \
-    TILE_LOOP(MM, K, (void)0)                                                                             \
+    TILE_LOOP(MM, K, (void)0, LOAD)                                                                       \
     for (int m = 0; m < MM; m++) {                                                                        \
       float tmp[NB];                                                                                      \
       memcpy(tmp, a[m], sizeof tmp);                                                                      \
       memcpy(out + (size_t)m * N, tmp, sizeof(float) * (size_t)ncols);                                    \
     }                                                                                                     \
-  }                                                                                                       \
-  static inline void chunk_##MM(const float *x, const float *pb, float *acc, int K, int kn, int first,     \
+  }
+#define CHUNK_OF(MM, SUF, WT, LOAD)                                                                         \
+  static inline void chunk_##SUF##MM(const float *x, const WT *pb, float *acc, int K, int kn, int first,     \
                                 const char *pf, int pfn, int pf_lines) {                                 \
     vec a[MM][NV];                                                                                        \
     for (int m = 0; m < MM; m++)                                                                          \
       for (int j = 0; j < NV; j++) a[m][j] = first ? (vec){0} : *(const vec *)(acc + m * NB + j * VL);   \
     TILE_LOOP(MM, kn, if (pf) for (int q = k * pfn; q < (k + 1) * pfn && q < pf_lines; q++)               \
-                        __builtin_prefetch(pf + (size_t)q * 64, 0, 2))                                    \
+                        __builtin_prefetch(pf + (size_t)q * 64, 0, 2), LOAD)                              \
     for (int m = 0; m < MM; m++)                                                                          \
       for (int j = 0; j < NV; j++) *(vec *)(acc + m * NB + j * VL) = a[m][j];                             \
   }
+#define MICRO(MM)                                                                                           \
+  WHOLE_OF(MM, f_, float, LOAD_F32)                                                                       \
+  WHOLE_OF(MM, h_, unsigned short, LOAD_BF16)                                                             \
+  CHUNK_OF(MM, f_, float, LOAD_F32) CHUNK_OF(MM, h_, unsigned short, LOAD_BF16)
 MICRO(1)
 #if MR >= 2
 MICRO(2)
@@ -98,83 +120,99 @@ MICRO(3)
 MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
 #endif
 
-/* KIND##_mm(ARGS) for mm rows (1 <= mm <= MR). */
+/* KIND##mm(ARGS) for mm rows (1 <= mm <= MR): KIND is whole_f_, whole_h_, chunk_f_ or chunk_h_. */
 #if MR >= 8
 #define DISPATCH(KIND, mm, ARGS)                                                                            \
   switch (mm) {                                                                                           \
-    case 1: KIND##_1 ARGS; break;                                                                         \
-    case 2: KIND##_2 ARGS; break;                                                                         \
-    case 3: KIND##_3 ARGS; break;                                                                         \
-    case 4: KIND##_4 ARGS; break;                                                                         \
-    case 5: KIND##_5 ARGS; break;                                                                         \
-    case 6: KIND##_6 ARGS; break;                                                                         \
-    case 7: KIND##_7 ARGS; break;                                                                         \
-    default: KIND##_8 ARGS; break;                                                                        \
+    case 1: KIND##1 ARGS; break;                                                                          \
+    case 2: KIND##2 ARGS; break;                                                                          \
+    case 3: KIND##3 ARGS; break;                                                                          \
+    case 4: KIND##4 ARGS; break;                                                                          \
+    case 5: KIND##5 ARGS; break;                                                                          \
+    case 6: KIND##6 ARGS; break;                                                                          \
+    case 7: KIND##7 ARGS; break;                                                                          \
+    default: KIND##8 ARGS; break;                                                                         \
   }
 #elif MR == 3
 #define DISPATCH(KIND, mm, ARGS)                                                                            \
   switch (mm) {                                                                                           \
-    case 1: KIND##_1 ARGS; break;                                                                         \
-    case 2: KIND##_2 ARGS; break;                                                                         \
-    default: KIND##_3 ARGS; break;                                                                        \
+    case 1: KIND##1 ARGS; break;                                                                          \
+    case 2: KIND##2 ARGS; break;                                                                          \
+    default: KIND##3 ARGS; break;                                                                         \
   }
 #else
 #define DISPATCH(KIND, mm, ARGS)                                                                            \
   switch (mm) {                                                                                           \
-    case 1: KIND##_1 ARGS; break;                                                                         \
-    default: KIND##_2 ARGS; break;                                                                        \
+    case 1: KIND##1 ARGS; break;                                                                          \
+    default: KIND##2 ARGS; break;                                                                         \
   }
 #endif
 
 /* More rows than one tile takes (MR) need several passes over a block. Passes over the whole block, one after the
    other, read it from memory once and from L2 after that, and memory sits idle during the later passes: on this
    project's AVX2 EPYC (3-row tile) an 8-row product cost the 1-row stream plus the 8-row arithmetic, the two
-   added instead of overlapped. So rows beyond one tile walk the block in chunks of KC k's (KC * NB floats, 8 KB):
-   every pass of up to SUPER rows over one chunk before the next chunk, the later passes reading it from L1 and
-   prefetching the next chunk (into L2), so the memory stream runs on under the arithmetic. One tile's rows or
-   fewer (every 1-row forward) take the whole K in one pass, as before. */
+   added instead of overlapped. So rows beyond one tile walk the block in chunks of KC k's (KC * NB weights, 8 KB
+   in float32): every pass of up to SUPER rows over one chunk before the next chunk, the later passes reading it
+   from L1 and prefetching the next chunk (into L2), so the memory stream runs on under the arithmetic. One
+   tile's rows or fewer (every 1-row forward) take the whole K in one pass, as before. */
 #define KC 64
 #define SUPER (8 * MR)
+
+/* The product's blocks, for weights stored as WT (float or bfloat16 bits, SUF f_ or h_): see lp_native_gemm_f32. */
+#define GEMM_OF(SUF, WT)                                                                                    \
+  static int gemm_##SUF(const float *x, const WT *p, const float *b, float *y, long M, long N, long K,       \
+                        int threads) {                                                                    \
+    if (M < 1 || N < 1 || K < 1 || threads < 1) return -1;                                                \
+    long blocks = (N + NB - 1) / NB;                                                                      \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)") for (long blk = 0; blk < blocks; blk++) { \
+      float acc[SUPER * NB] __attribute__((aligned(64)));                                                 \
+      long n = blk * NB;                                                                                  \
+      int ncols = N - n < NB ? (int)(N - n) : NB;                                                         \
+      const WT *pb = p + (size_t)blk * K * NB;                                                            \
+      if (M <= MR) { /* one tile: one pass over the whole K */                                            \
+        DISPATCH(whole_##SUF, (int)M, (x, pb, y + n, (int)N, (int)K, ncols))                              \
+      } else                                                                                              \
+        for (long s0 = 0; s0 < M; s0 += SUPER) {                                                          \
+          long rows = M - s0 < SUPER ? M - s0 : SUPER, passes = (rows + MR - 1) / MR;                     \
+          for (long k0 = 0; k0 < K; k0 += KC) {                                                           \
+            int kn = K - k0 < KC ? (int)(K - k0) : KC, first = k0 == 0;                                   \
+            /* the next chunk: the rest of this block, else the next block's start (contiguous: one stream) */ \
+            const char *next = (const char *)(pb + (size_t)(k0 + kn) * NB);                               \
+            int more = k0 + kn < K || blk + 1 < blocks;                                                   \
+            /* its lines, shared out over the passes after the first: pfn per k */                        \
+            int pf_total = (int)((size_t)kn * NB * sizeof(WT) / 64);                                      \
+            int pfn = passes > 1 ? (int)((pf_total + (passes - 1) * kn - 1) / ((passes - 1) * kn)) : 0;   \
+            for (long m0 = 0, pass = 0; m0 < rows; m0 += MR, pass++) {                                    \
+              int mm = rows - m0 < MR ? (int)(rows - m0) : MR;                                            \
+              int skip = (int)(pass - 1) * kn * pfn; /* lines the earlier passes prefetched */            \
+              const char *pf = pass && more && skip < pf_total ? next + (size_t)skip * 64 : NULL;         \
+              const float *xs = x + (size_t)(s0 + m0) * K + k0;                                           \
+              DISPATCH(chunk_##SUF, mm, (xs, pb + (size_t)k0 * NB, acc + m0 * NB, (int)K, kn, first, pf, pfn, pf_total - skip)) \
+            }                                                                                             \
+          }                                                                                               \
+          for (long m = 0; m < rows; m++)                                                                 \
+            memcpy(y + (size_t)(s0 + m) * N + n, acc + m * NB, sizeof(float) * (size_t)ncols);            \
+        }                                                                                                 \
+      if (b)                                                                                              \
+        for (long m = 0; m < M; m++)                                                                      \
+          for (int c = 0; c < ncols; c++) y[(size_t)m * N + n + c] += b[n + c];                           \
+    }                                                                                                     \
+    return 0;                                                                                             \
+  }
+GEMM_OF(f_, float)
+GEMM_OF(h_, unsigned short)
 
 /* x [M, K], p packed [ceil(N/NB), K, NB], b [N] or NULL, y [M, N]; all float32, contiguous. 0, or -1 on bad sizes. */
 int lp_native_gemm_f32(const float *x, const float *p, const float *b, float *y, long M, long N, long K,
                        int threads) {
-  if (M < 1 || N < 1 || K < 1 || threads < 1) return -1;
-  long blocks = (N + NB - 1) / NB;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (long blk = 0; blk < blocks; blk++) {
-    float acc[SUPER * NB] __attribute__((aligned(64)));
-    long n = blk * NB;
-    int ncols = N - n < NB ? (int)(N - n) : NB;
-    const float *pb = p + (size_t)blk * K * NB;
-    if (M <= MR) { /* one tile: one pass over the whole K */
-      DISPATCH(whole, (int)M, (x, pb, y + n, (int)N, (int)K, ncols))
-    } else
-      for (long s0 = 0; s0 < M; s0 += SUPER) {
-        long rows = M - s0 < SUPER ? M - s0 : SUPER, passes = (rows + MR - 1) / MR;
-        for (long k0 = 0; k0 < K; k0 += KC) {
-          int kn = K - k0 < KC ? (int)(K - k0) : KC, first = k0 == 0;
-          /* the next chunk: the rest of this block, else the next block's start (contiguous: one stream) */
-          const char *next = (const char *)(pb + (size_t)(k0 + kn) * NB);
-          int more = k0 + kn < K || blk + 1 < blocks;
-          int pf_total = kn * NB * 4 / 64; /* its lines, shared out over the passes after the first: pfn per k */
-          int pfn = passes > 1 ? (int)((pf_total + (passes - 1) * kn - 1) / ((passes - 1) * kn)) : 0;
-          for (long m0 = 0, pass = 0; m0 < rows; m0 += MR, pass++) {
-            int mm = rows - m0 < MR ? (int)(rows - m0) : MR;
-            int skip = (int)(pass - 1) * kn * pfn; /* lines the earlier passes prefetched */
-            const char *pf = pass && more && skip < pf_total ? next + (size_t)skip * 64 : NULL;
-            const float *xs = x + (size_t)(s0 + m0) * K + k0;
-            DISPATCH(chunk, mm, (xs, pb + (size_t)k0 * NB, acc + m0 * NB, (int)K, kn, first, pf, pfn, pf_total - skip))
-          }
-        }
-        for (long m = 0; m < rows; m++)
-          memcpy(y + (size_t)(s0 + m) * N + n, acc + m * NB, sizeof(float) * (size_t)ncols);
-      }
-    if (b)
-      for (long m = 0; m < M; m++)
-        for (int c = 0; c < ncols; c++) y[(size_t)m * N + n + c] += b[n + c];
-  }
-  return 0;
+  return gemm_f_(x, p, b, y, M, N, K, threads);
+}
+
+/* lp_native_gemm_f32 with p's weights stored as bfloat16 bits (uint16, the same layout): the float32 product on
+   those weights widened, bit for bit. */
+int lp_native_gemm_bf16w(const float *x, const unsigned short *p, const float *b, float *y, long M, long N, long K,
+                         int threads) {
+  return gemm_h_(x, p, b, y, M, N, K, threads);
 }
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
@@ -553,11 +591,18 @@ static void rotate(float *x, const float *cos, const float *sin, long D) {
   for (long d = half; d < D; d++) x[d] = t[d] * cos[d] + t[d - half] * sin[d];
 }
 
-int lp_native_llama_layer(float *h, const float *ln1, const float *ln2, float eps, const float *wqkv,
-                          const float *bqkv, const float *wo, const float *bo, const float *wgu, const float *bgu,
-                          const float *wd, const float *bd, const float *cos, const float *sin, float *kbuf,
-                          float *vbuf, long ks, long vs, const long *slots, const float *mask, long C, long R, long E,
-                          long H, long Hkv, long D, long I, float scale, int threads) {
+/* The product on weights stored as float32 or (bf16) as bfloat16 bits. */
+static int gemm_w(const float *x, const void *w, int bf16, const float *b, float *y, long M, long N, long K,
+                  int threads) {
+  return bf16 ? gemm_h_(x, (const unsigned short *)w, b, y, M, N, K, threads)
+              : gemm_f_(x, (const float *)w, b, y, M, N, K, threads);
+}
+
+static int llama_layer(float *h, const float *ln1, const float *ln2, float eps, const void *wqkv, const float *bqkv,
+                       const void *wo, const float *bo, const void *wgu, const float *bgu, const void *wd,
+                       const float *bd, const float *cos, const float *sin, float *kbuf, float *vbuf, long ks,
+                       long vs, const long *slots, const float *mask, long C, long R, long E, long H, long Hkv, long D,
+                       long I, float scale, int threads, int bf16) {
   if (R < 1 || E < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || D > 512 || I < 1 || C < 1) return -1;
   for (long i = 0; i < R; i++)
     if (slots[i] < 0 || slots[i] >= C) return -1; /* a K/V slot outside the buffer: refused before any write */
@@ -571,7 +616,7 @@ int lp_native_llama_layer(float *h, const float *ln1, const float *ln2, float ep
     goto done;
   }
   rms_norm(h, ln1, eps, x, R, E);
-  if ((status = lp_native_gemm_f32(x, wqkv, bqkv, qkv, R, nqkv, E, threads))) goto done;
+  if ((status = gemm_w(x, wqkv, bf16, bqkv, qkv, R, nqkv, E, threads))) goto done;
   for (long i = 0; i < R; i++) {
     float *row = qkv + (size_t)i * nqkv;
     const float *c = cos + (size_t)i * D, *s = sin + (size_t)i * D;
@@ -590,14 +635,34 @@ int lp_native_llama_layer(float *h, const float *ln1, const float *ln2, float ep
       for (long g = 0; g < G; g++)
         memcpy(qp + (size_t)i * nq + (kv * G + g) * D, ao + ((size_t)kv * G * R + g * R + i) * D,
                sizeof(float) * (size_t)D);
-  if ((status = lp_native_gemm_f32(qp, wo, bo, y, R, E, nq, threads))) goto done;
+  if ((status = gemm_w(qp, wo, bf16, bo, y, R, E, nq, threads))) goto done;
   for (size_t j = 0; j < (size_t)R * E; j++) h[j] = h[j] + y[j];
   rms_norm(h, ln2, eps, x, R, E);
-  if ((status = lp_native_gemm_f32(x, wgu, bgu, gu, R, 2 * I, E, threads))) goto done;
+  if ((status = gemm_w(x, wgu, bf16, bgu, gu, R, 2 * I, E, threads))) goto done;
   lp_native_silu_gate_f32(gu, act, R, I);
-  if ((status = lp_native_gemm_f32(act, wd, bd, y, R, E, I, threads))) goto done;
+  if ((status = gemm_w(act, wd, bf16, bd, y, R, E, I, threads))) goto done;
   for (size_t j = 0; j < (size_t)R * E; j++) h[j] = h[j] + y[j];
 done:
   free(x), free(qkv), free(qp), free(ao), free(gu), free(act), free(y);
   return status;
+}
+
+int lp_native_llama_layer(float *h, const float *ln1, const float *ln2, float eps, const float *wqkv,
+                          const float *bqkv, const float *wo, const float *bo, const float *wgu, const float *bgu,
+                          const float *wd, const float *bd, const float *cos, const float *sin, float *kbuf,
+                          float *vbuf, long ks, long vs, const long *slots, const float *mask, long C, long R, long E,
+                          long H, long Hkv, long D, long I, float scale, int threads) {
+  return llama_layer(h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks, vs, slots,
+                     mask, C, R, E, H, Hkv, D, I, scale, threads, 0);
+}
+
+/* lp_native_llama_layer with the four packed weights stored as bfloat16 bits (lp_native_gemm_bf16w). */
+int lp_native_llama_layer_bf16w(float *h, const float *ln1, const float *ln2, float eps, const unsigned short *wqkv,
+                                const float *bqkv, const unsigned short *wo, const float *bo,
+                                const unsigned short *wgu, const float *bgu, const unsigned short *wd,
+                                const float *bd, const float *cos, const float *sin, float *kbuf, float *vbuf,
+                                long ks, long vs, const long *slots, const float *mask, long C, long R, long E, long H,
+                                long Hkv, long D, long I, float scale, int threads) {
+  return llama_layer(h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks, vs, slots,
+                     mask, C, R, E, H, Hkv, D, I, scale, threads, 1);
 }

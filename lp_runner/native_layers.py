@@ -35,7 +35,7 @@ import torch
 from lp_runner import native
 from lp_runner.attention import NATIVE_MAX_ROWS
 from lp_runner.kv_cache import StaticBufferLayer
-from lp_runner.prepack import NATIVE_KERNEL, PackedLinear, ProductSlice, SharedInputProduct
+from lp_runner.prepack import NATIVE_KERNELS, PackedLinear, ProductSlice, SharedInputProduct
 
 # decoder layer and norm classes whose forward is the one lp_native_llama_layer computes (checked by name: the
 # classes live in each model's own transformers module)
@@ -92,7 +92,7 @@ def _shared(slices: list, count: int) -> SharedInputProduct | None:
     shared = slices[0].shared
     if any(s.shared is not shared for s in slices) or [s.index for s in slices] != list(range(count)):
         return None
-    return shared if shared.kernel is NATIVE_KERNEL and len(shared.sizes) == count else None
+    return shared if shared.kernel in NATIVE_KERNELS and len(shared.sizes) == count else None
 
 
 def _norm(module) -> tuple[torch.Tensor, float] | None:
@@ -116,8 +116,10 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights | str:
     o, down = getattr(attn, "o_proj", None), getattr(mlp, "down_proj", None)
     if qkv is None or gate_up is None:
         return "q/k/v or gate/up are not one native product each (model.prepack=native, fused)"
-    if not all(isinstance(m, PackedLinear) and m.kernel is NATIVE_KERNEL for m in (o, down)):
-        return "o_proj or down_proj is not a native product"
+    if not all(isinstance(m, PackedLinear) and m.kernel is qkv.kernel for m in (o, down)) or (
+        gate_up.kernel is not qkv.kernel
+    ):  # one C call multiplies all four with one storage of the weights
+        return "o_proj, down_proj or gate/up is not a native product on the q/k/v product's weight storage"
     if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
         return f"the MLP's activation is {type(getattr(mlp, 'act_fn', None)).__name__}, not SiLU"
     norms = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)

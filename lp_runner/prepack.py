@@ -47,6 +47,8 @@ PREPACKED = "onednn-prepacked"  # the kernels' name in records, summaries and ca
 PREPACKED_FUSED = "onednn-prepacked-fused"  # ... with sibling projections fused (another forward: its own curve)
 NATIVE = "native-packed"  # lp_runner's own product (native.py), float32
 NATIVE_FUSED = "native-packed-fused"
+NATIVE_BF16 = "native-packed-bf16"  # ... on the weights rounded to and stored as bfloat16 (model.prepack=native-bf16)
+NATIVE_BF16_FUSED = "native-packed-bf16-fused"
 # Sibling linears of one module that HF's Llama, Mistral and Qwen2 forwards call on the same input tensor.
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -100,7 +102,20 @@ NATIVE_KERNEL = LinearKernel(
     eager=lambda rows, packed, bias, out: native.product(rows, packed, bias, out),  # looked up per call, as oneDNN's
     compiled=native.native_linear_op,
 )
-KERNELS = {kernel.key: kernel for kernel in (ONEDNN, NATIVE_KERNEL)}
+# The native product on weights rounded to bfloat16 and stored so (half the bytes a forward streams), multiplied in
+# float32: the product of the float32 model whose linear weights are rounded to bfloat16, bit for bit. It changes
+# the model, so only ``model.prepack=native-bf16`` asks for it, never ``auto``.
+NATIVE_BF16_KERNEL = LinearKernel(
+    "native-bf16",
+    "native, bfloat16 weights",
+    NATIVE_BF16,
+    NATIVE_BF16_FUSED,
+    pack=lambda weight: native.pack(weight, torch.bfloat16),
+    eager=NATIVE_KERNEL.eager,
+    compiled=native.native_linear_op,
+)
+NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py runs as one C call per layer
+KERNELS = {kernel.key: kernel for kernel in (ONEDNN, *NATIVE_KERNELS)}
 
 
 class PackedLinear(torch.nn.Module):
@@ -205,7 +220,7 @@ class ProductSlice(torch.nn.Module):
 class PrepackChoice:
     """What ``model.prepack`` did, for the summary and every record: ``layers`` packed, or why none were."""
 
-    mode: str  # off | on | auto | onednn | native
+    mode: str  # off | on | auto | onednn | native | native-bf16
     layers: int
     reason: str
     products: int = 0  # products per forward the packed layers make (siblings fused: fewer than ``layers``)
@@ -254,8 +269,11 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def native_unavailable_reason(model: torch.nn.Module, cache_root: Path) -> str | None:
-    """Why lp_runner's native product cannot serve this model here (builds it on first use), or None."""
+def native_unavailable_reason(
+    model: torch.nn.Module, cache_root: Path, storage: torch.dtype = torch.float32
+) -> str | None:
+    """Why lp_runner's native product, its weights stored as ``storage``, cannot serve this model here (builds it
+    on first use), or None. Either storage multiplies in float32: the model must be float32."""
     param = next(model.parameters())
     if param.device.type != "cpu":
         return f"the model is on {param.device.type}, the native product is for CPU forwards"
@@ -265,7 +283,7 @@ def native_unavailable_reason(model: torch.nn.Module, cache_root: Path) -> str |
         native.load(cache_root)
     except native.NativeUnavailable as exc:
         return str(exc)
-    return None
+    return native.bf16_unavailable_reason() if storage == torch.bfloat16 else None
 
 
 def time_kernels(model: torch.nn.Module, kernels: list[LinearKernel], rows: tuple[int, ...] = (1, 8), reps: int = 3):
@@ -317,9 +335,10 @@ def apply_prepack(
     cache_root: Path | None = None,
     agree: Callable[[dict[str, float]], dict[str, float]] | None = None,
 ) -> PrepackChoice:
-    """``model.prepack``: ``onednn`` or ``native`` packs with that kernel or fails with the reason; ``auto`` packs
-    with the faster of the kernels that work here (timed on the model's largest linear when both do), else
-    leaves torch's linear; ``on`` is ``auto`` that fails instead; ``off`` leaves torch's linear.
+    """``model.prepack``: ``onednn``, ``native`` or ``native-bf16`` packs with that kernel or fails with the
+    reason; ``auto`` packs with the faster of the kernels that work here and keep the model's weights (timed on
+    the model's largest linear when both do), else leaves torch's linear; ``on`` is ``auto`` that fails instead;
+    ``off`` leaves torch's linear. ``native-bf16`` rounds the linear weights to bfloat16: asked for, never chosen.
     ``cache_root``: where the native kernel is built (default: lp_runner's cache folder). ``agree`` (ranks of one
     LP group): called exactly once in ``auto``/``on`` by every rank with its timings, returns the timings to
     decide by (rank 0's), so a group's ranks pack with the same kernel and price one cost curve."""
@@ -332,6 +351,8 @@ def apply_prepack(
     reasons = {}
     if mode in ("auto", "on", "native"):
         reasons["native"] = native_unavailable_reason(model, cache_root)
+    if mode == "native-bf16":
+        reasons["native-bf16"] = native_unavailable_reason(model, cache_root, torch.bfloat16)
     if mode in ("auto", "on", "onednn"):
         reasons["onednn"] = unavailable_reason(model)
     usable = [KERNELS[key] for key, reason in reasons.items() if reason is None]

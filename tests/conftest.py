@@ -79,6 +79,6 @@ def native_routing(monkeypatch):
     ``native.route`` another build."""
     from lp_runner import native
 
-    for name in ("_FN", "_ATTENTION", "_LAYER", "_BUILD"):
+    for name in ("_FN", "_ATTENTION", "_LAYER", "_FN_BF16", "_LAYER_BF16", "_BF16_REASON", "_BUILD"):
         monkeypatch.setattr(native, name, getattr(native, name))
     return native
