@@ -48,7 +48,14 @@ from lp_runner.loading import (  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
 from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
 from lp_runner.policy import RoundPolicy  # noqa: E402
-from lp_runner.prepack import KERNELS, ONEDNN, apply_prepack, prepack_linears  # noqa: E402
+from lp_runner.prepack import (  # noqa: E402
+    KERNELS,
+    NATIVE_BF16_KERNEL,
+    ONEDNN,
+    apply_prepack,
+    bf16_rounded_linears,
+    prepack_linears,
+)
 from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
 
 PLAIN = dict(context_lookup=False)  # Lookahead Decoding alone: Jacobi pool (+ its repair by committed text)
@@ -79,6 +86,7 @@ CONFIGS: dict[str, LookaheadConfig] = {
 
 
 SAMPLING = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)  # --sample: the same for every method
+ROUNDED_BASE = "hf-greedy bf16-rounded"  # HF greedy on the model native-bf16 computes (--bf16-weights)
 
 
 def hf_generate(model, ids: list[int], max_new: int, eos: int, **kw) -> list[int]:
@@ -224,6 +232,12 @@ def main() -> None:
         "(model.prepack: onednn), as '<name> onednn': the native product's gain side by side",
     )  # fmt: skip
     ap.add_argument(
+        "--bf16-weights", default="", metavar="NAMES",
+        help="comma-separated CONFIGS names (or config-file names) also run on native products with the linear "
+        "weights rounded to bfloat16 (model.prepack: native-bf16), as '<name> bf16-weights'; their exactness is "
+        "against HF greedy on the model with those rounded weights, run as 'hf-greedy bf16-rounded'",
+    )  # fmt: skip
+    ap.add_argument(
         "--compiled", default="", metavar="NAMES",
         help="comma-separated CONFIGS names (or config-file names) also run through the compiled static-shape "
         "forward (model.compile: on), as '<name> compiled'; the compile time is in the report",
@@ -289,6 +303,14 @@ def main() -> None:
         onednn_model = copy.deepcopy(model)
         prepack_linears(onednn_model, kernel=ONEDNN)
         variants.append(("onednn", args.onednn, ModelAdapter(onednn_model)))
+    if args.bf16_weights:  # the oracle: HF greedy on the float32 model with the linear weights rounded
+        if args.sample or args.dtype != "float32":
+            raise SystemExit("--bf16-weights: fp32 greedy only (native-bf16 multiplies in float32)")
+        rounded_model = bf16_rounded_linears(model)
+        runners[ROUNDED_BASE] = lambda ids: _hf_row(rounded_model, ids, args.max_new_tokens, eos)
+        bf16_model = copy.deepcopy(model)
+        prepack_linears(bf16_model, kernel=NATIVE_BF16_KERNEL)
+        variants.append(("bf16-weights", args.bf16_weights, ModelAdapter(bf16_model)))
     compile_s = None
     if args.compiled:
         fast = ModelAdapter(packed_model, compile=True)
@@ -317,8 +339,11 @@ def main() -> None:
             torch.manual_seed(i)  # HF sampling draws from torch's global generator; lp_runner from its own seed
             methods[name].append({"set": set_name, **run(ids)})
         print(f"prompt {i + 1}/{len(encoded)} done", file=sys.stderr, flush=True)
-    reference = [r["out"] for r in methods["hf-greedy"]] if "hf-greedy" in methods else None
+    outputs = {name: [r["out"] for r in rows] for name, rows in methods.items()}
     for name, rows in methods.items():
+        # bf16-weights rows against HF on the rounded model; everything else (that rounded model too: does rounding
+        # change HF's own output?) against HF greedy on the stock model
+        reference = outputs.get(ROUNDED_BASE if name.endswith(" bf16-weights") else "hf-greedy")
         for i, r in enumerate(rows):
             out = r.pop("out")
             if name not in (base, "hf-prompt-lookup") and not args.sample:  # llama.cpp too: identical to HF?

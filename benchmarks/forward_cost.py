@@ -117,8 +117,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--compile", action="store_true", help="the compiled static-shape forward (model.compile: on)")
     ap.add_argument(
-        "--prepack", default="off", choices=("off", "auto", "on", "native", "onednn"),
-        help="the linear layers as model.prepack runs them (auto/on: the faster packed kernel on a CPU, measured)",
+        "--prepack", default="off", choices=("off", "auto", "on", "native", "onednn", "native-bf16"),
+        help="the linear layers as model.prepack runs them (auto/on: the faster packed kernel on a CPU, measured; "
+        "native-bf16: the memory limit counts the linear weights' bfloat16 bytes)",
     )  # fmt: skip
     ap.add_argument("--out", default="results/forward_cost")
     args = ap.parse_args()
@@ -129,7 +130,8 @@ def main() -> None:
     else:
         path = resolve_model_path(args.model)
         model, _, folder = load_model_and_tokenizer(path, dtype=args.dtype, device=args.device)
-    stock = model  # the limits count the checkpoint's weights and FLOPs, whatever kernels run them
+    stock = model  # the limits count the checkpoint's weights and FLOPs, whatever kernels run them ...
+    weight_size = 2 if args.prepack == "native-bf16" else 0  # ... in the bytes the kernels store them in
     if args.prepack != "off":
         model = copy.deepcopy(stock)
         print(f"linear layers: {apply_prepack(model, args.prepack).kernels}", flush=True)
@@ -156,12 +158,14 @@ def main() -> None:
                 adapter.forward(torch.arange(q), torch.arange(kv_len, kv_len + q), vis, cache, torch.tensor([q - 1]))
                 crop(cache, kv_len)
 
-            ratios = paired_memory_ratios(forward, forward_bytes(stock, kv_len), adapter.device, reps=args.reps + 4)
+            ratios = paired_memory_ratios(
+                forward, forward_bytes(stock, kv_len, weight_size), adapter.device, reps=args.reps + 4
+            )
             paired[(kv_len, q)] = sorted(ratios)[len(ratios) // 2]
     curves = []
     for p in curve.points:
         one = next(q for q in curve.points if q.kv_len == p.kv_len and q.rows == 1)
-        bound = limits.bound_s(forward_bytes(stock, p.kv_len), forward_flops(stock, p.rows, p.kv_len))
+        bound = limits.bound_s(forward_bytes(stock, p.kv_len, weight_size), forward_flops(stock, p.rows, p.kv_len))
         row = {
             "prefix": p.kv_len,
             "rows": p.rows,
@@ -186,7 +190,7 @@ def main() -> None:
         "compile_s": round(compile_s, 1),
         "copy_gb_s": round(limits.copy_gb_s, 2),
         "matmul_gflop_s": round(limits.matmul_gflop_s, 1),
-        "weights_mb": round(forward_bytes(stock, 0) / 1e6, 1),
+        "weights_mb": round(forward_bytes(stock, 0, weight_size) / 1e6, 1),
         "parameters": sum(p.numel() for p in stock.parameters()),
         "x_label": "packed rows Q",
         "y_label": "forward ms",

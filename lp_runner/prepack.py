@@ -30,6 +30,7 @@ over the same inputs in the same order; tested on the three tiny families), so f
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,6 +116,21 @@ NATIVE_BF16_KERNEL = LinearKernel(
     compiled=native.native_linear_op,
 )
 NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py runs as one C call per layer
+
+
+def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose every ``nn.Linear`` weight is rounded to bfloat16 and held in the model's dtype
+    (biases, norms and the embedding kept): the model ``model.prepack=native-bf16`` computes, so HF ``generate`` on
+    it is that mode's exactness oracle. A tied output layer gets its own rounded weight, as a packed one leaves
+    the embedding's lookups on the original."""
+    rounded = copy.deepcopy(model)
+    for module in rounded.modules():
+        if type(module) is torch.nn.Linear:
+            weight = module.weight.detach()
+            module.weight = torch.nn.Parameter(weight.to(torch.bfloat16).to(weight.dtype), requires_grad=False)
+    return rounded
+
+
 KERNELS = {kernel.key: kernel for kernel in (ONEDNN, *NATIVE_KERNELS)}
 
 

@@ -26,6 +26,7 @@ from lp_runner.prepack import (
     PackedLinear,
     SharedInputProduct,
     apply_prepack,
+    bf16_rounded_linears,
     native_unavailable_reason,
     prepack_linears,
 )
@@ -34,18 +35,6 @@ NATIVE_REASON = native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_d
 # skipped only where the native kernel itself is unavailable: where it runs, its bfloat16 twin must too
 pytestmark = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"no native kernel: {NATIVE_REASON}")
 BUILDS = {"default": (), **{name: flags for name, (flags, _) in native.stand_in_builds().items()}}
-
-
-def rounded_linears(stock: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``stock`` whose every linear weight is rounded to bfloat16 and held as float32: what the
-    native-bf16 kernel multiplies by. A tied output layer gets its own rounded weight (the embedding's lookups
-    keep the original, as a packed output layer leaves them)."""
-    model = copy.deepcopy(stock)
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            rounded = module.weight.detach().to(torch.bfloat16).to(torch.float32)
-            module.weight = torch.nn.Parameter(rounded, requires_grad=False)
-    return model
 
 
 def _bf16_model(stock: torch.nn.Module) -> torch.nn.Module:
@@ -59,6 +48,24 @@ def test_the_bf16_product_runs_wherever_the_float32_one_does() -> None:
     disables it, and ``model.prepack=native-bf16`` would be refused with that reason)."""
     assert native.bf16_unavailable_reason() is None
     assert native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir(), torch.bfloat16) is None
+
+
+def test_the_oracle_rounds_the_linear_weights_and_nothing_else(tiny) -> None:
+    """``bf16_rounded_linears``: every linear weight rounded to bfloat16 (and changed: the test model's weights
+    are not already bfloat16 values), the tied embedding, norms and biases as they were, the input untouched."""
+    stock = tiny("qwen2")  # q/k/v biases
+    before = {k: v.clone() for k, v in stock.state_dict().items()}
+    rounded = bf16_rounded_linears(stock)
+    linears = {n for n, m in stock.named_modules() if type(m) is torch.nn.Linear}
+    assert linears
+    for name, value in rounded.state_dict().items():
+        module, _, kind = name.rpartition(".")
+        original = before[name]
+        if module in linears and kind == "weight":
+            assert torch.equal(value, original.to(torch.bfloat16).float()) and not torch.equal(value, original), name
+        else:
+            assert torch.equal(value, original), name
+    assert all(torch.equal(v, before[k]) for k, v in stock.state_dict().items())
 
 
 def test_the_layout_is_its_definition() -> None:
@@ -116,7 +123,7 @@ def test_rounds_are_the_float32_rounds_of_the_rounded_model(tiny, family: str) -
     native kernel on the model with rounded weights (same layer code, products equal bit for bit)."""
     stock = tiny(family)
     halves = ModelAdapter(_bf16_model(stock))
-    floats_model = rounded_linears(stock)
+    floats_model = bf16_rounded_linears(stock)
     prepack_linears(floats_model, kernel=KERNELS["native"])
     floats = ModelAdapter(floats_model)
     assert halves.native_layers == floats.native_layers == stock.config.num_hidden_layers
@@ -149,7 +156,7 @@ def test_engine_equals_hf_greedy_on_the_rounded_model(tiny, family: str) -> None
     """The whole engine, native layers and all, on bfloat16-stored weights: HF greedy on the float32 model with
     those weights rounded, token for token (window on and off)."""
     stock = tiny(family)
-    model, oracle = _bf16_model(stock), rounded_linears(stock)
+    model, oracle = _bf16_model(stock), bf16_rounded_linears(stock)
     assert ModelAdapter(model).native_layers == stock.config.num_hidden_layers
     for seed in range(3):
         prompt = random_prompt(24, seed=seed)
@@ -177,7 +184,7 @@ def test_embedded_model_equals_hf_greedy_on_its_rounded_weights(embedded, humane
     """The embedded model on bfloat16-stored weights: code and chat, window on and off, against HF greedy on the
     float32 model with its linear weights rounded."""
     stock, tokenizer = embedded
-    model, oracle = _bf16_model(stock), rounded_linears(stock)
+    model, oracle = _bf16_model(stock), bf16_rounded_linears(stock)
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}],
         add_generation_prompt=True,
