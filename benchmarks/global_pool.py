@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import humaneval, mtbench  # noqa: E402
 from lp_runner import preset  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig  # noqa: E402
@@ -313,11 +313,6 @@ def engine_check(rows: list[dict], n: int, setting: str, threads: int, wall: boo
     return out
 
 
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--outputs", default="/tmp/global_pool_outputs.jsonl", help="HF greedy outputs (cache)")
@@ -345,7 +340,7 @@ def main() -> None:
     scopes = compare_scopes(rows, args.max_tokens)
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "cpu": cpu_model(),
+        "cpu": cpu_description(),
         "model": "SmolLM2-135M-Instruct (embedded), fp32, HF greedy outputs",
         "max_new_tokens": args.max_new_tokens,
         "prompts": {s: sum(r["set"] == s for r in rows) for s in ("mtbench", "humaneval")},

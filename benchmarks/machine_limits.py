@@ -13,6 +13,7 @@ time, with the process's thread count: nothing is assumed about the CPU or GPU.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,3 +125,19 @@ def forward_flops(model: torch.nn.Module, rows: int, kv_len: int) -> float:
     params = sum(p.numel() for p in model.parameters())
     cfg = model.config.get_text_config()
     return 2.0 * params * rows + 4.0 * cfg.num_hidden_layers * cfg.hidden_size * rows * (kv_len + rows)
+
+
+def cpu_description() -> str:
+    """``lscpu``'s model name with the family, model and widest vector extension: this project's figures travel
+    with the CPU they ran on, and one model name ("AMD EPYC") covers CPUs whose forward costs differ."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
+    flags = set(fields.get("Flags", "").split())
+    vector = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "")
+    where = f"family {fields['CPU family']} model {fields['Model']}" if "CPU family" in fields else ""
+    detail = ", ".join(x for x in (where, vector) if x)
+    name = fields.get("Model name", "unknown")
+    return f"{name} ({detail})" if detail else name
