@@ -364,6 +364,12 @@ def apply_prepack(
         from lp_runner.loading import default_cache_dir
 
         cache_root = default_cache_dir()
+    dtype = next(model.parameters()).dtype
+    if mode == "native-bf16" and dtype != torch.float32:
+        raise ConfigError(
+            f"model.prepack=native-bf16 stores a float32 model's linear weights as bfloat16 and multiplies in "
+            f"float32; this model is {str(dtype).replace('torch.', '')}: set model.dtype=float32, or another prepack"
+        )
     reasons = {}
     if mode in ("auto", "on", "native"):
         reasons["native"] = native_unavailable_reason(model, cache_root)

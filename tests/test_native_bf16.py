@@ -172,7 +172,9 @@ def test_prepack_asks_for_it_and_auto_never_chooses_it(tiny) -> None:
     assert choice.kernel == "native-bf16" and choice.kernels == NATIVE_BF16_FUSED and choice.layers
     auto = apply_prepack(copy.deepcopy(tiny("llama")), "auto")
     assert auto.kernel != "native-bf16"
-    with pytest.raises(ConfigError, match=r"bfloat16 weights \(the native product: float32\)"):
+    with pytest.raises(
+        ConfigError, match="native-bf16 stores a float32 model.*this model is bfloat16: set model.dtype=float32"
+    ):
         apply_prepack(copy.deepcopy(tiny("llama")).to(torch.bfloat16), "native-bf16")
     assert load_config(None, ["model.prepack=native-bf16"]).model.prepack == "native-bf16"
     with pytest.raises(ConfigError, match="model.prepack"):
