@@ -44,15 +44,21 @@ LOCK_HOLDER_ENV = "LP_RUNNER_OUTPUT_LOCK_HOLDER"
 # how the model is run, not which tokens it gives: threads and prepacked kernels differ at most at fp32 rounding
 _NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle", "prepack", "native_layers")}
 _DIGEST_SECTIONS = ("model", "lookahead", "generation")
+# ... except a prepack that rounds the weights: it runs another model (model.linear_weights in the settings, so a
+# resume between it and any other prepack is refused by name; absent otherwise, so earlier files keep their digest)
+_WEIGHTS_ROUNDED_BY = {"native-bf16": "bfloat16"}
 
 
 def output_settings(cfg: Config) -> dict[str, dict[str, Any]]:
     """The settings that decide the generated tokens (model, lookahead, generation), as records carry them."""
     data = cfg.to_dict()
-    return {
+    settings = {
         section: {k: v for k, v in data[section].items() if k not in _NOT_IN_DIGEST.get(section, ())}
         for section in _DIGEST_SECTIONS
     }
+    if cfg.model.prepack in _WEIGHTS_ROUNDED_BY:
+        settings["model"]["linear_weights"] = _WEIGHTS_ROUNDED_BY[cfg.model.prepack]
+    return settings
 
 
 def output_digest(cfg: Config) -> str:

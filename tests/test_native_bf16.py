@@ -10,13 +10,20 @@ model, window on and off, with the native layers running.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from dist_helpers import env_with_repo, make_tiny_folder, write_prompts
 from helpers import FAMILIES, hf_greedy, random_prompt, run_lookahead
+from transformers import AutoModelForCausalLM
 
 from lp_runner import native
-from lp_runner.config import load_config
+from lp_runner.config import GenerationConfig, LookaheadConfig, load_config
+from lp_runner.engine import LookaheadEngine
 from lp_runner.errors import ConfigError
 from lp_runner.loading import default_cache_dir
 from lp_runner.model import ModelAdapter, causal, crop
@@ -198,3 +205,51 @@ def test_embedded_model_equals_hf_greedy_on_its_rounded_weights(embedded, humane
         for ids in prompts:
             expected = hf_greedy(oracle, ids, 64, eos)
             assert run_lookahead(model, ids, max_new_tokens=64, eos_ids=eos, **kwargs).output_ids == expected
+
+
+@pytest.mark.slow
+def test_cli_runs_the_rounded_model_and_refuses_to_resume_across_it(tmp_path: Path) -> None:
+    """``--set model.prepack=native-bf16`` through the CLI: HF greedy on the tiny checkpoint with its linear
+    weights rounded, the summary and record naming the kernels and the rounding; a ``--resume`` of that file
+    on the float32 weights is refused by name (its tokens came from another model)."""
+    folder = make_tiny_folder(tmp_path / "model", "llama", seed=3)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
+    out = tmp_path / "o.jsonl"
+
+    def cli(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(out)]
+            + ["--set", f"model.path={folder}", "--set", "model.threads=1", "--set", "generation.max_new_tokens=24"]
+            + ["--set", "model.compile=off", *extra],
+            env={**env_with_repo(), "LP_RUNNER_CACHE": str(tmp_path / "cache")},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    proc = cli("--set", "model.prepack=native-bf16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "linear layers: native, bfloat16 weights (" in proc.stderr
+    record = json.loads(out.read_text().splitlines()[0])
+    assert record["policy"]["prepack"]["kernels"] == NATIVE_BF16_FUSED
+    assert record["config"]["model"]["linear_weights"] == "bfloat16"
+    stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert record["output_ids"] == hf_greedy(bf16_rounded_linears(stock), record["prompt_ids"], 24)
+    resumed = cli("--resume", "--set", "model.prepack=auto")
+    assert resumed.returncode == 2
+    assert "model.linear_weights: 'bfloat16' in the file, '(unset)' now" in resumed.stderr
+
+
+@pytest.mark.slow
+def test_compiled_rounds_equal_hf_greedy_on_the_rounded_model(tiny) -> None:
+    """``model.compile`` over bfloat16-stored weights: the opaque native op dispatches on the packed dtype inside
+    the compiled graph too."""
+    stock = tiny("llama")
+    compiled = ModelAdapter(_bf16_model(stock), compile=True)
+    assert compiled.kernels == NATIVE_BF16_FUSED and compiled.warm_up(64) > 0
+    oracle = bf16_rounded_linears(stock)
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=32), [])
+    for seed in range(2):
+        prompt = random_prompt(20, seed=seed)
+        assert engine.generate(prompt).output_ids == hf_greedy(oracle, prompt, 32), seed

@@ -255,13 +255,20 @@ def test_the_native_library_is_built_once_per_source_compiler_and_cpu(tmp_path) 
 
 def test_resume_may_change_the_kernels() -> None:
     """``model.prepack`` is how the model runs, not which tokens it gives: the records' digest leaves it out (as it
-    leaves out threads), so a job started prepacked resumes with ``off`` and the reverse; the dtype stays in."""
+    leaves out threads), so a job started prepacked resumes with ``off`` and the reverse; the dtype stays in, and
+    so does the rounding of ``native-bf16``."""
     from lp_runner.config import load_config
-    from lp_runner.output import output_digest
+    from lp_runner.output import output_digest, output_settings, settings_diff
 
     packed, plain = load_config(None, []), load_config(None, ["model.prepack=off"])
     assert output_digest(packed) == output_digest(plain)
     assert output_digest(packed) != output_digest(load_config(None, ["model.dtype=bfloat16"]))
+    # native-bf16 rounds the linear weights: another model's tokens, so a resume across it is refused by name
+    rounded = load_config(None, ["model.prepack=native-bf16"])
+    assert output_digest(rounded) != output_digest(packed)
+    assert settings_diff(output_settings(packed), output_settings(rounded)) == [
+        "model.linear_weights: '(unset)' in the file, 'bfloat16' now"
+    ]
 
 
 def test_calibration_and_compile_records_are_per_kernel() -> None:
