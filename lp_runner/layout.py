@@ -26,6 +26,7 @@ Worked example (one ordinary row at p=9, W=3, depth 1, columns [0, 3), one candi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -218,13 +219,20 @@ def pad_layout(layout: RoundLayout, num_rows: int) -> RoundLayout:
 
 
 def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
-    """[Q, Q] bool: which in-round rows each row attends to, from roles alone (see module docstring)."""
-    role = torch.tensor([r.role for r in rows])  # [Q]
-    level = torch.tensor([r.level for r in rows])
-    column = torch.tensor([r.column for r in rows])
-    cand = torch.tensor([r.candidate for r in rows])
-    offset = torch.tensor([r.offset for r in rows])
-    q = len(rows)
+    """[Q, Q] bool: which in-round rows each row attends to, from roles alone (see module docstring).
+
+    A function of each row's (role, level, column, candidate, offset), not of its token or position, and a job's
+    rounds take few distinct shapes (a no-window round: the live row and its candidates' lengths): so it is
+    computed once per shape (``_visibility``, an LRU of 512) and copied (the caller owns its tensor). Computing
+    it took about 120 us a round on a 2-core EPYC, some 1% of a 12 ms round; a copy takes a few."""
+    return _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows)).clone()
+
+
+@functools.lru_cache(maxsize=512)
+def _visibility(shape: tuple[tuple[int, int, int, int, int], ...]) -> torch.Tensor:
+    """``visibility_mask`` of rows whose (role, level, column, candidate, offset) are ``shape``."""
+    role, level, column, cand, offset = (torch.tensor(field, dtype=torch.long) for field in zip(*shape, strict=True))
+    q = len(shape)
     i_idx = torch.arange(q).unsqueeze(1)  # [Q, 1] attending row
     k_idx = torch.arange(q).unsqueeze(0)  # [1, Q] attended row
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import FAMILIES, TINY_VOCAB
 
+from lp_runner import layout as layout_module
 from lp_runner.layout import (
     ROLE_LOOKAHEAD,
     ROLE_ORDINARY,
@@ -68,6 +69,21 @@ def test_worked_example_rows_positions_and_mask() -> None:
     assert lay.verify_logits == ((4, 5),)
     assert (lay.num_ordinary, lay.num_lookahead, lay.num_candidates, lay.num_rows) == (1, 5, 1, 8)
     assert lay.verify_row(0, 1) == 7
+
+
+def test_visibility_is_one_per_shape_and_each_caller_owns_its_copy() -> None:
+    """The mask depends on the rows' roles and places only: rounds of the same shape with other tokens and
+    positions get the same mask, computed once; a caller that writes into its mask changes no other's."""
+    first = worked_example()
+    hits = layout_module._visibility.cache_info().hits
+    again = compile_round(ordinary=[7], start_position=40, levels=[[8, 9], [10, 11, 12]], columns=(0, 3),
+                          candidates=[[13, 14]])  # fmt: skip
+    shape = tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in first.rows)
+    computed = layout_module._visibility.__wrapped__(shape)  # what the cache holds, computed afresh
+    assert torch.equal(first.visibility, computed) and torch.equal(again.visibility, computed)
+    assert layout_module._visibility.cache_info().hits > hits
+    first.visibility.fill_(False)
+    assert torch.equal(layout_module.visibility_mask(again.rows), computed) and computed.any()
 
 
 def test_additive_mask_prefix_visible_and_blocked_entries_are_min() -> None:
