@@ -346,14 +346,22 @@ def crop(cache: DynamicCache, length: int) -> None:
 
 @torch.inference_mode()  # cache tensors are inference tensors: in-place writes must happen in this mode
 def move_rows(cache: DynamicCache, src: Sequence[int], dst: Sequence[int]) -> None:
-    """Copy the K/V of cache positions ``src`` to ``dst`` in every layer (sources are read before writing)."""
+    """Copy the K/V of cache positions ``src`` to ``dst`` (distinct) in every layer (sources are read before
+    writing). A position moved onto itself is left alone: a round whose winning candidate's rows follow its
+    ordinary rows (every no-window round's first candidate) moves nothing, where copying it cost about 0.75 ms
+    a round on the embedded model's 30 layers (2-core EPYC), 6% of a 12 ms round. The index tensors are made
+    once per device, not per layer."""
     if len(src) != len(dst):
         raise ValueError("src and dst must have equal length")
-    if not src:
+    moves = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
+    if not moves:
         return
+    src, dst = zip(*moves, strict=True)
+    indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in cache.layers:
         keys, values = layer.keys, layer.values  # (B, H, T, D)
-        src_t = torch.tensor(src, device=keys.device)
-        dst_t = torch.tensor(dst, device=keys.device)
+        if keys.device not in indices:
+            indices[keys.device] = torch.tensor(src, device=keys.device), torch.tensor(dst, device=keys.device)
+        src_t, dst_t = indices[keys.device]
         keys.index_copy_(2, dst_t, keys.index_select(2, src_t))
         values.index_copy_(2, dst_t, values.index_select(2, src_t))

@@ -121,6 +121,13 @@ def test_move_rows(tiny, family: str) -> None:
     move_rows(cache, [], [])  # nothing to copy is fine
     with pytest.raises(ValueError, match="equal length"):
         move_rows(cache, [1, 2], [3])
+    # positions moved onto themselves stay, beside a real move: the same as that move alone
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    move_rows(cache, [5, 2, 6], [5, 0, 6])
+    for layer, (k0, v0) in zip(cache.layers, before, strict=True):
+        expected_k, expected_v = k0.clone(), v0.clone()
+        expected_k[:, :, 0], expected_v[:, :, 0] = k0[:, :, 2], v0[:, :, 2]
+        assert torch.equal(layer.keys, expected_k) and torch.equal(layer.values, expected_v)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
