@@ -259,9 +259,7 @@ def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     fn = _FN_BF16 if packed.dtype == torch.bfloat16 else _FN
     if fn is None:
         raise NativeUnavailable(
-            "the native kernel was not loaded (lp_runner.native.load)"
-            if _FN is None
-            else "this build of the native kernel has no product on bfloat16 weights"
+            "the native kernel was not loaded (lp_runner.native.load)" if _FN is None else _BF16_REASON
         )
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
@@ -340,9 +338,7 @@ def llama_layer(
     layer = _LAYER_BF16 if weights[3].dtype == torch.bfloat16 else _LAYER
     if layer is None:
         raise NativeUnavailable(
-            "the native kernel was not loaded (lp_runner.native.load)"
-            if _LAYER is None
-            else "this build of the native kernel has no layer on bfloat16 weights"
+            "the native kernel was not loaded (lp_runner.native.load)" if _LAYER is None else _BF16_REASON
         )
     rows, embed = hidden.shape
     kv_heads, capacity, dim = keys.shape

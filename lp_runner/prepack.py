@@ -118,6 +118,9 @@ NATIVE_BF16_KERNEL = LinearKernel(
 NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py runs as one C call per layer
 
 
+KERNELS = {kernel.key: kernel for kernel in (ONEDNN, *NATIVE_KERNELS)}
+
+
 def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose every ``nn.Linear`` weight is rounded to bfloat16 and held in the model's dtype
     (biases, norms and the embedding kept): the model ``model.prepack=native-bf16`` computes, so HF ``generate`` on
@@ -129,9 +132,6 @@ def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
             weight = module.weight.detach()
             module.weight = torch.nn.Parameter(weight.to(torch.bfloat16).to(weight.dtype), requires_grad=False)
     return rounded
-
-
-KERNELS = {kernel.key: kernel for kernel in (ONEDNN, *NATIVE_KERNELS)}
 
 
 class PackedLinear(torch.nn.Module):
