@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
 from lp_runner import native  # noqa: E402
-from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.loading import default_cache_dir  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        cpu = device_name(torch.device("cpu"))
+        cpu = cpu_description()
         caption = f"{cpu}, {args.threads} threads, lower quartile of {args.calls} calls each, interleaved"
         write_results(Path(args.out), {"cpu": cpu, "threads": args.threads, "calls": args.calls}, caption, results)
 

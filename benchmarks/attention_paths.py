@@ -17,14 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
 from lp_runner.attention import NATIVE_GQA, PACKED_GQA  # noqa: E402
-from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
 
 
@@ -53,7 +51,7 @@ def main() -> None:
     adapters["compiled native guards checked"] = checked
     results = time_row_counts(adapters, args.prefix, capacity, args.rows, args.reps)
     if args.out:
-        cpu = device_name(torch.device("cpu"))
+        cpu = cpu_description()
         caption = f"{cpu}, {args.threads} threads, K/V {args.prefix}, median of {args.reps} forwards, interleaved"
         meta = {"cpu": cpu, "threads": args.threads, "prefix": args.prefix, "reps": args.reps}
         write_results(Path(args.out), meta, caption, results)

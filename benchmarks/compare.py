@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import bench16, calibration8, heldout24  # noqa: E402
-from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402
 from lp_runner.engine import LookaheadEngine  # noqa: E402
 from lp_runner.loading import (  # noqa: E402
@@ -399,7 +399,7 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
     report = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
-        "cpu": device_name(torch.device("cpu")),  # lscpu's model name: figures travel with the CPU they ran on
+        "cpu": cpu_description(),  # lscpu: name, family/model, vector ISA
         "dtype": args.dtype,
         "model": str(folder),
         "max_new_tokens": args.max_new_tokens,

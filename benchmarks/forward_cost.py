@@ -38,12 +38,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine_limits import (  # noqa: E402
+    cpu_description,
     forward_bytes,
     forward_flops,
     measure_limits,
     paired_memory_ratios,
 )
-from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.costmodel import measure_curve  # noqa: E402
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.model import ModelAdapter, crop  # noqa: E402
@@ -184,7 +184,7 @@ def main() -> None:
         "dtype": args.dtype,
         "device": args.device,
         "threads": args.threads,
-        "cpu": device_name(torch.device("cpu")),
+        "cpu": cpu_description(),
         "compiled": args.compile,
         "linear": adapter.kernels,
         "compile_s": round(compile_s, 1),

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lp_runner.calibrate import device_name  # noqa: E402
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.model import ModelAdapter, crop  # noqa: E402
 from lp_runner.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears  # noqa: E402
@@ -112,7 +112,7 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        cpu = device_name(torch.device("cpu"))
+        cpu = cpu_description()
         meta = {"model": str(folder), "cpu": cpu, "threads": args.threads, "reps": args.reps, "results": results}
         out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
         others = [n for n in adapters if n != "transformers"]

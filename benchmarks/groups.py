@@ -88,10 +88,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="first N prompts of bench16 only (0: all 16)")
     args = ap.parse_args()
 
-    import torch
-
+    from benchmarks.machine_limits import cpu_description
     from benchmarks.prompt_sets import bench16
-    from lp_runner.calibrate import device_name
 
     prompts = bench16()
     if args.limit:
@@ -120,7 +118,7 @@ def main() -> None:
         rounds.append(results)
     summary = {
         "date": date.today().isoformat(),
-        "cpu": device_name(torch.device("cpu")),  # lscpu's model name: figures travel with the CPU they ran on
+        "cpu": cpu_description(),  # lscpu: name, family/model, vector ISA
         "cores": len(os.sched_getaffinity(0)),
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,

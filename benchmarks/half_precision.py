@@ -35,9 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.compare import _answer, _engine_runner, config_policy  # noqa: E402
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import bench16, heldout24  # noqa: E402
 from lp_runner.agreement import TOLERANCE_ULPS, compare, prefill_logits, ulp  # noqa: E402
-from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig  # noqa: E402
 from lp_runner.engine import LookaheadEngine  # noqa: E402
 from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
@@ -165,7 +165,7 @@ def summarize(detail: list[dict]) -> dict:
 def write_report(args, folder, policies, detail, noise, total) -> dict:
     report = {
         "date": date.today().isoformat(),
-        "cpu": device_name(torch.device("cpu")),  # lscpu's model name
+        "cpu": cpu_description(),  # lscpu: name, family/model, vector ISA
         "machine": platform.machine(),
         "torch": torch.__version__,
         "commit": COMMIT,  # the engine's rounding depends on its forward path: results travel with the code

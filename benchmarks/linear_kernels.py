@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lp_runner.calibrate import device_name  # noqa: E402
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.prepack import NATIVE_KERNEL, PackedLinear, native_unavailable_reason, prepack_linears  # noqa: E402
 
@@ -82,7 +82,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        cpu = device_name(torch.device("cpu"))
+        cpu = cpu_description()
         meta = {
             "date": date.today().isoformat(),
             "model": str(folder),

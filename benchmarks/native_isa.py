@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import native_embedded_model, prefilled_caches  # noqa: E402
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from lp_runner import native  # noqa: E402
-from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.loading import default_cache_dir  # noqa: E402
 from lp_runner.model import ModelAdapter, causal, crop  # noqa: E402
 
@@ -185,7 +185,7 @@ def main() -> None:
     shapes = [(e + 2 * kv, e), (e, e), (2 * i, e), (e, i)] * cfg.num_hidden_layers + [(cfg.vocab_size, e)]
     result = {
         "date": str(date.today()),
-        "device": device_name(torch.device("cpu")),
+        "device": cpu_description(),
         "threads": args.threads,
         "reps": args.reps,
         "builds": {n: list(f) for n, f in builds.items()},

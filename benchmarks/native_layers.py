@@ -16,13 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
-from lp_runner.calibrate import device_name  # noqa: E402
 from lp_runner.model import ModelAdapter  # noqa: E402
 
 
@@ -50,7 +48,7 @@ def main() -> None:
         raise SystemExit("the embedded model's layers did not take the native path")
     results = time_row_counts(adapters, args.prefix, capacity, args.rows, args.reps)
     if args.out:
-        cpu = device_name(torch.device("cpu"))
+        cpu = cpu_description()
         caption = (
             f"{cpu}, {args.threads} threads, float32, native products, K/V {args.prefix}, median of {args.reps} "
             f"forwards, interleaved" + (f"; compiled in {compile_s} s" if compile_s is not None else "")

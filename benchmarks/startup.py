@@ -29,9 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
 
-from lp_runner.calibrate import device_name  # noqa: E402
+from benchmarks.machine_limits import cpu_description  # noqa: E402
 
 PRESET_LINE = re.compile(r"preset auto \((?P<how>[^)]*)\): (?P<rest>.*)")
 
@@ -88,7 +87,7 @@ def main() -> None:
         ratios.append(pair["searched"] / pair["cached"])
     if len(settings) != 1:
         sys.exit(f"the two variants chose differently: {settings}")
-    cpu = device_name(torch.device("cpu"))
+    cpu = cpu_description()
     rows = [
         f"# Start-up: the auto preset's search computed vs read from the cache ({date.today()}, {cpu})",
         "",
