@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine_limits import cpu_description, forward_bytes, paired_memory_ratios  # noqa: E402
+from lp_runner import native  # noqa: E402
 from lp_runner.fetch import fetch_embedded_model  # noqa: E402
 from lp_runner.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
 from lp_runner.model import ModelAdapter, crop  # noqa: E402
@@ -117,11 +118,15 @@ def main() -> None:
         "reps": args.reps,
         "weights_mb": {name: round(forward_bytes(stock, 0, size) / 1e6, 1) for name, (_, size) in STORAGES.items()},
         "kernels": {name: adapter.kernels for name, adapter in adapters.items()},
+        "native_build": native.build_id(),  # the library's hashed name (source, compiler, CPU, flags)
+        "native_flags": " ".join(native.extra_flags()),  # $LP_RUNNER_NATIVE_CFLAGS: another ISA's tile
         "rows": table,
     }
     md = [
         f"{report['date']}, CPU {report['cpu']}, {args.threads} threads, embedded model, K/V {kv}, median of "
-        f"{args.reps} alternating forwards (head on the last row); weights read per forward: "
+        f"{args.reps} alternating forwards (head on the last row), native build {report['native_build']}"
+        + (f" (extra flags {report['native_flags']})" if report["native_flags"] else "")
+        + "; weights read per forward: "
         f"{report['weights_mb']['float32']} MB float32, {report['weights_mb']['bfloat16']} MB bfloat16-stored.",
         "",
         "| rows | float32 ms | bf16 weights ms | float32 / bf16 | float32 x one row | bf16 x one row "
