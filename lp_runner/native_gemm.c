@@ -158,6 +158,25 @@ MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
 #define KC 64
 #define SUPER (8 * MR)
 
+/* A chunk's weights for the chunked passes: NULL, each pass reads the stored weights (float32, or bfloat16 widened
+   in registers as in one tile's pass), or, for bfloat16 under WIDEN_ONCE_PASSES passes or more, the chunk widened
+   once into buf ([kn][NB] floats, 8 KB: L1), which every pass then reads as floats. Widening in every pass cost
+   the AVX2 tile (3 rows a pass, six passes for 16 rows) more than the halved stream saved: widening once made
+   16-24 rows 1.2-1.3x faster in four of six interleaved runs (equal in the others: this host's moments), level
+   with float32, and the SSE2 tile's 8-24 rows 1.1-1.2x (a scratch A/B of the two sources' products, EPYC of
+   2026-12-03). With 2-3 passes (AVX2 4-8 rows, AVX-512 16-24 rows) the store and reload cost what they saved. */
+#define WIDEN_ONCE_PASSES 4
+static inline const float *chunk_weights_f_(const float *pb, int kn, long passes, float *buf) {
+  (void)pb, (void)kn, (void)passes, (void)buf;
+  return NULL;
+}
+static inline const float *chunk_weights_h_(const unsigned short *pb, int kn, long passes, float *buf) {
+  if (passes < WIDEN_ONCE_PASSES) return NULL;
+  for (int k = 0; k < kn; k++)
+    for (int j = 0; j < NV; j++) *(vec *)(buf + k * NB + j * VL) = load_bf16(pb + (size_t)k * NB, j);
+  return buf;
+}
+
 /* The product's blocks, for weights stored as WT (float or bfloat16 bits, SUF f_ or h_): see lp_native_gemm_f32. */
 #define GEMM_OF(SUF, WT)                                                                                    \
   static int gemm_##SUF(const float *x, const WT *p, const float *b, float *y, long M, long N, long K,       \
@@ -165,7 +184,7 @@ MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
     if (M < 1 || N < 1 || K < 1 || threads < 1) return -1;                                                \
     long blocks = (N + NB - 1) / NB;                                                                      \
     _Pragma("omp parallel for num_threads(threads) schedule(static)") for (long blk = 0; blk < blocks; blk++) { \
-      float acc[SUPER * NB] __attribute__((aligned(64)));                                                 \
+      float acc[SUPER * NB] __attribute__((aligned(64))), wbuf[KC * NB] __attribute__((aligned(64)));     \
       long n = blk * NB;                                                                                  \
       int ncols = N - n < NB ? (int)(N - n) : NB;                                                         \
       const WT *pb = p + (size_t)blk * K * NB;                                                            \
@@ -182,12 +201,17 @@ MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
             /* its lines, shared out over the passes after the first: pfn per k */                        \
             int pf_total = (int)((size_t)kn * NB * sizeof(WT) / 64);                                      \
             int pfn = passes > 1 ? (int)((pf_total + (passes - 1) * kn - 1) / ((passes - 1) * kn)) : 0;   \
+            const float *cw = chunk_weights_##SUF(pb + (size_t)k0 * NB, kn, passes, wbuf);                \
             for (long m0 = 0, pass = 0; m0 < rows; m0 += MR, pass++) {                                    \
               int mm = rows - m0 < MR ? (int)(rows - m0) : MR;                                            \
               int skip = (int)(pass - 1) * kn * pfn; /* lines the earlier passes prefetched */            \
               const char *pf = pass && more && skip < pf_total ? next + (size_t)skip * 64 : NULL;         \
               const float *xs = x + (size_t)(s0 + m0) * K + k0;                                           \
-              DISPATCH(chunk_##SUF, mm, (xs, pb + (size_t)k0 * NB, acc + m0 * NB, (int)K, kn, first, pf, pfn, pf_total - skip)) \
+              if (cw)                                                                                     \
+                DISPATCH(chunk_f_, mm, (xs, cw, acc + m0 * NB, (int)K, kn, first, pf, pfn, pf_total - skip))  \
+              else                                                                                        \
+                DISPATCH(chunk_##SUF, mm,                                                                 \
+                         (xs, pb + (size_t)k0 * NB, acc + m0 * NB, (int)K, kn, first, pf, pfn, pf_total - skip)) \
             }                                                                                             \
           }                                                                                               \
           for (long m = 0; m < rows; m++)                                                                 \
