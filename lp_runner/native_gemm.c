@@ -162,8 +162,8 @@ MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
    in registers as in one tile's pass), or, for bfloat16 under WIDEN_ONCE_PASSES passes or more, the chunk widened
    once into buf ([kn][NB] floats, 8 KB: L1), which every pass then reads as floats. Widening in every pass cost
    the AVX2 tile (3 rows a pass, six passes for 16 rows) more than the halved stream saved: widening once made
-   16-24 rows 1.2-1.3x faster in four of six interleaved runs (equal in the others: this host's moments), level
-   with float32, and the SSE2 tile's 8-24 rows 1.1-1.2x (a scratch A/B of the two sources' products, EPYC of
+   16-24 rows 1.2-1.3x faster in five of eight interleaved comparisons (within 5% in the others: this host's
+   moments), level with float32, and the SSE2 tile's 8-24 rows 1.1-1.2x (a scratch A/B of the two sources' products, EPYC of
    2026-12-03). With 2-3 passes (AVX2 4-8 rows, AVX-512 16-24 rows) the store and reload cost what they saved. */
 #define WIDEN_ONCE_PASSES 4
 static inline const float *chunk_weights_f_(const float *pb, int kn, long passes, float *buf) {
