@@ -97,19 +97,14 @@ def curves() -> dict[str, dict]:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3])
+    # imported here, not at the top: a child must import its own revision's lp_runner, which machine_limits
+    # would otherwise have imported from this checkout first
+    sys.path.insert(0, str(REPO))
+    from benchmarks.machine_limits import cpu_description
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", required=True, help="git revision to compare against")
     ap.add_argument("--pairs", type=int, default=5)
@@ -145,7 +140,7 @@ def main() -> None:
         same = same and len(choices) == 1
     report = {
         "date": date.today().isoformat(),
-        "cpu": cpu_model(),
+        "cpu": cpu_description(),
         "baseline": args.baseline,
         "pairs": args.pairs,
         "same_choices": same,

@@ -269,3 +269,11 @@ def plain_cache(model: PreTrainedModel, tokens: Sequence[int]):
         if cache is not None:
             return cache
     raise AssertionError("the model returned no cache")
+
+
+def code_and_chat_ids(tokenizer, code: Sequence[str], question: str) -> list[list[int]]:
+    """Token ids of the ``code`` prompts as they are, then of ``question`` as one chat turn (the template's
+    generation prompt added): the embedded-model tests' mix of code and chat."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    chat = chat["input_ids"] if hasattr(chat, "keys") else chat
+    return [tokenizer(p)["input_ids"] for p in code] + [list(chat)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import env_with_repo, make_tiny_folder, write_prompts
-from helpers import FAMILIES, hf_greedy, random_prompt, run_lookahead
+from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead
 from transformers import AutoModelForCausalLM
 
 from lp_runner import native
@@ -194,12 +194,7 @@ def test_embedded_model_equals_hf_greedy_on_its_rounded_weights(embedded, humane
     float32 model with its linear weights rounded."""
     stock, tokenizer = embedded
     model, oracle = _bf16_model(stock), bf16_rounded_linears(stock)
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}],
-        add_generation_prompt=True,
-    )
-    chat = chat["input_ids"] if hasattr(chat, "keys") else chat
-    prompts = [tokenizer(p)["input_ids"] for p in humaneval(2)] + [list(chat)]
+    prompts = code_and_chat_ids(tokenizer, humaneval(2), "Name three rivers in Europe and one fact about each.")
     eos = [tokenizer.eos_token_id]
     for kwargs in ({"W": 5, "N": 4, "G": 5}, {"W": 1, "N": 5, "G": 1, "lookahead_branch": False}):
         for ids in prompts:

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from helpers import FAMILIES, hf_greedy, random_prompt, run_lookahead
+from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead
 
 from lp_runner import native, native_layers
 from lp_runner.loading import default_cache_dir, weights_checksum
@@ -149,12 +149,7 @@ def test_native_layer_embedded_model_equals_hf_greedy(embedded, humaneval, calls
     and off, every round's layers native."""
     stock, tokenizer = embedded
     model = _native_model(stock)
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three rivers in Europe and one fact about each."}],
-        add_generation_prompt=True,
-    )
-    chat = chat["input_ids"] if hasattr(chat, "keys") else chat
-    prompts = [tokenizer(p)["input_ids"] for p in humaneval(2)] + [list(chat)]
+    prompts = code_and_chat_ids(tokenizer, humaneval(2), "Name three rivers in Europe and one fact about each.")
     eos = [tokenizer.eos_token_id]
     for kwargs in ({"W": 5, "N": 4, "G": 5}, {"W": 1, "N": 5, "G": 1, "lookahead_branch": False}):
         for ids in prompts:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
-from helpers import FAMILIES, hf_greedy, random_prompt, run_lookahead
+from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead
 
 from lp_runner import native, prepack
 from lp_runner.calibrate import calibration_key
@@ -297,11 +297,7 @@ def test_prepacked_embedded_model_equals_hf_greedy(embedded, humaneval, kernel) 
     stock, tokenizer = embedded
     model = copy.deepcopy(stock)
     assert prepack_linears(model, kernel=kernel)[0] == _count_linears(stock)
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Give three tips for a good night's sleep."}], add_generation_prompt=True
-    )
-    chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
-    prompts = [tokenizer(p)["input_ids"] for p in humaneval(3)] + [list(chat)]
+    prompts = code_and_chat_ids(tokenizer, humaneval(3), "Give three tips for a good night's sleep.")
     settings = (
         LookaheadConfig(window_size=5, ngram_size=4, verification_set_size=5),
         LookaheadConfig(window_size=1, ngram_size=5, verification_set_size=2, lookahead_branch=False),
