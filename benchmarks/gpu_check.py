@@ -255,6 +255,32 @@ def _cli_figures(path: Path) -> dict | None:
     }
 
 
+def _outputs(path: Path) -> dict[str, list[int]] | None:
+    """Prompt id -> output token ids of a CLI output JSONL (error records left out), or None if unreadable."""
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    return {str(r["id"]): list(r["output_ids"]) for r in records if "output_ids" in r}
+
+
+def agreement(outputs: dict[str, list[int]], reference: dict[str, list[int]]) -> dict:
+    """How a run's outputs compare with the reference run's (the engine's own one-token decoding), prompt by
+    prompt: the count identical, and for each other prompt the first token index where they differ.
+
+    Why: in half precision the engine is exact up to rounding-level ties (a packed forward may round a logit
+    differently from a one-row forward), so on a GPU in bf16 this is the figure that says how often that happens.
+    Example: {"a": [1, 2, 3]} against {"a": [1, 2, 4]} -> {"prompts": 1, "identical": 0, "first_difference":
+    {"a": 2}}."""
+    shared = [k for k in reference if k in outputs]
+    differ = {}
+    for k in shared:
+        a, b = outputs[k], reference[k]
+        if a != b:
+            differ[k] = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return {"prompts": len(shared), "identical": len(shared) - len(differ), "first_difference": differ}
+
+
 def _cli_summary_block(log: Path) -> str:
     """The summary lp_runner printed (between its two dashed lines), or ''."""
     try:
@@ -334,6 +360,18 @@ def cmd_summarize(args: argparse.Namespace) -> int:
         ]
         md += [f"| {name} | " + " | ".join(str(f[c]) for c in cols) + " |" for name, f in runs]
         md.append("")
+        reference = _outputs(out / f"cli_{args.reference}.jsonl")
+        for name, figures in runs:
+            got = _outputs(out / f"cli_{name}.jsonl")
+            if name == args.reference or reference is None or got is None:
+                continue
+            figures["agreement"] = same = agreement(got, reference)
+            differ = ", ".join(f"{k} at token {i}" for k, i in same["first_difference"].items())
+            md.append(
+                f"- {name}: output identical to {args.reference} on {same['identical']} of {same['prompts']} "
+                f"prompts{'; first difference: ' + differ if differ else ''}"
+            )
+        md.append("")
         for name, _ in runs:
             block = _cli_summary_block(out / "logs" / f"cli-{name}.log")
             if block:
@@ -369,6 +407,7 @@ def main() -> int:
     p = sub.add_parser("summarize", help="write gpu_check_summary.md from what the steps left in --out")
     p.add_argument("--out", required=True)
     p.add_argument("--runs", nargs="*", default=["default", "lookahead", "greedy"])
+    p.add_argument("--reference", default="greedy", help="the run the others' outputs are compared with")
     p.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     handler = {"env": cmd_env, "make-model": cmd_make_model, "nccl-probe": cmd_nccl_probe}

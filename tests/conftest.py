@@ -37,6 +37,7 @@ LONGEST_FIRST = (
     "test_prepack.py",  # 308 s, mostly in process
     "test_groups.py",  # 210 s, torchrun
     "test_compile.py",  # 268 s, mostly in process
+    "test_gpu_check.py",  # ~100 s, torch.compile and torchrun (measured alone)
     "test_job_pool_exact.py",  # 191 s
     "test_sampling_e2e.py",  # 134 s
     "test_config_cli.py",  # 129 s

@@ -1,0 +1,74 @@
+"""The prepared check for a lent GPU machine (``benchmarks/gpu_check.sh``) works before the machine is lent.
+
+A GPU is lent to few tasks, for minutes, with no network: a script broken by a change elsewhere (a renamed
+option of ``forward_cost.py``, a CLI key) would waste the only GPU run this project gets. Its CPU smoke mode runs
+the same steps on a tiny model; here it must finish with every step ok, and its summary must carry each section
+and the comparison of every CLI run's output with the engine's own one-token decoding."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dist_helpers import REPO, env_with_repo
+
+from benchmarks.gpu_check import agreement
+
+STEPS = (
+    "env",
+    "forward-cost",
+    "forward-cost-compiled",
+    "nccl-probe",
+    "make-model",
+    "cli-default",
+    "cli-lookahead",
+    "cli-greedy",
+)
+
+
+def test_agreement_counts_identical_outputs_and_first_differences():
+    reference = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8], "only-in-reference": [9]}
+    outputs = {"a": [1, 2, 3], "b": [4, 0, 6], "c": [7, 8, 1]}
+    got = agreement(outputs, reference)
+    # a prompt the run lacks is not counted; a longer output differs where the shorter one ends
+    assert got == {"prompts": 3, "identical": 1, "first_difference": {"b": 1, "c": 2}}
+    assert agreement(reference, reference)["identical"] == 4
+
+
+@pytest.mark.slow
+def test_smoke_mode_runs_every_step(tmp_path):
+    out = tmp_path / "gpu"
+    env = env_with_repo()
+    env.update(GPU_CHECK_SMOKE="1", OUT=str(out), PYTHON=sys.executable, TMPDIR=str(tmp_path))
+    env.pop("GPU_CHECK_BUDGET_S", None)
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    steps = {}
+    for line in (out / "steps.tsv").read_text().splitlines()[1:]:
+        name, status, *_ = line.split("\t")
+        steps[name] = status
+    assert proc.returncode == 0, (steps, proc.stdout[-4000:])
+    assert {name: steps.get(name) for name in STEPS} == dict.fromkeys(STEPS, "ok")
+    assert set(steps.values()) <= {"ok", "skipped"}
+
+    summary = (out / "gpu_check_summary.md").read_text()
+    for heading in ("## Forward cost vs packed rows", "## The same forward compiled", "## CLI runs"):
+        assert heading in summary
+    runs = json.loads((out / "cli_summary.json").read_text())
+    assert set(runs) == {"default", "lookahead", "greedy"}
+    prompts = sum(1 for line in (out / "prompts.jsonl").read_text().splitlines() if line.strip())
+    for name in ("default", "lookahead"):
+        same = runs[name]["agreement"]
+        assert same["prompts"] == prompts  # every prompt of the run compared with the one-token run
+        assert f"- {name}: output identical to greedy on {same['identical']} of {prompts} prompts" in summary
+    for name in ("forward_cost.png", "forward_cost_compiled.png", "nccl_probe.json", "env.json"):
+        assert (out / name).stat().st_size > 0
+    assert all((out / "logs" / f"{name}.log").stat().st_size > 0 for name in STEPS)
