@@ -10,9 +10,12 @@ function ``lp_runner tune`` calibrates with.
 Every point also shows its distance to this machine's limit (``machine_limits.py``: weights and K/V bytes over
 the measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger; each rate the better of
 a measurement before and one after the curve), so the table says how far the forward is from the hardware, per
-row count. The last column pairs each forward with a copy timed right before it (median of the pairs' ratios):
-this host's bandwidth moves by 2x within minutes, so a limit measured at another moment says more about the
-moment than about the forward. ``--compile`` measures the compiled static-shape forward
+row count. The paired columns time each forward right after a copy and a 1024-square matmul (medians of the
+pairs' ratios; ``machine_limits.paired_ratios``): this host's bandwidth and its vector units' rate each move by
+2x within minutes, so a limit measured at another moment says more about the moment than about the forward.
+"x limit, paired" is the distance to the larger of the two limits of the forward's own moment, and "compute-bound
+pairs" counts the pairs whose compute limit was the larger. FLOPs count the LM head on one row, as the ms column
+runs it. ``--compile`` measures the compiled static-shape forward
 (``model.compile: on``) instead of the eager one, after its compilation (reported).
 
     python benchmarks/forward_cost.py --out results/forward_cost            # embedded model, 2 threads
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 from datetime import date
 from pathlib import Path
@@ -42,7 +46,7 @@ from benchmarks.machine_limits import (  # noqa: E402
     forward_bytes,
     forward_flops,
     measure_limits,
-    paired_memory_ratios,
+    paired_ratios,
 )
 from lp_runner.costmodel import measure_curve  # noqa: E402
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
@@ -145,7 +149,7 @@ def main() -> None:
     limits = before.best(after)  # the machine's rates are the best seen around the curve (one slow moment lowers one)
     print(json.dumps({"copy_gb_s before/after": [round(x.copy_gb_s, 1) for x in (before, after)]}), flush=True)
     print(json.dumps({"copy_gb_s": round(limits.copy_gb_s, 1), "matmul_gflop_s": round(limits.matmul_gflop_s, 1)}))
-    paired = {}  # (prefix, rows) -> median of forward / memory limit, each forward after its own copy
+    paired = {}  # (prefix, rows) -> the forwards against the limits of their moments (``paired_ratios``)
     for kv_len in args.prefix:
         cache = adapter.new_cache(kv_len + max(rows))
         prefix_ids = torch.arange(kv_len) % adapter.vocab_size
@@ -158,14 +162,20 @@ def main() -> None:
                 adapter.forward(torch.arange(q), torch.arange(kv_len, kv_len + q), vis, cache, torch.tensor([q - 1]))
                 crop(cache, kv_len)
 
-            ratios = paired_memory_ratios(
-                forward, forward_bytes(stock, kv_len, weight_size), adapter.device, reps=args.reps + 4
+            paired[(kv_len, q)] = paired_ratios(
+                forward,
+                forward_bytes(stock, kv_len, weight_size),
+                adapter.device,
+                reps=args.reps + 4,
+                flops=forward_flops(stock, q, kv_len, logit_rows=1),
+                dtype=adapter.dtype,
             )
-            paired[(kv_len, q)] = sorted(ratios)[len(ratios) // 2]
     curves = []
     for p in curve.points:
         one = next(q for q in curve.points if q.kv_len == p.kv_len and q.rows == 1)
-        bound = limits.bound_s(forward_bytes(stock, p.kv_len, weight_size), forward_flops(stock, p.rows, p.kv_len))
+        flops = forward_flops(stock, p.rows, p.kv_len, logit_rows=1)  # as body_s runs it: the head on one row
+        bound = limits.bound_s(forward_bytes(stock, p.kv_len, weight_size), flops)
+        pairs = paired[(p.kv_len, p.rows)]
         row = {
             "prefix": p.kv_len,
             "rows": p.rows,
@@ -174,7 +184,9 @@ def main() -> None:
             "ratio_head_all": round(p.all_s / one.all_s, 3),
             "limit_ms": round(1e3 * bound, 2),
             "x_limit": round(p.body_s / bound, 2),  # the forward as a round runs it (head on the rows it uses)
-            "x_memory_limit_paired": round(paired[(p.kv_len, p.rows)], 2),
+            "x_limit_paired": round(statistics.median(r.limit for r in pairs), 2),
+            "x_memory_limit_paired": round(statistics.median(r.memory for r in pairs), 2),
+            "compute_bound_pairs": f"{sum(r.compute_bound for r in pairs)}/{len(pairs)}",
         }
         curves.append(row)
         print(json.dumps(row), flush=True)
@@ -208,12 +220,13 @@ def main() -> None:
         f"matmul {report['matmul_gflop_s']} GFLOP/s. limit: max(bytes / bandwidth, FLOPs / matmul rate).",
         "",
         "| prefix | rows Q | ms (head on 1 row) | ms (head on all rows) | ratio to Q=1 | limit ms | x limit "
-        "| x memory limit, paired |",
-        "|---|---|---|---|---|---|---|---|",
+        "| x limit, paired | x memory limit, paired | compute-bound pairs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     md += [
         f"| {c['prefix']} | {c['rows']} | {c['ms_head_last']} | {c['ms_head_all']} | {c['ratio_head_all']} "
-        f"| {c['limit_ms']} | {c['x_limit']} | {c['x_memory_limit_paired']} |"
+        f"| {c['limit_ms']} | {c['x_limit']} | {c['x_limit_paired']} | {c['x_memory_limit_paired']} "
+        f"| {c['compute_bound_pairs']} |"
         for c in curves
     ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")

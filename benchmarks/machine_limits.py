@@ -73,33 +73,63 @@ def measure_limits(
     return MachineLimits(2 * copy_bytes / copy_s / 1e9, 2 * matmul_n**3 / mm_s / 1e9)
 
 
-def paired_memory_ratios(
+@dataclass(frozen=True)
+class PairedRatio:
+    """One forward against the limits measured right before it (``paired_ratios``)."""
+
+    memory: float  # forward / memory-bound time at this moment's copy rate
+    limit: float  # forward / the larger of the memory- and compute-bound times at this moment's rates
+    compute_bound: bool  # whether the compute-bound time was the larger
+
+
+def paired_ratios(
     forward: Callable[[], object],
     bytes_read: int,
     device: torch.device,
     reps: int = 9,
+    flops: float | None = None,
+    dtype: torch.dtype = torch.float32,
     copy_bytes: int = 512 << 20,
-) -> list[float]:
-    """``forward``'s time over the memory-bound time of ``bytes_read`` at the copy bandwidth measured right
-    before it, ``reps`` times: a distance to the machine that holds on a host whose bandwidth moves (this one's
-    copy rate moved between 24 and 52 GB/s within minutes while a one-row forward's moved within 23-31 ms), where a
-    limit measured at another moment than the forward says more about the moment than about the forward."""
+    matmul_n: int | None = None,
+) -> list[PairedRatio]:
+    """``forward``'s time against the limits of the moment, ``reps`` times: before each forward a copy (the
+    memory-bound time of ``bytes_read``) and, with ``flops``, a square matmul of ``matmul_n`` in ``dtype`` (the
+    compute-bound time of ``flops``) are timed.
+
+    Why: this host's rates move within minutes (its copy rate between 24 and 52 GB/s while a one-row forward
+    moved within 23-31 ms; a 1024-square matmul between about 90 and 200 GFLOP/s, as when another tenant shares
+    the cores' vector units), so a limit measured at another moment than the forward says more about the moment
+    than about the forward. Without ``flops`` only the copy is timed and ``limit`` equals ``memory``.
+    ``matmul_n`` defaults to 1024 on a CPU (about 12 ms here: the rate of the moment, near a large matmul's) and
+    4096 on a GPU (a smaller one is bound by its launch)."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
+    n = matmul_n or (4096 if device.type == "cuda" else 1024)
+    a = b = None
+    if flops is not None:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        a @ b
     forward()
     ratios = []
     for _ in range(reps):
+        compute_s = 0.0
+        if a is not None:
+            sync()
+            t = time.perf_counter()
+            a @ b
+            sync()
+            compute_s = flops / (2 * n**3 / (time.perf_counter() - t))
         sync()
         t = time.perf_counter()
         dst.copy_(src)
         sync()
-        copy_s = time.perf_counter() - t
+        memory_s = bytes_read / (2 * copy_bytes / (time.perf_counter() - t))
         t = time.perf_counter()
         forward()
         sync()
         forward_s = time.perf_counter() - t
-        ratios.append(forward_s / (bytes_read / (2 * copy_bytes / copy_s)))
+        ratios.append(PairedRatio(forward_s / memory_s, forward_s / max(memory_s, compute_s), compute_s > memory_s))
     return ratios
 
 
@@ -118,13 +148,20 @@ def forward_bytes(model: torch.nn.Module, kv_len: int, linear_weight_size: int =
     return weights + 2 * cfg.num_hidden_layers * heads * head_dim * kv_len * element
 
 
-def forward_flops(model: torch.nn.Module, rows: int, kv_len: int) -> float:
-    """Floating-point operations of a forward of ``rows`` rows: 2 per parameter per row (the matmuls; the
-    embedding is a lookup, not a matmul, but is counted: an upper bound on a tied-head model's work is fine for a
-    limit) plus attention, 4 * layers * hidden * rows * (kv_len + rows)."""
-    params = sum(p.numel() for p in model.parameters())
+def forward_flops(model: torch.nn.Module, rows: int, kv_len: int, logit_rows: int | None = None) -> float:
+    """Floating-point operations of a forward of ``rows`` rows with the LM head on ``logit_rows`` of them (default:
+    all): the matrix products, 2 per weight-matrix element per row (the input embedding is a lookup, norms and
+    biases are no products) and 2 per head element per logit row, plus attention, 4 * layers * hidden * rows *
+    (kv_len + rows) (exact where heads x head dim = hidden). A round computes the head only on the rows whose
+    logits it uses, and the head is a fifth of this project's embedded model: counting it on every row overstated
+    an 8-row forward's work by a fifth. ``tests/test_studies.py`` checks it against torch's FLOP counter."""
     cfg = model.config.get_text_config()
-    return 2.0 * params * rows + 4.0 * cfg.num_hidden_layers * cfg.hidden_size * rows * (kv_len + rows)
+    head = model.get_output_embeddings().weight
+    embed = model.get_input_embeddings().weight
+    body = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not head and p is not embed)
+    logit_rows = rows if logit_rows is None else logit_rows
+    attention = 4.0 * cfg.num_hidden_layers * cfg.hidden_size * rows * (kv_len + rows)
+    return 2.0 * body * rows + 2.0 * head.numel() * logit_rows + attention
 
 
 def cpu_description() -> str:

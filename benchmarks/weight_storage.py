@@ -5,7 +5,7 @@ its linear weights rounded, exactly). A one-row forward is bound by streaming th
 should make it up to about twice as fast; a forward of many rows is bound by arithmetic, which is unchanged,
 plus one integer op per weight vector to widen. This measures both, per row count, in one process: the two
 forwards alternate at every repetition (a drifting host moves both alike), and each forward is also paired
-with a memory copy timed right before it (``machine_limits.paired_memory_ratios``), against the bytes that
+with a memory copy timed right before it (``machine_limits.paired_ratios``), against the bytes that
 forward must read (the bfloat16 one: its linear weights at 2 bytes).
 
     python benchmarks/weight_storage.py --rows 1 2 4 8 16 --out benchmarks/results/weight_storage
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.machine_limits import cpu_description, forward_bytes, paired_memory_ratios  # noqa: E402
+from benchmarks.machine_limits import cpu_description, forward_bytes, paired_ratios  # noqa: E402
 from lp_runner import native  # noqa: E402
 from lp_runner.fetch import fetch_embedded_model  # noqa: E402
 from lp_runner.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
@@ -84,7 +84,8 @@ def main() -> None:
                     times[(name, q)].append(time.perf_counter() - start)
         paired = {
             (name, q): statistics.median(
-                paired_memory_ratios(
+                r.memory
+                for r in paired_ratios(
                     lambda name=name, q=q: forward(name, q),
                     forward_bytes(stock, kv, STORAGES[name][1]),
                     adapters[name].device,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from dist_helpers import REPO, env_with_repo
 
 pytest.importorskip("matplotlib")
@@ -166,6 +167,28 @@ def test_forward_cost_benchmark_writes_curve_plot_and_axes(tmp_path):
     assert data["copy_gb_s"] > 0 and data["matmul_gflop_s"] > 0
     for c in data["curves"]:
         assert c["limit_ms"] > 0 and c["x_limit"] > 1, c
+        # each forward against the limits timed right before it (a copy and a matmul): never below them
+        assert c["x_limit_paired"] > 1 and c["x_memory_limit_paired"] >= c["x_limit_paired"], c
+        bound, pairs = c["compute_bound_pairs"].split("/")
+        assert int(pairs) == 2 + 4 and 0 <= int(bound) <= int(pairs), c  # reps + 4 pairs
+    assert "| x limit, paired | x memory limit, paired | compute-bound pairs |" in md
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("rows, logit_rows", [(1, 1), (6, 1), (6, 6)])
+def test_forward_flops_equal_torch_flop_counter(tied, rows, logit_rows):
+    """The compute limit's FLOPs are the forward's matrix products as torch counts them (eager attention, whose
+    products are matmuls; heads x head dim = hidden in the tiny model, where the attention term is exact)."""
+    from helpers import tiny_model
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.machine_limits import forward_flops
+
+    model = tiny_model("llama", 0, tie_word_embeddings=tied, attn_implementation="eager")
+    ids = torch.randint(0, model.config.vocab_size, (1, rows))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, logits_to_keep=logit_rows)
+    assert forward_flops(model, rows, 0, logit_rows=logit_rows) == counter.get_total_flops()
 
 
 def test_perfect_choice_bound_verifies_every_sources_first_proposal():
