@@ -13,7 +13,8 @@ output is checked against HF greedy (a mismatch is reported, not hidden).
 sampling ``generate``; outputs then differ by construction (exactness of the distribution is what
 ``tests/test_sampling_e2e.py`` checks), so the table's ``exact`` column is left empty.
 
-Writes ``<out>.json`` (every figure), ``<out>.md`` (the table in the README) and ``<out>.png`` (the plots).
+Writes ``<out>.json`` (every figure), ``<out>.md`` (the tables in docs/results.md and the README) and
+``<out>.png`` (the plots).
 """
 
 from __future__ import annotations

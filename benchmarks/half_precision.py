@@ -17,7 +17,7 @@ within ``TOLERANCE_ULPS``. The tolerance itself is checked: for each prompt, HF'
 with one teacher-forced forward of the same sequence (two valid computations of the same rows), and the largest
 shift of any logit and of the top-two gap, in ulps, is reported.
 
-Writes ``<out>.json`` (every comparison) and ``<out>.md`` (the table in the README).
+Writes ``<out>.json`` (every comparison) and ``<out>.md`` (the table in docs/results.md).
 """
 
 from __future__ import annotations

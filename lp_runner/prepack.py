@@ -8,7 +8,7 @@ and writes it twice, and it picks a different kernel for 1, 2, 8 or 32 rows. Mea
 the embedded model's 211 linear layers, weights out of cache, ``benchmarks/linear_kernels.py``): 1 row 57 ms,
 2 rows 78 ms, 8 rows 62 ms; with the weights reordered once into oneDNN's blocked layout
 (``mkldnn._reorder_linear_weight``) and multiplied by ``mkldnn._linear_pointwise``: 34, 32 and 33 ms, flat across
-row counts and 0.28-0.61x torch's (README, "Prepacked linear layers").
+row counts and 0.28-0.61x torch's (docs/results.md, "Prepacked linear layers").
 
 Exactness: oneDNN's product of a row does not depend on how many rows share the call (``row_invariant``, tested),
 so a verification row sees exactly the bits that row would see in one-row decoding; torch's own linear gives
