@@ -11,8 +11,8 @@ Every point also shows its distance to this machine's limit (``machine_limits.py
 the measured copy bandwidth, or FLOPs over the measured matmul rate, whichever is larger; each rate the better of
 a measurement before and one after the curve), so the table says how far the forward is from the hardware, per
 row count. The paired columns time each forward right after a copy and a 1024-square matmul (medians of the
-pairs' ratios; ``machine_limits.paired_ratios``): this host's bandwidth and its vector units' rate each move by
-2x within minutes, so a limit measured at another moment says more about the moment than about the forward.
+pairs' ratios; ``machine_limits.paired_ratios``): this host's bandwidth moves by 2x within minutes and its
+matmul rate by a fifth, so a limit measured at another moment says more about the moment than about the forward.
 "x limit, paired" is the distance to the larger of the two limits of the forward's own moment, and "compute-bound
 pairs" counts the pairs whose compute limit was the larger. FLOPs count the LM head on one row, as the ms column
 runs it. ``--compile`` measures the compiled static-shape forward

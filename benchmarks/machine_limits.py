@@ -97,9 +97,10 @@ def paired_ratios(
     compute-bound time of ``flops``) are timed.
 
     Why: this host's rates move within minutes (its copy rate between 24 and 52 GB/s while a one-row forward
-    moved within 23-31 ms; a 1024-square matmul between about 90 and 200 GFLOP/s, as when another tenant shares
-    the cores' vector units), so a limit measured at another moment than the forward says more about the moment
-    than about the forward. Without ``flops`` only the copy is timed and ``limit`` equals ``memory``.
+    moved within 23-31 ms; its large-matmul rate between 158 and 188 GFLOP/s in one hour), so a limit measured at
+    another moment than the forward says more about the moment than about the forward; and the matmul tells a
+    forward that met slow cores from one whose arithmetic stopped overlapping its stream (the 8-row product
+    before ``WHOLE_PREFETCH_ROWS``). Without ``flops`` only the copy is timed and ``limit`` equals ``memory``.
     ``matmul_n`` defaults to 1024 on a CPU (about 12 ms here: the rate of the moment, near a large matmul's) and
     4096 on a GPU (a smaller one is bound by its launch)."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
