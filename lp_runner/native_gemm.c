@@ -82,9 +82,10 @@ static inline __attribute__((always_inline)) vec load_bf16(const unsigned short 
    k's ahead (4 KB in float32) into L2, past the block's end into the next block's start (the packed blocks are
    one contiguous stream; a prefetch never faults, and integer arithmetic forms its address). Why: without it the
    8-row product of the embedded model's linears ran either near one row's cost or 1.4-1.5x it, minute by
-   minute on this project's EPYC (Zen 4), the arithmetic no longer hidden under the stream; with it, 1.01-1.15x in
-   each of six interleaved comparisons, where the plain pass's slow moments cost 26.7 and 28.5 ms against
-   18.5 and 20.3 (2026-12-03, scratch A/B of the two sources' products). At 4-5 rows it cost 4-6%: the hardware
+   minute on this project's EPYC (Zen 4), the arithmetic no longer hidden under the stream; in six interleaved
+   comparisons the plain pass's slow moments cost 26.7 and 28.5 ms against 18.5 and 20.3 with the prefetch, and
+   the whole 8-row forward ran 1.02-1.15x faster in three A/B runs (2026-12-03). It lowers the 8-row cost; the
+   ratio to one row still moves with the host (1.12-1.51x since). At 4-5 rows it cost 4-6%: the hardware
    prefetcher keeps up there, and the prefetches only add work. The AVX2 and SSE tiles (3 and 2 rows) never
    reach it; their multi-tile products prefetch by chunk (below). */
 #define WHOLE_PREFETCH_ROWS 6
