@@ -13,7 +13,7 @@ per-prompt latency p50/p90, per-group utilisation, the process's whole wall time
 tokens/s to D=1 x P=1 of the same round (``--repeat``: the setups run back to back that many times, and the
 table ends with each setup's ratios and their median: a two-core machine's speed drifts between minutes, and one
 job's tail depends on which prompt lands last); outputs are compared token by token with the first run. Records
-the CPU model (lscpu's model name). Writes OUT.json and OUT.md.
+the CPU (``machine_limits.cpu_description``: lscpu's model name, family/model, vector ISA). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ with the start-up choice removed from the cache (the search runs, as on a job's 
 and once with it kept (read back), in alternating order. Reported: each variant's whole-process wall time
 (min/median/max) and the ratio of the pair's two times, with its median (a two-core machine's speed drifts
 between minutes, so only ratios taken side by side count). Both runs print the same setting (checked). Records
-the CPU model (lscpu's model name). Writes OUT.json and OUT.md.
+the CPU (``machine_limits.cpu_description``: lscpu's model name, family/model, vector ISA). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.forward_timing import prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description, forward_bytes, paired_ratios  # noqa: E402
 from lp_runner import native  # noqa: E402
 from lp_runner.fetch import fetch_embedded_model  # noqa: E402
@@ -58,13 +59,7 @@ def main() -> None:
         print(f"{name}: {adapters[name].kernels}", file=sys.stderr, flush=True)
     rows = sorted({1, *args.rows})
     kv = args.prefix
-    caches = {}
-    for name, adapter in adapters.items():
-        caches[name] = adapter.new_cache(kv + max(rows))
-        tril = torch.ones(kv, kv, dtype=torch.bool).tril()
-        adapter.forward(
-            torch.arange(kv) % adapter.vocab_size, torch.arange(kv), tril, caches[name], torch.tensor([kv - 1])
-        )
+    caches = prefilled_caches(adapters, kv, kv + max(rows), torch.Generator().manual_seed(0))
 
     def forward(name: str, q: int) -> None:
         vis = torch.ones(q, q, dtype=torch.bool).tril()

@@ -152,7 +152,8 @@ _ATTENTION = None  # the loaded attention, checked as the product is
 _LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
 _FN_BF16 = None  # the product and the layer on weights stored as bfloat16 (None: unavailable, _BF16_REASON says why)
 _LAYER_BF16 = None
-_BF16_REASON = "the native kernel was not loaded (lp_runner.native.load)"
+NOT_LOADED = "the native kernel was not loaded (lp_runner.native.load)"
+_BF16_REASON = NOT_LOADED
 
 
 _BUILD = ""  # the routed library's file name: a hash of its source, compiler, CPU and flags (build_id)
@@ -258,9 +259,7 @@ def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     weight's dtype says how ``pack`` stored it."""
     fn = _FN_BF16 if packed.dtype == torch.bfloat16 else _FN
     if fn is None:
-        raise NativeUnavailable(
-            "the native kernel was not loaded (lp_runner.native.load)" if _FN is None else _BF16_REASON
-        )
+        raise NativeUnavailable(NOT_LOADED if _FN is None else _BF16_REASON)
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0] == 0:
@@ -298,7 +297,7 @@ def attention(
     ~15% of a compiled one-row forward of the embedded model, while the arithmetic is a few microseconds; this
     loop skips the hidden keys (a static cache's unused slots among them) instead of scoring them."""
     if _ATTENTION is None:
-        raise NativeUnavailable("the native kernel was not loaded (lp_runner.native.load)")
+        raise NativeUnavailable(NOT_LOADED)
     query, mask = query.contiguous(), mask.contiguous()
     key, value = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (key, value))  # slots in place
     heads, rows, dim = query.shape
@@ -337,9 +336,7 @@ def llama_layer(
     ``_bf16w`` twin where the packed weights are stored as bfloat16: all four are, one kernel packs a model)."""
     layer = _LAYER_BF16 if weights[3].dtype == torch.bfloat16 else _LAYER
     if layer is None:
-        raise NativeUnavailable(
-            "the native kernel was not loaded (lp_runner.native.load)" if _LAYER is None else _BF16_REASON
-        )
+        raise NativeUnavailable(NOT_LOADED if _LAYER is None else _BF16_REASON)
     rows, embed = hidden.shape
     kv_heads, capacity, dim = keys.shape
     if (
