@@ -124,11 +124,30 @@ def _fmt(bundle: dict[str, float]) -> str:
 # ---------------------------------------------------------------- the actor: one rank
 
 
+def exit_quietly_on_sigterm() -> None:
+    """Replace Ray's worker SIGTERM handler with an immediate, silent exit (status 1, as Ray's).
+
+    Ray sends SIGTERM to the surviving ranks when the driver kills them after a loss or at the end of a job.
+    Its own handler raises ``SystemExit``; when the signal lands while the main thread runs a weakref or GC
+    callback, Python prints that exception as an "ignored" traceback, which Ray forwards to the user's
+    terminal after the run's clean error message. A replica holds nothing to flush (records are the driver's),
+    so exiting at once loses nothing. Call on the main thread."""
+
+    def handler(signum: int, frame: object) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 class Replica:
     """One Ray actor = one rank with a full model replica. Threaded (max_concurrency=2): ``poll`` answers while
     ``run`` generates. Only rank 0 queues messages; they are drained by the driver in order."""
 
     def __init__(self) -> None:
+        exit_quietly_on_sigterm()  # the constructor runs on the actor's main thread, where handlers are set
         self.worker: Any = None
         self.outbox: list[tuple] = []
         self.lock = threading.Lock()

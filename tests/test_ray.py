@@ -668,3 +668,40 @@ def test_resume_rebuilds_the_job_store(cluster, tiny_dir, tmp_path):
     store_whole, store_resumed = (json.loads((tmp_path / f).read_text()) for f in ("w.json", "r.json"))
     assert store_whole["generations"] == len(PROMPTS)
     assert store_resumed["sequences"] == store_whole["sequences"]
+
+
+_SIGTERM_IN_A_WEAKREF_CALLBACK = """
+import gc, signal, sys, weakref
+if sys.argv[1] == "replica":
+    from lp_runner.ray_backend import Replica
+    Replica()  # as Ray constructs the actor: on the worker's main thread
+else:  # what Ray's worker handler does
+    def raise_exit(signum, frame):
+        raise SystemExit(1)
+    signal.signal(signal.SIGTERM, raise_exit)
+class Target:
+    pass
+target = Target()
+ref = weakref.ref(target, lambda _: signal.raise_signal(signal.SIGTERM))  # the signal lands inside the callback
+del target
+gc.collect()
+print("still running")
+"""
+
+
+@pytest.mark.parametrize("handler", ["replica", "raise"])
+def test_replica_exits_silently_on_sigterm_inside_a_weakref_callback(handler):
+    """The race behind a stray "Traceback ... SystemExit: 1" after a clean error: Ray kills the surviving ranks
+    with SIGTERM, and a SystemExit raised inside a weakref callback is printed as ignored (and the process even
+    runs on). The replica's own handler exits at once and silently; "raise" reproduces the old behaviour."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_IN_A_WEAKREF_CALLBACK, handler],
+        env=env_with_repo(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if handler == "replica":
+        assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", "")
+    else:
+        assert "Traceback" in proc.stderr and "still running" in proc.stdout
