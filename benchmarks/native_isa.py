@@ -75,11 +75,13 @@ def time_products(libs: dict, shapes: list[tuple[int, int]], rows: list[int], re
 
 def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int, prefix: int) -> list[dict]:
     """Each build's whole forward at each row count: row counts and builds both interleaved within every pass
-    (rotating orders), so the ratios between builds and between row counts are each measured side by side."""
+    (rotating orders), so the ratios between builds and between row counts are each measured side by side. The
+    first build is the reference the others are compared with (the default build where it is among them)."""
     gen = torch.Generator().manual_seed(1)
     adapter = ModelAdapter(model)
     names = list(libs)
-    native.route(libs["default"])
+    ref = names[0]
+    native.route(libs[ref])
     cache = prefilled_caches({"a": adapter}, prefix, prefix + max(rows) + 1, gen)["a"]
     ids = {r: torch.randint(0, adapter.vocab_size, (r,), generator=gen) for r in rows}
     times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in names for r in rows}
@@ -97,7 +99,7 @@ def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int
                 crop(cache, prefix)
                 if rep:
                     times[name, r].append(elapsed)
-    native.route(libs["default"])
+    native.route(libs[ref])
     table = []
     for r in rows:
         row = {"rows": r, **{f"ms {n}": round(1e3 * statistics.median(times[n, r]), 2) for n in names}}
@@ -105,19 +107,19 @@ def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int
             for n in names:  # the row count's price in that build's own one-row forwards
                 row[f"{n} x one row"] = round(statistics.median(times[n, r]) / statistics.median(times[n, 1]), 2)
         for name in names[1:]:
-            row[f"ms {name} / default"] = round(row[f"ms {name}"] / row["ms default"], 2)
-            row[f"{name} bits equal"] = torch.equal(logits[name, r], logits["default", r])
-            row[f"max |logit {name} - default|"] = float((logits[name, r] - logits["default", r]).abs().max())
+            row[f"ms {name} / {ref}"] = round(row[f"ms {name}"] / row[f"ms {ref}"], 2)
+            row[f"{name} bits equal"] = torch.equal(logits[name, r], logits[ref, r])
+            row[f"max |logit {name} - {ref}|"] = float((logits[name, r] - logits[ref, r]).abs().max())
         table.append(row)
         print(json.dumps(row), flush=True)
     return table
 
 
-def same(row: dict, name: str) -> str:
-    """'bits' where build ``name``'s logits equal the default's, else their largest difference."""
+def same(row: dict, name: str, ref: str) -> str:
+    """'bits' where build ``name``'s logits equal the reference build's, else their largest difference."""
     if row[f"{name} bits equal"]:
         return "bits"
-    return f"{row[f'max |logit {name} - default|']:.1e}"
+    return f"{row[f'max |logit {name} - {ref}|']:.1e}"
 
 
 def markdown(result: dict) -> str:
@@ -133,6 +135,7 @@ def markdown(result: dict) -> str:
         "",
     ]
     names = list(result["builds"])
+    ref = names[0]
     lines += ["| rows | " + " | ".join(f"{n} ms (GB/s)" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
     for row in result["products"]:
         cells = [f"{row[f'ms {n}']} ({row[f'GB/s {n}']})" for n in names]
@@ -143,17 +146,17 @@ def markdown(result: dict) -> str:
         "| rows | "
         + " | ".join(f"{n} ms" for n in names)
         + "".join(f" | {n} x one row" for n in names if per_row)
-        + "".join(f" | {n} / default" for n in names[1:])
-        + " | logits equal to default |",
+        + "".join(f" | {n} / {ref}" for n in names[1:])
+        + f" | logits equal to {ref} |",
         "|---" * ((3 if per_row else 2) * len(names) + 1) + "|",
     ]
     for row in result["forwards"]:
-        equal = ", ".join(f"{n}: {same(row, n)}" for n in names[1:])
+        equal = ", ".join(f"{n}: {same(row, n, ref)}" for n in names[1:])
         lines.append(
             f"| {row['rows']} | "
             + " | ".join(str(row[f"ms {n}"]) for n in names)
             + "".join(f" | {row[f'{n} x one row']}x" for n in names if per_row)
-            + "".join(f" | {row[f'ms {n} / default']}x" for n in names[1:])
+            + "".join(f" | {row[f'ms {n} / {ref}']}x" for n in names[1:])
             + f" | {equal} |"
         )
     return "\n".join(lines) + "\n"
