@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,34 @@ def test_perfect_choice_bound_verifies_every_sources_first_proposal():
     shipped_run = global_pool.simulate_job(la, rows, JobPool(1000))
     assert bound_run[0] == shipped_run[0]  # the first prompt: an empty store, the same candidates
     assert bound_run[1][1] < shipped_run[1][1]  # the second: the store's continuation wins, fewer forwards
+
+
+def test_native_isa_compares_every_build_with_the_first_one():
+    """`native_isa.py --builds avx2 --baseline OLD.c` has no build named 'default': the first build is the reference
+    (it raised KeyError). Two loads of the same build, on a tiny model whose linears take the native product:
+    the same bits, and each row count priced in its own one-row forwards."""
+    from helpers import tiny_model
+
+    from benchmarks import native_isa
+    from lp_runner import native
+    from lp_runner.loading import default_cache_dir
+    from lp_runner.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears
+
+    model = tiny_model("llama")
+    if (reason := native_unavailable_reason(model, default_cache_dir())) is not None:
+        pytest.skip(reason)
+    prepack_linears(model, kernel=NATIVE_KERNEL)
+    lib = native.library(str(default_cache_dir()), native.extra_flags())
+    libs = {"first": lib, "second": native.open_library(Path(lib._name))}
+    forwards = native_isa.time_forwards(libs, model, [1, 3], reps=2, prefix=4)
+    assert [row["rows"] for row in forwards] == [1, 3]
+    assert all(row["second bits equal"] and row["max |logit second - first|"] == 0.0 for row in forwards)
+    assert forwards[0]["first x one row"] == forwards[0]["second x one row"] == 1.0
+    assert forwards[1]["ms second / first"] > 0
+    result = {"date": "d", "device": "cpu", "threads": 1, "reps": 2, "baseline": "", "forwards": forwards}
+    result |= {
+        "builds": {"first": [], "second": []},
+        "products": [{"rows": 1, **{f"{k} {n}": 1.0 for k in ("ms", "GB/s") for n in libs}}],
+    }
+    text = native_isa.markdown(result)
+    assert "| second / first | logits equal to first |" in text and "second: bits" in text
