@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import bench16, calibration8, heldout24  # noqa: E402
+from lp_runner import native  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402
 from lp_runner.engine import LookaheadEngine  # noqa: E402
 from lp_runner.loading import (  # noqa: E402
@@ -409,6 +410,8 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
         "torch": torch.__version__,
         "decoding": "sampling (temperature 1, no top-k / top-p)" if args.sample else "greedy",
         "lp_runner_linear": args.prepack_kernels,  # model.prepack of the lp_runner rows (baselines: stock)
+        "native_build": native.build_id(),  # the native kernels' library (source, compiler, CPU, flags hash)
+        "native_cflags": " ".join(native.extra_flags()),  # $LP_RUNNER_NATIVE_CFLAGS: e.g. the AVX2 tile here
         "methods": {},
     }
     base = report["baseline"] = baseline_name(args.sample)
@@ -480,7 +483,8 @@ def markdown(report: dict) -> str:
         + (f"compiled in {report['compile_s']} s, " if "compile_s" in report else "")
         + f"prompts: {report.get('prompts', 'bench16')}, {report.get('decoding', 'greedy')}, "
         + f"lp_runner's linear layers {report.get('lp_runner_linear', 'torch')} (baselines: stock model), "
-        "methods interleaved per prompt",
+        + (f"native kernels built with `{report['native_cflags']}`, " if report.get("native_cflags") else "")
+        + "methods interleaved per prompt",
         "",
         f"| method | tok/s | speedup vs {_base_label(report)} | HumanEval speedup | MT-bench speedup | tokens/forward "
         "(HE / MT) | mean rows | host share | exact |",
