@@ -141,6 +141,14 @@ def open_library(path: Path):
     ):
         if hasattr(lib, bf16):
             getattr(lib, bf16).argtypes, getattr(lib, bf16).restype = twin.argtypes, ctypes.c_int
+    if hasattr(lib, "lp_native_llama_layers"):  # a model's layers in one call (older sources lack it)
+        lib.lp_native_llama_layers.argtypes = (
+            [ctypes.c_void_p, ctypes.c_long]
+            + [ctypes.c_void_p] * 7
+            + [ctypes.c_long] * 7
+            + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        )
+        lib.lp_native_llama_layers.restype = ctypes.c_int
     if hasattr(lib, "lp_native_silu_gate_f32"):  # the layer's activation, for its test (older sources lack it)
         lib.lp_native_silu_gate_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
         lib.lp_native_silu_gate_f32.restype = ctypes.c_int
@@ -152,6 +160,7 @@ _ATTENTION = None  # the loaded attention, checked as the product is
 _LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
 _FN_BF16 = None  # the product and the layer on weights stored as bfloat16 (None: unavailable, _BF16_REASON says why)
 _LAYER_BF16 = None
+_LAYERS = None  # a model's decoder layers in one call (None: a build of an older source; ``llama_layers`` loops)
 NOT_LOADED = "the native kernel was not loaded (lp_runner.native.load)"
 _BF16_REASON = NOT_LOADED
 
@@ -161,8 +170,9 @@ _BUILD = ""  # the routed library's file name: a hash of its source, compiler, C
 
 def route(lib) -> None:
     """Send every native call to ``lib`` (``load``; benchmarks swapping builds of the kernels in one process)."""
-    global _FN, _ATTENTION, _LAYER, _FN_BF16, _LAYER_BF16, _BF16_REASON, _BUILD
+    global _FN, _ATTENTION, _LAYER, _LAYERS, _FN_BF16, _LAYER_BF16, _BF16_REASON, _BUILD
     _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
+    _LAYERS = getattr(lib, "lp_native_llama_layers", None)
     _FN_BF16 = getattr(lib, "lp_native_gemm_bf16w", None)
     _LAYER_BF16 = getattr(lib, "lp_native_llama_layer_bf16w", None)
     has_bf16 = _FN_BF16 is not None and _LAYER_BF16 is not None
@@ -172,8 +182,8 @@ def route(lib) -> None:
 
 def _unroute() -> None:
     """No native calls (a build that failed its probe)."""
-    global _FN, _ATTENTION, _LAYER, _BUILD
-    _FN = _ATTENTION = _LAYER = None
+    global _FN, _ATTENTION, _LAYER, _LAYERS, _BUILD
+    _FN = _ATTENTION = _LAYER = _LAYERS = None
     _BUILD = ""
     _no_bf16("the native kernel failed its probe")
 
@@ -382,3 +392,123 @@ def llama_layer(
         raise MemoryError("native layer: out of memory")
     if status:
         raise ValueError(f"native layer refused sizes rows={rows} embed={embed} heads={heads}/{kv_heads} dim={dim}")
+
+
+class LayerStack:
+    """A model's decoder layers bound to one cache's K/V buffers, for ``lp_native_llama_layers``: every layer in a
+    single C call, with the table of its weights' and buffers' addresses built once here instead of once a forward.
+
+    Why: called layer by layer from Python, a forward of the embedded model lost 35-39 us between two layers (1.0-1.1
+    ms of a 15-24 ms forward on a 2-core CPU; ``native_gemm.c`` says why), and the per-layer checks and address
+    look-ups cost about 0.2 ms more. The stack keeps the tensors whose addresses it holds alive; ``binds`` says
+    whether a cache's buffers are still the ones it was built on (a grown cache gets new ones, and a new stack).
+
+    ``layers``: per layer, ``native_layers.LayerWeights.as_args()``; ``keys``/``values``: per layer, ``[H_kv, C, D]``
+    views of its buffers (slots contiguous; one size for all). A build of an older source without the stacked entry
+    (a benchmark's ``--baseline``) runs ``llama_layer`` per layer on the same arguments."""
+
+    POINTERS = 12  # per layer (LAYER_PTRS in native_gemm.c)
+
+    def __init__(
+        self,
+        layers: list[tuple],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        heads: int,
+        intermediate: int,
+        scale: float,
+    ) -> None:
+        if not layers or not (len(layers) == len(keys) == len(values)):
+            raise ValueError(f"native layers: {len(layers)} layers, {len(keys)} K and {len(values)} V buffers")
+        self.bf16 = layers[0][3].dtype == torch.bfloat16
+        kv_heads, capacity, dim = keys[0].shape
+        for k, v in zip(keys, values, strict=True):
+            if k.shape != (kv_heads, capacity, dim) or v.shape != k.shape or k.stride()[1:] != (dim, 1):
+                want = [kv_heads, capacity, dim]
+                raise ValueError(f"native layers: K/V {list(k.shape)} and {list(v.shape)}, not {want} (slots in place)")
+            if v.stride() != k.stride():
+                raise ValueError("native layers: K and V buffers of one layer laid out differently")
+        if any((args[3].dtype == torch.bfloat16) != self.bf16 for args in layers):
+            raise ValueError("native layers: one weight storage for every layer")
+        self.layers, self.keys, self.values = layers, keys, values  # kept alive: the table holds their addresses
+        self.heads, self.intermediate, self.scale = heads, intermediate, float(scale)
+        self.kv_heads, self.capacity, self.dim = kv_heads, capacity, dim
+        self.kv_pointers = tuple(t.data_ptr() for k, v in zip(keys, values, strict=True) for t in (k, v))
+        pointers = []
+        for (ln1, ln2, _, *packed), k, v in zip(layers, keys, values, strict=True):
+            pointers += [ln1.data_ptr(), ln2.data_ptr(), *(None if t is None else t.data_ptr() for t in packed)]
+            pointers += [k.data_ptr(), v.data_ptr()]
+        if len(pointers) != self.POINTERS * len(layers):
+            raise ValueError(f"native layers: {len(pointers)} addresses for {len(layers)} layers")
+        self._table = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._eps = (ctypes.c_float * len(layers))(*(float(args[2]) for args in layers))
+        strides = [s for k, v in zip(keys, values, strict=True) for s in (k.stride(0), v.stride(0))]
+        self._strides = (ctypes.c_long * len(strides))(*strides)
+
+    def binds(self, kv_pointers: tuple[int, ...]) -> bool:
+        """Whether buffers at ``kv_pointers`` (each layer's K then V address) are the ones this stack was built
+        on: the same addresses, and so (buffers are only replaced, never resized in place) the same tensors."""
+        return kv_pointers == self.kv_pointers
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [R, E], updated in place: the residual stream after the last layer
+        cos: torch.Tensor,  # [R, D]
+        sin: torch.Tensor,  # [R, D]
+        slots: torch.Tensor,  # [R] int64: where each row's K/V goes, in every layer's buffer
+        masks: list[torch.Tensor],  # per layer, [R, C] additive (layers of one attention type share one)
+    ) -> None:
+        """Every layer on ``hidden``: the values ``llama_layer`` gives layer by layer, bit for bit. Every size,
+        shape and slot is checked before any layer runs."""
+        layers = self.layers
+        if _LAYERS is None:
+            for args, mask, k, v in zip(layers, masks, self.keys, self.values, strict=True):
+                llama_layer(hidden, args, cos, sin, slots, mask, k, v, self.heads, self.intermediate, self.scale)
+            return
+        if self.bf16 and _LAYER_BF16 is None:
+            raise NativeUnavailable(_BF16_REASON)
+        rows, embed = hidden.shape
+        unique = {id(m): m for m in masks}
+        if (
+            len(masks) != len(layers)
+            or not all(t.is_contiguous() for t in (hidden, cos, sin, slots, *unique.values()))
+            or cos.shape != (rows, self.dim)
+            or sin.shape != cos.shape
+            or slots.shape != (rows,)
+            or slots.dtype != torch.int64
+            or any(m.shape != (rows, self.capacity) or m.dtype != torch.float32 for m in unique.values())
+        ):
+            raise ValueError(
+                f"native layers: hidden {list(hidden.shape)}, cos {list(cos.shape)}, slots {list(slots.shape)} and "
+                f"masks {[list(m.shape) for m in unique.values()]} do not fit {len(layers)} layers of K/V "
+                f"{[self.kv_heads, self.capacity, self.dim]} (contiguous)"
+            )
+        addresses = {key: m.data_ptr() for key, m in unique.items()}
+        status = _LAYERS(
+            hidden.data_ptr(),
+            len(layers),
+            self._table,
+            self._eps,
+            self._strides,
+            (ctypes.c_void_p * len(masks))(*(addresses[id(m)] for m in masks)),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            self.capacity,
+            rows,
+            embed,
+            self.heads,
+            self.kv_heads,
+            self.dim,
+            self.intermediate,
+            self.scale,
+            torch.get_num_threads(),
+            int(self.bf16),
+        )
+        if status == -2:
+            raise MemoryError("native layers: out of memory")
+        if status:
+            raise ValueError(
+                f"native layers refused sizes rows={rows} embed={embed} heads={self.heads}/{self.kv_heads} "
+                f"dim={self.dim} or a K/V slot outside the buffer"
+            )

@@ -625,8 +625,6 @@ int lp_native_silu_gate_f32(const float *gu, float *act, long R, long I) {
    cos / sin [R, D]: the model's rotary embedding at each row's position. mask [R, C] additive over the C slots.
    Each element is computed as transformers' eager expression computes it, up to the order of float sums.
    0; -1 bad sizes; -2 out of memory. */
-static float *scratch(size_t n) { return (float *)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64); }
-
 static void rms_norm(const float *x, const float *w, float eps, float *y, long R, long E) {
   for (long r = 0; r < R; r++) {
     const float *xr = x + (size_t)r * E;
@@ -653,29 +651,57 @@ static int gemm_w(const float *x, const void *w, int bf16, const float *b, float
               : gemm_f_(x, (const float *)w, b, y, M, N, K, threads);
 }
 
-static int llama_layer(float *h, const float *ln1, const float *ln2, float eps, const void *wqkv, const float *bqkv,
-                       const void *wo, const float *bo, const void *wgu, const float *bgu, const void *wd,
-                       const float *bd, const float *cos, const float *sin, float *kbuf, float *vbuf, long ks,
-                       long vs, const long *slots, const float *mask, long C, long R, long E, long H, long Hkv, long D,
-                       long I, float scale, int threads, int bf16) {
-  if (R < 1 || E < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || D > 512 || I < 1 || C < 1) return -1;
-  for (long i = 0; i < R; i++)
-    if (slots[i] < 0 || slots[i] >= C) return -1; /* a K/V slot outside the buffer: refused before any write */
+/* The sizes every layer of one model shares, and the round's rows. */
+struct shape {
+  long C, R, E, H, Hkv, D, I;
+};
+
+/* A layer's intermediate values for R rows, allocated once per call (one layer or a whole stack of them). */
+struct work {
+  float *x, *qkv, *qp, *ao, *gu, *act, *y;
+};
+
+static float *scratch(size_t n) { return (float *)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64); }
+
+static void work_free(struct work *w) {
+  free(w->x), free(w->qkv), free(w->qp), free(w->ao), free(w->gu), free(w->act), free(w->y);
+}
+
+static int work_alloc(struct work *w, const struct shape *s) {
+  size_t R = (size_t)s->R, nq = (size_t)(s->H * s->D), nqkv = nq + 2 * (size_t)(s->Hkv * s->D);
+  w->x = scratch(R * s->E), w->qkv = scratch(R * nqkv), w->qp = scratch(R * nq), w->ao = scratch(R * nq);
+  w->gu = scratch(R * 2 * s->I), w->act = scratch(R * s->I), w->y = scratch(R * s->E);
+  if (w->x && w->qkv && w->qp && w->ao && w->gu && w->act && w->y) return 0;
+  work_free(w);
+  return -2;
+}
+
+/* The checks every layer's call would make, made once: sizes, and every K/V slot inside the buffer (refused
+   before any write). */
+static int shape_ok(const struct shape *s, const long *slots) {
+  if (s->R < 1 || s->E < 1 || s->H < 1 || s->Hkv < 1 || s->H % s->Hkv || s->D < 2 || s->D % 2 || s->D > 512 ||
+      s->I < 1 || s->C < 1)
+    return 0;
+  for (long i = 0; i < s->R; i++)
+    if (slots[i] < 0 || slots[i] >= s->C) return 0;
+  return 1;
+}
+
+static int llama_layer(const struct work *w, const struct shape *s, float *h, const float *ln1, const float *ln2,
+                       float eps, const void *wqkv, const float *bqkv, const void *wo, const float *bo,
+                       const void *wgu, const float *bgu, const void *wd, const float *bd, const float *cos,
+                       const float *sin, float *kbuf, float *vbuf, long ks, long vs, const long *slots,
+                       const float *mask, float scale, int threads, int bf16) {
+  long C = s->C, R = s->R, E = s->E, H = s->H, Hkv = s->Hkv, D = s->D, I = s->I;
   long G = H / Hkv, nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
-  float *x = scratch((size_t)R * E), *qkv = scratch((size_t)R * nqkv), *qp = scratch((size_t)R * nq);
-  float *ao = scratch((size_t)R * nq), *gu = scratch((size_t)R * 2 * I), *act = scratch((size_t)R * I);
-  float *y = scratch((size_t)R * E);
-  int status = 0;
-  if (!x || !qkv || !qp || !ao || !gu || !act || !y) {
-    status = -2;
-    goto done;
-  }
+  float *x = w->x, *qkv = w->qkv, *qp = w->qp, *ao = w->ao, *gu = w->gu, *act = w->act, *y = w->y;
+  int status;
   rms_norm(h, ln1, eps, x, R, E);
-  if ((status = gemm_w(x, wqkv, bf16, bqkv, qkv, R, nqkv, E, threads))) goto done;
+  if ((status = gemm_w(x, wqkv, bf16, bqkv, qkv, R, nqkv, E, threads))) return status;
   for (long i = 0; i < R; i++) {
     float *row = qkv + (size_t)i * nqkv;
-    const float *c = cos + (size_t)i * D, *s = sin + (size_t)i * D;
-    for (long hd = 0; hd < H + Hkv; hd++) rotate(row + hd * D, c, s, D); /* query heads, then key heads */
+    const float *c = cos + (size_t)i * D, *sn = sin + (size_t)i * D;
+    for (long hd = 0; hd < H + Hkv; hd++) rotate(row + hd * D, c, sn, D); /* query heads, then key heads */
     for (long kv = 0; kv < Hkv; kv++) {
       for (long g = 0; g < G; g++)
         memcpy(qp + ((size_t)kv * G * R + g * R + i) * D, row + (kv * G + g) * D, sizeof(float) * (size_t)D);
@@ -684,21 +710,34 @@ static int llama_layer(float *h, const float *ln1, const float *ln2, float eps, 
     }
   }
   if ((status = lp_native_attention_f32(qp, kbuf, vbuf, mask, ao, Hkv, G * R, R, C, D, ks, vs, scale, threads)))
-    goto done;
+    return status;
   for (long i = 0; i < R; i++) /* back to [R, H * D] (query head kv * G + g), into qp: read no more */
     for (long kv = 0; kv < Hkv; kv++)
       for (long g = 0; g < G; g++)
         memcpy(qp + (size_t)i * nq + (kv * G + g) * D, ao + ((size_t)kv * G * R + g * R + i) * D,
                sizeof(float) * (size_t)D);
-  if ((status = gemm_w(qp, wo, bf16, bo, y, R, E, nq, threads))) goto done;
+  if ((status = gemm_w(qp, wo, bf16, bo, y, R, E, nq, threads))) return status;
   for (size_t j = 0; j < (size_t)R * E; j++) h[j] = h[j] + y[j];
   rms_norm(h, ln2, eps, x, R, E);
-  if ((status = gemm_w(x, wgu, bf16, bgu, gu, R, 2 * I, E, threads))) goto done;
+  if ((status = gemm_w(x, wgu, bf16, bgu, gu, R, 2 * I, E, threads))) return status;
   lp_native_silu_gate_f32(gu, act, R, I);
-  if ((status = gemm_w(act, wd, bf16, bd, y, R, E, I, threads))) goto done;
+  if ((status = gemm_w(act, wd, bf16, bd, y, R, E, I, threads))) return status;
   for (size_t j = 0; j < (size_t)R * E; j++) h[j] = h[j] + y[j];
-done:
-  free(x), free(qkv), free(qp), free(ao), free(gu), free(act), free(y);
+  return 0;
+}
+
+static int one_layer(float *h, const float *ln1, const float *ln2, float eps, const void *wqkv, const float *bqkv,
+                     const void *wo, const float *bo, const void *wgu, const float *bgu, const void *wd,
+                     const float *bd, const float *cos, const float *sin, float *kbuf, float *vbuf, long ks, long vs,
+                     const long *slots, const float *mask, long C, long R, long E, long H, long Hkv, long D, long I,
+                     float scale, int threads, int bf16) {
+  struct shape s = {C, R, E, H, Hkv, D, I};
+  struct work w;
+  if (!shape_ok(&s, slots)) return -1;
+  if (work_alloc(&w, &s)) return -2;
+  int status = llama_layer(&w, &s, h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks,
+                           vs, slots, mask, scale, threads, bf16);
+  work_free(&w);
   return status;
 }
 
@@ -707,8 +746,8 @@ int lp_native_llama_layer(float *h, const float *ln1, const float *ln2, float ep
                           const float *wd, const float *bd, const float *cos, const float *sin, float *kbuf,
                           float *vbuf, long ks, long vs, const long *slots, const float *mask, long C, long R, long E,
                           long H, long Hkv, long D, long I, float scale, int threads) {
-  return llama_layer(h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks, vs, slots,
-                     mask, C, R, E, H, Hkv, D, I, scale, threads, 0);
+  return one_layer(h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks, vs, slots, mask,
+                   C, R, E, H, Hkv, D, I, scale, threads, 0);
 }
 
 /* lp_native_llama_layer with the four packed weights stored as bfloat16 bits (lp_native_gemm_bf16w). */
@@ -718,6 +757,34 @@ int lp_native_llama_layer_bf16w(float *h, const float *ln1, const float *ln2, fl
                                 const float *bd, const float *cos, const float *sin, float *kbuf, float *vbuf,
                                 long ks, long vs, const long *slots, const float *mask, long C, long R, long E, long H,
                                 long Hkv, long D, long I, float scale, int threads) {
-  return llama_layer(h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks, vs, slots,
-                     mask, C, R, E, H, Hkv, D, I, scale, threads, 1);
+  return one_layer(h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks, vs, slots, mask,
+                   C, R, E, H, Hkv, D, I, scale, threads, 1);
+}
+
+/* L decoder layers one after the other on h, in one call: what L calls of lp_native_llama_layer compute, bit for
+   bit. Layer l's pointers are ptrs[LAYER_PTRS * l ...]: ln1, ln2, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd (a bias may
+   be NULL), kbuf, vbuf; its epsilon eps[l], its K/V head strides kv_strides[2l], [2l + 1], its mask masks[l].
+   Weights stored as bfloat16 bits where bf16 is set (all four of every layer). The sizes, the rows and the slots
+   are shared, and checked before any layer runs. Why: from Python, one call per layer cost a forward of the
+   embedded model 35-39 us between two layers' calls, 1.0-1.1 ms of a 15-24 ms forward on this project's EPYC
+   (2026-12-03): the interpreter ran from caches the weights' stream had just emptied. The table of pointers is
+   built once per model and K/V buffers (native.LayerStack); the intermediate values are allocated once per call.
+   0; -1 bad sizes; -2 out of memory. */
+#define LAYER_PTRS 12
+int lp_native_llama_layers(float *h, long L, void *const *ptrs, const float *eps, const long *kv_strides,
+                           const float *const *masks, const float *cos, const float *sin, const long *slots, long C,
+                           long R, long E, long H, long Hkv, long D, long I, float scale, int threads, int bf16) {
+  struct shape s = {C, R, E, H, Hkv, D, I};
+  struct work w;
+  if (L < 0 || !shape_ok(&s, slots)) return -1;
+  if (work_alloc(&w, &s)) return -2;
+  int status = 0;
+  for (long l = 0; l < L && !status; l++) {
+    void *const *p = ptrs + LAYER_PTRS * l;
+    status = llama_layer(&w, &s, h, p[0], p[1], eps[l], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], cos, sin,
+                         p[10], p[11], kv_strides[2 * l], kv_strides[2 * l + 1], slots, masks[l], scale, threads,
+                         bf16);
+  }
+  work_free(&w);
+  return status;
 }

@@ -1,11 +1,13 @@
-"""Native decoder layers: a Llama-family layer as one C call (``lp_native_llama_layer``) for eager CPU rounds.
+"""Native decoder layers: a Llama-family model's decoder layers as one C call (``lp_native_llama_layers``) for
+eager CPU rounds.
 
 Why: with the products native (``model.prepack``), a forward of a few rows is the weights' bytes over the memory
 bandwidth plus what it costs to reach them. An eager transformers layer reaches them through some twenty Python-
 level ops (norms, projections, rotary, the cache write, attention, the MLP's activation and the residual adds);
 even compiled, the 30 layers of the embedded model cost about 6 ms of Python and dispatch per forward on a 2-core
-CPU, against about 15 ms of products (a profile of the compiled one-row forward). One C call per layer takes the
-same steps on the same packed weights and the same K/V buffer, so what is left is the products themselves.
+CPU, against about 15 ms of products (a profile of the compiled one-row forward). The C layer takes the same
+steps on the same packed weights and the same K/V buffer, so what is left is the products themselves; all the
+layers go in one call (``native.LayerStack``), since even one return to Python per layer cost about 1 ms.
 
 Which layers: those whose structure is the one the C function computes, checked module by module
 (``layer_weights``): Llama, Mistral and Qwen2 decoder layers (pre-norm RMSNorm, rotary q/k in the rotate-half
@@ -28,6 +30,7 @@ against the original layers' logits and K/V.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +154,7 @@ def forward_model(
     logit_rows: torch.Tensor,  # [L]
 ) -> torch.Tensor | None:  # [L, vocab], or None: not this kind of forward (the caller runs the model's own)
     """A whole round through the native layers without transformers' model loop: the embedding, the rotary
-    tables, one C call per layer, the final norm and the output layer on the logit rows, each the module or
+    tables, one C call for all the layers, the final norm and the output layer on the logit rows, each the module or
     kernel the model's own forward would use, in the same order.
 
     Why: around the layers' C calls, transformers' model and layer code cost about 3.4 ms of Python per forward
@@ -170,7 +173,10 @@ def forward_model(
     cached = cache.layers
     if not all(isinstance(c, StaticBufferLayer) and c.is_initialized and c.write_slots is not None for c in cached):
         return None
-    types_ = [getattr(layer, "attention_type", None) for layer in layers]
+    # each layer's attention type, as the model's own loop reads it (Qwen2: config.layer_types; None: one mask)
+    types_ = list(getattr(model.config, "layer_types", None) or [None] * len(layers))
+    if len(types_) != len(layers):
+        return None
     masks = {}
     for key in set(types_):
         m = mask if isinstance(mask, torch.Tensor) else (mask or {}).get(key)
@@ -179,7 +185,9 @@ def forward_model(
         if m.dtype != torch.float32 or m.shape[3] != cached[0].keys.shape[2]:
             return None
         masks[key] = m[0, 0].contiguous()
-    slots = {id(c.write_slots): c.write_slots.contiguous() for c in cached}  # the adapter sets one for all
+    slots = {id(c.write_slots): c.write_slots for c in cached}  # the adapter sets one for all
+    if len(slots) != 1:
+        return None
     hidden = base.embed_tokens(input_ids[None])  # [1, R, E]
     if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
         return None
@@ -187,22 +195,28 @@ def forward_model(
         t.reshape(rows, t.shape[-1]).to(torch.float32).contiguous() for t in base.rotary_emb(hidden, position_ids[None])
     )
     h = hidden[0].contiguous()
-    for w, c, key in zip(weights, cached, types_, strict=True):
-        native.llama_layer(
-            h,
-            w.as_args(),
-            cos,
-            sin,
-            slots[id(c.write_slots)],
-            masks[key],
-            c.keys[0],
-            c.values[0],
-            w.heads,
-            w.intermediate,
-            w.scale,
-        )
+    stack = _stack(model, weights, cached)
+    stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_])
     h = base.norm(h[None])[0]
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
+
+
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its last native.LayerStack
+
+
+def _stack(model: torch.nn.Module, weights: list[LayerWeights], cached: list) -> native.LayerStack:
+    """The model's layers bound to ``cached``'s buffers: the last stack built for this model while it still binds
+    them and the same layers' weights, else a new one (a new cache, a grown one). Kept beside the model, not on it,
+    so that a copy of the model never inherits addresses of the original's weights."""
+    stack = _STACKS.get(model)
+    kv = tuple(t.data_ptr() for c in cached for t in (c.keys, c.values))
+    args = [w.as_args() for w in weights]
+    if stack is None or not stack.binds(kv) or any(a is not b for a, b in zip(args, stack.layers, strict=True)):
+        first = weights[0]
+        keys, values = [c.keys[0] for c in cached], [c.values[0] for c in cached]
+        stack = native.LayerStack(args, keys, values, first.heads, first.intermediate, first.scale)
+        _STACKS[model] = stack
+    return stack
 
 
 def native_layers_reason(model: torch.nn.Module) -> str | None:
@@ -214,10 +228,14 @@ def native_layers_reason(model: torch.nn.Module) -> str | None:
         return None
     if native._LAYER is None:
         return "the native kernel is not loaded"
+    sizes = set()
     for layer in layers:
         weights = layer_weights(layer)
         if isinstance(weights, str):
             return weights
+        sizes.add((weights.heads, weights.intermediate, weights.scale, tuple(weights.qkv.sizes)))
+    if len(sizes) > 1:  # lp_native_llama_layers runs them all in one call, on one set of sizes
+        return "the decoder layers differ in size (heads, MLP width or attention scale)"
     return None
 
 

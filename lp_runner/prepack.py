@@ -115,7 +115,7 @@ NATIVE_BF16_KERNEL = LinearKernel(
     eager=NATIVE_KERNEL.eager,
     compiled=native.native_linear_op,
 )
-NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py runs as one C call per layer
+NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py runs as one C call for all layers
 
 
 KERNELS = {kernel.key: kernel for kernel in (ONEDNN, *NATIVE_KERNELS)}

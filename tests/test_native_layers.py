@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import copy
 
+import helpers
 import pytest
 import torch
-from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead
+from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead, tiny_model
 
 from lp_runner import native, native_layers
 from lp_runner.loading import default_cache_dir, weights_checksum
@@ -26,15 +27,15 @@ pytestmark = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"no native ke
 
 @pytest.fixture
 def calls(monkeypatch) -> list[int]:
-    """Rows of every native layer call made while the test runs."""
+    """Rows of every native layer run while the test runs (a stacked call counts each of its layers)."""
     seen: list[int] = []
-    real = native.llama_layer
+    real = native.LayerStack.run
 
-    def counted(hidden, *args, **kwargs):
-        seen.append(hidden.shape[0])
-        return real(hidden, *args, **kwargs)
+    def counted(self, hidden, *args, **kwargs):
+        seen.extend([hidden.shape[0]] * len(self.layers))
+        return real(self, hidden, *args, **kwargs)
 
-    monkeypatch.setattr(native, "llama_layer", counted)
+    monkeypatch.setattr(native.LayerStack, "run", counted)
     return seen
 
 
@@ -44,7 +45,7 @@ def _native_model(stock: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen2-hybrid"])
 def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> None:
     """Rounds of 1-8 rows over a cached prefix: logits and the K/V written as the model's own layers give them
     (same products, same static cache), to fp32 rounding, with every argmax the same."""
@@ -83,7 +84,7 @@ def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> No
             crop(cache, 40)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "mistral-sliding", "qwen2-hybrid"])
 def test_native_layer_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family: str, calls) -> None:
     stock = tiny(family)
     model = _native_model(stock)
@@ -159,17 +160,111 @@ def test_native_layer_embedded_model_equals_hf_greedy(embedded, humaneval, calls
             assert calls and set(calls) != {len(ids)}, "no round ran natively"
 
 
+def _native_rounds(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Logits of a fixed series of native rounds, then every K/V buffer: two caches used in turn (rounds of 1-8
+    rows in tree layouts, each cropped back), then one of them grown past its buffer by rounds it keeps (the
+    buffers replaced: their addresses change under the layers)."""
+    adapter = ModelAdapter(model)
+    prefix = 248  # the smallest buffer holds 256 slots: the kept rounds below outgrow it
+    caches = [adapter.new_cache(prefix + 8) for _ in range(2)]
+    for seed, cache in enumerate(caches):
+        adapter.forward(torch.tensor(random_prompt(prefix, seed=seed)), torch.arange(prefix), causal(prefix), cache,
+                        torch.tensor([prefix - 1]))  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for rows in (1, 2, 3, 8):
+        for cache in caches:
+            ids = torch.randint(0, 50, (rows,), generator=gen)
+            vis = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
+            vis = vis.tril()
+            out.append(adapter.forward(ids, prefix + vis.sum(1) - 1, vis, cache, torch.arange(rows)))
+            crop(cache, prefix)
+    grown = caches[0]
+    capacity = grown.layers[0].keys.shape[2]
+    for step in range(3):
+        past = prefix + 8 * step
+        ids = torch.randint(0, 50, (8,), generator=gen)
+        out.append(adapter.forward(ids, torch.arange(past, past + 8), causal(8), grown, torch.arange(8)))
+    assert grown.layers[0].keys.shape[2] > capacity, "the cache did not grow"
+    return out + [t.clone() for c in caches for layer in c.layers for t in (layer.keys, layer.values)]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-sliding", "qwen2-hybrid"])
+@pytest.mark.parametrize("kernel", ["native", "native-bf16"])
+def test_the_stacked_call_is_the_layer_by_layer_calls_bit_for_bit(family: str, kernel: str, calls, monkeypatch):
+    """``lp_native_llama_layers`` (every layer in one C call, from an address table built once per model and
+    cache) against the same rounds made one C call per layer (``llama_layer``: what a build without the stacked
+    entry runs): every logit and every K/V slot equal bit for bit, over two caches used in turn and a cache
+    replaced by a larger one mid-way (a table kept past it would write into the old buffers). Four layers, full
+    or sliding attention, float32 and bfloat16 weights."""
+    name, overrides = helpers.MATRIX.get(family, (family, {}))
+    model = tiny_model(name, num_hidden_layers=4, **overrides)
+    prepack_linears(model, kernel=KERNELS[kernel])
+    stacked = _native_rounds(model)
+    assert set(calls) == {1, 2, 3, 8}, "the rounds did not run the native layers"
+    monkeypatch.setattr(native, "_LAYERS", None)  # a build without the stacked entry: llama_layer per layer
+    per_layer = _native_rounds(model)
+    assert len(stacked) == len(per_layer)
+    for got, want in zip(stacked, per_layer, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_each_layer_of_a_stack_reads_its_own_mask_and_buffers() -> None:
+    """A stacked call hands layer l its own mask, epsilon and K/V buffers: with a different random mask per
+    layer, hidden state and K/V are those of ``llama_layer`` called layer by layer, bit for bit."""
+    model = _native_model(tiny_model("llama", num_hidden_layers=3))
+    adapter = ModelAdapter(model)
+    caches = [adapter.new_cache(64) for _ in range(2)]
+    for cache in caches:
+        adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
+    weights = [decoder._lp_native_weights for decoder in model.model.layers]
+    first = weights[0]
+    capacity, dim = caches[0].layers[0].keys.shape[2:]
+    gen = torch.Generator().manual_seed(6)
+    rows = 3
+    hidden = torch.randn(rows, model.config.hidden_size, generator=gen)
+    angles = torch.rand(rows, dim, generator=gen) * 6
+    cos, sin, slots = angles.cos(), angles.sin(), torch.tensor([8, 9, 10])
+    masks = []
+    for _ in weights:
+        mask = torch.zeros(rows, capacity).masked_fill(torch.rand(rows, capacity, generator=gen) < 0.5, -1e38)
+        mask[:, 0] = 0.0
+        masks.append(mask)
+    stacked, per_layer = hidden.clone(), hidden.clone()
+    native.LayerStack(
+        [w.as_args() for w in weights], [c.keys[0] for c in caches[0].layers], [c.values[0] for c in caches[0].layers],
+        first.heads, first.intermediate, first.scale,
+    ).run(stacked, cos, sin, slots, masks)  # fmt: skip
+    for w, mask, c in zip(weights, masks, caches[1].layers, strict=True):
+        native.llama_layer(per_layer, w.as_args(), cos, sin, slots, mask, c.keys[0], c.values[0], w.heads,
+                           w.intermediate, w.scale)  # fmt: skip
+    assert torch.equal(stacked, per_layer) and not torch.equal(stacked, hidden)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    shared = hidden.clone()  # one mask for every layer gives other values: the masks were read per layer
+    for w, c in zip(weights, caches[1].layers, strict=True):
+        native.llama_layer(shared, w.as_args(), cos, sin, slots, masks[0], c.keys[0], c.values[0], w.heads,
+                           w.intermediate, w.scale)  # fmt: skip
+    assert not torch.equal(shared, stacked)
+
+
 def test_a_slot_outside_the_buffer_is_refused_before_any_write(tiny) -> None:
-    """The C layer checks every K/V slot against the buffer before it writes: a bad slot is an error, and the
-    buffer and the residual stream are left as they were."""
+    """The C layer checks every K/V slot against the buffer before it writes, and the stacked call before its
+    first layer runs: a bad slot is an error, and every buffer and the residual stream are left as they were."""
     model = _native_model(tiny("llama"))
     adapter = ModelAdapter(model)
     cache = adapter.new_cache(64)
     adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
     layer, weights = cache.layers[0], model.model.layers[0]._lp_native_weights
+    all_weights = [decoder._lp_native_weights for decoder in model.model.layers]
+    stack = native.LayerStack(
+        [w.as_args() for w in all_weights], [c.keys[0] for c in cache.layers], [c.values[0] for c in cache.layers],
+        weights.heads, weights.intermediate, weights.scale,
+    )  # fmt: skip
     capacity, dim = layer.keys.shape[2], layer.keys.shape[3]
     hidden = torch.randn(2, model.config.hidden_size)
-    before, keys = hidden.clone(), layer.keys.clone()
+    before = hidden.clone()
+    buffers = [t.clone() for c in cache.layers for t in (c.keys, c.values)]
     cos, sin = torch.ones(2, dim), torch.zeros(2, dim)
     mask = torch.zeros(2, capacity)
     for slots in (torch.tensor([8, capacity]), torch.tensor([-1, 9])):
@@ -178,7 +273,13 @@ def test_a_slot_outside_the_buffer_is_refused_before_any_write(tiny) -> None:
                 hidden, weights.as_args(), cos, sin, slots, mask, layer.keys[0], layer.values[0],
                 weights.heads, weights.intermediate, weights.scale,
             )  # fmt: skip
-    assert torch.equal(hidden, before) and torch.equal(layer.keys, keys)
+        with pytest.raises(ValueError, match="native layers refused .* or a K/V slot outside the buffer"):
+            stack.run(hidden, cos, sin, slots, [mask] * len(all_weights))
+    assert torch.equal(hidden, before)
+    after = [t for c in cache.layers for t in (c.keys, c.values)]
+    assert all(torch.equal(t, b) for t, b in zip(after, buffers, strict=True))
+    stack.run(hidden, cos, sin, torch.tensor([8, 9]), [mask] * len(all_weights))  # the same call, slots inside
+    assert not torch.equal(hidden, before) and not torch.equal(cache.layers[-1].keys, buffers[-2])
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
