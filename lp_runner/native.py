@@ -400,8 +400,8 @@ class LayerStack:
 
     Why: called layer by layer from Python, a forward of the embedded model lost 35-39 us between two layers (1.0-1.1
     ms of a 15-24 ms forward on a 2-core CPU; ``native_gemm.c`` says why), and the per-layer checks and address
-    look-ups cost about 0.2 ms more. The stack keeps the tensors whose addresses it holds alive; ``binds`` says
-    whether a cache's buffers are still the ones it was built on (a grown cache gets new ones, and a new stack).
+    look-ups cost about 0.2 ms more. The stack keeps the tensors whose addresses it holds alive; whoever keeps it
+    (``native_layers``) builds a new one for other buffers (a grown cache gets new ones).
 
     ``layers``: per layer, ``native_layers.LayerWeights.as_args()``; ``keys``/``values``: per layer, ``[H_kv, C, D]``
     views of its buffers (slots contiguous; one size for all). A build of an older source without the stacked entry
@@ -433,7 +433,6 @@ class LayerStack:
         self.layers, self.keys, self.values = layers, keys, values  # kept alive: the table holds their addresses
         self.heads, self.intermediate, self.scale = heads, intermediate, float(scale)
         self.kv_heads, self.capacity, self.dim = kv_heads, capacity, dim
-        self.kv_pointers = tuple(t.data_ptr() for k, v in zip(keys, values, strict=True) for t in (k, v))
         pointers = []
         for (ln1, ln2, _, *packed), k, v in zip(layers, keys, values, strict=True):
             pointers += [ln1.data_ptr(), ln2.data_ptr(), *(None if t is None else t.data_ptr() for t in packed)]
@@ -444,11 +443,6 @@ class LayerStack:
         self._eps = (ctypes.c_float * len(layers))(*(float(args[2]) for args in layers))
         strides = [s for k, v in zip(keys, values, strict=True) for s in (k.stride(0), v.stride(0))]
         self._strides = (ctypes.c_long * len(strides))(*strides)
-
-    def binds(self, kv_pointers: tuple[int, ...]) -> bool:
-        """Whether buffers at ``kv_pointers`` (each layer's K then V address) are the ones this stack was built
-        on: the same addresses, and so (buffers are only replaced, never resized in place) the same tensors."""
-        return kv_pointers == self.kv_pointers
 
     def run(
         self,

@@ -201,21 +201,28 @@ def forward_model(
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
 
 
-_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its last native.LayerStack
+# model -> (its last native.LayerStack, the LayerWeights and the K/V buffer tensors it was built on)
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _stack(model: torch.nn.Module, weights: list[LayerWeights], cached: list) -> native.LayerStack:
-    """The model's layers bound to ``cached``'s buffers: the last stack built for this model while it still binds
-    them and the same layers' weights, else a new one (a new cache, a grown one). Kept beside the model, not on it,
-    so that a copy of the model never inherits addresses of the original's weights."""
-    stack = _STACKS.get(model)
-    kv = tuple(t.data_ptr() for c in cached for t in (c.keys, c.values))
+    """The model's layers bound to ``cached``'s buffers: the last stack built for this model while it still holds
+    these very buffer tensors and layer weights, else a new one (a new cache, a grown one: new tensors). Identity
+    is enough: the stack keeps the tensors it was built on alive, so no other tensor can take their ids. Kept
+    beside the model, not on it, so that a copy of the model never inherits addresses of the original's weights."""
+    entry = _STACKS.get(model)
+    buffers = [t for c in cached for t in (c.keys, c.values)]
+    if entry is not None:
+        stack, owners, held = entry
+        if all(a is b for a, b in zip(owners, weights, strict=True)) and all(
+            a is b for a, b in zip(held, buffers, strict=True)
+        ):
+            return stack
+    first = weights[0]
+    keys, values = [c.keys[0] for c in cached], [c.values[0] for c in cached]
     args = [w.as_args() for w in weights]
-    if stack is None or not stack.binds(kv) or any(a is not b for a, b in zip(args, stack.layers, strict=True)):
-        first = weights[0]
-        keys, values = [c.keys[0] for c in cached], [c.values[0] for c in cached]
-        stack = native.LayerStack(args, keys, values, first.heads, first.intermediate, first.scale)
-        _STACKS[model] = stack
+    stack = native.LayerStack(args, keys, values, first.heads, first.intermediate, first.scale)
+    _STACKS[model] = (stack, list(weights), buffers)
     return stack
 
 
