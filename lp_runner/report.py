@@ -81,7 +81,7 @@ def prepack_lines(policy: dict | None) -> list[str]:
         label = pre.get("label", "oneDNN-prepacked")  # records before the native kernel have no label
         line = f"linear layers: {label} ({pre['layers']} in {products} products; model.prepack={pre['mode']})"
         if pre.get("native_layers"):
-            line += f"; decoder layers: native ({pre['native_layers']}, one call each)"
+            line += f"; decoder layers: native ({pre['native_layers']}, one call a round)"
         return [line]
     return [f"linear layers: torch (model.prepack={pre['mode']}: {pre['reason']})"]
 

@@ -375,7 +375,7 @@ def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path:
     layers_proc, layers = _run_cli(tmp_path, folder, "native", "layers.jsonl")
     _, unlayered = _run_cli(tmp_path, folder, "native", "unlayered.jsonl", "--set", "model.native_layers=false")
     assert layers["policy"]["prepack"]["native_layers"] == 2 and unlayered["policy"]["prepack"]["native_layers"] == 0
-    assert "; decoder layers: native (2, one call each)" in layers_proc.stderr
+    assert "; decoder layers: native (2, one call a round)" in layers_proc.stderr
     assert layers["output_ids"] == unlayered["output_ids"] == plain["output_ids"]
     # the checkpoint's checksum either way: a --resume may change model.prepack
     from transformers import AutoModelForCausalLM
