@@ -47,8 +47,8 @@ def _native_model(stock: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen2-hybrid"])
 def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> None:
-    """Rounds of 1-8 rows over a cached prefix: logits and the K/V written as the model's own layers give them
-    (same products, same static cache), to fp32 rounding, with every argmax the same."""
+    """A prefill of 40 rows, then rounds of 1-8 rows over it: logits and the K/V written as the model's own
+    layers give them (same products, same static cache), to fp32 rounding, with every argmax the same."""
     model = _native_model(tiny(family))
     layers = model.config.num_hidden_layers
     reference = ModelAdapter(model, native_layers=False, static_cache=True)
@@ -58,9 +58,13 @@ def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> No
     calls.clear()  # the adapters' own two-row probe ran natively
     prefix = torch.tensor(random_prompt(40, seed=1))
     caches = [a.new_cache(64) for a in (reference, fast)]
-    for adapter, cache in zip((reference, fast), caches, strict=True):
-        adapter.forward(prefix, torch.arange(40), causal(40), cache, torch.tensor([39]))
-    assert calls == []  # a prefill of 40 rows runs the original layers
+    ref_logits, fast_logits = (
+        a.forward(prefix, torch.arange(40), causal(40), c, torch.arange(40))
+        for a, c in zip((reference, fast), caches, strict=True)
+    )
+    assert calls == [40] * layers  # the fast adapter's prefill of 40 rows runs natively too
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fast_logits.argmax(-1), ref_logits.argmax(-1))
     gen = torch.Generator().manual_seed(2)
     for rows in (1, 2, 3, 8):
         ids = torch.randint(0, 50, (rows,), generator=gen)
@@ -201,7 +205,7 @@ def test_the_stacked_call_is_the_layer_by_layer_calls_bit_for_bit(family: str, k
     model = tiny_model(name, num_hidden_layers=4, **overrides)
     prepack_linears(model, kernel=KERNELS[kernel])
     stacked = _native_rounds(model)
-    assert set(calls) == {1, 2, 3, 8}, "the rounds did not run the native layers"
+    assert set(calls) == {248, 1, 2, 3, 8}, "the prefills and rounds did not run the native layers"
     monkeypatch.setattr(native, "_LAYERS", None)  # a build without the stacked entry: llama_layer per layer
     per_layer = _native_rounds(model)
     assert len(stacked) == len(per_layer)
