@@ -35,8 +35,8 @@ class ModelConfig:
     # for a CPU kernel (auto: the faster of lp_runner's native product and oneDNN's where they work, measured; see
     # prepack.py). native-bf16: the native product on the linear weights rounded to bfloat16 (half the bytes per
     # forward; float32 arithmetic: exact for the model with those rounded weights, not for the original)
-    native_layers: bool = True  # on native products, Llama-family decoder layers run as one native call each in
-    # eager rounds (lp_runner/native_layers.py); false: transformers' layer code on the same products
+    native_layers: bool = True  # on native products, Llama-family decoder layers run natively, all in one call, in
+    # eager rounds and prefills (lp_runner/native_layers.py); false: transformers' layer code on the same products
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 
 

@@ -64,9 +64,9 @@ class ModelAdapter:
         need them. ``compile``: static-shape rounds through ``torch.compile`` (see ``compiled_forward``); eager
         stays the fallback and the oracle. ``skip_guards`` (compiled, after ``warm_up``): dynamo's guards are
         checked on the first forward of every cache and skipped on its later rounds (see ``_guard_stance``).
-        ``native_layers``: a model on native products whose decoder layers can run as one native call each
-        (``native_layers.py``) runs its eager rounds that way, on static buffers (its compiled rounds trace the
-        original layers)."""
+        ``native_layers``: a model on native products whose decoder layers can run natively, all of them in one
+        call (``native_layers.py``), runs its eager rounds and prefills that way, on static buffers (its compiled
+        rounds trace the original layers)."""
         self.model = model
         self.append_buffer = append_buffer
         self.packed_gqa = packed_gqa
@@ -92,7 +92,7 @@ class ModelAdapter:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kernels = linear_kernels(model)  # torch's linear, oneDNN's or the native product (``model.prepack``)
-        self.native_layers = 0  # decoder layers run as one native call each (eager rounds)
+        self.native_layers = 0  # decoder layers run natively, in one call (eager rounds and prefills)
         if native_layers and self.kernels.startswith("native") and not compile:
             self.native_layers = install_native_layers(model)
         if self.native_layers:
