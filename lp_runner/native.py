@@ -160,7 +160,7 @@ _ATTENTION = None  # the loaded attention, checked as the product is
 _LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
 _FN_BF16 = None  # the product and the layer on weights stored as bfloat16 (None: unavailable, _BF16_REASON says why)
 _LAYER_BF16 = None
-_LAYERS = None  # a model's decoder layers in one call (None: a build of an older source; ``llama_layers`` loops)
+_LAYERS = None  # a model's decoder layers in one call (None: a build of an older source; ``LayerStack`` loops)
 NOT_LOADED = "the native kernel was not loaded (lp_runner.native.load)"
 _BF16_REASON = NOT_LOADED
 
@@ -433,6 +433,7 @@ class LayerStack:
         self.layers, self.keys, self.values = layers, keys, values  # kept alive: the table holds their addresses
         self.heads, self.intermediate, self.scale = heads, intermediate, float(scale)
         self.kv_heads, self.capacity, self.dim = kv_heads, capacity, dim
+        self.embed = layers[0][0].shape[0]  # the first norm's weight: one value per hidden unit
         pointers = []
         for (ln1, ln2, _, *packed), k, v in zip(layers, keys, values, strict=True):
             pointers += [ln1.data_ptr(), ln2.data_ptr(), *(None if t is None else t.data_ptr() for t in packed)]
@@ -465,6 +466,8 @@ class LayerStack:
         unique = {id(m): m for m in masks}
         if (
             len(masks) != len(layers)
+            or embed != self.embed
+            or any(t.dtype != torch.float32 for t in (hidden, cos, sin))
             or not all(t.is_contiguous() for t in (hidden, cos, sin, slots, *unique.values()))
             or cos.shape != (rows, self.dim)
             or sin.shape != cos.shape
@@ -474,8 +477,8 @@ class LayerStack:
         ):
             raise ValueError(
                 f"native layers: hidden {list(hidden.shape)}, cos {list(cos.shape)}, slots {list(slots.shape)} and "
-                f"masks {[list(m.shape) for m in unique.values()]} do not fit {len(layers)} layers of K/V "
-                f"{[self.kv_heads, self.capacity, self.dim]} (contiguous)"
+                f"masks {[list(m.shape) for m in unique.values()]} do not fit {len(layers)} layers of width "
+                f"{self.embed} and K/V {[self.kv_heads, self.capacity, self.dim]} (float32, contiguous)"
             )
         addresses = {key: m.data_ptr() for key, m in unique.items()}
         status = _LAYERS(

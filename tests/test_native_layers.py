@@ -279,10 +279,15 @@ def test_a_slot_outside_the_buffer_is_refused_before_any_write(tiny) -> None:
             )  # fmt: skip
         with pytest.raises(ValueError, match="native layers refused .* or a K/V slot outside the buffer"):
             stack.run(hidden, cos, sin, slots, [mask] * len(all_weights))
+    good = torch.tensor([8, 9])
+    wide, double = torch.randn(2, model.config.hidden_size + 1), hidden.double()
+    for bad in ((wide, cos, sin, good, [mask]), (double, cos, sin, good, [mask]), (hidden, cos, sin, good, [])):
+        with pytest.raises(ValueError, match="do not fit"):  # refused in Python: the C call would read past them
+            stack.run(*bad[:4], bad[4] * len(all_weights))
     assert torch.equal(hidden, before)
     after = [t for c in cache.layers for t in (c.keys, c.values)]
     assert all(torch.equal(t, b) for t, b in zip(after, buffers, strict=True))
-    stack.run(hidden, cos, sin, torch.tensor([8, 9]), [mask] * len(all_weights))  # the same call, slots inside
+    stack.run(hidden, cos, sin, good, [mask] * len(all_weights))  # the same call, slots inside
     assert not torch.equal(hidden, before) and not torch.equal(cache.layers[-1].keys, buffers[-2])
 
 
