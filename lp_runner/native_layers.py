@@ -196,22 +196,24 @@ def forward_model(
         t.reshape(rows, t.shape[-1]).to(torch.float32).contiguous() for t in base.rotary_emb(hidden, position_ids[None])
     )
     h = hidden[0].contiguous()
-    stack = _stack(model, weights, cached)
+    stack = _stack(cache, weights, cached)
     stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_])
     h = base.norm(h[None])[0]
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
 
 
-# model -> (its last native.LayerStack, the LayerWeights and the K/V buffer tensors it was built on)
+# cache -> (the native.LayerStack of its buffers, the LayerWeights and the K/V buffer tensors it was built on)
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _stack(model: torch.nn.Module, weights: list[LayerWeights], cached: list) -> native.LayerStack:
-    """The model's layers bound to ``cached``'s buffers: the last stack built for this model while it still holds
-    these very buffer tensors and layer weights, else a new one (a new cache, a grown one: new tensors). Identity
-    is enough: the stack keeps the tensors it was built on alive, so no other tensor can take their ids. Kept
-    beside the model, not on it, so that a copy of the model never inherits addresses of the original's weights."""
-    entry = _STACKS.get(model)
+def _stack(cache, weights: list[LayerWeights], cached: list) -> native.LayerStack:
+    """The layers bound to ``cache``'s buffers (``cached``: its layers): the stack built for this cache while it
+    still holds these very buffer tensors and the same layers' weights, else a new one (a grown cache has new
+    tensors; another model, other weights). Identity is enough: the stack keeps the tensors it was built on alive,
+    so no other tensor can take their ids. Kept beside the cache, not on it (a copied cache must not inherit the
+    original's addresses), and only as long as the cache lives: a finished generation's buffers are freed with it.
+    """
+    entry = _STACKS.get(cache)
     buffers = [t for c in cached for t in (c.keys, c.values)]
     if entry is not None:
         stack, owners, held = entry
@@ -223,7 +225,7 @@ def _stack(model: torch.nn.Module, weights: list[LayerWeights], cached: list) ->
     keys, values = [c.keys[0] for c in cached], [c.values[0] for c in cached]
     args = [w.as_args() for w in weights]
     stack = native.LayerStack(args, keys, values, first.heads, first.intermediate, first.scale)
-    _STACKS[model] = (stack, list(weights), buffers)
+    _STACKS[cache] = (stack, list(weights), buffers)
     return stack
 
 

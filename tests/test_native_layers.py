@@ -213,6 +213,24 @@ def test_the_stacked_call_is_the_layer_by_layer_calls_bit_for_bit(family: str, k
         assert torch.equal(got, want)
 
 
+def test_a_finished_generations_buffers_are_freed_with_its_cache(tiny, calls) -> None:
+    """The layer stack (whose table holds the K/V buffers' addresses, so it keeps them alive) lives as long as its
+    cache: once the engine drops a cache, its buffers go, though the model lives on."""
+    import gc
+    import weakref
+
+    model = _native_model(tiny("llama"))
+    adapter = ModelAdapter(model)
+    cache = adapter.new_cache(64)
+    adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
+    adapter.forward(torch.tensor([5, 6]), torch.tensor([8, 9]), causal(2), cache, torch.arange(2))
+    assert 2 in calls, "the round did not run on a layer stack"
+    buffers = [weakref.ref(t) for c in cache.layers for t in (c.keys, c.values)]
+    del cache
+    gc.collect()
+    assert all(ref() is None for ref in buffers)
+
+
 def test_each_layer_of_a_stack_reads_its_own_mask_and_buffers() -> None:
     """A stacked call hands layer l its own mask, epsilon and K/V buffers: with a different random mask per
     layer, hidden state and K/V are those of ``llama_layer`` called layer by layer, bit for bit."""
