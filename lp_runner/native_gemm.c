@@ -726,19 +726,45 @@ static int llama_layer(const struct work *w, const struct shape *s, float *h, co
   return 0;
 }
 
+/* L decoder layers one after the other on h, in one call: what L calls of lp_native_llama_layer compute, bit for
+   bit. Layer l's pointers are ptrs[LAYER_PTRS * l ...]: ln1, ln2, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd (a bias may
+   be NULL), kbuf, vbuf; its epsilon eps[l], its K/V head strides kv_strides[2l], [2l + 1], its mask masks[l].
+   Weights stored as bfloat16 bits where bf16 is set (all four of every layer). The sizes, the rows and the slots
+   are shared, and checked before any layer runs. Why: from Python, one call per layer cost a forward of the
+   embedded model 35-39 us between two layers' calls, 1.0-1.1 ms of a 15-24 ms forward on this project's EPYC
+   (2026-12-03): the interpreter ran from caches the weights' stream had just emptied. The table of pointers is
+   built once per cache (native.LayerStack); the intermediate values are allocated once per call.
+   0; -1 bad sizes; -2 out of memory. */
+#define LAYER_PTRS 12
+int lp_native_llama_layers(float *h, long L, void *const *ptrs, const float *eps, const long *kv_strides,
+                           const float *const *masks, const float *cos, const float *sin, const long *slots, long C,
+                           long R, long E, long H, long Hkv, long D, long I, float scale, int threads, int bf16) {
+  struct shape s = {C, R, E, H, Hkv, D, I};
+  struct work w;
+  if (L < 0 || !shape_ok(&s, slots)) return -1;
+  if (work_alloc(&w, &s)) return -2;
+  int status = 0;
+  for (long l = 0; l < L && !status; l++) {
+    void *const *p = ptrs + LAYER_PTRS * l;
+    status = llama_layer(&w, &s, h, p[0], p[1], eps[l], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], cos, sin,
+                         p[10], p[11], kv_strides[2 * l], kv_strides[2 * l + 1], slots, masks[l], scale, threads,
+                         bf16);
+  }
+  work_free(&w);
+  return status;
+}
+
+/* One layer: the stacked call above with L = 1 (its checks, its buffers, its code). */
 static int one_layer(float *h, const float *ln1, const float *ln2, float eps, const void *wqkv, const float *bqkv,
                      const void *wo, const float *bo, const void *wgu, const float *bgu, const void *wd,
                      const float *bd, const float *cos, const float *sin, float *kbuf, float *vbuf, long ks, long vs,
                      const long *slots, const float *mask, long C, long R, long E, long H, long Hkv, long D, long I,
                      float scale, int threads, int bf16) {
-  struct shape s = {C, R, E, H, Hkv, D, I};
-  struct work w;
-  if (!shape_ok(&s, slots)) return -1;
-  if (work_alloc(&w, &s)) return -2;
-  int status = llama_layer(&w, &s, h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks,
-                           vs, slots, mask, scale, threads, bf16);
-  work_free(&w);
-  return status;
+  void *const ptrs[LAYER_PTRS] = {(void *)ln1, (void *)ln2, (void *)wqkv, (void *)bqkv, (void *)wo, (void *)bo,
+                                  (void *)wgu, (void *)bgu, (void *)wd, (void *)bd, kbuf, vbuf};
+  const long kv_strides[2] = {ks, vs};
+  return lp_native_llama_layers(h, 1, ptrs, &eps, kv_strides, &mask, cos, sin, slots, C, R, E, H, Hkv, D, I, scale,
+                                threads, bf16);
 }
 
 int lp_native_llama_layer(float *h, const float *ln1, const float *ln2, float eps, const float *wqkv,
@@ -759,32 +785,4 @@ int lp_native_llama_layer_bf16w(float *h, const float *ln1, const float *ln2, fl
                                 long Hkv, long D, long I, float scale, int threads) {
   return one_layer(h, ln1, ln2, eps, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd, cos, sin, kbuf, vbuf, ks, vs, slots, mask,
                    C, R, E, H, Hkv, D, I, scale, threads, 1);
-}
-
-/* L decoder layers one after the other on h, in one call: what L calls of lp_native_llama_layer compute, bit for
-   bit. Layer l's pointers are ptrs[LAYER_PTRS * l ...]: ln1, ln2, wqkv, bqkv, wo, bo, wgu, bgu, wd, bd (a bias may
-   be NULL), kbuf, vbuf; its epsilon eps[l], its K/V head strides kv_strides[2l], [2l + 1], its mask masks[l].
-   Weights stored as bfloat16 bits where bf16 is set (all four of every layer). The sizes, the rows and the slots
-   are shared, and checked before any layer runs. Why: from Python, one call per layer cost a forward of the
-   embedded model 35-39 us between two layers' calls, 1.0-1.1 ms of a 15-24 ms forward on this project's EPYC
-   (2026-12-03): the interpreter ran from caches the weights' stream had just emptied. The table of pointers is
-   built once per model and K/V buffers (native.LayerStack); the intermediate values are allocated once per call.
-   0; -1 bad sizes; -2 out of memory. */
-#define LAYER_PTRS 12
-int lp_native_llama_layers(float *h, long L, void *const *ptrs, const float *eps, const long *kv_strides,
-                           const float *const *masks, const float *cos, const float *sin, const long *slots, long C,
-                           long R, long E, long H, long Hkv, long D, long I, float scale, int threads, int bf16) {
-  struct shape s = {C, R, E, H, Hkv, D, I};
-  struct work w;
-  if (L < 0 || !shape_ok(&s, slots)) return -1;
-  if (work_alloc(&w, &s)) return -2;
-  int status = 0;
-  for (long l = 0; l < L && !status; l++) {
-    void *const *p = ptrs + LAYER_PTRS * l;
-    status = llama_layer(&w, &s, h, p[0], p[1], eps[l], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], cos, sin,
-                         p[10], p[11], kv_strides[2 * l], kv_strides[2 * l + 1], slots, masks[l], scale, threads,
-                         bf16);
-  }
-  work_free(&w);
-  return status;
 }

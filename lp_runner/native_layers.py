@@ -196,7 +196,7 @@ def forward_model(
         t.reshape(rows, t.shape[-1]).to(torch.float32).contiguous() for t in base.rotary_emb(hidden, position_ids[None])
     )
     h = hidden[0].contiguous()
-    stack = _stack(cache, weights, cached)
+    stack = _stack(cache, weights)
     stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_])
     h = base.norm(h[None])[0]
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
@@ -206,14 +206,15 @@ def forward_model(
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _stack(cache, weights: list[LayerWeights], cached: list) -> native.LayerStack:
-    """The layers bound to ``cache``'s buffers (``cached``: its layers): the stack built for this cache while it
+def _stack(cache, weights: list[LayerWeights]) -> native.LayerStack:
+    """The layers bound to ``cache``'s buffers: the stack built for this cache while it
     still holds these very buffer tensors and the same layers' weights, else a new one (a grown cache has new
     tensors; another model, other weights). Identity is enough: the stack keeps the tensors it was built on alive,
     so no other tensor can take their ids. Kept beside the cache, not on it (a copied cache must not inherit the
     original's addresses), and only as long as the cache lives: a finished generation's buffers are freed with it.
     """
     entry = _STACKS.get(cache)
+    cached = cache.layers
     buffers = [t for c in cached for t in (c.keys, c.values)]
     if entry is not None:
         stack, owners, held = entry
