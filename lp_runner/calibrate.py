@@ -10,7 +10,9 @@ plus the head on every row at the largest count (``costmodel.measure_curve(head_
 interleaved, medians. About 90 forwards: a few seconds for a small model on a CPU, well under a second on a
 GPU. It is cached under the cache dir, keyed by everything that changes it (device model, threads, dtype,
 weights checksum, torch version, the kernels and the native library's build, and the grid through
-``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures again.
+``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures again. A curve measured on a busy machine (its
+repetitions disagree: ``NOISY_SPREAD``) is used and cached, but the next run measures again and the quieter curve
+stays: a moment's load does not price every later run's choices.
 
 Under LP only rank 0 measures (the others wait, so the measurement has the machine to itself) and every rank
 uses rank 0's curve: the replicated coordinators must make identical choices.
@@ -41,6 +43,12 @@ QUICK_REPS = 3  # + one warm-up sweep (medians of 3: one noisy forward moves no 
 COARSE_ROWS = (1, 2, 4, 8, 16, 32, 48)  # includes QUICK_HEAD_ROWS
 COARSE_KV = (512,)
 COARSE_REPS = 1
+# A curve whose repetitions disagree by more than this (``CostCurve.spread``) was measured on a busy machine: the
+# run uses it and caches it, and the next run measures again, keeping the quieter curve (else a curve bent by a
+# moment's load would price every later run's choices until --recalibrate). The embedded model's quick curve on
+# this project's 2-core EPYC (2026-12-03): 0.08-0.22 on the quiet machine before the jitter allowance
+# (costmodel.JITTER_S) came off, 0.61-0.95 with one busy process beside it.
+NOISY_SPREAD = 0.4
 
 Log = Callable[[str], None]
 
@@ -53,8 +61,19 @@ class Calibration:
     seconds: float  # time spent measuring or loading it
     path: str  # the cache file
 
+    @property
+    def noisy(self) -> bool:
+        """Measured on a busy machine (the next run measures again)."""
+        return self.curve.spread > NOISY_SPREAD
+
     def summary(self) -> dict:
-        return {"source": self.source, "seconds": round(self.seconds, 3), "device": self.key["device"]}
+        return {
+            "source": self.source,
+            "seconds": round(self.seconds, 3),
+            "device": self.key["device"],
+            "spread": round(self.curve.spread, 3),
+            "noisy": self.noisy,
+        }
 
 
 def device_name(device: torch.device) -> str:
@@ -147,21 +166,36 @@ def calibrate(
     )
     path = cache_file(cache_root, key)
     start = time.perf_counter()
-    if not recalibrate:
-        curve = load_cached(path, key)
-        if curve is not None:
-            return Calibration(curve, key, "cache", time.perf_counter() - start, str(path))
+    cached = None if recalibrate else load_cached(path, key)
+    if cached is not None and cached.spread <= NOISY_SPREAD:
+        return Calibration(cached, key, "cache", time.perf_counter() - start, str(path))
     if log is not None:
         threads = f"{key['threads']} threads, " if key["threads"] else ""
-        log(f"calibrating the forward-cost curve on {key['device']} ({threads}{key['dtype']}); cached for next runs")
+        what = f"on {key['device']} ({threads}{key['dtype']})"
+        if cached is None:
+            log(f"calibrating the forward-cost curve {what}; cached for next runs")
+        else:
+            log(f"the cached forward-cost curve {what} is noisy ({_spread_text(cached)}): measuring it again")
     curve = measure_quick(adapter, budget_s)
     seconds = time.perf_counter() - start
+    if cached is not None and cached.spread <= curve.spread:  # the cached one is the quieter: it stays
+        return Calibration(cached, key, "cache", seconds, str(path))
+    if curve.spread > NOISY_SPREAD and log is not None:
+        log(
+            f"warning: the forward-cost curve is noisy ({_spread_text(curve)}): is something else loading this "
+            "machine? This run uses it; the next run measures again and keeps the quieter curve"
+        )
     try:
         save(path, key, curve, seconds)
     except OSError as exc:  # a read-only cache costs a re-measurement next time, not the run
         if log is not None:
             log(f"warning: cannot cache the calibration at {path}: {exc.strerror or exc}")
     return Calibration(curve, key, "measured", seconds, str(path))
+
+
+def _spread_text(curve: CostCurve) -> str:
+    quiet = f"a quiet machine's under {100 * NOISY_SPREAD:.0f}%"
+    return f"repetitions {100 * curve.spread:.0f}% apart at the median point, {quiet}"
 
 
 def shared_calibration(comm, measure: Callable[[], Calibration]) -> Calibration:

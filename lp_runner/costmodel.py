@@ -42,6 +42,9 @@ class CostCurve:
     """Forward seconds as a function of (rows, logit rows, K/V length); piecewise linear between measurements."""
 
     points: tuple[CurvePoint, ...]
+    # the measurement's noise (repetition_spread): 0.0 where unknown (one repetition, a synthetic curve, a cache
+    # entry from before it was recorded)
+    spread: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -90,11 +93,11 @@ class CostCurve:
         return self.seconds(rows, kv_len=kv_len) / self.seconds(1, kv_len=kv_len)
 
     def to_dict(self) -> dict:
-        return {"points": [asdict(p) for p in self.points]}
+        return {"points": [asdict(p) for p in self.points], "spread": self.spread}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostCurve:
-        return cls(tuple(CurvePoint(**p) for p in d["points"]))
+        return cls(tuple(CurvePoint(**p) for p in d["points"]), float(d.get("spread", 0.0)))
 
     @classmethod
     def linear(cls, one_row_s: float, per_row_s: float, max_rows: int = 512, kv_len: int = 0) -> CostCurve:
@@ -175,12 +178,31 @@ def measure_curve(
         for kv in caches
         for q in rows
     ]
-    return CostCurve(tuple(points))
+    return CostCurve(tuple(points), repetition_spread([times[(kv, q, "body_s")] for kv in caches for q in rows]))
 
 
 def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2]
+
+
+JITTER_S = 0.002  # what one time slice of another process adds to a forward (see repetition_spread)
+
+
+def repetition_spread(repetitions: Sequence[Sequence[float]]) -> float:
+    """How far a curve's repetitions disagree beyond the scheduler's jitter: per point (slowest - fastest -
+    ``JITTER_S``, at least 0) / median, the median over the points measured more than once; 0.0 where none was.
+
+    Why: a curve measured while something else loads the machine (another job, a test suite, a build) is bent by
+    it, and every choice priced by it follows the bend; the spread says so. Why less the jitter: a time slice
+    lost to another process costs a forward a millisecond or two whatever its size, which is half of a tiny
+    model's forward and a twentieth of the embedded model's. Measured with the quick grid on this project's
+    2-core EPYC (2026-12-03): the embedded model 0.08-0.22 before the jitter came off on the quiet machine,
+    0.61-0.95 with one busy process beside it."""
+    rel = sorted(
+        max(max(t) - min(t) - JITTER_S, 0.0) / _median(t) for t in repetitions if len(t) > 1 and _median(t) > 0
+    )
+    return rel[len(rel) // 2] if rel else 0.0
 
 
 PAD_MARGIN = 0.05  # pad only where the curve says the larger row count is at least this much cheaper

@@ -63,10 +63,16 @@ def policy_lines(policy: dict | None) -> list[str]:
         pad = policy.get("padding", {}).get("rows_to", {})
         pad_txt = ", ".join(_ranges(pad)) or "none"
         lines.append(
-            f"curve ({cal.get('device', '?')}, {cal.get('source', '?')} {cal.get('seconds', 0):.1f} s): rows {pts}"
+            f"curve ({cal.get('device', '?')}, {cal.get('source', '?')} {cal.get('seconds', 0):.1f} s"
+            f"{_noise_text(cal)}): rows {pts}"
             f"  padding {pad_txt}"
         )
     return lines
+
+
+def _noise_text(cal: dict) -> str:
+    """', noisy: 61% spread' for a curve measured on a busy machine (``calibrate.NOISY_SPREAD``)."""
+    return f", noisy: {100 * cal['spread']:.0f}% spread" if cal.get("noisy") else ""
 
 
 def prepack_lines(policy: dict | None) -> list[str]:

@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from dist_helpers import env_with_repo, free_port, make_tiny_folder, read_jsonl, write_prompts
 
-from lp_runner.calibrate import COARSE_ROWS, QUICK_KV, QUICK_ROWS, cache_file, calibrate, calibration_key
-from lp_runner.costmodel import CostCurve
+from lp_runner import costmodel
+from lp_runner.calibrate import (
+    COARSE_ROWS,
+    NOISY_SPREAD,
+    QUICK_KV,
+    QUICK_ROWS,
+    cache_file,
+    calibrate,
+    calibration_key,
+    save,
+)
+from lp_runner.costmodel import CostCurve, repetition_spread
 from lp_runner.loading import weights_checksum
 from lp_runner.model import ModelAdapter
 
@@ -36,7 +48,15 @@ def test_each_build_of_the_native_kernels_has_its_own_curve(native_routing) -> N
     assert calibration_key(cpu, torch.float32, "abc", kernels="torch") == torch_key
 
 
-def test_curve_is_cached_and_keyed(tiny, tmp_path) -> None:
+@pytest.fixture
+def jitter_allowance(monkeypatch):
+    """The suite's other worker takes time slices of several ms from the tiny model's sub-millisecond forwards: a
+    larger allowance for scheduler jitter (``costmodel.JITTER_S``) keeps that from reading as a busy machine in
+    tests about the cache (the noise policy has its own test, with noise far above this allowance)."""
+    monkeypatch.setattr(costmodel, "JITTER_S", 0.02)
+
+
+def test_curve_is_cached_and_keyed(tiny, tmp_path, jitter_allowance) -> None:
     model = tiny("llama")
     adapter = ModelAdapter(model)
     checksum = weights_checksum(model)
@@ -140,3 +160,70 @@ def test_lp_ranks_use_rank0_curve(tmp_path) -> None:
 def test_curve_roundtrip() -> None:
     curve = CostCurve.linear(0.01, 0.001)
     assert CostCurve.from_dict(json.loads(json.dumps(curve.to_dict()))) == curve
+    noisy = CostCurve(curve.points, 0.7)
+    assert CostCurve.from_dict(json.loads(json.dumps(noisy.to_dict()))) == noisy != curve
+    assert CostCurve.from_dict({"points": noisy.to_dict()["points"]}).spread == 0.0  # a cache entry from before
+
+
+def test_repetition_spread() -> None:
+    """Per point (slowest - fastest - jitter allowance) / median, the median over the points measured twice or
+    more; differences within the scheduler's jitter are no noise."""
+    j = costmodel.JITTER_S
+    assert repetition_spread([[0.010, 0.010, 0.010]]) == 0.0
+    assert repetition_spread([[0.010, 0.020, 0.030]]) == pytest.approx((0.020 - j) / 0.020)
+    assert repetition_spread([[0.001, 0.001 + j, 0.001]]) == 0.0  # a time slice, not a load
+    assert repetition_spread([[0.010], [0.5]]) == 0.0  # one repetition: unknown
+    points = [[0.010, 0.010, 0.010], [0.010, 0.020, 0.030], [0.010, 0.010, 0.050], [0.2]]
+    assert repetition_spread(points) == pytest.approx((0.020 - j) / 0.020)  # the middle of 0, 0.9 and 3.8
+
+
+class BusyMachine:
+    """The tiny model's adapter on a machine something else loads: half of its forwards (a seeded draw) lose
+    80 ms to the other load, as a busy process's time slices cost a forward."""
+
+    def __init__(self, adapter: ModelAdapter, seed: int = 0) -> None:
+        self._adapter, self._draw = adapter, random.Random(seed)
+
+    def forward(self, *args, **kwargs):
+        if self._draw.random() < 0.5:
+            time.sleep(0.08)
+        return self._adapter.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._adapter, name)
+
+
+def test_a_noisy_curve_is_measured_again_and_the_quieter_kept(tiny, tmp_path, jitter_allowance) -> None:
+    """A curve measured on a busy machine is used, said to be noisy, and cached; the next run measures again and
+    the quieter curve stays in the cache. Without this a moment's load would price every later run's choices until
+    --recalibrate (the auto preset once chose plain decoding for a tiny model from such a curve)."""
+    quiet = ModelAdapter(tiny("llama"))
+    logs: list[str] = []
+    noisy = calibrate(BusyMachine(quiet), tmp_path, "w", log=logs.append)
+    assert noisy.source == "measured" and noisy.noisy and noisy.curve.spread > NOISY_SPREAD
+    assert noisy.summary()["noisy"] and "noisy" in logs[-1] and "next run measures again" in logs[-1]
+    again = calibrate(quiet, tmp_path, "w", log=logs.append)
+    assert "is noisy" in logs[-1] and "measuring it again" in logs[-1]
+    assert again.source == "measured" and not again.noisy and again.path == noisy.path
+    kept = calibrate(quiet, tmp_path, "w")
+    assert kept.source == "cache" and kept.curve == again.curve
+
+    # a cached noisy curve stays where the new measurement is noisier still
+    key = calibration_key(quiet.device, quiet.dtype, "v", False, quiet.kernels)
+    planted = CostCurve(again.curve.points, NOISY_SPREAD + 0.01)
+    save(cache_file(tmp_path, key), key, planted, 1.0)
+    busy = calibrate(BusyMachine(quiet, seed=1), tmp_path, "v")
+    assert busy.source == "cache" and busy.curve == planted
+    assert calibrate(quiet, tmp_path, "v").source == "measured"  # and is measured again on a quiet machine
+
+
+def test_the_summary_line_says_the_curve_is_noisy() -> None:
+    from lp_runner.report import policy_lines
+
+    choice = {"samples": "shipped", "evaluated": 9, "predicted_ms_per_token": 20.0,
+              "predicted_tokens_per_forward": 1.5, "curve_body_ms": {"1": 20.0, "8": 24.0}}  # fmt: skip
+    cal = {"device": "AMD EPYC", "source": "measured", "seconds": 4.2, "spread": 0.61, "noisy": True}
+    lines = policy_lines({"preset": "auto", "choice": choice, "calibration": cal})
+    assert "curve (AMD EPYC, measured 4.2 s, noisy: 61% spread): rows 1:1.00x  8:1.20x" in lines[-1]
+    quiet = policy_lines({"preset": "auto", "choice": choice, "calibration": {**cal, "spread": 0.1, "noisy": False}})
+    assert "noisy" not in quiet[-1]
