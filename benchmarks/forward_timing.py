@@ -34,7 +34,8 @@ def prefilled_caches(
     tokens = torch.randint(0, vocab, (prefix,), generator=gen)
     caches = {name: a.new_cache(capacity) for name, a in adapters.items()}
     for name, a in adapters.items():
-        a.forward(tokens, torch.arange(prefix), causal(prefix), caches[name], torch.tensor([prefix - 1]))
+        if prefix:  # none: the rounds timed on it are prefills
+            a.forward(tokens, torch.arange(prefix), causal(prefix), caches[name], torch.tensor([prefix - 1]))
     return caches
 
 

@@ -92,9 +92,8 @@ def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int
             for name in names[k:] + names[:k]:
                 native.route(libs[name])
                 start = time.perf_counter()
-                logits[name, r] = adapter.forward(
-                    ids[r], torch.arange(prefix, prefix + r), causal(r), cache, torch.arange(r)
-                )
+                last = torch.arange(r) if prefix else torch.tensor([r - 1])  # a prefill: its last row's logits
+                logits[name, r] = adapter.forward(ids[r], torch.arange(prefix, prefix + r), causal(r), cache, last)
                 elapsed = time.perf_counter() - start
                 crop(cache, prefix)
                 if rep:
@@ -167,7 +166,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--prefix", type=int, default=256, help="cached tokens before each round")
+    ap.add_argument("--prefix", type=int, default=256, help="cached tokens before each round (0: prefills)")
     ap.add_argument("--builds", nargs="+", help="a subset of default, avx2, x86-64 (default: those this CPU can run)")
     ap.add_argument("--baseline", type=Path, help="another native_gemm.c: each build of it too, as NAME@base")
     ap.add_argument("--out", default="")

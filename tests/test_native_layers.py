@@ -213,6 +213,26 @@ def test_the_stacked_call_is_the_layer_by_layer_calls_bit_for_bit(family: str, k
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kernel", ["native", "native-bf16"])
+def test_the_thread_count_changes_no_bit(kernel: str, calls) -> None:
+    """The same native prefill (248 rows: past ``ROWWISE_PARALLEL_ROWS``, so the norms, rotary, SiLU and residual
+    steps share their rows out) and rounds of 1-8 rows on one thread and on two: every logit and every K/V slot
+    equal bit for bit. The rest of the suite runs on one thread (conftest), where no row is shared out."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    prepack_linears(model, kernel=KERNELS[kernel])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _native_rounds(model)
+        torch.set_num_threads(2)
+        two = _native_rounds(model)
+    finally:
+        torch.set_num_threads(threads)
+    assert 248 in calls
+    for got, want in zip(two, one, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_finished_generations_buffers_are_freed_with_its_cache(tiny, calls) -> None:
     """The layer stack (whose table holds the K/V buffers' addresses, so it keeps them alive) lives as long as its
     cache: once the engine drops a cache, its buffers go, though the model lives on."""
