@@ -355,13 +355,15 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
     """This process is one rank (or the only one): run the prompts the output lacks; rank 0 writes and reports.
 
     With ``parallel.groups`` > 1 the groups share the prompts through the job's queue (``jobs.run_queued``)."""
+    from lp_runner.collector import worker_start_up
     from lp_runner.jobs import run_queued
     from lp_runner.report import Report
     from lp_runner.runner import model_checksum, run_prompts, start_worker  # heavy imports after argument checks
 
     worker = None
     try:
-        worker = start_worker(cfg, specs)
+        with worker_start_up():  # this process's one worker: its start-up's objects out of later collections
+            worker = start_worker(cfg, specs)
         done = output.done if output is not None else set()
         if output is not None and done:
             output.check_weights(model_checksum(worker))

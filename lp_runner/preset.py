@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import json
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from lp_runner.collector import collector_paused
 from lp_runner.config import LookaheadConfig, check_lookahead
 from lp_runner.costmodel import CostCurve, RoundShape, RowPlan, predict
 from lp_runner.errors import ConfigError
@@ -207,23 +207,6 @@ def _price(
         seconds, tokens, rounds = seconds + p.seconds, tokens + p.tokens, rounds + p.rounds
     ms = 1e3 * seconds / tokens if tokens else float("inf")
     return ms, (tokens / rounds if rounds else 0.0)
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector held off for the duration (a decorator or a ``with``).
-
-    Why: a search allocates millions of short-lived tuples, lists and plans, none of them in a reference cycle
-    (reference counting frees each), and every burst of allocations triggers a collection; in a job's process,
-    with torch, transformers and a model loaded, a full collection walks every live object. Collections resume,
-    and catch up, when the search returns."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @collector_paused()

@@ -179,11 +179,13 @@ class Replica:
 
     def start(self, cfg_data: dict, env: dict[str, str]) -> float:
         """Join the group and load the replica: exactly what a torchrun worker does. Returns the load seconds."""
+        from lp_runner.collector import worker_start_up
         from lp_runner.runner import start_worker
 
         os.environ.update(env)
         setup_logging(env.get(LEVEL_ENV, "INFO"))  # the driver's --log-level; lines reach the driver's stderr
-        self.worker = start_worker(config_from_dict(cfg_data))
+        with worker_start_up():  # the actor's one worker: its start-up's objects out of later collections
+            self.worker = start_worker(config_from_dict(cfg_data))
         import torch
 
         self.threads = torch.get_num_threads()
