@@ -42,11 +42,8 @@ def worker_start_up() -> Iterator[None]:
     Only where the worker lives as long as the process: an object frozen while alive and later dropped in a reference
     cycle is never collected, so a library caller starting one worker after another (``lp_runner.api``) does not get
     this."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        if enabled:
-            gc.enable()
+    with collector_paused():
+        try:
+            yield
+        finally:
+            gc.freeze()  # before the collector resumes: what start-up made is never scanned

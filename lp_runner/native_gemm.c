@@ -574,6 +574,27 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
   return failed ? -2 : 0;
 }
 
+/* The layer's row-wise steps (norms, rotary and head layout, SiLU, residual adds) share the rows out over the
+   threads from this many rows on: a 64-token prefill of the embedded model spent 10% of its time in them on one
+   thread. Below it the threads' start and join cost what they save (measured at 8 rows: 23.31 against 23.32 ms).
+   Each row's arithmetic is the same on any thread. */
+#define ROWWISE_PARALLEL_ROWS 16
+
+/* for (long i = 0; i < R; i++) the statement, the rows shared out over the threads from ROWWISE_PARALLEL_ROWS rows
+   on; below, no OpenMP region at all (a region of one thread still costs its entry and exit, 30 layers x 7 steps
+   of them a forward). */
+#define FOR_ROWS(i, R, threads, ...)                                                                        \
+  do {                                                                                                    \
+    if ((R) >= ROWWISE_PARALLEL_ROWS && (threads) > 1) {                                                  \
+      _Pragma("omp parallel for num_threads(threads) schedule(static)") for (long i = 0; i < (R); i++) {  \
+        __VA_ARGS__;                                                                                      \
+      }                                                                                                   \
+    } else                                                                                                \
+      for (long i = 0; i < (R); i++) {                                                                    \
+        __VA_ARGS__;                                                                                      \
+      }                                                                                                   \
+  } while (0)
+
 /* SiLU(g) * u per element, VL lanes at a time: g / (1 + e^-g) * u written as (g >= 0 ? g : g * e) / (1 + e) * u
    with e = e^-|g| (expv's range, so no overflow), which for g >= 0 is the scalar expression itself; within 3 ulp
    of the exact value (torch's: 2), and exactly -0 where g < -87.3 (the exact value is below 1e-36). A scalar libm
@@ -608,10 +629,13 @@ static void silu_gate_row(const float *g, const float *u, float *out, long I) {
 
 /* act [R, I] = SiLU(gate) * up of gu [R, 2I] (each row: I gate values, then I up values: the stacked gate/up
    product's layout). 0, or -1 on bad sizes. */
+static void silu_gate_rows(const float *gu, float *act, long R, long I, int threads) {
+  FOR_ROWS(i, R, threads, silu_gate_row(gu + (size_t)i * 2 * I, gu + (size_t)i * 2 * I + I, act + (size_t)i * I, I));
+}
+
 int lp_native_silu_gate_f32(const float *gu, float *act, long R, long I) {
   if (R < 1 || I < 1) return -1;
-  for (long i = 0; i < R; i++)
-    silu_gate_row(gu + (size_t)i * 2 * I, gu + (size_t)i * 2 * I + I, act + (size_t)i * I, I);
+  silu_gate_rows(gu, act, R, I, 1);
   return 0;
 }
 
@@ -625,26 +649,6 @@ int lp_native_silu_gate_f32(const float *gu, float *act, long R, long I) {
    cos / sin [R, D]: the model's rotary embedding at each row's position. mask [R, C] additive over the C slots.
    Each element is computed as transformers' eager expression computes it, up to the order of float sums.
    0; -1 bad sizes; -2 out of memory. */
-/* The layer's row-wise steps (norms, rotary and head layout, SiLU, residual adds) share the rows out over the
-   threads from this many rows on: a 64-token prefill of the embedded model spent 10% of its time in them on one
-   thread. Below it the threads' start and join cost what they save (measured at 8 rows: 23.31 against 23.32 ms).
-   Each row's arithmetic is the same on any thread. */
-#define ROWWISE_PARALLEL_ROWS 16
-
-/* for (long i = 0; i < R; i++) the statement, the rows shared out over the threads from ROWWISE_PARALLEL_ROWS rows
-   on; below, no OpenMP region at all (a region of one thread still costs its entry and exit, 30 layers x 7 steps
-   of them a forward). */
-#define FOR_ROWS(i, R, threads, ...)                                                                        \
-  do {                                                                                                    \
-    if ((R) >= ROWWISE_PARALLEL_ROWS && (threads) > 1) {                                                  \
-      _Pragma("omp parallel for num_threads(threads) schedule(static)") for (long i = 0; i < (R); i++) {  \
-        __VA_ARGS__;                                                                                      \
-      }                                                                                                   \
-    } else                                                                                                \
-      for (long i = 0; i < (R); i++) {                                                                    \
-        __VA_ARGS__;                                                                                      \
-      }                                                                                                   \
-  } while (0)
 
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));
 typedef double vd8 __attribute__((vector_size(64), aligned(8)));
@@ -760,7 +764,7 @@ static int llama_layer(const struct work *w, const struct shape *s, float *h, co
   add_rows(h, y, R, E, threads);
   rms_norm(h, ln2, eps, x, R, E, threads);
   if ((status = gemm_w(x, wgu, bf16, bgu, gu, R, 2 * I, E, threads))) return status;
-  FOR_ROWS(i, R, threads, silu_gate_row(gu + (size_t)i * 2 * I, gu + (size_t)i * 2 * I + I, act + (size_t)i * I, I));
+  silu_gate_rows(gu, act, R, I, threads);
   if ((status = gemm_w(act, wd, bf16, bd, y, R, E, I, threads))) return status;
   add_rows(h, y, R, E, threads);
   return 0;
