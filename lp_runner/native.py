@@ -245,6 +245,11 @@ def load(cache_root: Path) -> None:
 STORAGE = (torch.float32, torch.bfloat16)  # how ``pack`` can store the weights
 
 
+def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The shape ``pack`` gives an [out, in] weight."""
+    return (-(-out_features // BLOCK), in_features, BLOCK)
+
+
 def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> torch.Tensor:
     """[out, in] -> [ceil(out / BLOCK), in, BLOCK] in ``storage``, zero-padded columns: the kernel's layout.
 

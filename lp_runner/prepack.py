@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from lp_runner import native
+from lp_runner.arena import Arena
 from lp_runner.errors import ConfigError
 from lp_runner.ops import define_op
 from lp_runner.parallel.comm import first_line
@@ -83,6 +84,9 @@ class LinearKernel:
     pack: Callable[[torch.Tensor], torch.Tensor]  # [out, in] weight -> its packed form
     eager: Product  # (rows [R, in], packed, bias, out) -> [R, out]
     compiled: Product  # the same as one opaque op, for torch.compile
+    # (out, in) -> the packed weight's shape and dtype, for a layout of plain dense tensors (the native ones): those
+    # kernels' weights are packed into one allocation (arena.py); None: an opaque layout, each packed on its own
+    packed_shape: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]] | None = None
 
 
 ONEDNN = LinearKernel(
@@ -102,6 +106,7 @@ NATIVE_KERNEL = LinearKernel(
     pack=native.pack,
     eager=lambda rows, packed, bias, out: native.product(rows, packed, bias, out),  # looked up per call, as oneDNN's
     compiled=native.native_linear_op,
+    packed_shape=lambda out, in_: (native.packed_shape(out, in_), torch.float32),
 )
 # The native product on weights rounded to bfloat16 and stored so (half the bytes a forward streams), multiplied in
 # float32: the product of the float32 model whose linear weights are rounded to bfloat16, bit for bit. It changes
@@ -114,6 +119,7 @@ NATIVE_BF16_KERNEL = LinearKernel(
     pack=lambda weight: native.pack(weight, torch.bfloat16),
     eager=NATIVE_KERNEL.eager,
     compiled=native.native_linear_op,
+    packed_shape=lambda out, in_: (native.packed_shape(out, in_), torch.bfloat16),
 )
 NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py runs as one C call for all layers
 
@@ -134,16 +140,26 @@ def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
     return rounded
 
 
+def _packed(kernel: LinearKernel, weight: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """``weight`` packed for ``kernel``; written into ``into`` (its slot in the model's arena) where given."""
+    packed = kernel.pack(weight)
+    if into is None:
+        return packed
+    return into.copy_(packed)
+
+
 class PackedLinear(torch.nn.Module):
     """``nn.Linear``'s forward from a weight packed once for ``kernel`` (no autograd: inference only)."""
 
-    def __init__(self, linear: torch.nn.Linear, kernel: LinearKernel = ONEDNN) -> None:
+    def __init__(
+        self, linear: torch.nn.Linear, kernel: LinearKernel = ONEDNN, into: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.kernel = kernel
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # not in the state dict: the reordered bytes are not the checkpoint's weight (the checksum is taken before)
-        self.register_buffer("packed_weight", kernel.pack(weight), persistent=False)
+        self.register_buffer("packed_weight", _packed(kernel, weight, into), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
 
@@ -171,13 +187,15 @@ class SharedInputProduct(torch.nn.Module):
     calls of the opaque op by itself).
     """
 
-    def __init__(self, linears: list[torch.nn.Linear], kernel: LinearKernel = ONEDNN) -> None:
+    def __init__(
+        self, linears: list[torch.nn.Linear], kernel: LinearKernel = ONEDNN, into: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.kernel = kernel
         self.in_features = linears[0].in_features
         self.sizes = [lin.out_features for lin in linears]
         weight = torch.cat([lin.weight.detach() for lin in linears])
-        self.register_buffer("packed_weight", kernel.pack(weight), persistent=False)
+        self.register_buffer("packed_weight", _packed(kernel, weight, into), persistent=False)
         bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
         self.register_buffer("bias", bias, persistent=False)
         self._forget()
@@ -320,12 +338,46 @@ def time_kernels(model: torch.nn.Module, kernels: list[LinearKernel], rows: tupl
     return best
 
 
-def prepack_linears(model: torch.nn.Module, fuse: bool = True, kernel: LinearKernel = ONEDNN) -> tuple[int, int]:
+def prepack_linears(
+    model: torch.nn.Module, fuse: bool = True, kernel: LinearKernel = ONEDNN, huge_pages: bool = True
+) -> tuple[int, int]:
     """Replace every ``nn.Linear`` of ``model`` in place: sibling groups (``SHARED_INPUT_GROUPS``, same input
     size, dtype and bias presence) by ``ProductSlice``s of one ``SharedInputProduct`` when ``fuse``, every other
     one by a ``PackedLinear``, all on ``kernel``. Returns (linear layers replaced, products per forward).
-    Irreversible: the original weights of those layers are released (a tied embedding keeps its own)."""
-    layers = products = 0
+    A kernel with a plain layout (``packed_shape``: the native ones) packs every weight into one allocation in
+    huge pages (unless ``huge_pages`` is off), in the model's module order (a forward's order; arena.py says
+    why). Irreversible: the original
+    weights of those layers are released as they are packed (a tied embedding keeps its own)."""
+    products = _products(model, fuse)
+    arena = None
+    if kernel.packed_shape is not None and products:
+        shapes = [
+            kernel.packed_shape(sum(lin.out_features for lin in lins), lins[0].in_features) for _, _, lins in products
+        ]
+        arena = Arena([shape for shape, _ in shapes], shapes[0][1], huge_pages)
+    layers, count = 0, len(products)
+    for i in range(count):  # each group's originals released once packed (the list holds them no longer)
+        parent, names, linears = products[i]
+        products[i] = None
+        into = None if arena is None else arena.tensors[i]
+        if len(names) == 1:
+            setattr(parent, names[0], PackedLinear(linears[0], kernel, into))
+        else:
+            shared = SharedInputProduct(linears, kernel, into)
+            for index, name in enumerate(names):
+                setattr(parent, name, ProductSlice(shared, index))
+        layers += len(names)
+        del parent, linears, into
+    return layers, count
+
+
+def _products(
+    model: torch.nn.Module, fuse: bool
+) -> list[tuple[torch.nn.Module, tuple[str, ...], list[torch.nn.Linear]]]:
+    """The products ``prepack_linears`` makes, in the order of their (first) linear among the model's modules
+    (a forward's): (parent, attribute names, the linears), one name for a linear on its own, a sibling group's
+    names for a fused one."""
+    products, grouped = [], set()
     for parent in list(model.modules()):
         for names in SHARED_INPUT_GROUPS if fuse else ():
             siblings = [getattr(parent, name, None) for name in names]
@@ -334,15 +386,14 @@ def prepack_linears(model: torch.nn.Module, fuse: bool = True, kernel: LinearKer
             kinds = {(s.in_features, s.weight.dtype, s.weight.device, s.bias is None) for s in siblings}
             if len(kinds) != 1:
                 continue
-            shared = SharedInputProduct(siblings, kernel)
-            for index, name in enumerate(names):
-                setattr(parent, name, ProductSlice(shared, index))
-            layers, products = layers + len(names), products + 1
+            products.append((parent, names, siblings))
+            grouped.update(id(s) for s in siblings)
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child, kernel))
-                layers, products = layers + 1, products + 1
-    return layers, products
+            if type(child) is torch.nn.Linear and id(child) not in grouped:
+                products.append((parent, (name,), [child]))
+    # the linears' own order among the modules: the LM head after the layers, not first with its parent
+    position = {id(module): i for i, module in enumerate(model.modules())}
+    return sorted(products, key=lambda product: position[id(product[2][0])])
 
 
 def apply_prepack(
