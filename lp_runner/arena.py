@@ -1,16 +1,21 @@
-"""One allocation, in transparent huge pages where the OS gives them, for the native products' packed weights.
+"""One allocation for the native products' packed weights, in transparent huge pages when asked
+(``model.huge_pages``).
 
-Why: a CPU forward of this project's models streams every weight once, and in 4 KB pages the stream pays for the
-address translation of 131,000 pages (the embedded model's 538 MB), on a virtual machine through two levels of
-page tables. Asked for 2 MB pages (``madvise(MADV_HUGEPAGE)``; Linux's default THP mode, ``madvise``, gives them
-only to regions that ask), the same weights take 270 translations. Measured on this project's EPYC (Zen 4, 2
-threads, KVM guest; ``docs/results.md``, "The packed weights in huge pages"): the one-row forward 1.06-1.27x
-faster, the 8-row forward 0.99-1.08x, bits equal. One allocation for all of a model's weights, because 2 MB pages
-per tensor round every tensor up to whole pages (663 MB for 538 MB of weights, measured before); one region wastes
-at most one page.
+Why one allocation: the weights lie in the order a forward reads them, and a region asked for 2 MB pages wastes at
+most one page (2 MB pages per tensor round each up: 663 MB for the embedded model's 538 MB, measured before).
 
-Where the OS refuses (not Linux, THP ``never``, a madvise error) the weights lie in ordinary pages, as before: same
-bits, same memory. ``Arena.huge_pages`` says which.
+Why huge pages: a one-row forward streams every weight, and in 4 KB pages the embedded model's 538 MB are 131,000
+address translations a forward. Asked for 2 MB pages (``madvise(MADV_HUGEPAGE)`` before any page is touched;
+Linux's default THP mode, ``madvise``, gives them only to regions that ask), the one-row forward ran 1.07-1.19x
+faster on this project's EPYC (a KVM guest) and 8 rows 1.02-1.05x, bits equal (``benchmarks/weight_pages.py``;
+``docs/results.md``, "The packed weights in huge pages").
+
+Why not by default: on that same VM, fresh 2 MB pages cost about 5-15 ms each to fault in (the host backs them
+anew; free memory in 2 MB blocks goes back to it, while 4 KB pages reuse what the load has just freed): 2.7-3.1 s
+of start-up for the embedded model, against 0.5 s in 4 KB pages, and the README's one-prompt command ran 1.35x
+longer. The gain is per forward and the cost once a process, so long jobs ask for them (``model.huge_pages: true``).
+A small probe at start-up could not tell the two cases apart: the first few huge pages came from recently freed
+blocks and faulted as fast as 4 KB pages (1.5 ms per 2 MB), the next hundreds did not.
 """
 
 from __future__ import annotations
@@ -36,12 +41,22 @@ def _ask_huge_pages(address: int, length: int) -> bool:
         return False
 
 
+def thp_mode() -> str:
+    """The OS's transparent huge page mode (``always``, ``madvise`` or ``never``), or why there is none."""
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    try:
+        with open(path) as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "none here" if not sys.platform.startswith("linux") else f"unknown ({path} unreadable)"
+
+
 class Arena:
     """Uninitialized tensors of ``shapes``, one after the other in a single CPU allocation, each starting on an
-    ``ALIGN_BYTES`` boundary, the allocation asked for transparent huge pages (before any page is touched) unless
-    ``huge_pages`` is off (benchmarks/weight_pages.py compares the two). The tensors keep the allocation alive."""
+    ``ALIGN_BYTES`` boundary; asked for transparent huge pages (before any page is touched) when ``huge``.
+    ``huge_pages``: whether the OS accepted. The tensors keep the allocation alive."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, huge_pages: bool = True) -> None:
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, huge: bool = False) -> None:
         item = torch.empty((), dtype=dtype).element_size()
         step = ALIGN_BYTES // item
         sizes = [int(torch.Size(shape).numel()) for shape in shapes]
@@ -52,9 +67,7 @@ class Arena:
         pages = -(-end * item // HUGE_PAGE_BYTES)  # the region, in whole huge pages
         flat = torch.empty((pages + 1) * HUGE_PAGE_BYTES // item, dtype=dtype)  # + 1: room to align its start
         start = (-flat.data_ptr() % HUGE_PAGE_BYTES) // item  # malloc aligns to the element size at least
-        self.huge_pages = (
-            huge_pages and end > 0 and _ask_huge_pages(flat.data_ptr() + start * item, pages * HUGE_PAGE_BYTES)
-        )
+        self.huge_pages = huge and end > 0 and _ask_huge_pages(flat.data_ptr() + start * item, pages * HUGE_PAGE_BYTES)
         self.tensors = [
             flat[start + o : start + o + size].view(shape)
             for o, size, shape in zip(offsets, sizes, shapes, strict=True)

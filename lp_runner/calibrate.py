@@ -33,9 +33,7 @@ from lp_runner import native
 from lp_runner.costmodel import CostCurve, measure_curve
 from lp_runner.keyed_store import keyed_path, read_keyed, write_keyed
 
-# bump when the measurement (or its grid) changes, or the forward it measures does beyond what the key names
-# (3: the native kernels' weights in one huge-page region, arena.py): older cache entries are then ignored
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 2  # bump when the measurement (or its grid) changes: older cache entries are then ignored
 QUICK_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # rounds past 48 rows: extrapolated from 32-48
 QUICK_KV = (64, 512)
 QUICK_HEAD_ROWS = (48,)

@@ -250,23 +250,43 @@ def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
     return (-(-out_features // BLOCK), in_features, BLOCK)
 
 
-def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> torch.Tensor:
+def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """[out, in] -> [ceil(out / BLOCK), in, BLOCK] in ``storage``, zero-padded columns: the kernel's layout.
 
     float32: p[block, k, c] = w[block * BLOCK + c, k]. bfloat16 (the weight rounded to nearest even, as
     ``Tensor.to`` rounds): each block's row of 32 holds columns c and c + 16 side by side in one 32-bit word, so
     the kernel widens them with a single integer op each (see ``native_gemm.c``); ``product`` then gives the
-    float32 product on the rounded weight, bit for bit."""
+    float32 product on the rounded weight, bit for bit. ``out``: written in place (a slot of the model's arena,
+    ``arena.py``) and returned; the whole blocks are copied straight from the weight, so packing holds no copy of
+    it besides (the LM head's is 113 MB in the embedded model)."""
     if storage not in STORAGE:
         raise ValueError(f"native weights are stored as float32 or bfloat16, not {storage}")
     out_features, in_features = weight.shape
-    blocks = -(-out_features // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, in_features, dtype=storage)
-    padded[:out_features] = weight.detach().to(storage)
+    shape = packed_shape(out_features, in_features)
+    if out is None:
+        out = torch.empty(shape, dtype=storage)
+    elif tuple(out.shape) != shape or out.dtype != storage or not out.is_contiguous():
+        raise ValueError(f"packing into {out.dtype} {list(out.shape)}: needs a contiguous {storage} {list(shape)}")
+    full = out_features // BLOCK
+    weight = weight.detach()
+    _pack_blocks(weight[: full * BLOCK], out[:full], storage)
+    if full < shape[0]:  # the last block's missing columns are zeros
+        last = torch.zeros(BLOCK, in_features, dtype=weight.dtype)
+        last[: out_features - full * BLOCK] = weight[full * BLOCK :]
+        _pack_blocks(last, out[full:], storage)
+    return out
+
+
+def _pack_blocks(rows: torch.Tensor, dest: torch.Tensor, storage: torch.dtype) -> None:
+    """rows [n * BLOCK, in] into dest [n, in, BLOCK], in ``pack``'s layout (copy_ rounds to ``storage``)."""
+    n, in_features = dest.shape[0], dest.shape[1]
+    if n == 0:
+        return
     if storage == torch.float32:
-        return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()
+        dest.copy_(rows.reshape(n, BLOCK, in_features).transpose(1, 2))
+        return
     half = BLOCK // 2
-    return padded.view(blocks, 2, half, in_features).permute(0, 3, 2, 1).contiguous().view(blocks, in_features, BLOCK)
+    dest.view(n, in_features, half, 2).copy_(rows.reshape(n, 2, half, in_features).permute(0, 3, 2, 1))
 
 
 def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ NEW_SUFFIX = ".new"
 LOCK_HOLDER_ENV = "LP_RUNNER_OUTPUT_LOCK_HOLDER"
 # Settings that do not change a single generated token: left out of the digest, so a resume may change them.
 # how the model is run, not which tokens it gives: threads and prepacked kernels differ at most at fp32 rounding
-_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle", "prepack", "native_layers")}
+_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle", "prepack", "native_layers", "huge_pages")}
 _DIGEST_SECTIONS = ("model", "lookahead", "generation")
 # ... except a prepack that rounds the weights: it runs another model (model.linear_weights in the settings, so a
 # resume between it and any other prepack is refused by name; absent otherwise, so earlier files keep their digest)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from lp_runner import native
-from lp_runner.arena import Arena
+from lp_runner.arena import Arena, thp_mode
 from lp_runner.errors import ConfigError
 from lp_runner.ops import define_op
 from lp_runner.parallel.comm import first_line
@@ -51,6 +51,7 @@ NATIVE = "native-packed"  # lp_runner's own product (native.py), float32
 NATIVE_FUSED = "native-packed-fused"
 NATIVE_BF16 = "native-packed-bf16"  # ... on the weights rounded to and stored as bfloat16 (model.prepack=native-bf16)
 NATIVE_BF16_FUSED = "native-packed-bf16-fused"
+HUGE_PAGES_SUFFIX = "-huge-pages"  # ... their weights in transparent huge pages (model.huge_pages; arena.py)
 # Sibling linears of one module that HF's Llama, Mistral and Qwen2 forwards call on the same input tensor.
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -85,8 +86,10 @@ class LinearKernel:
     eager: Product  # (rows [R, in], packed, bias, out) -> [R, out]
     compiled: Product  # the same as one opaque op, for torch.compile
     # (out, in) -> the packed weight's shape and dtype, for a layout of plain dense tensors (the native ones): those
-    # kernels' weights are packed into one allocation (arena.py); None: an opaque layout, each packed on its own
+    # kernels' weights are packed into one allocation (arena.py) by pack_into; None: an opaque layout, each packed
+    # on its own
     packed_shape: Callable[[int, int], tuple[tuple[int, ...], torch.dtype]] | None = None
+    pack_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (weight, its slot) -> the slot
 
 
 ONEDNN = LinearKernel(
@@ -107,6 +110,7 @@ NATIVE_KERNEL = LinearKernel(
     eager=lambda rows, packed, bias, out: native.product(rows, packed, bias, out),  # looked up per call, as oneDNN's
     compiled=native.native_linear_op,
     packed_shape=lambda out, in_: (native.packed_shape(out, in_), torch.float32),
+    pack_into=lambda weight, slot: native.pack(weight, torch.float32, slot),
 )
 # The native product on weights rounded to bfloat16 and stored so (half the bytes a forward streams), multiplied in
 # float32: the product of the float32 model whose linear weights are rounded to bfloat16, bit for bit. It changes
@@ -120,6 +124,7 @@ NATIVE_BF16_KERNEL = LinearKernel(
     eager=NATIVE_KERNEL.eager,
     compiled=native.native_linear_op,
     packed_shape=lambda out, in_: (native.packed_shape(out, in_), torch.bfloat16),
+    pack_into=lambda weight, slot: native.pack(weight, torch.bfloat16, slot),
 )
 NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py runs as one C call for all layers
 
@@ -142,10 +147,9 @@ def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
 
 def _packed(kernel: LinearKernel, weight: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
     """``weight`` packed for ``kernel``; written into ``into`` (its slot in the model's arena) where given."""
-    packed = kernel.pack(weight)
     if into is None:
-        return packed
-    return into.copy_(packed)
+        return kernel.pack(weight)
+    return kernel.pack_into(weight, into)
 
 
 class PackedLinear(torch.nn.Module):
@@ -260,6 +264,8 @@ class PrepackChoice:
     products: int = 0  # products per forward the packed layers make (siblings fused: fewer than ``layers``)
     kernel: str = "onednn"  # KERNELS key of the packed layers' kernel
     measured_ms: dict[str, float] = field(default_factory=dict)  # auto/on with several kernels: what each took
+    huge_pages: bool = False  # the packed weights in transparent huge pages (model.huge_pages, granted)
+    huge_pages_note: str = ""  # model.huge_pages asked and not granted: why
 
     @property
     def kernels(self) -> str:
@@ -267,7 +273,8 @@ class PrepackChoice:
         if not self.layers:
             return "torch"
         kernel = KERNELS[self.kernel]
-        return kernel.fused_name if self.products < self.layers else kernel.name
+        name = kernel.fused_name if self.products < self.layers else kernel.name
+        return name + (HUGE_PAGES_SUFFIX if self.huge_pages else "")
 
     def describe(self) -> dict:
         return {
@@ -278,6 +285,8 @@ class PrepackChoice:
             "products": self.products,
             "reason": self.reason,
             **({"measured_ms": self.measured_ms} if self.measured_ms else {}),
+            **({"huge_pages": True} if self.huge_pages else {}),
+            **({"huge_pages_note": self.huge_pages_note} if self.huge_pages_note else {}),
         }
 
 
@@ -339,14 +348,14 @@ def time_kernels(model: torch.nn.Module, kernels: list[LinearKernel], rows: tupl
 
 
 def prepack_linears(
-    model: torch.nn.Module, fuse: bool = True, kernel: LinearKernel = ONEDNN, huge_pages: bool = True
+    model: torch.nn.Module, fuse: bool = True, kernel: LinearKernel = ONEDNN, huge_pages: bool = False
 ) -> tuple[int, int]:
     """Replace every ``nn.Linear`` of ``model`` in place: sibling groups (``SHARED_INPUT_GROUPS``, same input
     size, dtype and bias presence) by ``ProductSlice``s of one ``SharedInputProduct`` when ``fuse``, every other
     one by a ``PackedLinear``, all on ``kernel``. Returns (linear layers replaced, products per forward).
-    A kernel with a plain layout (``packed_shape``: the native ones) packs every weight into one allocation in
-    huge pages (unless ``huge_pages`` is off), in the model's module order (a forward's order; arena.py says
-    why). Irreversible: the original
+    A kernel with a plain layout (``packed_shape``: the native ones) packs every weight into one allocation, in
+    the model's module order (a forward's order), asked for transparent huge pages when ``huge_pages``
+    (arena.py says when that pays). Irreversible: the original
     weights of those layers are released as they are packed (a tied embedding keeps its own)."""
     products = _products(model, fuse)
     arena = None
@@ -368,6 +377,10 @@ def prepack_linears(
                 setattr(parent, name, ProductSlice(shared, index))
         layers += len(names)
         del parent, linears, into
+    huge = arena is not None and arena.huge_pages
+    for module in model.modules():
+        if isinstance(module, (PackedLinear, SharedInputProduct)):
+            module.huge_pages = huge  # the kernels' name says so (linear_kernels): another forward, another curve
     return layers, count
 
 
@@ -401,6 +414,7 @@ def apply_prepack(
     mode: str,
     cache_root: Path | None = None,
     agree: Callable[[dict[str, float]], dict[str, float]] | None = None,
+    huge_pages: bool = False,
 ) -> PrepackChoice:
     """``model.prepack``: ``onednn``, ``native`` or ``native-bf16`` packs with that kernel or fails with the
     reason; ``auto`` packs with the faster of the kernels that work here and keep the model's weights (timed on
@@ -408,7 +422,8 @@ def apply_prepack(
     ``off`` leaves torch's linear. ``native-bf16`` rounds the linear weights to bfloat16: asked for, never chosen.
     ``cache_root``: where the native kernel is built (default: lp_runner's cache folder). ``agree`` (ranks of one
     LP group): called exactly once in ``auto``/``on`` by every rank with its timings, returns the timings to
-    decide by (rank 0's), so a group's ranks pack with the same kernel and price one cost curve."""
+    decide by (rank 0's), so a group's ranks pack with the same kernel and price one cost curve. ``huge_pages``
+    (``model.huge_pages``): the native kernels' weights asked for transparent huge pages (arena.py)."""
     if mode == "off":
         return PrepackChoice(mode, 0, "off")
     if cache_root is None:
@@ -446,8 +461,12 @@ def apply_prepack(
         why += " (largest linear, 1+8 rows" + (", rank 0's)" if agree is not None else ")")
     else:
         kernel, why = usable[0], "the one that works here" if mode in ("auto", "on") else "as set"
-    layers, products = prepack_linears(model, kernel=kernel)
-    return PrepackChoice(mode, layers, why, products, kernel.key, ms)
+    layers, products = prepack_linears(model, kernel=kernel, huge_pages=huge_pages)
+    granted = linear_kernels(model).endswith(HUGE_PAGES_SUFFIX)
+    note = ""
+    if huge_pages and not granted:
+        note = f"{kernel.label}'s weights are opaque tensors" if kernel.packed_shape is None else f"THP: {thp_mode()}"
+    return PrepackChoice(mode, layers, why, products, kernel.key, ms, granted, note)
 
 
 def linear_kernels(model: torch.nn.Module) -> str:
@@ -457,4 +476,5 @@ def linear_kernels(model: torch.nn.Module) -> str:
     if not packed:
         return "torch"
     kernel = packed[0].kernel
-    return kernel.fused_name if any(isinstance(m, SharedInputProduct) for m in packed) else kernel.name
+    name = kernel.fused_name if any(isinstance(m, SharedInputProduct) for m in packed) else kernel.name
+    return name + (HUGE_PAGES_SUFFIX if getattr(packed[0], "huge_pages", False) else "")

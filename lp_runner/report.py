@@ -88,6 +88,10 @@ def prepack_lines(policy: dict | None) -> list[str]:
         line = f"linear layers: {label} ({pre['layers']} in {products} products; model.prepack={pre['mode']})"
         if pre.get("native_layers"):
             line += f"; decoder layers: native ({pre['native_layers']}, one call a round)"
+        if pre.get("huge_pages"):
+            line += "; weights in huge pages"
+        elif pre.get("huge_pages_note"):
+            line += f"; huge pages asked, not granted ({pre['huge_pages_note']})"
         return [line]
     return [f"linear layers: torch (model.prepack={pre['mode']}: {pre['reason']})"]
 
