@@ -6,14 +6,15 @@ most one page (2 MB pages per tensor round each up: 663 MB for the embedded mode
 
 Why huge pages: a one-row forward streams every weight, and in 4 KB pages the embedded model's 538 MB are 131,000
 address translations a forward. Asked for 2 MB pages (``madvise(MADV_HUGEPAGE)`` before any page is touched;
-Linux's default THP mode, ``madvise``, gives them only to regions that ask), the one-row forward ran 1.07-1.19x
-faster on this project's EPYC (a KVM guest) and 8 rows 1.02-1.05x, bits equal (``benchmarks/weight_pages.py``;
+Linux's default THP mode, ``madvise``, gives them only to regions that ask), the one-row forward ran 1.04-1.19x
+faster on this project's EPYC (a KVM guest) and 8 rows 1.01-1.05x, bits equal (``benchmarks/weight_pages.py``;
 ``docs/results.md``, "The packed weights in huge pages").
 
-Why not by default: on that same VM, fresh 2 MB pages cost about 5-15 ms each to fault in (the host backs them
-anew; free memory in 2 MB blocks goes back to it, while 4 KB pages reuse what the load has just freed): 2.7-3.1 s
-of start-up for the embedded model, against 0.5 s in 4 KB pages, and the README's one-prompt command ran 1.35x
-longer. The gain is per forward and the cost once a process, so long jobs ask for them (``model.huge_pages: true``).
+Why not by default: on that same VM, fresh 2 MB pages cost about 5-15 ms each to fault in (presumably the host
+backs them anew, free memory in 2 MB blocks having gone back to it, while 4 KB pages reuse what the load has just
+freed): 2.6-3.6 s to pack the embedded model, against 0.4-0.5 s in 4 KB pages, and the README's one-prompt
+command ran 1.35x longer. The gain is per forward and the cost once a process, so long jobs ask for them
+(``model.huge_pages: true``).
 A small probe at start-up could not tell the two cases apart: the first few huge pages came from recently freed
 blocks and faulted as fast as 4 KB pages (1.5 ms per 2 MB), the next hundreds did not.
 """

@@ -36,7 +36,7 @@ class ModelConfig:
     # prepack.py). native-bf16: the native product on the linear weights rounded to bfloat16 (half the bytes per
     # forward; float32 arithmetic: exact for the model with those rounded weights, not for the original)
     huge_pages: bool = False  # the native products' packed weights in transparent huge pages: each forward faster
-    # (1-row: 1.07-1.19x measured), but start-up slower where fresh huge pages are dear to fault in (a VM: +3 s for
+    # (1-row: 1.04-1.19x measured), but start-up slower where fresh huge pages are dear to fault in (a VM: +3 s for
     # the embedded model); for long jobs (lp_runner/arena.py)
     native_layers: bool = True  # on native products, Llama-family decoder layers run natively, all in one call, in
     # eager rounds and prefills (lp_runner/native_layers.py); false: transformers' layer code on the same products
