@@ -155,6 +155,8 @@ def _packed(kernel: LinearKernel, weight: torch.Tensor, into: torch.Tensor | Non
 class PackedLinear(torch.nn.Module):
     """``nn.Linear``'s forward from a weight packed once for ``kernel`` (no autograd: inference only)."""
 
+    huge_pages = False  # its weight in transparent huge pages (prepack_linears; arena.py)
+
     def __init__(
         self, linear: torch.nn.Linear, kernel: LinearKernel = ONEDNN, into: torch.Tensor | None = None
     ) -> None:
@@ -190,6 +192,8 @@ class SharedInputProduct(torch.nn.Module):
     so a compiled forward also runs one product per group (tested: inductor would not merge three identical
     calls of the opaque op by itself).
     """
+
+    huge_pages = False  # its weight in transparent huge pages (prepack_linears; arena.py)
 
     def __init__(
         self, linears: list[torch.nn.Linear], kernel: LinearKernel = ONEDNN, into: torch.Tensor | None = None
@@ -370,17 +374,14 @@ def prepack_linears(
         products[i] = None
         into = None if arena is None else arena.tensors[i]
         if len(names) == 1:
-            setattr(parent, names[0], PackedLinear(linears[0], kernel, into))
+            packed = PackedLinear(linears[0], kernel, into)
+            setattr(parent, names[0], packed)
         else:
-            shared = SharedInputProduct(linears, kernel, into)
+            packed = SharedInputProduct(linears, kernel, into)
             for index, name in enumerate(names):
-                setattr(parent, name, ProductSlice(shared, index))
+                setattr(parent, name, ProductSlice(packed, index))
+        packed.huge_pages = arena is not None and arena.huge_pages  # linear_kernels names it: its own curve
         layers += len(names)
-        del parent, linears, into
-    huge = arena is not None and arena.huge_pages
-    for module in model.modules():
-        if isinstance(module, (PackedLinear, SharedInputProduct)):
-            module.huge_pages = huge  # the kernels' name says so (linear_kernels): another forward, another curve
     return layers, count
 
 
@@ -477,4 +478,4 @@ def linear_kernels(model: torch.nn.Module) -> str:
         return "torch"
     kernel = packed[0].kernel
     name = kernel.fused_name if any(isinstance(m, SharedInputProduct) for m in packed) else kernel.name
-    return name + (HUGE_PAGES_SUFFIX if getattr(packed[0], "huge_pages", False) else "")
+    return name + (HUGE_PAGES_SUFFIX if packed[0].huge_pages else "")

@@ -17,7 +17,7 @@ import torch
 from helpers import FAMILIES
 
 from lp_runner import native
-from lp_runner.arena import ALIGN_BYTES, HUGE_PAGE_BYTES, Arena
+from lp_runner.arena import ALIGN_BYTES, HUGE_PAGE_BYTES, Arena, thp_mode
 from lp_runner.loading import default_cache_dir
 from lp_runner.prepack import (
     HUGE_PAGES_SUFFIX,
@@ -31,8 +31,7 @@ from lp_runner.prepack import (
 )
 from lp_runner.report import prepack_lines
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-THP_MODE = THP.read_text().split("[")[1].split("]")[0] if THP.exists() else None
+THP_MODE = thp_mode()
 GRANTED = THP_MODE in ("madvise", "always")
 NATIVE_REASON = native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir())
 
