@@ -114,10 +114,10 @@ static inline __attribute__((always_inline)) vec load_bf16(const unsigned short 
 
 /* whole_SUF_MM: one pass of MM rows over the whole K of a block, into out (row stride N, ncols columns).
    chunk_SUF_MM: one pass over k in [0, kn) of a block (a chunk of its K): the accumulators start at zero (first)
-   or from acc and end in acc ([MM][NB]) (storing and reloading a float sum between chunks changes no bit); every
-   every-th k, from the first, also prefetches the next pfn lines of pf, up to pf_lines of them. Two functions,
-   so the one-pass path (every 1-row forward) carries no branch of the other. SUF, WT, LOAD: the weights' storage
-   (f_: float; h_: bfloat16 bits). */
+   or from acc and end in acc ([MM][NB]) (storing and reloading a float sum between chunks changes no bit); each
+   k also prefetches the next lines of pf, lines / its of them a k on average (a running remainder, phase, that
+   the caller starts). Two functions, so the one-pass path (every 1-row forward) carries no branch of the other.
+   SUF, WT, LOAD: the weights' storage (f_: float; h_: bfloat16 bits). */
 #define WHOLE_OF(MM, SUF, WT, LOAD)                                                                         \
   static inline void whole_##SUF##MM(const float *x, const WT *pb, float *out, int N, int K, int ncols) {  \
     vec a[MM][NV];                                                                                        \
@@ -132,15 +132,13 @@ static inline __attribute__((always_inline)) vec load_bf16(const unsigned short 
   }
 #define CHUNK_OF(MM, SUF, WT, LOAD)                                                                         \
   static inline void chunk_##SUF##MM(const float *x, const WT *pb, float *acc, int K, int kn, int first,     \
-                                const char *pf, int pfn, int pf_lines, int every) {                      \
+                                const char *pf, int lines, int its, int phase) {                         \
     vec a[MM][NV];                                                                                        \
     for (int m = 0; m < MM; m++)                                                                          \
       for (int j = 0; j < NV; j++) a[m][j] = first ? (vec){0} : *(const vec *)(acc + m * NB + j * VL);   \
-    int due = 1, q = 0;                                                                                   \
-    TILE_LOOP(MM, kn, if (pf && --due == 0) {                                                             \
-      due = every;                                                                                        \
-      for (int e = q + pfn; q < e && q < pf_lines; q++) __builtin_prefetch(pf + (size_t)q * 64, 0, 2);    \
-    }, LOAD)                                                                                              \
+    int q = 0;                                                                                            \
+    TILE_LOOP(MM, kn, for (phase += lines; phase >= its; phase -= its)                                    \
+                        __builtin_prefetch(pf + (size_t)q++ * 64, 0, 2), LOAD)                           \
     for (int m = 0; m < MM; m++)                                                                          \
       for (int j = 0; j < NV; j++) *(vec *)(acc + m * NB + j * VL) = a[m][j];                             \
   }
@@ -244,25 +242,22 @@ static inline const float *chunk_weights_h_(const unsigned short *pb, int kn, lo
           long rows = M - s0 < SUPER ? M - s0 : SUPER, passes = (rows + MR - 1) / MR;                     \
           for (long k0 = 0; k0 < K; k0 += KC) {                                                           \
             int kn = K - k0 < KC ? (int)(K - k0) : KC, first = k0 == 0;                                   \
-            /* the chunk CHUNK_PREFETCH_AHEAD on in the stream; its lines spread over the passes' k's: pfn  \
-               lines every every-th k (per_pass lines a pass) */                                          \
+            /* the chunk CHUNK_PREFETCH_AHEAD on in the stream: its lines spread evenly over the passes' k's */ \
             size_t ahead_at = (size_t)(k0 + CHUNK_PREFETCH_AHEAD * KC) * NB * sizeof(WT);                 \
             const char *ahead = (const char *)((uintptr_t)pb + ahead_at);                                 \
-            int pf_total = (int)((size_t)KC * NB * sizeof(WT) / 64), its = (int)passes * kn;              \
-            int every = its > pf_total ? its / pf_total : 1, pfn = (pf_total * every + its - 1) / its;    \
-            int per_pass = (kn + every - 1) / every * pfn;                                                \
+            int lines = (int)((size_t)KC * NB * sizeof(WT) / 64), its = (int)passes * kn;                 \
             const float *cw = chunk_weights_##SUF(pb + (size_t)k0 * NB, kn, passes, wbuf);                \
             for (long m0 = 0, pass = 0; m0 < rows; m0 += MR, pass++) {                                    \
               int mm = rows - m0 < MR ? (int)(rows - m0) : MR;                                            \
-              int skip = (int)pass * per_pass; /* lines the earlier passes prefetched */                  \
-              const char *pf = skip < pf_total ? ahead + (size_t)skip * 64 : NULL;                        \
+              long done = pass * kn * lines; /* the earlier passes' k's: done / its lines prefetched */   \
+              const char *pf = ahead + (size_t)(done / its) * 64;                                         \
+              int phase = (int)(done % its);                                                              \
               const float *xs = x + (size_t)(s0 + m0) * K + k0;                                           \
               if (cw)                                                                                     \
-                DISPATCH(chunk_f_, mm, (xs, cw, acc + m0 * NB, (int)K, kn, first, pf, pfn, pf_total - skip, \
-                                        every))                                                           \
+                DISPATCH(chunk_f_, mm, (xs, cw, acc + m0 * NB, (int)K, kn, first, pf, lines, its, phase)) \
               else                                                                                        \
-                DISPATCH(chunk_##SUF, mm, (xs, pb + (size_t)k0 * NB, acc + m0 * NB, (int)K, kn, first, pf, pfn, \
-                                           pf_total - skip, every))                                       \
+                DISPATCH(chunk_##SUF, mm,                                                                 \
+                         (xs, pb + (size_t)k0 * NB, acc + m0 * NB, (int)K, kn, first, pf, lines, its, phase))\
             }                                                                                             \
           }                                                                                               \
           for (long m = 0; m < rows; m++)                                                                 \
