@@ -58,15 +58,42 @@ def _best_of(fn: Callable[[], object], sync: Callable[[], None] | None, reps: in
     return best
 
 
+def matmul_size(device: torch.device, dtype: torch.dtype, largest: int, budget_s: float) -> int:
+    """The side of the square matmul that times the rate: ``largest``, or on a CPU the largest power of two from
+    256 up to it whose matmul takes at most ``budget_s`` (each doubling is timed: 8x the work).
+
+    Why: a CPU without bfloat16 instructions (an AVX2-only EPYC of this machine kind) multiplies bf16 matrices at
+    about 1.3 GFLOP/s in this torch against 100+ in float32, so a 2048-square bf16 matmul took 14 s there, and
+    ``gpu_check.sh``'s CPU smoke run of ``forward_cost.py --dtype bfloat16`` ran out of its 240 s in the limits
+    alone. A GPU keeps ``largest`` (a smaller matmul is bound by its launch)."""
+    if device.type == "cuda":
+        return largest
+    n = min(256, largest)
+    a = torch.randn(n, n, device=device).to(dtype)
+    a @ a
+    t = time.perf_counter()
+    a @ a
+    took = time.perf_counter() - t
+    while 2 * n <= largest and 8 * took <= budget_s:
+        n *= 2
+        a = torch.randn(n, n, device=device).to(dtype)
+        t = time.perf_counter()
+        a @ a
+        took = time.perf_counter() - t
+    return n
+
+
 def measure_limits(
     device: torch.device, dtype: torch.dtype, copy_bytes: int = 512 << 20, matmul_n: int = 2048, reps: int = 5
 ) -> MachineLimits:
     """The copy bandwidth (a ``copy_bytes`` buffer, far beyond any cache) and the matmul rate (``matmul_n``
-    square, in ``dtype``): the best of ``reps`` runs each, as a limit should be."""
+    square, in ``dtype``, smaller where one would take over half a second: ``matmul_size``): the best of ``reps``
+    runs each, as a limit should be."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     copy_s = _best_of(lambda: dst.copy_(src), sync, reps)
+    matmul_n = matmul_size(device, dtype, matmul_n, 0.5)
     a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     mm_s = _best_of(lambda: a @ b, sync, reps)
@@ -101,14 +128,15 @@ def paired_ratios(
     another moment than the forward says more about the moment than about the forward; and the matmul tells a
     forward that met slow cores from one whose arithmetic stopped overlapping its stream (the 8-row product
     before ``WHOLE_PREFETCH_ROWS``). Without ``flops`` only the copy is timed and ``limit`` equals ``memory``.
-    ``matmul_n`` defaults to 1024 on a CPU (about 12 ms here: the rate of the moment, near a large matmul's) and
-    4096 on a GPU (a smaller one is bound by its launch)."""
+    ``matmul_n`` defaults to 1024 on a CPU (about 12 ms here: the rate of the moment, near a large matmul's; less
+    where one would take over 50 ms, ``matmul_size``) and 4096 on a GPU (a smaller one is bound by its launch)."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     n = matmul_n or (4096 if device.type == "cuda" else 1024)
     a = b = None
     if flops is not None:
+        n = matmul_size(device, dtype, n, 0.05)
         a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
         a @ b
     forward()

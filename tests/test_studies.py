@@ -192,6 +192,17 @@ def test_forward_flops_equal_torch_flop_counter(tied, rows, logit_rows):
     assert forward_flops(model, rows, 0, logit_rows=logit_rows) == counter.get_total_flops()
 
 
+def test_matmul_size_fits_the_budget_and_stops_at_the_largest():
+    """The limits' matmul is as large as asked where it is quick, and only shrinks where one would run past its
+    budget (a CPU without bf16 instructions: 2048-square bf16 took 14 s there)."""
+    from benchmarks.machine_limits import matmul_size
+
+    cpu = torch.device("cpu")
+    assert matmul_size(cpu, torch.float32, 512, budget_s=60.0) == 512  # quick: the largest, never beyond
+    assert matmul_size(cpu, torch.float32, 128, budget_s=60.0) == 128  # a largest under the first size
+    assert matmul_size(cpu, torch.float32, 4096, budget_s=0.0) == 256  # no budget: the first size
+
+
 def test_perfect_choice_bound_verifies_every_sources_first_proposal():
     """``global_pool.FirstOfEachCoordinator`` (the G=1 bound): each source's first proposal is a candidate of the
     round, so the simulation keeps whichever verifies longest; on a job where the store knows the answer and the
