@@ -59,8 +59,9 @@ def _best_of(fn: Callable[[], object], sync: Callable[[], None] | None, reps: in
 
 
 def matmul_size(device: torch.device, dtype: torch.dtype, largest: int, budget_s: float) -> int:
-    """The side of the square matmul that times the rate: ``largest``, or on a CPU the largest power of two from
-    256 up to it whose matmul takes at most ``budget_s`` (each doubling is timed: 8x the work).
+    """The side of the square matmul that times the rate: ``largest``, or on a CPU less where its matmul would
+    take over ``budget_s``: from 256, the side doubles (up to ``largest``) while 8x the last timed matmul (the
+    doubled side's work) fits the budget.
 
     Why: a CPU without bfloat16 instructions (an AVX2-only EPYC of this machine kind) multiplies bf16 matrices at
     about 1.3 GFLOP/s in this torch against 100+ in float32, so a 2048-square bf16 matmul took 14 s there, and
@@ -74,8 +75,8 @@ def matmul_size(device: torch.device, dtype: torch.dtype, largest: int, budget_s
     t = time.perf_counter()
     a @ a
     took = time.perf_counter() - t
-    while 2 * n <= largest and 8 * took <= budget_s:
-        n *= 2
+    while n < largest and 8 * took <= budget_s:
+        n = min(2 * n, largest)
         a = torch.randn(n, n, device=device).to(dtype)
         t = time.perf_counter()
         a @ a

@@ -201,6 +201,7 @@ def test_matmul_size_fits_the_budget_and_stops_at_the_largest():
     assert matmul_size(cpu, torch.float32, 512, budget_s=60.0) == 512  # quick: the largest, never beyond
     assert matmul_size(cpu, torch.float32, 128, budget_s=60.0) == 128  # a largest under the first size
     assert matmul_size(cpu, torch.float32, 4096, budget_s=0.0) == 256  # no budget: the first size
+    assert matmul_size(cpu, torch.float32, 600, budget_s=60.0) == 600  # not a power of two: still the largest
 
 
 def test_perfect_choice_bound_verifies_every_sources_first_proposal():
