@@ -13,6 +13,7 @@ time, with the process's thread count: nothing is assumed about the CPU or GPU.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import time
 from collections.abc import Callable
@@ -58,6 +59,7 @@ def _best_of(fn: Callable[[], object], sync: Callable[[], None] | None, reps: in
     return best
 
 
+@functools.cache  # a property of the device and dtype: sized once a process, not at every paired point
 def matmul_size(device: torch.device, dtype: torch.dtype, largest: int, budget_s: float) -> int:
     """The side of the square matmul that times the rate: ``largest``, or on a CPU less where its matmul would
     take over ``budget_s``: from 256, the side doubles (up to ``largest``) while 8x the last timed matmul (the

@@ -276,9 +276,7 @@ class PrepackChoice:
         """The linear kernels the forward runs (part of the calibration key: each has its own curve)."""
         if not self.layers:
             return "torch"
-        kernel = KERNELS[self.kernel]
-        name = kernel.fused_name if self.products < self.layers else kernel.name
-        return name + (HUGE_PAGES_SUFFIX if self.huge_pages else "")
+        return kernels_name(KERNELS[self.kernel], self.products < self.layers, self.huge_pages)
 
     def describe(self) -> dict:
         return {
@@ -476,6 +474,11 @@ def linear_kernels(model: torch.nn.Module) -> str:
     packed = [m for m in model.modules() if isinstance(m, (PackedLinear, SharedInputProduct))]
     if not packed:
         return "torch"
-    kernel = packed[0].kernel
-    name = kernel.fused_name if any(isinstance(m, SharedInputProduct) for m in packed) else kernel.name
-    return name + (HUGE_PAGES_SUFFIX if packed[0].huge_pages else "")
+    fused = any(isinstance(m, SharedInputProduct) for m in packed)
+    return kernels_name(packed[0].kernel, fused, packed[0].huge_pages)
+
+
+def kernels_name(kernel: LinearKernel, fused: bool, huge_pages: bool) -> str:
+    """The packed layers' kernels as the calibration and compile records key them: the kernel's (fused) name,
+    and ``HUGE_PAGES_SUFFIX`` where its weights lie in huge pages (their own cost curve)."""
+    return (kernel.fused_name if fused else kernel.name) + (HUGE_PAGES_SUFFIX if huge_pages else "")

@@ -141,7 +141,11 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before prepacking reorders them
     cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
     prepack = apply_prepack(
-        model, cfg.model.prepack, cache_root, lambda ms: _rank0_timings(comm, ms), cfg.model.huge_pages
+        model,
+        cfg.model.prepack,
+        cache_root,
+        agree=lambda ms: _rank0_timings(comm, ms),
+        huge_pages=cfg.model.huge_pages,
     )
     load_s = time.perf_counter() - start
     adapter = ModelAdapter(model, native_layers=cfg.model.native_layers)
