@@ -8,6 +8,8 @@ packed rows, sdpa on the same rows with the mask tiled per query head) and alter
 quartile of each is printed, with the largest difference between their outputs.
 
     python benchmarks/attention_kernels.py --out benchmarks/results/attention_kernels
+    git show REV:lp_runner/native_gemm.c > /tmp/old.c
+    python benchmarks/attention_kernels.py --baseline /tmp/old.c --out ...   # adds "native@base", bits compared
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,27 +31,38 @@ from lp_runner import native  # noqa: E402
 from lp_runner.loading import default_cache_dir  # noqa: E402
 
 
-def _time_kernels(query, key, value, mask, groups: int, scale: float, calls: int) -> tuple[dict[str, float], float]:
-    """Lower-quartile seconds of each kernel over ``calls`` interleaved calls, and their outputs' largest difference."""
+def _time_kernels(
+    query, key, value, mask, groups: int, scale: float, calls: int, libs: dict
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Lower-quartile seconds of each kernel over ``calls`` interleaved calls, and each kernel's last output.
+
+    ``libs``: the native builds by name ("native", and "native@base" with ``--baseline``), each routed in before
+    its calls are timed. The order rotates call by call, so that no kernel always runs in the caches another left."""
     tiled = mask.repeat(groups, 1)[None, None]  # packed row r reads round row r % Q, as packed_gqa_sdpa tiles it
-    kernels = {
-        "native": lambda: native.attention(query, key, value, mask, scale),
-        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+    kernels = {name: (lib, lambda: native.attention(query, key, value, mask, scale)) for name, lib in libs.items()}
+    kernels["sdpa"] = (
+        None,
+        lambda: torch.nn.functional.scaled_dot_product_attention(
             query[None], key[None], value[None], attn_mask=tiled, scale=scale
         )[0],
-    }
+    )
     times: dict[str, list[float]] = {name: [] for name in kernels}
     outputs = {}
     with torch.inference_mode():
+        names = list(kernels)
         for call in range(calls + 10):
-            for name, kernel in kernels.items():
+            for name in names[call % len(names) :] + names[: call % len(names)]:  # rotating: none always follows sdpa
+                lib, kernel = kernels[name]
+                if lib is not None:
+                    native.route(lib)
                 start = time.perf_counter()
                 outputs[name] = kernel()
                 elapsed = time.perf_counter() - start
                 if call >= 10:  # the first calls warm caches and allocators
                     times[name].append(elapsed)
+    native.route(libs["native"])
     quartile = {name: sorted(t)[len(t) // 4] for name, t in times.items()}
-    return quartile, float((outputs["native"] - outputs["sdpa"]).abs().max())
+    return quartile, outputs
 
 
 def main() -> None:
@@ -57,10 +71,15 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="round rows (x 3 packed)")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--baseline", default="", help="another version of native_gemm.c, timed as native@base")
     ap.add_argument("--out", default="", help="write OUT.json and OUT.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    native.load(default_cache_dir())
+    libs = {"native": native.library(str(default_cache_dir()), native.extra_flags())}
+    if args.baseline:
+        base_dir = Path(tempfile.mkdtemp(prefix="lp_attention_"))
+        libs["native@base"] = native.open_library(native.build(base_dir, None, Path(args.baseline)))
+    native.route(libs["native"])
     heads, groups, dim, hidden = 3, 3, 64, torch.finfo(torch.float32).min
     gen = torch.Generator().manual_seed(0)
     results = []
@@ -73,7 +92,7 @@ def main() -> None:
             mask[:, :keys] = 0.0
             causal = torch.ones(rows, rows, dtype=torch.bool).tril()
             mask[:, keys : keys + rows] = torch.where(causal, 0.0, hidden)
-            quartile, diff = _time_kernels(query, key, value, mask, groups, dim**-0.5, args.calls)
+            quartile, outputs = _time_kernels(query, key, value, mask, groups, dim**-0.5, args.calls, libs)
             row = {
                 "keys": keys,
                 "round rows": rows,
@@ -81,8 +100,12 @@ def main() -> None:
                 "us native": round(1e6 * quartile["native"], 1),
                 "us sdpa": round(1e6 * quartile["sdpa"], 1),
                 "native / sdpa": round(quartile["native"] / quartile["sdpa"], 2),
-                "max |diff|": diff,
+                "max |diff|": float((outputs["native"] - outputs["sdpa"]).abs().max()),
             }
+            if args.baseline:
+                row["us native@base"] = round(1e6 * quartile["native@base"], 1)
+                row["base / native"] = round(quartile["native@base"] / quartile["native"], 2)
+                row["bits = base"] = bool(torch.equal(outputs["native"], outputs["native@base"]))
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:

@@ -347,11 +347,15 @@ static inline vec expv(vec x) {
   return (vec)((veci)(y * (vec)scale) & keep);
 }
 
-/* Sixteen vectors' lane sums as one vector (lane l: the sum of p[l]'s lanes), a transpose-and-add tree of 15
-   steps instead of 16 horizontal sums: each source's lanes are added in the same fixed order whatever its
-   neighbours hold (hsum16's order). AVX-512 only: elsewhere 16 hsum_parts. */
+/* Sixteen sources' lane sums at once (lane l of part u of out: hsum_parts of source u * VL + l), by a
+   transpose-and-add tree instead of 16 horizontal sums: each source's lanes are added in hsum16's order whatever
+   its neighbours hold, so the bits are hsum_parts' on every instruction set. AVX-512: 15 shuffle-add steps for
+   the 16. AVX2: per 8 sources, a vertical add of the two halves, then pairs of sources (k, k + 4) trade 128-bit
+   halves, quads trade pairs and the last step adds neighbours, landing source k in lane k; 4-float vectors alike
+   with one step fewer. (16 hsum_parts, each extracting and adding down to a scalar, then the scale and the mask
+   applied key by key: the AVX2 build's 8- and 16-row attention 1.11x slower on one thread, this project's Zen 3.) */
+static inline void sum16_parts(const vec (*p)[P16], vec *out) {
 #if VL == 16
-static inline v16 sum16x16(const v16 *p) {
   const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
   const v16i lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -362,14 +366,41 @@ static inline v16 sum16x16(const v16 *p) {
   const v16i hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
   v16 a[8], b[4], c[2];
   for (int m = 0; m < 8; m++)
-    a[m] = __builtin_shuffle(p[2 * m], p[2 * m + 1], lo8) + __builtin_shuffle(p[2 * m], p[2 * m + 1], hi8);
+    a[m] = __builtin_shuffle(p[2 * m][0], p[2 * m + 1][0], lo8) + __builtin_shuffle(p[2 * m][0], p[2 * m + 1][0], hi8);
   for (int m = 0; m < 4; m++)
     b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo4) + __builtin_shuffle(a[2 * m], a[2 * m + 1], hi4);
   for (int m = 0; m < 2; m++)
     c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], lo2) + __builtin_shuffle(b[2 * m], b[2 * m + 1], hi2);
-  return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
-}
+  out[0] = __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], hi1);
+#elif VL == 8
+  const veci lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+  const veci lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const veci lo1 = {0, 2, 8, 10, 4, 6, 12, 14}, hi1 = {1, 3, 9, 11, 5, 7, 13, 15};
+  for (int g = 0; g < 2; g++) {
+    const vec(*q)[P16] = p + 8 * g;
+    vec a[4], b[2];
+    for (int m = 0; m < 4; m++) { /* lanes 0-3: source m's four sums, 4-7: source m + 4's */
+      vec x = q[m][0] + q[m][1], y = q[m + 4][0] + q[m + 4][1];
+      a[m] = __builtin_shuffle(x, y, lo4) + __builtin_shuffle(x, y, hi4);
+    }
+    for (int m = 0; m < 2; m++) /* sources 2m, 2m + 1, 2m + 4, 2m + 5: two sums each */
+      b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo2) + __builtin_shuffle(a[2 * m], a[2 * m + 1], hi2);
+    out[g] = __builtin_shuffle(b[0], b[1], lo1) + __builtin_shuffle(b[0], b[1], hi1);
+  }
+#else
+  const veci lo2 = {0, 1, 4, 5}, hi2 = {2, 3, 6, 7}, lo1 = {0, 2, 4, 6}, hi1 = {1, 3, 5, 7};
+  for (int g = 0; g < 4; g++) {
+    const vec(*q)[P16] = p + 4 * g;
+    vec a[2];
+    for (int m = 0; m < 2; m++) { /* sources 2m, 2m + 1: two sums each */
+      vec x = (q[2 * m][0] + q[2 * m][2]) + (q[2 * m][1] + q[2 * m][3]);
+      vec y = (q[2 * m + 1][0] + q[2 * m + 1][2]) + (q[2 * m + 1][1] + q[2 * m + 1][3]);
+      a[m] = __builtin_shuffle(x, y, lo2) + __builtin_shuffle(x, y, hi2);
+    }
+    out[g] = __builtin_shuffle(a[0], a[1], lo1) + __builtin_shuffle(a[0], a[1], hi1);
+  }
 #endif
+}
 
 #define RB 4 /* packed rows per task (one K/V head) */
 
@@ -399,19 +430,16 @@ static inline __attribute__((always_inline)) void scores_shared(const float *con
       }
     }
     for (int i = 0; i < rb; i++) {
-#if VL == 16
-      v16 dots = sum16x16(&partial[i][0][0]);
-#else
-      float dots[16];
-      for (int l = 0; l < 16; l++) dots[l] = hsum_parts(partial[i][l]);
-#endif
+      vec dots[P16];
+      sum16_parts(partial[i], dots);
       float *si = s + i * stride;
       if (seen)
-        for (int l = 0; l < 16; l++) si[j0 + l] = dots[l] * scale + mr[i][j0 + l];
+        for (int u = 0; u < P16; u++)
+          *(vec *)(si + j0 + VL * u) = dots[u] * scale + *(const vec *)(mr[i] + j0 + VL * u);
       else
         for (int l = 0; l < nj; l++) {
           float m = mr[i][j0 + l];
-          si[j0 + l] = m > -1e30f ? dots[l] * scale + m : -__builtin_inff();
+          si[j0 + l] = m > -1e30f ? dots[l / VL][l % VL] * scale + m : -__builtin_inff();
         }
     }
   }
@@ -426,35 +454,55 @@ static inline __attribute__((always_inline)) void scores_shared(const float *con
 #endif
 #define VALUE_ROWS(DV) ((DV) * P16 >= ACC_VECS ? 1 : ACC_VECS / ((DV) * P16) > RB ? RB : ACC_VECS / ((DV) * P16))
 
-/* o_i = inv_i * sum_j w_i[j] v_j over the keys row i sees (j < end), in increasing j, for up to RB rows, G rows at a
-   time with their sums in registers: each value is loaded once for G rows. */
+/* The values values_shared weighs in one block of keys, all the task's rows over it before the next block: 8 KB,
+   so the block stays in L1 while the rows pass over it and each value comes from L2 once per task. (A head's
+   values over a few hundred keys are 100+ KB; streamed whole per row, the AVX2 build's weighing, one row at a
+   time, ran at L2's bandwidth, about one multiply-add a cycle: its 8- and 16-row attention 1.19x slower on one
+   thread, this project's Zen 3. 4 KB and 16 KB blocks measured the same as 8.) */
+#define VALUE_BLOCK_BYTES 8192
+
+/* o_i = inv_i * sum_j w_i[j] v_j over the keys row i sees (j < end), in increasing j, for up to RB rows: per block
+   of keys, G rows at a time with their sums in registers (each value loaded once for G rows), the sums kept in
+   memory between blocks (stored and reloaded exactly: the same additions in the same order as one pass). */
 static inline __attribute__((always_inline)) void values_shared(float *const *o, const float *s, long stride,
                                                                 const float *const *mr, int rb, const float *vh,
                                                                 long open, long end, const float *inv, const int DV,
                                                                 const int G) {
-  for (int i0 = 0; i0 < rb; i0 += G) {
-    vec acc[RB][16 * P16];
-    for (int i = 0; i < G; i++)
-      for (int c = 0; c < DV * P16; c++) acc[i][c] = (vec){0};
-    for (long j = 0; j < open; j++) { /* keys every row sees: no mask reads */
-      const float *vj = vh + (size_t)j * DV * 16;
+  const long block = VALUE_BLOCK_BYTES / (DV * 64) > 1 ? VALUE_BLOCK_BYTES / (DV * 64) : 1;
+  vec kept[RB][16 * P16];
+  for (int i = 0; i < rb; i++)
+    for (int c = 0; c < DV * P16; c++) kept[i][c] = (vec){0};
+  for (long j0 = 0; j0 < end; j0 += block) {
+    long j1 = j0 + block < end ? j0 + block : end;
+    long seen = open < j1 ? open : j1; /* keys [j0, seen) every row sees */
+    for (int i0 = 0; i0 < rb; i0 += G) {
+      vec acc[RB][16 * P16];
       for (int i = 0; i < G; i++)
-        if (i0 + i < rb) {
-          float w = s[(i0 + i) * stride + j];
-          for (int c = 0; c < DV * P16; c++) acc[i][c] += w * *(const vec *)(vj + VL * c);
-        }
-    }
-    for (long j = open; j < end; j++) {
-      const float *vj = vh + (size_t)j * DV * 16;
+        if (i0 + i < rb)
+          for (int c = 0; c < DV * P16; c++) acc[i][c] = kept[i0 + i][c];
+      for (long j = j0; j < seen; j++) { /* no mask reads */
+        const float *vj = vh + (size_t)j * DV * 16;
+        for (int i = 0; i < G; i++)
+          if (i0 + i < rb) {
+            float w = s[(i0 + i) * stride + j];
+            for (int c = 0; c < DV * P16; c++) acc[i][c] += w * *(const vec *)(vj + VL * c);
+          }
+      }
+      for (long j = seen > j0 ? seen : j0; j < j1; j++) {
+        const float *vj = vh + (size_t)j * DV * 16;
+        for (int i = 0; i < G; i++)
+          if (i0 + i < rb && mr[i0 + i][j] > -1e30f) {
+            float w = s[(i0 + i) * stride + j];
+            for (int c = 0; c < DV * P16; c++) acc[i][c] += w * *(const vec *)(vj + VL * c);
+          }
+      }
       for (int i = 0; i < G; i++)
-        if (i0 + i < rb && mr[i0 + i][j] > -1e30f) {
-          float w = s[(i0 + i) * stride + j];
-          for (int c = 0; c < DV * P16; c++) acc[i][c] += w * *(const vec *)(vj + VL * c);
-        }
+        if (i0 + i < rb)
+          for (int c = 0; c < DV * P16; c++) kept[i0 + i][c] = acc[i][c];
     }
-    for (int i = 0; i < G && i0 + i < rb; i++)
-      for (int c = 0; c < DV * P16; c++) *(vec *)(o[i0 + i] + VL * c) = acc[i][c] * inv[i0 + i];
   }
+  for (int i = 0; i < rb; i++)
+    for (int c = 0; c < DV * P16; c++) *(vec *)(o[i] + VL * c) = kept[i][c] * inv[i];
 }
 
 /* Attention of a few packed rows over a K/V buffer (lp_runner/attention.py, with the native product).
@@ -465,8 +513,9 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
    out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
 
    A task is up to RB rows of one head; for heads of a multiple of 16 floats, up to 256, each key and each value is
-   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (sum16x16 with
-   AVX-512, 16 hsum_parts elsewhere), a vector exp, and the weighted sum of values in registers. The keys every row
+   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (their dot
+   products summed across lanes by one tree, sum16_parts), a vector exp, and the weighted sum of values in
+   registers, block of keys by block. The keys every row
    of a task sees (a round's cached prefix: most keys) are scored and weighed without reading the mask per key;
    the others are checked key by key. Hidden keys are never scored or weighed (a static cache's spare slots may
    hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in
