@@ -210,7 +210,8 @@ MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
    L2), so that the next chunk's first pass, which takes every line of it from the level below L1, finds them
    in L1 like the later passes: on the Zen 3 the model's products, interleaved against the source before, 8-16
    rows 1.04-1.11x faster (three runs; 4-6 rows 0.99-1.17x), whole 4-16-row forwards 1.00-1.10x, the same bits
-   (float32 weights). Not measured on an AVX-512 CPU, where only 9+ rows take this path. */
+   (float32 weights; bfloat16 products of 4-24 rows, bound by their widening, within this host's noise, which
+   was 10-15% that hour). Not measured on an AVX-512 CPU, where only 9+ rows take this path. */
 #define KC 64
 #define SUPER (8 * MR)
 #define CHUNK_PREFETCH_AHEAD 2
