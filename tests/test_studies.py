@@ -266,3 +266,30 @@ def test_native_isa_compares_every_build_with_the_first_one():
     }
     text = native_isa.markdown(result)
     assert "| second / first | logits equal to first |" in text and "second: bits" in text
+
+
+def test_attention_kernels_times_a_baseline_build_beside_this_one():
+    """`attention_kernels.py --baseline OLD.c` times another build of the kernels in the same loop, routing each in
+    before its calls, and compares the outputs: two loads of the same build give the same bits, sdpa's output to
+    fp32 rounding, and the process is left routed to this source's build."""
+    from benchmarks import attention_kernels
+    from lp_runner import native
+    from lp_runner.loading import default_cache_dir
+
+    try:
+        lib = native.library(str(default_cache_dir()), native.extra_flags())
+    except native.NativeUnavailable as exc:
+        pytest.skip(str(exc))
+    libs = {"native": lib, "native@base": native.open_library(Path(lib._name))}
+    gen = torch.Generator().manual_seed(0)
+    rows, keys, hidden = 2, 40, torch.finfo(torch.float32).min
+    query = torch.randn(3, 3 * rows, 64, generator=gen)
+    key, value = (torch.randn(3, keys, 64, generator=gen) for _ in range(2))
+    mask = torch.zeros(rows, keys)
+    mask[:, 30:] = hidden
+    mask[1, 29] = hidden
+    quartile, outputs = attention_kernels._time_kernels(query, key, value, mask, 3, 0.125, calls=3, libs=libs)
+    assert set(quartile) == {"native", "native@base", "sdpa"} and all(t > 0 for t in quartile.values())
+    assert torch.equal(outputs["native"], outputs["native@base"])
+    torch.testing.assert_close(outputs["native"], outputs["sdpa"], rtol=1e-4, atol=1e-5)
+    assert native._ATTENTION is lib.lp_native_attention_f32
