@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine_limits import cpu_description  # noqa: E402
+from benchmarks.native_isa import compile_source  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
 from lp_runner import native  # noqa: E402
 from lp_runner.loading import default_cache_dir  # noqa: E402
@@ -77,8 +77,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     libs = {"native": native.library(str(default_cache_dir()), native.extra_flags())}
     if args.baseline:
-        base_dir = Path(tempfile.mkdtemp(prefix="lp_attention_"))
-        libs["native@base"] = native.open_library(native.build(base_dir, None, Path(args.baseline)))
+        libs["native@base"] = compile_source(Path(args.baseline), native.extra_flags())
     native.route(libs["native"])
     heads, groups, dim, hidden = 3, 3, 64, torch.finfo(torch.float32).min
     gen = torch.Generator().manual_seed(0)

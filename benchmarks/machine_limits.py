@@ -71,18 +71,16 @@ def matmul_size(device: torch.device, dtype: torch.dtype, largest: int, budget_s
     alone. A GPU keeps ``largest`` (a smaller matmul is bound by its launch)."""
     if device.type == "cuda":
         return largest
+
+    def square_s(n: int) -> float:
+        a = torch.randn(n, n, device=device).to(dtype)
+        return _best_of(lambda: a @ a, None, 1)
+
     n = min(256, largest)
-    a = torch.randn(n, n, device=device).to(dtype)
-    a @ a
-    t = time.perf_counter()
-    a @ a
-    took = time.perf_counter() - t
+    took = square_s(n)
     while n < largest and 8 * took <= budget_s:
         n = min(2 * n, largest)
-        a = torch.randn(n, n, device=device).to(dtype)
-        t = time.perf_counter()
-        a @ a
-        took = time.perf_counter() - t
+        took = square_s(n)
     return n
 
 

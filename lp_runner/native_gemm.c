@@ -255,7 +255,7 @@ static inline const float *chunk_weights_h_(const unsigned short *pb, int kn, lo
             int kn = K - k0 < KC ? (int)(K - k0) : KC, first = k0 == 0;                                   \
             /* the chunk CHUNK_PREFETCH_AHEAD on in the stream: its lines spread evenly over the passes' k's */ \
             size_t ahead_at = (size_t)(k0 + CHUNK_PREFETCH_AHEAD * KC) * NB * sizeof(WT);                 \
-            size_t chunk_bytes = (CHUNK_PREFETCH_AHEAD - 1) * (size_t)KC * NB * sizeof(WT); /* to near */  \
+            size_t to_near = (CHUNK_PREFETCH_AHEAD - 1) * (size_t)KC * NB * sizeof(WT); /* ahead -> next */ \
             const char *ahead = (const char *)((uintptr_t)pb + ahead_at);                                 \
             int lines = (int)((size_t)KC * NB * sizeof(WT) / 64), its = (int)passes * kn;                 \
             const float *cw = chunk_weights_##SUF(pb + (size_t)k0 * NB, kn, passes, wbuf);                \
@@ -263,7 +263,7 @@ static inline const float *chunk_weights_h_(const unsigned short *pb, int kn, lo
               int mm = rows - m0 < MR ? (int)(rows - m0) : MR;                                            \
               long done = pass * kn * lines; /* the earlier passes' k's: done / its lines prefetched */   \
               const char *pf = ahead + (size_t)(done / its) * 64;                                         \
-              const char *near = (const char *)((uintptr_t)pf - chunk_bytes);                             \
+              const char *near = (const char *)((uintptr_t)pf - to_near);                             \
               int phase = (int)(done % its);                                                              \
               const float *xs = x + (size_t)(s0 + m0) * K + k0;                                           \
               if (cw)                                                                                     \
