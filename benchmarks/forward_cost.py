@@ -49,6 +49,7 @@ from benchmarks.machine_limits import (  # noqa: E402
     paired_ratios,
 )
 from lp_runner.costmodel import measure_curve  # noqa: E402
+from lp_runner.device import synchronizer  # noqa: E402
 from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.model import ModelAdapter, crop  # noqa: E402
 from lp_runner.prepack import apply_prepack  # noqa: E402
@@ -141,7 +142,7 @@ def main() -> None:
         print(f"linear layers: {apply_prepack(model, args.prepack).kernels}", flush=True)
     adapter = ModelAdapter(model, compile=args.compile)
     rows = sorted({1, *args.rows})  # Q=1 is every ratio's reference
-    sync = (lambda: torch.cuda.synchronize(adapter.device)) if adapter.device.type == "cuda" else None
+    sync = synchronizer(adapter.device)
     compile_s = adapter.warm_up(max(args.prefix) + max(rows)) if args.compile else 0.0
     before = measure_limits(adapter.device, adapter.dtype)
     curve = measure_curve(adapter, args.prefix, rows, reps=args.reps, sync=sync)

@@ -142,6 +142,7 @@ def _run(argv: list[str]) -> int:
 
             code = run_on_ray(cfg, specs, output, single=single)
         elif cfg.parallel.workers * cfg.parallel.groups > 1 and not launched:
+            check_local_placement(cfg)  # what would fail in every rank fails here, once, before any rank starts
             code = relaunch_with_torchrun(cfg, argv, output)
         else:
             code = run_local(cfg, specs, output, single=single)
@@ -237,6 +238,15 @@ def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | No
     code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in ranks.values()), EXIT_PEER_FAILURE)
     log.error("LP workers failed (exit code %d); see the worker messages above", code)
     return code
+
+
+def check_local_placement(cfg: Config) -> None:
+    """The D x P ranks about to start on this machine can each be placed (``device.check_placement``: a GPU per
+    rank where the config asks for one, NCCL only with one GPU per rank); a ConfigError (exit 2) otherwise."""
+    from lp_runner.device import check_placement, gpu_count
+
+    ranks = cfg.parallel.workers * cfg.parallel.groups
+    check_placement(cfg.model.device, cfg.parallel.dist_backend, ranks, gpu_count())
 
 
 def torchrun_command(workers: int, argv: list[str]) -> list[str]:
@@ -360,7 +370,7 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
     from lp_runner.report import Report
     from lp_runner.runner import model_checksum, run_prompts, start_worker  # heavy imports after argument checks
 
-    worker = None
+    worker, finished = None, False
     try:
         with worker_start_up():  # this process's one worker: its start-up's objects out of later collections
             worker = start_worker(cfg, specs)
@@ -387,9 +397,10 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
             print(flush=True)
         if worker.is_main:
             report.finish(worker.load_s, worker.comm.world_size, groups=cfg.parallel.groups)
+        finished = True
         return 0
     finally:
-        _shutdown_group()
+        _shutdown_group(clean=finished)
 
 
 def rebuild_store(worker, specs: list[PromptSpec], output: OutputFile | None, everyone) -> None:
@@ -406,11 +417,19 @@ def rebuild_store(worker, specs: list[PromptSpec], output: OutputFile | None, ev
         worker.store.add(prompt_ids, output_ids)
 
 
-def _shutdown_group() -> None:
+def _shutdown_group(clean: bool = True) -> None:
+    """Leave the process group. After a failure under NCCL the communicators are aborted instead: a collective a
+    lost peer never joined may still be queued on the GPU, and destroying the group would wait for it (or NCCL's
+    watchdog would end the process with a stack dump after the one-line error)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.6; private, so looked up
+    if not clean and dist.get_backend() == "nccl" and abort is not None:
+        abort()
+        return
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

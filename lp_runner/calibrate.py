@@ -31,6 +31,7 @@ import torch
 
 from lp_runner import native
 from lp_runner.costmodel import CostCurve, measure_curve
+from lp_runner.device import synchronizer
 from lp_runner.keyed_store import keyed_path, read_keyed, write_keyed
 
 CALIBRATION_VERSION = 2  # bump when the measurement (or its grid) changes: older cache entries are then ignored
@@ -123,7 +124,7 @@ def save(path: Path, key: dict, curve: CostCurve, seconds: float) -> None:
 def measure_quick(adapter, budget_s: float | None = None) -> CostCurve:
     """The quick curve; with ``budget_s``, the coarse grid when one probe forward says the quick grid would take
     longer (about 2 x the probe's seconds per forward: most forwards have fewer rows than the probe's 64)."""
-    sync = torch.cuda.synchronize if adapter.device.type == "cuda" else None
+    sync = synchronizer(adapter.device)
     rows, kvs, reps = QUICK_ROWS, QUICK_KV, QUICK_REPS
     if budget_s is not None:
         forwards = (len(QUICK_ROWS) + len(QUICK_HEAD_ROWS)) * len(QUICK_KV) * (QUICK_REPS + 1)

@@ -25,7 +25,9 @@ from lp_runner.errors import ConfigError
 class ModelConfig:
     path: str = "embedded"  # "embedded" (SmolLM2-135M-Instruct), a local HF folder, a .gguf file, or org/name[@rev]
     # from the local Hugging Face cache (never downloaded)
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # auto | float32 | bfloat16 | float16; auto: bfloat16 on a CUDA device that has it (float16 on one that does
+    # not), float32 on a CPU. On CUDA, float32 matmuls may use TF32 unless float32 is written out (lp_runner.device)
+    dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun, cuda means cuda:LOCAL_RANK)
     threads: int = 0  # torch intra-op threads per worker; 0 = the process's cores / ranks on this node
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
@@ -187,7 +189,7 @@ _SECTION_TYPES: dict[str, type] = {
     "run": RunConfig,
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.compile": ("off", "on", "auto"),
     "model.prepack": ("off", "on", "auto", "native", "onednn", "native-bf16"),
     "lookahead.preset": ("auto", "off"),

@@ -130,7 +130,7 @@ def measure_curve(
     """Median forward seconds for every (K/V length, Q), head on one row and on all rows.
 
     Repetitions are interleaved (every Q once per sweep, sweep order rotated), so a slow drift of a shared
-    machine spreads over all Q instead of bending the curve. ``sync`` (e.g. ``torch.cuda.synchronize``) runs
+    machine spreads over all Q instead of bending the curve. ``sync`` (``device.synchronizer``: a GPU's own sync) runs
     before each clock read on asynchronous devices.
 
     ``head_rows``: measure the head on every row only at these Q (the quick start-up calibration); elsewhere

@@ -1,15 +1,219 @@
-"""Host resources a worker may use: how many intra-op threads ``model.threads: 0`` means.
+"""The device a rank runs on: which one, binding it, its dtype, the host threads beside it, synchronising on it,
+and which device each collective uses. Every other module asks here instead of calling ``torch.cuda`` itself.
 
-torch's own default (every core of the machine, or ``OMP_NUM_THREADS``, which torchrun sets to 1 for several
-ranks) is wrong both ways on a shared node: a 64-core node running 8 ranks would give each rank 64 threads (they
-fight over the cores), or 1 thread each under torchrun (7/8 of each rank's share stays idle). The cores this
-process may run on (its CPU affinity: a batch scheduler's cgroup or ``taskset`` narrows it) split evenly among
-the ranks of this node is what each rank can use without stepping on the others.
+Why one module: on a node of several GPUs each rank must use its own GPU for everything — the model, the round's
+tensors, NCCL's communicator and the GPU timings — and torch has two notions of "the" GPU that must agree: the
+device a tensor is created on (``cuda:k``) and the *current* device (``torch.cuda.set_device``), which NCCL's
+object collectives, ``torch.cuda.synchronize()`` without an argument and libraries such as cuBLAS fall back to. A
+rank that names ``cuda:3`` for its model but never binds it works on GPU 0 wherever something uses the current
+device. So a rank resolves its ``Placement`` once (``place``), binds it (``bind``) before any CUDA or distributed
+call, and hands the same ``torch.device`` to every consumer; ``synchronizer`` syncs that device and no other.
+
+Placement rules (``resolve_device``, ``check_placement``, ``resolve_dist_backend``; pure, tested on tables):
+
+* ``model.device: auto`` is ``cuda`` where CUDA is available, else ``cpu``; ``cuda`` means ``cuda:LOCAL_RANK``
+  (torchrun starts one rank per GPU; a Ray GPU actor sees only its own GPU, as ``cuda:0``);
+  ``cuda:N`` puts every local rank on GPU N (several ranks may share one GPU over gloo).
+* More local ranks than GPUs under ``cuda``, a ``cuda:N`` past the node's GPUs, CUDA asked for on a machine
+  without it, and NCCL with two ranks on one GPU (NCCL refuses that) are configuration errors: one line, exit 2,
+  found by the self-launching parent before any rank starts, and by each rank before it joins a group.
+* ``parallel.dist_backend: auto`` is NCCL when every local rank has a GPU of its own, else gloo.
+
+Precision (``resolve_dtype``): ``model.dtype: auto`` is bfloat16 on a CUDA device that supports it (float16 on
+one that does not), float32 on a CPU, where lp_runner's exact fp32 kernels run. float32 matmuls on CUDA may use
+TF32 unless ``model.dtype: float32`` is written out, which keeps IEEE fp32 (and so token identity with greedy
+``generate`` in fp32). What each dtype guarantees is ``docs/design.md`` section 3.3.
+
+Threads (``resolve_threads``): torch's default (every core, or ``OMP_NUM_THREADS``, which torchrun sets to 1 for
+several ranks) is wrong both ways on a shared node; a rank takes its share of the cores it may run on.
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lp_runner.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank runs and in what precision; made once at start-up by ``place``."""
+
+    device: torch.device  # the model, the round's tensors and (under NCCL) the round exchange
+    dtype: torch.dtype  # the model's weights and activations
+    tf32: bool  # float32 matmuls on this CUDA device may use TF32
+    why: str  # how the dtype was chosen, for the summary: "auto: bfloat16 on CUDA", "as set"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+    def collective_device(self, dist_backend: str) -> torch.device:
+        """Where the round exchange's tensors live: NCCL moves GPU memory, gloo host memory."""
+        return self.device if dist_backend == "nccl" else torch.device("cpu")
+
+    def describe(self) -> dict:
+        """For records and the summary."""
+        return {"dtype": self.dtype_name, "tf32": self.tf32, "dtype_choice": self.why}
+
+
+# ---------------------------------------------------------------- pure rules
+
+
+def resolve_device(spec: str, local_rank: int, gpus: int) -> torch.device:
+    """``model.device`` for the rank ``local_rank`` of its node, on a node with ``gpus`` CUDA devices.
+
+    ``resolve_device("auto", 1, 8)`` -> cuda:1; ``("auto", 0, 0)`` -> cpu; ``("cuda:3", 0, 8)`` -> cuda:3;
+    ``("cuda", 2, 2)`` -> ConfigError (3 local ranks or more, 2 GPUs)."""
+    if spec == "auto":
+        spec = "cuda" if gpus > 0 else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if gpus == 0:
+        raise ConfigError(f"model.device={spec} but CUDA is not available on this machine; use model.device=cpu")
+    if spec == "cuda":
+        if local_rank >= gpus:
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU of its own: this node has {gpus} GPU{'s' * (gpus != 1)} "
+                f"(model.device=cuda gives each local rank one); start at most {gpus} ranks per node, or share "
+                "one GPU with model.device=cuda:N and parallel.dist_backend=gloo"
+            )
+        return torch.device("cuda", local_rank)
+    index = int(spec.split(":", 1)[1])
+    if index >= gpus:
+        raise ConfigError(
+            f"model.device={spec} but this node has {gpus} GPU{'s' * (gpus != 1)} (cuda:0..cuda:{gpus - 1})"
+        )
+    return torch.device("cuda", index)
+
+
+def resolve_dist_backend(dist_backend: str, device_spec: str, local_ranks: int, gpus: int) -> str:
+    """``parallel.dist_backend`` for ``local_ranks`` ranks per node: NCCL only where each has a GPU of its own.
+
+    ``("auto", "auto", 8, 8)`` -> nccl; ``("auto", "cuda:0", 2, 1)`` -> gloo (two ranks share GPU 0);
+    ``("auto", "cpu", 2, 8)`` -> gloo; ``("nccl", "cpu", 2, 0)`` -> ConfigError."""
+    own_gpus = _own_gpus(device_spec, local_ranks, gpus)
+    if dist_backend == "auto":
+        return "nccl" if own_gpus else "gloo"
+    if dist_backend == "nccl" and not own_gpus:
+        if gpus == 0:
+            raise ConfigError("parallel.dist_backend=nccl needs CUDA devices, and this machine has none; use gloo")
+        if device_spec == "cpu":
+            raise ConfigError("parallel.dist_backend=nccl needs the model on GPUs (model.device=cpu); use gloo")
+        raise ConfigError(
+            f"parallel.dist_backend=nccl needs one GPU per rank, but model.device={device_spec} puts the "
+            f"{local_ranks} ranks of this node on one GPU; use model.device=cuda, or parallel.dist_backend=gloo"
+        )
+    return dist_backend
+
+
+def _own_gpus(device_spec: str, local_ranks: int, gpus: int) -> bool:
+    """Every local rank has a GPU no other rank uses."""
+    if gpus == 0 or device_spec == "cpu":
+        return False
+    if device_spec in ("auto", "cuda"):
+        return local_ranks <= gpus
+    return local_ranks == 1  # cuda:N: every local rank on GPU N
+
+
+def check_placement(device_spec: str, dist_backend: str, local_ranks: int, gpus: int) -> None:
+    """Every rank of a node of ``local_ranks`` can be placed: the check a self-launching parent makes before it
+    starts any rank (a rank repeats it for itself in ``place``). Raises ConfigError."""
+    for local_rank in range(local_ranks):
+        resolve_device(device_spec, local_rank, gpus)
+    if local_ranks > 1 or dist_backend != "auto":
+        resolve_dist_backend(dist_backend, device_spec, local_ranks, gpus)
+
+
+def resolve_dtype(spec: str, device: torch.device, bf16_supported: bool) -> tuple[torch.dtype, bool, str]:
+    """(dtype, TF32 allowed, how it was chosen) for ``model.dtype`` on ``device``.
+
+    ``("auto", cpu, _)`` -> float32, no TF32 (the CPU kernels are exact fp32); ``("auto", cuda:0, True)`` ->
+    bfloat16 with TF32 for the few float32 matmuls; ``("float32", cuda:0, True)`` -> float32 without TF32 (written
+    out: IEEE fp32, exact); ``("bfloat16", cpu, _)`` -> bfloat16."""
+    cuda = device.type == "cuda"
+    if spec == "auto":
+        if not cuda:
+            return torch.float32, False, "auto: float32 on a CPU"
+        if bf16_supported:
+            return torch.bfloat16, True, "auto: bfloat16 on CUDA"
+        return torch.float16, True, "auto: float16 on CUDA (no bfloat16 on this GPU)"
+    if spec not in DTYPES:
+        raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16, got {spec!r}")
+    return DTYPES[spec], cuda and spec != "float32", "as set"
+
+
+# ---------------------------------------------------------------- this process's device
+
+
+def gpu_count() -> int:
+    """CUDA devices this process sees (0 on a CPU-only build or machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``: torchrun, or the Ray backend for its actors), else 0."""
+    return _env_int("LOCAL_RANK", 0)
+
+
+def local_world_size() -> int:
+    """Ranks sharing this node: ``LOCAL_WORLD_SIZE`` (torchrun; the Ray backend sets it for its actors), else 1."""
+    return max(1, _env_int("LOCAL_WORLD_SIZE", 1))
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, str(default)))
+    except ValueError:
+        return default
+
+
+def place(device_spec: str, dtype_spec: str) -> Placement:
+    """This rank's placement from ``model.device`` / ``model.dtype`` (ConfigError where it cannot be placed)."""
+    device = resolve_device(device_spec, local_rank(), gpu_count())
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype, tf32, why = resolve_dtype(dtype_spec, device, bf16)
+    return Placement(device, dtype, tf32, why)
+
+
+def bind(placement: Placement) -> None:
+    """Make ``placement.device`` this process's current CUDA device (before any CUDA or distributed call: NCCL's
+    communicator, object collectives and cuBLAS handles follow the current device) and set its float32 matmul
+    precision. Nothing on a CPU."""
+    if placement.device.type != "cuda":
+        return
+    torch.cuda.set_device(placement.device)
+    matmul = torch.backends.cuda.matmul
+    try:  # torch >= 2.9; mixing it with the legacy allow_tf32 flag is an error there
+        matmul.fp32_precision = "tf32" if placement.tf32 else "ieee"
+    except AttributeError:
+        matmul.allow_tf32 = placement.tf32
+
+
+def synchronizer(device: torch.device) -> Callable[[], None] | None:
+    """What makes the host wait for ``device``'s queued work (None: a CPU, whose work is already done). Timing
+    a CUDA forward without it measures kernel launches; syncing another GPU (the current one, when the argument is
+    left out) measures nothing and opens a context there."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(device)
+
+
+def peak_host_mib() -> float:
+    """This process's peak resident memory so far, MiB (``getrusage``: kilobytes on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+# ---------------------------------------------------------------- host threads
 
 
 def available_cores() -> int:
@@ -18,14 +222,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # macOS and Windows have no sched_getaffinity
         return os.cpu_count() or 1
-
-
-def local_world_size() -> int:
-    """Ranks sharing this node: ``LOCAL_WORLD_SIZE`` (torchrun; the Ray backend sets it for its actors), else 1."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def resolve_threads(threads: int, cores: int | None = None, local_ranks: int | None = None) -> int:

@@ -697,9 +697,15 @@ def load_model_and_tokenizer(
     Returns ``(model.eval(), tokenizer, folder)`` where ``folder`` is a plain safetensors folder that
     ``from_pretrained`` can load again (for a ``.gguf`` input, its cached conversion). Remote code is never
     trusted and only local files are read. ``cache_dir`` only matters for ``.gguf`` inputs.
+
+    A model for a device other than the host is loaded straight onto it (``device_map``: tensor by tensor from
+    the memory-mapped checkpoint, converted to ``dtype`` on the way), never built whole on the host first: with
+    eight ranks on a GPU node, a host copy per rank of a 7B model in float32 would be some 224 GB before a token.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch_dtype = _as_dtype(dtype)
+    target = torch.device(device)
+    placement = {} if target.type == "cpu" else {"device_map": {"": target}}
     src = Path(path).expanduser().absolute()
     if src.is_file() and src.suffix.lower() == ".gguf":
         folder = convert_gguf(src, cache_dir, log=log)
@@ -726,16 +732,13 @@ def load_model_and_tokenizer(
                     dtype=torch_dtype,
                     use_safetensors=use_safetensors,
                     attn_implementation=attention,
+                    **placement,
                     **common,
                 ),
                 log,
             )
-    except Exception as exc:  # unsupported architecture, corrupt or mismatched weights, ...
-        raise ModelError(f"cannot load the model from {folder} ({_one_line(exc)})") from exc
-    try:
-        model.to(device)
-    except Exception as exc:  # e.g. a CUDA device on a CPU-only build
-        raise ModelError(f"cannot move the model to device {device!r} ({_one_line(exc)})") from exc
+    except Exception as exc:  # unsupported architecture, corrupt or mismatched weights, an unusable device, ...
+        raise ModelError(f"cannot load the model from {folder} onto {target} ({_one_line(exc)})") from exc
     model.eval()
     return model, tokenizer, folder
 

@@ -96,6 +96,15 @@ def worker_bundle(par: ParallelConfig, cluster_gpus: float, device: str) -> dict
     return bundle
 
 
+def actor_threads(threads: int, bundle: dict[str, float]) -> int:
+    """``model.threads`` for an actor: a GPU actor's host threads are its CPU reservation (at least one), not the
+    node's cores, which the other actors' reservations share; a CPU actor keeps its share of the node's cores
+    (``device.resolve_threads``, 0 here). ``actor_threads(0, {"CPU": 4, "GPU": 1})`` -> 4."""
+    if threads > 0 or not bundle.get("GPU"):
+        return threads
+    return max(1, int(bundle.get("CPU", 1.0)))
+
+
 def placeable(nodes: Sequence[dict[str, float]], bundle: dict[str, float]) -> int:
     """How many ``bundle``s the nodes (total resources of each alive node) hold, each bundle on one node.
 
@@ -697,6 +706,7 @@ class _Driver:
             port = self._gather([group.actors[0].free_port.remote()], "start", par.timeout_s)[0]
             cfg_data = self.cfg.to_dict()
             cfg_data["parallel"]["workers"] = workers
+            cfg_data["model"]["threads"] = actor_threads(self.cfg.model.threads, self.bundle)
             if lane is not None:
                 cfg_data["parallel"]["groups"] = 1
                 cfg_data["run"]["pool_out"] = ""  # run_prompts would save it after every prompt

@@ -20,8 +20,11 @@ from lp_runner.metrics import combine
 from lp_runner.output import OutputFile
 
 
-def format_summary(cfg: Config, summary: dict, load_s: float, workers: int, policy: dict | None = None) -> str:
-    """``policy``: the last record's ``policy`` (the setting that ran, and why it was chosen)."""
+def format_summary(
+    cfg: Config, summary: dict, load_s: float, workers: int, policy: dict | None = None, device: dict | None = None
+) -> str:
+    """``policy``: the last record's ``policy`` (the setting that ran, and why it was chosen); ``device``: its
+    ``run.device`` (what ran it, in which dtype)."""
     la = cfg.lookahead
     head = (
         policy["setting"]
@@ -33,6 +36,7 @@ def format_summary(cfg: Config, summary: dict, load_s: float, workers: int, poli
     lines = [
         "-" * 64,
         f"lp_runner  {head}  workers={workers}",
+        *device_lines(device),
         *policy_lines(policy),
         f"prompts {summary['generations']}  new tokens {summary['new_tokens']}  forwards {summary['forwards']}  "
         f"tokens/forward {summary['tokens_per_forward']:.2f}",
@@ -43,6 +47,18 @@ def format_summary(cfg: Config, summary: dict, load_s: float, workers: int, poli
         "-" * 64,
     ]
     return "\n".join(lines)
+
+
+def device_lines(device: dict | None) -> list[str]:
+    """What ran the job, e.g. ``device NVIDIA H200 (cuda): bfloat16 (auto: bfloat16 on CUDA), TF32 allowed; peak
+    host memory after loading 1.9 GiB``; nothing for records without it."""
+    if not device or "dtype" not in device:
+        return []
+    tf32 = ", TF32 allowed" if device.get("tf32") else ""
+    ranks = device.get("load_peak_host_mib_ranks") or [device.get("load_peak_host_mib") or 0.0]
+    of = f" (the most of {len(ranks)} ranks)" if len(ranks) > 1 else ""
+    peak_txt = f"; peak host memory after loading {max(ranks) / 1024:.1f} GiB{of}" if max(ranks) else ""
+    return [f"device {device['name']} ({device['type']}): {device['dtype']} ({device['dtype_choice']}){tf32}{peak_txt}"]
 
 
 def policy_lines(policy: dict | None) -> list[str]:
@@ -187,7 +203,8 @@ class Report:
         generated = [r for r in self.records if "error" not in r]
         summary = combine(SimpleNamespace(**r["stats"]) for r in generated)
         policy = next((r["policy"] for r in reversed(generated) if "policy" in r), None)
-        lines = format_summary(self.cfg, summary, load_s, workers, policy).split("\n")
+        device = next((r["run"]["device"] for r in reversed(generated) if "run" in r), None)
+        lines = format_summary(self.cfg, summary, load_s, workers, policy, device).split("\n")
         if generated:
             lines.insert(-1, job_line(generated, time.perf_counter() - self.started, groups))
         errors = len(self.records) - len(generated)

@@ -31,7 +31,17 @@ from lp_runner.compile_choice import (
     save_record,
 )
 from lp_runner.config import Config
-from lp_runner.device import resolve_threads
+from lp_runner.device import (
+    Placement,
+    bind,
+    gpu_count,
+    local_world_size,
+    peak_host_mib,
+    place,
+    resolve_dist_backend,
+    resolve_threads,
+    synchronizer,
+)
 from lp_runner.engine import GenerationResult, LookaheadEngine
 from lp_runner.errors import ConfigError, DistributedError, InputError
 from lp_runner.job_pool import JobPool, tokenizer_fingerprint
@@ -45,10 +55,11 @@ from lp_runner.parallel.comm import (
     TorchCommunicator,
     first_line,
     init_process_group,
+    strings_group,
 )
 from lp_runner.parallel.groups import GroupLayout, Heartbeat, form_groups, group_layout
 from lp_runner.policy import RoundPolicy
-from lp_runner.prepack import apply_prepack
+from lp_runner.prepack import PrepackChoice, apply_prepack
 from lp_runner.prompts import PromptSpec, encode, prompt_problem
 
 
@@ -67,6 +78,9 @@ class Worker:
     control: Communicator | None = None  # D > 1: the whole world, on gloo (start-up messages only)
     heartbeat: Heartbeat | None = None  # D > 1, on each group's leader: tells world rank 0 the group is alive
     store: JobPool | None = None  # lookahead.pool_scope=job: the job's store (run.pool_in's contents at start)
+    placement: Placement | None = None  # device, dtype and TF32 as resolved (device.place)
+    load_peak_mib: float = 0.0  # this process's peak host memory right after loading the weights
+    load_peaks_mib: list[float] | None = None  # every rank's load_peak_mib (check_peers), in rank order
 
     @property
     def is_main(self) -> bool:
@@ -77,16 +91,6 @@ class Worker:
 def _rank0_timings(comm: Communicator, ms: dict[str, float]) -> dict[str, float]:
     """The kernel timings rank 0 of this LP group measured: its ranks pack with the same kernel."""
     return json.loads(comm.all_gather_strings(json.dumps(ms))[0])
-
-
-def resolve_device(spec: str, local_rank: int) -> torch.device:
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cuda":
-        return torch.device("cuda", local_rank)
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"model.device={spec} but CUDA is not available on this machine")
-    return torch.device(spec)
 
 
 def distributed_env() -> tuple[int, int, int]:
@@ -109,47 +113,42 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     contiguous ranks (``parallel.groups``); ``comm`` is this rank's group (the no-op one when P = 1), ``control``
     the whole world on gloo (peer check, ``--resume`` done set), and each group's leader starts its heartbeat.
     """
-    rank, world, local_rank = distributed_env()
+    rank, world, _ = distributed_env()
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     par = cfg.parallel
     layout = group_layout(world, rank, par.workers, par.groups) if par.groups > 1 else None  # checks D x P
     if layout is None and world > 1 and par.workers not in (1, world):
         raise ConfigError(f"parallel.workers={par.workers} but the launcher started {world} workers")
+    placement = place(cfg.model.device, cfg.model.dtype)  # before anything touches a GPU
+    if placement.device.type != "cpu" and cfg.model.prepack not in ("auto", "off"):
+        raise ConfigError(
+            f"model.prepack={cfg.model.prepack} packs weights for CPU kernels, but the model goes to "
+            f"{placement.device}; use model.prepack=auto or off"
+        )
+    bind(placement)
     torch.set_num_threads(resolve_threads(cfg.model.threads))  # LOCAL_WORLD_SIZE counts all D x P local ranks
-    device = resolve_device(cfg.model.device, local_rank)
-    comm_device = device if device.type == "cuda" else torch.device("cpu")
-    control, heartbeat = None, None
-    if layout is not None:
-        init_process_group(par.dist_backend, par.timeout_s)
-        group_pg, control_pg = form_groups(layout, par.timeout_s)
-        # a group of one rank has nothing to exchange: the no-op communicator, as a plain process
-        comm: Communicator = TorchCommunicator(comm_device, group_pg) if layout.workers > 1 else SoloCommunicator()
-        control = TorchCommunicator(torch.device("cpu"), control_pg)
-        if comm.rank == 0:
-            heartbeat = Heartbeat(layout.group, par.timeout_s)
-            heartbeat.start()
-    elif world > 1 or launched:
-        init_process_group(par.dist_backend, par.timeout_s)
-        comm = TorchCommunicator(comm_device)
-    else:
-        comm = SoloCommunicator()
+    comm, control, heartbeat = join_groups(cfg, placement, layout, launched or world > 1)
     start = time.perf_counter()
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir or None)
     model, tokenizer, folder = load_model_and_tokenizer(
-        path, dtype=cfg.model.dtype, device=str(device), allow_pickle=cfg.model.allow_pickle
+        path, dtype=placement.dtype, device=placement.device, allow_pickle=cfg.model.allow_pickle
     )
+    load_peak_mib = peak_host_mib()  # the weights went straight to the device: what loading cost the host
     _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before prepacking reorders them
     cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
-    prepack = apply_prepack(
-        model,
-        cfg.model.prepack,
-        cache_root,
-        agree=lambda ms: _rank0_timings(comm, ms),
-        huge_pages=cfg.model.huge_pages,
-    )
+    prepack = PrepackChoice(cfg.model.prepack, 0, "CPU kernels; the model is on a GPU")
+    if placement.device.type == "cpu":  # the packed kernels are CPU code: on a GPU nothing to agree on
+        prepack = apply_prepack(
+            model,
+            cfg.model.prepack,
+            cache_root,
+            agree=lambda ms: _rank0_timings(comm, ms),
+            huge_pages=cfg.model.huge_pages,
+        )
     load_s = time.perf_counter() - start
     adapter = ModelAdapter(model, native_layers=cfg.model.native_layers)
-    worker = Worker(cfg, comm, adapter, tokenizer, folder, device, load_s)
+    worker = Worker(cfg, comm, adapter, tokenizer, folder, placement.device, load_s)
+    worker.placement, worker.load_peak_mib = placement, load_peak_mib
     worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
     worker.group = layout.group if layout is not None else 0
     if (control or comm).world_size > 1:
@@ -176,6 +175,35 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     return worker
 
 
+def join_groups(
+    cfg: Config, placement: Placement, layout: GroupLayout | None, launched: bool
+) -> tuple[Communicator, Communicator | None, Heartbeat | None]:
+    """(this rank's LP group, the whole job on gloo when D > 1, the group leader's heartbeat) for a rank whose
+    device is bound (``device.bind``): the process group is formed on that device, the round exchange runs on
+    the resolved backend (NCCL: the rank's GPU) and every start-up string goes over gloo.
+
+    Alone (no launcher) this is the no-op communicator; under a launcher the group is formed even with one rank,
+    so ``torchrun --nproc-per-node=1`` runs the same collective path as P > 1."""
+    par = cfg.parallel
+    if layout is None and not launched:
+        return SoloCommunicator(), None, None
+    backend = resolve_dist_backend(par.dist_backend, cfg.model.device, local_world_size(), gpu_count())
+    init_process_group(backend, par.timeout_s, placement.device)
+    device = placement.collective_device(backend)
+    if layout is None:
+        return TorchCommunicator(device, None, strings_group(par.timeout_s), par.timeout_s), None, None
+    groups = form_groups(layout, par.timeout_s)
+    comm: Communicator = SoloCommunicator()  # a group of one rank has nothing to exchange, as a plain process
+    if layout.workers > 1:
+        comm = TorchCommunicator(device, groups.group, groups.group_strings, par.timeout_s)
+    control = TorchCommunicator(torch.device("cpu"), groups.control, None, par.timeout_s)
+    heartbeat = None
+    if comm.rank == 0:
+        heartbeat = Heartbeat(layout.group, par.timeout_s)
+        heartbeat.start()
+    return comm, control, heartbeat
+
+
 def job_store(cfg: Config, tokenizer: Any) -> JobPool | None:
     """The job's store under ``pool_scope: job`` (None otherwise), started from ``run.pool_in`` when given
     (a pool file of another tokenizer, version or a truncated one: a one-line InputError)."""
@@ -200,9 +228,11 @@ def _log(message: str) -> None:
 def check_peers(worker: Worker, comm: Communicator | None = None) -> None:
     """Every rank must run the same config on the same weights, or outputs would silently fork.
 
-    ``comm``: the ranks to compare (default: the worker's LP group); ranks in errors are its ranks."""
-    mine = f"{worker.cfg.digest()}|{model_checksum(worker)}"
+    ``comm``: the ranks to compare (default: the worker's LP group); ranks in errors are its ranks. The same
+    message carries each rank's peak host memory at load, which the writing rank keeps for the records."""
+    mine = f"{worker.cfg.digest()}|{model_checksum(worker)}|{worker.load_peak_mib:.1f}"
     everyone = (comm or worker.comm).all_gather_strings(mine)
+    worker.load_peaks_mib = [float(s.split("|")[2]) for s in everyone]
     cfgs = {s.split("|")[0] for s in everyone}
     if len(cfgs) > 1:
         bad = [r for r, s in enumerate(everyone) if s.split("|")[0] != everyone[0].split("|")[0]]
@@ -322,7 +352,7 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) 
     if say is not None:
         say(f"compiled in {compile_s:.1f} s")
     if comm.rank == 0 and worker.group == 0 and mode == "on" and record is None:
-        sync = (lambda: torch.cuda.synchronize(adapter.device)) if adapter.device.type == "cuda" else None
+        sync = synchronizer(adapter.device)
         try:
             save_record(path, key, measure_record(adapter, fast, compile_s, sync))
         except OSError as exc:  # a read-only cache costs the record, not the run
@@ -339,17 +369,21 @@ def run_info(worker: Worker) -> dict:
 
     Example: ``{"config": {"model": {...}, ..., "explicit": ["generation.max_new_tokens"]}, "versions":
     {"lp_runner": "0.1.0", "torch": "2.13.0", ...}, "device": {"type": "cpu", "name": "AMD EPYC 7B13",
-    "threads": 1}}``."""
+    "threads": 1, "dtype": "float32", "tf32": false, "dtype_choice": "auto: float32 on a CPU",
+    "load_peak_host_mib": 1410.2}}``."""
     dev = worker.device
-    return {
-        "config": worker.cfg.to_dict(),
-        "versions": package_versions(),
-        "device": {
-            "type": dev.type,
-            "name": _device_label(dev),
-            "threads": torch.get_num_threads(),  # model.threads resolved (0: the cores per rank)
-        },
+    device = {
+        "type": dev.type,
+        "name": _device_label(dev),
+        "threads": torch.get_num_threads(),  # model.threads resolved (0: the cores per rank)
     }
+    if worker.placement is not None:  # model.dtype resolved (auto), and what loading cost the host
+        device.update(
+            worker.placement.describe(),
+            load_peak_host_mib=round(worker.load_peak_mib, 1),
+            load_peak_host_mib_ranks=worker.load_peaks_mib or [round(worker.load_peak_mib, 1)],  # every rank's
+        )
+    return {"config": worker.cfg.to_dict(), "versions": package_versions(), "device": device}
 
 
 class TextStreamer:

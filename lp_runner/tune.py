@@ -375,6 +375,7 @@ def _run(args) -> int:
     import torch
 
     from lp_runner.costmodel import measure_curve
+    from lp_runner.device import synchronizer
     from lp_runner.model import ModelAdapter
     from lp_runner.prompts import encode, read_prompts
     from lp_runner.runner import eos_token_ids, start_worker
@@ -404,7 +405,7 @@ def _run(args) -> int:
         rows = curve_rows(DEFAULT_SPACE, cfg.lookahead)
         kv = sorted({min(len(p) for p in prompts), max(len(p) for p in prompts) + args.max_new_tokens})
         say(f"measuring the forward-cost curve: rows {rows}, K/V lengths {kv}")
-        sync = torch.cuda.synchronize if adapter.device.type == "cuda" else None
+        sync = synchronizer(adapter.device)
         curve = measure_curve(adapter, kv, rows, reps=args.reps, sync=sync)
         if args.save_curve:
             Path(args.save_curve).write_text(json.dumps(curve.to_dict(), indent=2))

@@ -58,7 +58,7 @@ REPO_ROOT = Path(lp_runner.__file__).resolve().parents[1]
         ),
         (["lookahead.long_match_rows=-1"], "lookahead.long_match_rows must be >= 0 (0: no cap), got -1"),
         (["generation.top_p=0"], "generation.top_p must be in (0, 1], got 0.0"),
-        (["model.dtype=float64"], "model.dtype must be one of float32, bfloat16, float16, got 'float64'"),
+        (["model.dtype=float64"], "model.dtype must be one of auto, float32, bfloat16, float16, got 'float64'"),
         (["model.device=tpu"], "model.device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
         (["model.device=cuda:x"], "model.device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
         (["run.on_error=ignore"], "run.on_error must be one of stop, skip, got 'ignore'"),

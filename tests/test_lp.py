@@ -141,6 +141,9 @@ def test_lp_matches_single_worker_and_hf_greedy(tmp_path, tiny_dir, wng):
         results[nproc] = records
         assert all(r["workers"] == nproc for r in records)
         assert all(r["dist_backend"] == "gloo" for r in records)  # a launched job forms its group even at P=1
+        device = records[0]["run"]["device"]  # model.dtype auto on a CPU; every rank's peak host memory at load
+        assert (device["dtype"], device["tf32"], device["dtype_choice"]) == ("float32", False, "auto: float32 on a CPU")
+        assert len(device["load_peak_host_mib_ranks"]) == nproc and min(device["load_peak_host_mib_ranks"]) > 0
         assert "tokens/forward" in proc.stderr  # the summary is printed (by rank 0 only)
         assert proc.stderr.count("tokens/forward") == 1
     for rec in results[1]:

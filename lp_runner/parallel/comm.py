@@ -1,13 +1,13 @@
 """Communicators: how the ranks of one run exchange a round's fixed-size integer payload.
 
 ``SoloCommunicator`` is the P = 1 case (a no-op); ``TorchCommunicator`` wraps a torch.distributed process group
-(gloo on CPU, NCCL on CUDA). Every collective carries the group's timeout, so a dead or stalled peer turns into a
-``DistributedError`` instead of a hang.
+(gloo on CPU, NCCL on CUDA; start-up strings always over gloo). Every collective is bounded by
+``parallel.timeout_s``, so a dead or stalled peer turns into a ``DistributedError`` instead of a hang.
 """
 
 from __future__ import annotations
 
-import os
+import time
 from datetime import timedelta
 from typing import Protocol
 
@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from lp_runner.errors import DistributedError
+
+DEFAULT_TIMEOUT_S = 120.0  # parallel.timeout_s's default
 
 
 class Communicator(Protocol):
@@ -48,61 +50,122 @@ class SoloCommunicator:
 
 
 class TorchCommunicator:
-    """torch.distributed all_gather on a fixed-size int64 tensor; no pickled objects per round.
+    """torch.distributed over a process group: the round's all_gather of a fixed-size int64 tensor (no pickled
+    objects per round), and start-up strings.
 
-    ``group``: the process group it gathers over (None: the whole world); with ``parallel.groups = D`` each LP
-    group of P ranks has its own (``parallel.groups.form_groups``), and ``rank`` / ``world_size`` are within it."""
+    ``group``: the ranks it gathers over (None: the whole world); with ``parallel.groups = D`` each LP group of P
+    ranks has its own (``parallel.groups.form_groups``), and ``rank`` / ``world_size`` are within it. ``device``:
+    where the round's tensors live (``Placement.collective_device``: the rank's GPU under NCCL, else the host).
+    ``strings``: a gloo group of the same ranks for the start-up strings (None: ``group`` is gloo itself), so no
+    start-up message touches a GPU: NCCL's object collectives would stage them on the *current* CUDA device.
+    ``timeout_s``: how long a round's collective may wait for a peer before it is a ``DistributedError``.
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    The round's collective is issued asynchronously and waited for within ``timeout_s`` (``wait_bounded``): gloo's
+    wait blocks the host and honours the group's timeout itself, but NCCL's only orders the GPU's streams, so a
+    stalled peer would otherwise hold the host in the read-back until NCCL's watchdog aborts the process with a
+    stack dump instead of an ``error:`` line."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        strings: dist.ProcessGroup | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.group = group
+        self.strings = strings
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))  # gloo | nccl
-        self.device = device  # NCCL needs tensors on the rank's GPU; gloo takes CPU tensors
+        self.device = device
+        self.timeout_s = timeout_s
         self.collectives = 0
 
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
-        local = payload.to(self.device)
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        """[L] int64 on the host -> [P, L] on the host: one copy in, one collective, one read-back."""
+        local = payload.to(self.device, non_blocking=True)  # [L]
+        out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=self.device)  # [P * L]
         try:
-            dist.all_gather(out, local, group=self.group)
+            work = dist.all_gather_into_tensor(out, local, group=self.group, async_op=True)
+            wait_bounded(work, self.timeout_s, host_blocks=self.device.type == "cpu")
+        except DistributedError:
+            raise
         except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError; both mean a lost peer
             raise DistributedError(peer_failure_message(exc)) from None
         self.collectives += 1
-        return torch.stack(out).cpu()
+        return out.view(self.world_size, -1).cpu()  # [P, L]: the round's one read-back of the exchange
 
     def all_gather_strings(self, text: str) -> list[str]:
         out: list[str] = [""] * self.world_size
         try:
-            dist.all_gather_object(out, text, group=self.group)
+            dist.all_gather_object(out, text, group=self.strings if self.strings is not None else self.group)
         except Exception as exc:
             raise DistributedError(peer_failure_message(exc)) from None
         return out
+
+
+POLL_S = 50e-6  # the first sleep of a bounded wait on the host; it doubles up to POLL_MAX_S
+POLL_MAX_S = 2e-3
+
+
+def wait_bounded(work: dist.Work, timeout_s: float, host_blocks: bool) -> None:
+    """Wait for ``work`` at most ``timeout_s``; a peer that never joins is a ``DistributedError``.
+
+    ``host_blocks`` (gloo): ``work.wait()`` itself blocks until done and raises at the group's timeout. Otherwise
+    (NCCL) ``wait`` returns at once, so the host polls ``is_completed`` (a query of the collective's CUDA event),
+    sleeping 50 us, doubling to 2 ms: a collective that completes within a round's time costs at most one short
+    sleep."""
+    if host_blocks:
+        work.wait()
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = POLL_S
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise DistributedError(
+                f"a peer worker died or stalled during a collective (no answer within parallel.timeout_s="
+                f"{timeout_s:g} s)"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+    work.wait()  # raises the collective's own error, if it ended in one
 
 
 def peer_failure_message(exc: BaseException) -> str:
     return f"a peer worker died or stalled during a collective ({first_line(exc)})"
 
 
-def init_process_group(dist_backend: str, timeout_s: float) -> str:
-    """Join the torchrun (or Ray) rendezvous from the environment; returns the backend used."""
-    backend = dist_backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise DistributedError("parallel.dist_backend=nccl needs CUDA devices; use gloo on CPU")
-    if not dist.is_initialized():
-        kwargs = {}
-        if backend == "nccl":
-            kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        try:
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-        except Exception as exc:  # DistStoreError, RuntimeError: a peer never joined, or the address is wrong
-            raise DistributedError(
-                f"could not form the {backend} process group within {timeout_s:g} s "
-                f"({first_line(exc)}); check that every worker started and MASTER_ADDR/MASTER_PORT are reachable"
-            ) from None
-    return backend
+NCCL_WATCHDOG_MARGIN_S = 60.0  # NCCL's own timeout is parallel.timeout_s + this: the bounded wait fires first
+
+
+def init_process_group(backend: str, timeout_s: float, device: torch.device | None = None) -> None:
+    """Join the torchrun (or Ray) rendezvous from the environment on ``backend`` (already resolved:
+    ``device.resolve_dist_backend``).
+
+    Under NCCL the group is bound to ``device``, the rank's own GPU, which ``device.bind`` made the current device
+    before (NCCL creates its communicator on it), and NCCL's watchdog gets ``timeout_s`` + NCCL_WATCHDOG_MARGIN_S:
+    a stalled peer is caught by the round's bounded wait (``wait_bounded``: one ``error:`` line, exit 3) before
+    the watchdog would abort the process with a stack dump."""
+    if dist.is_initialized():
+        return
+    kwargs: dict = {"timeout": timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        kwargs = {"timeout": timedelta(seconds=timeout_s + NCCL_WATCHDOG_MARGIN_S), "device_id": device}
+    try:
+        dist.init_process_group(backend=backend, **kwargs)
+    except Exception as exc:  # DistStoreError, RuntimeError: a peer never joined, or the address is wrong
+        raise DistributedError(
+            f"could not form the {backend} process group within {timeout_s:g} s "
+            f"({first_line(exc)}); check that every worker started and MASTER_ADDR/MASTER_PORT are reachable"
+        ) from None
+
+
+def strings_group(timeout_s: float, ranks: list[int] | None = None) -> dist.ProcessGroup | None:
+    """A gloo group of ``ranks`` (None: the world) for start-up strings where the world is not gloo, else None
+    (the group itself carries them). Collective: every rank of the world calls it, in the same order."""
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def first_line(exc: BaseException) -> str:

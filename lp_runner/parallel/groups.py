@@ -71,18 +71,30 @@ def group_layout(world: int, rank: int, workers: int, groups: int) -> GroupLayou
     return GroupLayout(groups, workers, group, tuple(range(group * workers, (group + 1) * workers)))
 
 
-def form_groups(layout: GroupLayout, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """(this rank's LP group, a gloo group of the whole world for start-up messages; None: the world is gloo).
+@dataclass(frozen=True)
+class GroupHandles:
+    """The process groups of one rank in a D-group job (``form_groups``)."""
+
+    group: dist.ProcessGroup  # this rank's LP group: the round exchange (the world's backend)
+    group_strings: dist.ProcessGroup | None  # the same ranks on gloo for start-up strings (None: group is gloo)
+    control: dist.ProcessGroup | None  # the whole world on gloo, start-up messages (None: the world is gloo)
+
+
+def form_groups(layout: GroupLayout, timeout_s: float) -> GroupHandles:
+    """This rank's LP group, its gloo twin for strings and a gloo group of the whole world, as needed.
 
     Every rank creates every group, in the same order (``new_group`` is collective over the world)."""
     timeout = timedelta(seconds=timeout_s)
-    mine = None
+    gloo = dist.get_backend() == "gloo"
+    mine, mine_strings = None, None
     for g in range(layout.groups):
-        pg = dist.new_group(list(range(g * layout.workers, (g + 1) * layout.workers)), timeout=timeout)
+        ranks = list(range(g * layout.workers, (g + 1) * layout.workers))
+        pg = dist.new_group(ranks, timeout=timeout)
+        strings = None if gloo else dist.new_group(ranks, backend="gloo", timeout=timeout)
         if g == layout.group:
-            mine = pg
-    control = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return mine, control
+            mine, mine_strings = pg, strings
+    control = None if gloo else dist.new_group(backend="gloo", timeout=timeout)
+    return GroupHandles(mine, mine_strings, control)
 
 
 def queue_order(lengths: list[int]) -> list[int]:
