@@ -175,16 +175,16 @@ def cmd_nccl_probe(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from lp_runner.parallel.comm import TorchCommunicator, init_process_group
+    from lp_runner.device import bind, gpu_count, local_world_size, place, resolve_dist_backend
+    from lp_runner.parallel.comm import TorchCommunicator, init_process_group, strings_group
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    placement = place(args.device, "float32")  # the rank's device as the CLI resolves it, bound as it binds it
+    bind(placement)
+    backend = resolve_dist_backend(args.backend, args.device, local_world_size(), gpu_count())
     t0 = time.perf_counter()
-    backend = init_process_group(args.backend, 60.0)
+    init_process_group(backend, 60.0, placement.device)
     init_s = time.perf_counter() - t0
-    comm = TorchCommunicator(device if device.type == "cuda" else torch.device("cpu"))
+    comm = TorchCommunicator(placement.collective_device(backend), None, strings_group(60.0), 60.0)
     result: dict = {
         "backend": backend,
         "world_size": comm.world_size,
@@ -262,6 +262,15 @@ def _outputs(path: Path) -> dict[str, list[int]] | None:
     except (OSError, ValueError):
         return None
     return {str(r["id"]): list(r["output_ids"]) for r in records if "output_ids" in r}
+
+
+def _load_peaks(path: Path) -> list[float] | None:
+    """Each rank's peak host memory at load (MiB) from a CLI output's first record, or None."""
+    try:
+        first = json.loads(path.read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return first.get("run", {}).get("device", {}).get("load_peak_host_mib_ranks")
 
 
 def agreement(outputs: dict[str, list[int]], reference: dict[str, list[int]]) -> dict:
@@ -349,7 +358,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
         cols = ["prompts", "new_tokens", "forwards", "tokens_per_s", "tokens_per_forward", "ms_per_forward"]
         cols += ["forward_share", "host_share", "comm_share", "mean_rows"]
         md += [
-            "## CLI runs (torchrun, one rank, random-weight model)",
+            "## CLI runs (torchrun, one rank; two-ranks: two ranks on the one device; random-weight model)",
             "",
             "Random weights: the text is meaningless and greedy output tends to repeat, so tokens/forward is not "
             "representative of a real model; tokens/s and the time split show the device and host costs. The "
@@ -372,6 +381,13 @@ def cmd_summarize(args: argparse.Namespace) -> int:
                 f"prompts{'; first difference: ' + differ if differ else ''}"
             )
         md.append("")
+        peaks = _load_peaks(out / "cli_two-ranks.jsonl")
+        if peaks:
+            md += [
+                "Peak host memory of each rank right after loading the model (two-ranks run, MiB): "
+                + ", ".join(f"rank {r}: {mib:.0f}" for r, mib in enumerate(peaks)),
+                "",
+            ]
         for name, _ in runs:
             block = _cli_summary_block(out / "logs" / f"cli-{name}.log")
             if block:
@@ -406,7 +422,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p = sub.add_parser("summarize", help="write gpu_check_summary.md from what the steps left in --out")
     p.add_argument("--out", required=True)
-    p.add_argument("--runs", nargs="*", default=["default", "lookahead", "greedy"])
+    p.add_argument("--runs", nargs="*", default=["default", "lookahead", "greedy", "two-ranks"])
     p.add_argument("--reference", default="greedy", help="the run the others' outputs are compared with")
     p.add_argument("--smoke", action="store_true")
     args = ap.parse_args()

@@ -13,7 +13,8 @@
 #   3. torch.distributed process group (NCCL) + TorchCommunicator.all_gather timing, torchrun with one rank
 #   4. the real CLI under torchrun (one rank) on a saved random-weight Llama: configs/default.yaml (the auto
 #      preset: its summary block and records hold the device's measured curve, the padding and the chosen setting),
-#      configs/lookahead.yaml and a plain-greedy reference (no candidates, no padding)
+#      configs/lookahead.yaml and a plain-greedy reference (no candidates, no padding); 4b. two ranks sharing
+#      the one GPU over gloo (model.device=cuda:0), with each rank's peak host memory at load
 #   5. benchmarks/compare.py, only where the embedded model exists and compare.py takes --device
 # Every step runs under `timeout` inside one overall budget (GPU_CHECK_BUDGET_S, default 540 s); a failed step is
 # logged and the next one runs; the exit status is 1 if any step failed.
@@ -36,10 +37,10 @@ RESERVE=25 # seconds kept back for the summary
 START=$SECONDS
 
 if [[ $SMOKE == 1 ]]; then
-    SIZE=tiny DEVICE=cpu DTYPE=bfloat16 DIST=gloo THREADS=1 REPS=3 MAX_NEW=16
+    SIZE=tiny DEVICE=cpu ONE_DEVICE=cpu DTYPE=bfloat16 DIST=gloo THREADS=1 REPS=3 MAX_NEW=16
     ROWS="1 4 16" PREFIX="32" COMPILED_ROWS="1 4"
 else
-    SIZE=1b DEVICE=cuda DTYPE=bfloat16 DIST=nccl THREADS=4 REPS=21 MAX_NEW=128
+    SIZE=1b DEVICE=cuda ONE_DEVICE=cuda:0 DTYPE=bfloat16 DIST=nccl THREADS=4 REPS=21 MAX_NEW=128
     ROWS="1 2 4 8 16 32 64 128 256 512" PREFIX="512 2048" COMPILED_ROWS="1 8 64"
 fi
 
@@ -164,6 +165,19 @@ cli default configs/default.yaml
 cli lookahead configs/lookahead.yaml
 cli greedy configs/default.yaml --set lookahead.verification_set_size=0 --set lookahead.lookahead_branch=false \
     --set lookahead.context_lookup=false --set lookahead.preset=off --set lookahead.pad_rows=false
+
+# 4b. two ranks sharing the one device over gloo (model.device names it): every rank binds it, loads onto it and
+# exchanges through the host, through the real CLI. The records carry each rank's peak host memory at load.
+if ((MODEL_OK)); then
+    run_py cli-two-ranks 180 "$PY" -m torch.distributed.run --standalone --nproc-per-node=2 -m lp_runner \
+        --config configs/default.yaml --prompts "$OUT/prompts.jsonl" --output "$OUT/cli_two-ranks.jsonl" --overwrite \
+        --set model.path="$MODEL_DIR" --set model.device="$ONE_DEVICE" --set model.dtype="$DTYPE" \
+        --set parallel.workers=2 --set parallel.dist_backend=gloo --set generation.max_new_tokens="$MAX_NEW" \
+        --set generation.stop_on_eos=false --set run.progress=false
+else
+    echo "== cli-two-ranks: not run, no model folder"
+    record cli-two-ranks not-run - 0 -
+fi
 
 # ---- 5. compare.py on the embedded model (only where it exists and compare.py can use the GPU) ---------------
 EMBEDDED="${LP_RUNNER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lp_runner}/models/SmolLM2-135M-Instruct"

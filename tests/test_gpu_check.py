@@ -25,6 +25,7 @@ STEPS = (
     "cli-default",
     "cli-lookahead",
     "cli-greedy",
+    "cli-two-ranks",
 )
 
 
@@ -63,9 +64,11 @@ def test_smoke_mode_runs_every_step(tmp_path):
     for heading in ("## Forward cost vs packed rows", "## The same forward compiled", "## CLI runs"):
         assert heading in summary
     runs = json.loads((out / "cli_summary.json").read_text())
-    assert set(runs) == {"default", "lookahead", "greedy"}
+    assert set(runs) == {"default", "lookahead", "greedy", "two-ranks"}
     prompts = sum(1 for line in (out / "prompts.jsonl").read_text().splitlines() if line.strip())
-    for name in ("default", "lookahead"):
+    assert "Peak host memory of each rank right after loading the model (two-ranks run, MiB): rank 0: " in summary
+    assert "rank 1: " in summary
+    for name in ("default", "lookahead", "two-ranks"):
         same = runs[name]["agreement"]
         assert same["prompts"] == prompts  # every prompt of the run compared with the one-token run
         assert f"- {name}: output identical to greedy on {same['identical']} of {prompts} prompts" in summary
