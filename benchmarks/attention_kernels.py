@@ -8,7 +8,7 @@ packed rows, sdpa on the same rows with the mask tiled per query head) and alter
 quartile of each is printed, with the largest difference between their outputs.
 
     python benchmarks/attention_kernels.py --out benchmarks/results/attention_kernels
-    git show REV:lp_runner/native_gemm.c > /tmp/old.c
+    git show REV:lp_runner/backends/cpu/native_gemm.c > /tmp/old.c
     python benchmarks/attention_kernels.py --baseline /tmp/old.c --out ...   # adds "native@base", bits compared
 """
 
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.native_isa import compile_source  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
-from lp_runner import native  # noqa: E402
-from lp_runner.loading import default_cache_dir  # noqa: E402
+from lp_runner.backends.cpu import native  # noqa: E402
+from lp_runner.models.loading import default_cache_dir  # noqa: E402
 
 
 def _time_kernels(

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
-from lp_runner.attention import NATIVE_GQA, PACKED_GQA  # noqa: E402
-from lp_runner.model import ModelAdapter  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
+from lp_runner.backends.attention import NATIVE_GQA, PACKED_GQA  # noqa: E402
 
 
 def main() -> None:

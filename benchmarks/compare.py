@@ -37,20 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import bench16, calibration8, heldout24  # noqa: E402
-from lp_runner import native  # noqa: E402
-from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402
-from lp_runner.engine import LookaheadEngine  # noqa: E402
-from lp_runner.loading import (  # noqa: E402
-    default_cache_dir,
-    embedded_model_dir,
-    fetch_embedded_model,
-    load_model_and_tokenizer,
-    weights_checksum,
-)
-from lp_runner.model import ModelAdapter  # noqa: E402
-from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
-from lp_runner.policy import RoundPolicy  # noqa: E402
-from lp_runner.prepack import (  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
+from lp_runner.backends.cpu import native  # noqa: E402
+from lp_runner.backends.cpu.prepack import (  # noqa: E402
     KERNELS,
     NATIVE_BF16_KERNEL,
     ONEDNN,
@@ -58,7 +47,18 @@ from lp_runner.prepack import (  # noqa: E402
     bf16_rounded_linears,
     prepack_linears,
 )
-from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
+from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402
+from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
+from lp_runner.jobs.prompts import encode, spec_from_obj  # noqa: E402
+from lp_runner.models.loading import (  # noqa: E402
+    default_cache_dir,
+    embedded_model_dir,
+    fetch_embedded_model,
+    load_model_and_tokenizer,
+    weights_checksum,
+)
+from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
+from lp_runner.tuning.policy import RoundPolicy  # noqa: E402
 
 PLAIN = dict(context_lookup=False)  # Lookahead Decoding alone: Jacobi pool (+ its repair by committed text)
 CONFIGS: dict[str, LookaheadConfig] = {

@@ -3,7 +3,7 @@
 This is the curve that decides whether lookahead can win on a device: a round of Q rows must buy more tokens
 than Q rows cost relative to one. Timings are medians of repeated forwards on a fixed cached prefix, with the
 LM head computed for one row (``head=last``) or all rows (``head=all``), as a lookahead round computes it only
-for the rows whose logits are used. Measured by ``lp_runner.costmodel.measure_curve`` (repetitions interleaved
+for the rows whose logits are used. Measured by ``lp_runner.tuning.costmodel.measure_curve`` (repetitions interleaved
 over Q, so a drifting machine bends no part of the curve; CUDA synchronised around each forward), the same
 function ``lp_runner tune`` calibrates with.
 
@@ -48,11 +48,11 @@ from benchmarks.machine_limits import (  # noqa: E402
     measure_limits,
     paired_ratios,
 )
-from lp_runner.costmodel import measure_curve  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, crop  # noqa: E402
+from lp_runner.backends.cpu.prepack import apply_prepack  # noqa: E402
 from lp_runner.device import synchronizer  # noqa: E402
-from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
-from lp_runner.model import ModelAdapter, crop  # noqa: E402
-from lp_runner.prepack import apply_prepack  # noqa: E402
+from lp_runner.models.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
+from lp_runner.tuning.costmodel import measure_curve  # noqa: E402
 
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 56, 64, 96, 120)
 
@@ -208,7 +208,7 @@ def main() -> None:
         "x_label": "packed rows Q",
         "y_label": "forward ms",
         "curves": curves,
-        "curve": curve.to_dict(),  # lp_runner.costmodel.CostCurve.from_dict() reads this back (tune --curve)
+        "curve": curve.to_dict(),  # lp_runner.tuning.costmodel.CostCurve.from_dict() reads this back (tune --curve)
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,13 +4,13 @@ Variants of ``ModelAdapter`` on one model, each with its own cache holding the s
 
 * ``transformers``: ``DynamicCache`` (concatenates every layer's whole K/V on each forward) and transformers'
   sdpa attention (repeats every cached K/V head per query head when a mask and several rows are given);
-* ``append``: the append-buffer cache (``lp_runner.model.AppendBufferLayer``), transformers' sdpa;
-* ``append+packed``: the append buffer and packed GQA attention (``lp_runner.attention``);
-* ``prepacked-unfused``: that, with every linear layer prepacked for oneDNN on its own (``lp_runner.prepack``,
+* ``append``: the append-buffer cache (``lp_runner.backends.adapter.AppendBufferLayer``), transformers' sdpa;
+* ``append+packed``: the append buffer and packed GQA attention (``lp_runner.backends.attention``);
+* ``prepacked-unfused``: that, with every linear layer prepacked for oneDNN on its own (``backends.cpu.prepack``,
   a copy of the model);
 * ``prepacked``: that, with sibling projections (q/k/v, gate/up) fused into one product each (another copy):
   oneDNN's products, as ``model.prepack: onednn`` runs them;
-* ``native``: the same fused layers on lp_runner's native product (``lp_runner.native``; another copy), as
+* ``native``: the same fused layers on lp_runner's native product (``lp_runner.backends.cpu.native``; another copy), as
   ``model.prepack: native`` runs them (``auto`` takes whichever of the two it measures faster);
 * ``prepacked compiled`` and ``native compiled`` (with ``--compiled``): those forwards through ``model.compile:
   on`` (torch.compile with dynamic shapes on a static cache; compiled once before timing, the compile time
@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine_limits import cpu_description  # noqa: E402
-from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
-from lp_runner.model import ModelAdapter, crop  # noqa: E402
-from lp_runner.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, crop  # noqa: E402
+from lp_runner.backends.cpu.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
 
 VARIANTS = {
     "transformers": dict(append_buffer=False, packed_gqa=False),

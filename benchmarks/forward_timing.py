@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
-from lp_runner.model import ModelAdapter, causal, crop
-from lp_runner.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears
+from lp_runner.backends.adapter import ModelAdapter, causal, crop
+from lp_runner.backends.cpu.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears
+from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
 
 
 def native_embedded_model(threads: int) -> torch.nn.Module:

@@ -31,17 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import humaneval, mtbench  # noqa: E402
-from lp_runner import preset  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
+from lp_runner.backends.cpu.prepack import apply_prepack, linear_kernels  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig  # noqa: E402
-from lp_runner.engine import LookaheadEngine  # noqa: E402
-from lp_runner.job_pool import JobPool  # noqa: E402
-from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
-from lp_runner.model import ModelAdapter  # noqa: E402
-from lp_runner.parallel.coordinator import Coordinator, RoundPlan  # noqa: E402
-from lp_runner.prepack import apply_prepack, linear_kernels  # noqa: E402
-from lp_runner.preset import Sample, simulate  # noqa: E402
-from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
-from lp_runner.sources import merge_candidates  # noqa: E402
+from lp_runner.decoding.coordinator import Coordinator, RoundPlan  # noqa: E402
+from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
+from lp_runner.decoding.job_store import JobPool  # noqa: E402
+from lp_runner.decoding.sources import merge_candidates  # noqa: E402
+from lp_runner.jobs.prompts import encode, spec_from_obj  # noqa: E402
+from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
+from lp_runner.tuning import preset  # noqa: E402
+from lp_runner.tuning.preset import Sample, simulate  # noqa: E402
 
 # Window-off settings (the only ones a simulation can replay): the auto preset's choice on a 2-core CPU (G=1,
 # context 1-3 / 10 tokens) and wider budgets, as a GPU's flatter cost curve would pick.
@@ -221,7 +221,7 @@ def lookup_cost(rows: list[dict], target: int = 1_000_000, lookups: int = 2000) 
     import resource
     import statistics
 
-    from lp_runner.job_pool import JobPoolSource
+    from lp_runner.decoding.job_store import JobPoolSource
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     store = JobPool(target)

@@ -11,7 +11,7 @@ A correctness count, not a timing: per prompt, the outputs of
     default      configs/default.yaml as the runner runs it (auto preset, padded rounds)
     wide         the same with lookahead.preset=off: the Jacobi window and 7 candidates, many rows per round
 
-are compared with ``lp_runner.agreement.compare``: identical, or the first differing step and the margin there
+are compared with ``agreement.compare``: identical, or the first differing step and the margin there
 between the two tokens in the reference's own teacher-forced logits, in ulps of the dtype, and whether it is
 within ``TOLERANCE_ULPS``. The tolerance itself is checked: for each prompt, HF's incremental logits are compared
 with one teacher-forced forward of the same sequence (two valid computations of the same rows), and the largest
@@ -37,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.compare import _answer, _engine_runner, config_policy  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import bench16, heldout24  # noqa: E402
-from lp_runner.agreement import TOLERANCE_ULPS, compare, prefill_logits, ulp  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig  # noqa: E402
-from lp_runner.engine import LookaheadEngine  # noqa: E402
-from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
-from lp_runner.model import ModelAdapter  # noqa: E402
-from lp_runner.prompts import encode, spec_from_obj  # noqa: E402
+from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
+from lp_runner.decoding.verify.agreement import TOLERANCE_ULPS, compare, prefill_logits, ulp  # noqa: E402
+from lp_runner.jobs.prompts import encode, spec_from_obj  # noqa: E402
+from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
 
 
 def _commit() -> str:

@@ -8,7 +8,7 @@ floor of a forward is those bytes over the machine's bandwidth: ``benchmarks/mac
     python benchmarks/linear_kernels.py --out benchmarks/results/linear_kernels
     python benchmarks/linear_kernels.py --native --rows 1 2 3 4 6 8 --out benchmarks/results/linear_kernels_native
 
-``--native`` adds a third kernel, lp_runner's native product (``lp_runner/native_gemm.c``, ``model.prepack:
+``--native`` adds a third kernel, lp_runner's native product (``lp_runner/backends/cpu/native_gemm.c``, ``model.prepack:
 native``), on its own packed copy.
 """
 
@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine_limits import cpu_description  # noqa: E402
-from lp_runner.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
-from lp_runner.prepack import NATIVE_KERNEL, PackedLinear, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.backends.cpu.prepack import NATIVE_KERNEL, PackedLinear, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path  # noqa: E402
 
 
 def main() -> None:

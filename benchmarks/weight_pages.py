@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
-from lp_runner.fetch import fetch_embedded_model  # noqa: E402
-from lp_runner.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
-from lp_runner.model import ModelAdapter, causal, crop  # noqa: E402
-from lp_runner.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, causal, crop  # noqa: E402
+from lp_runner.backends.cpu.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.models.fetch import fetch_embedded_model  # noqa: E402
+from lp_runner.models.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
 
 LAYOUTS = {"huge": True, "plain": False}  # name -> prepack_linears(huge_pages=...)
 

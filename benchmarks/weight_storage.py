@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description, forward_bytes, paired_ratios  # noqa: E402
-from lp_runner import native  # noqa: E402
-from lp_runner.fetch import fetch_embedded_model  # noqa: E402
-from lp_runner.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
-from lp_runner.model import ModelAdapter, crop  # noqa: E402
-from lp_runner.prepack import KERNELS, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, crop  # noqa: E402
+from lp_runner.backends.cpu import native  # noqa: E402
+from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.models.fetch import fetch_embedded_model  # noqa: E402
+from lp_runner.models.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
 
 STORAGES = {"float32": ("native", 0), "bfloat16": ("native-bf16", 2)}  # name -> (kernel key, weight bytes)
 

@@ -2,7 +2,7 @@
 
 ``lp_runner.generate(model, input_ids, ...)`` (``lp_runner.api``) runs lookahead generation on a model already
 loaded; ``python -m lp_runner`` is the command line. The API is imported on first use, so that ``import
-lp_runner`` (the CLI, ``python -m lp_runner.fetch``) does not load torch and transformers for it.
+lp_runner`` (the CLI, ``python -m lp_runner.models.fetch``) does not load torch and transformers for it.
 """
 
 from __future__ import annotations

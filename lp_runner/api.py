@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.config import Config, LookaheadConfig, set_key, validate
-from lp_runner.engine import LookaheadEngine
+from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.errors import ConfigError
-from lp_runner.loading import default_cache_dir, weights_checksum
-from lp_runner.model import ModelAdapter
+from lp_runner.models.loading import default_cache_dir, weights_checksum
 from lp_runner.parallel.comm import SoloCommunicator
-from lp_runner.policy import RoundPolicy
+from lp_runner.tuning.policy import RoundPolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.generation.streamers import BaseStreamer
 
-    from lp_runner.metrics import GenerationStats
+    from lp_runner.decoding.metrics import GenerationStats
 
 # transformers' global generation defaults (``GenerationConfig._get_default_generation_params``; the same values
 # in 4.x), applied where neither the caller nor the model's generation_config sets a value.

@@ -101,11 +101,11 @@ class LookaheadConfig:
     # context_first | pool_first: who fills the budget G first
     candidate_policy: str = field(default="context_first", metadata=_inert(_nothing_verified))
     # auto: the knobs above that the config does not set are chosen at start-up from this device's measured
-    # forward-cost curve (``lp_runner.preset``); off: every knob as written
+    # forward-cost curve (``lp_runner.tuning.preset``); off: every knob as written
     preset: str = "auto"
     pad_rows: bool = True  # run each round at the cheapest measured row count >= its own (exact; needs the curve)
     # prompt: pool and context index start empty for every prompt; job: also a store of the job's earlier outputs
-    # (``lp_runner.job_pool``) proposes, shared by the prompts of a run (and saved / loaded by --pool-out / --pool-in).
+    # (``decoding.job_store``) proposes, shared by the prompts of a run (and saved / loaded by --pool-out / --pool-in).
     # job by measurement (benchmarks/results/global_pool.md): more tokens per forward on chat and on code
     pool_scope: str = "job"
     pool_max_tokens: int = 1_000_000  # the job store's bound; the oldest generations are evicted first

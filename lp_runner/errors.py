@@ -19,3 +19,9 @@ class InputError(LPError):
 
 class DistributedError(LPError):
     """A peer died, stalled or disagrees (config or weights) in a multi-worker run."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, at most 200 characters (for one-line ``error:`` messages)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

@@ -38,7 +38,7 @@ LONGEST_FIRST = (
     "test_groups.py",  # 210 s, torchrun
     "test_compile.py",  # 268 s, mostly in process
     "test_gpu_check.py",  # ~100 s, torch.compile and torchrun (measured alone)
-    "test_job_pool_exact.py",  # 191 s
+    "test_job_store_exact.py",  # 191 s
     "test_sampling_e2e.py",  # 134 s
     "test_config_cli.py",  # 129 s
     "test_native_layers.py",  # 77 s
@@ -61,7 +61,7 @@ def tiny() -> Callable[..., PreTrainedModel]:
 @pytest.fixture(scope="session")
 def embedded() -> tuple[PreTrainedModel, object]:
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, loaded exactly as the runner loads it."""
-    from lp_runner.loading import fetch_embedded_model, load_model_and_tokenizer
+    from lp_runner.models.loading import fetch_embedded_model, load_model_and_tokenizer
 
     folder = fetch_embedded_model()
     model, tokenizer, _ = load_model_and_tokenizer(folder, dtype=torch.float32, device="cpu")
@@ -76,9 +76,9 @@ def humaneval() -> Callable[[int], list[str]]:
 
 @pytest.fixture
 def native_routing(monkeypatch):
-    """lp_runner.native's routed library (its entry points and build id) restored after the test, which may
+    """lp_runner.backends.cpu.native's routed library (its entry points and build id) restored after the test, which may
     ``native.route`` another build."""
-    from lp_runner import native
+    from lp_runner.backends.cpu import native
 
     for name in ("_FN", "_ATTENTION", "_LAYER", "_FN_BF16", "_LAYER_BF16", "_BF16_REASON", "_BUILD"):
         monkeypatch.setattr(native, name, getattr(native, name))

@@ -24,7 +24,7 @@ def make_tiny_folder(path: Path, family: str = "llama", seed: int = 0) -> Path:
     from helpers import tiny_model
     from transformers import AutoTokenizer
 
-    from lp_runner.loading import embedded_model_dir, fetch_embedded_model
+    from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model
 
     fetch_embedded_model()
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())

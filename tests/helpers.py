@@ -26,9 +26,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.config import GenerationConfig, LookaheadConfig
-from lp_runner.engine import GenerationResult, LookaheadEngine
-from lp_runner.model import ModelAdapter
+from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
 
 FAMILIES = ("llama", "qwen2", "mistral")
 TINY_VOCAB = 96

@@ -10,10 +10,10 @@ committed more tokens than it made forwards).
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
+from dist_helpers import REPO
 from helpers import FAMILIES, random_prompt, tiny_model
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers import TextStreamer
@@ -24,7 +24,7 @@ from lp_runner.api import GenerateArgumentError
 from lp_runner.config import LookaheadConfig, load_config
 from lp_runner.errors import InputError, LPError
 
-SHIPPED = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED = REPO / "configs"
 
 
 def _ids(length: int = 12, seed: int = 0) -> torch.Tensor:

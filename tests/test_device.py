@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_helpers import REPO
 
 from lp_runner.device import available_cores, local_world_size, resolve_threads
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = REPO
 
 
 @pytest.mark.parametrize(
@@ -61,8 +62,8 @@ def test_start_worker_applies_the_share(tmp_path: Path, monkeypatch: pytest.Monk
     import torch
 
     from lp_runner.config import load_config
-    from lp_runner.loading import ModelError
-    from lp_runner.runner import start_worker
+    from lp_runner.jobs.worker import start_worker
+    from lp_runner.models.loading import ModelError
 
     missing = tmp_path / "no-model"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

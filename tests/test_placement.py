@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import env_with_repo, free_port
+from dist_helpers import REPO, env_with_repo, free_port
 
 from lp_runner.config import load_config
 from lp_runner.device import (
@@ -35,7 +35,6 @@ from lp_runner.device import (
 )
 from lp_runner.errors import ConfigError, DistributedError
 
-REPO = Path(__file__).resolve().parent.parent
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 
 
@@ -214,7 +213,7 @@ class StopAtLoad(Exception):
 def test_a_rank_binds_its_gpu_before_any_cuda_or_distributed_call(node: Node, monkeypatch) -> None:
     """Rank 1 of a 2-GPU node: ``set_device(cuda:1)`` first, then the NCCL group bound to cuda:1, then a gloo
     group for the start-up strings; the model is loaded onto cuda:1 in bfloat16 (``model.dtype: auto``)."""
-    from lp_runner import runner
+    from lp_runner.jobs import worker as runner
 
     def load(path, *, dtype, device, allow_pickle):
         node.calls.append(("load", torch.device(device), dtype))
@@ -280,7 +279,7 @@ def test_calibration_syncs_the_ranks_own_gpu(node: Node, monkeypatch) -> None:
     """The curve is timed with a sync of the adapter's GPU (cuda:1), never the current one (no argument)."""
     from types import SimpleNamespace
 
-    from lp_runner import calibrate
+    from lp_runner.tuning import calibrate
 
     seen = {}
 
@@ -368,7 +367,7 @@ def test_loading_onto_another_device_never_builds_the_model_on_the_host(tmp_path
     bfloat16 on the way: the process's peak memory grows by about one tensor (the largest: the 113 MB embedding),
     a fraction of the checkpoint's 538 MB. Built on the host first and then moved, the conversion materialises
     the whole model there (measured: 870 MB more)."""
-    from lp_runner.loading import fetch_embedded_model
+    from lp_runner.models.loading import fetch_embedded_model
 
     folder = fetch_embedded_model()
     model_mib = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / (1 << 20)
@@ -376,7 +375,7 @@ def test_loading_onto_another_device_never_builds_the_model_on_the_host(tmp_path
         f"""
         import json, torch
         from lp_runner.device import peak_host_mib
-        from lp_runner.loading import load_model_and_tokenizer
+        from lp_runner.models.loading import load_model_and_tokenizer
         import transformers  # imported before the baseline: only the load counts
         before = peak_host_mib()
         model, _, _ = load_model_and_tokenizer({str(folder)!r}, dtype=torch.bfloat16, device="meta")
@@ -411,7 +410,7 @@ def test_self_launch_refuses_unplaceable_ranks_before_starting_any(tmp_path: Pat
 
 
 def test_ray_gpu_actors_size_threads_to_their_reservation() -> None:
-    from lp_runner.ray_backend import actor_threads
+    from lp_runner.jobs.ray import actor_threads
 
     assert actor_threads(0, {"CPU": 4.0, "GPU": 1.0}) == 4  # not the node's 64 cores
     assert actor_threads(0, {"CPU": 0.5, "GPU": 1.0}) == 1  # never 0

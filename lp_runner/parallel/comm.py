@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from lp_runner.errors import DistributedError
+from lp_runner.errors import DistributedError, first_line
 
 DEFAULT_TIMEOUT_S = 120.0  # parallel.timeout_s's default
 
@@ -166,9 +166,3 @@ def strings_group(timeout_s: float, ranks: list[int] | None = None) -> dist.Proc
     if dist.get_backend() == "gloo":
         return None
     return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception's first line, at most 200 characters (for one-line ``error:`` messages)."""
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

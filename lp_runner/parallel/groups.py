@@ -36,9 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lp_runner.errors import ConfigError, DistributedError
+from lp_runner.errors import ConfigError, DistributedError, first_line
 from lp_runner.logs import log
-from lp_runner.parallel.comm import first_line
 
 STORE_PREFIX = "lp_runner/jobs/"  # keys of the work queue in the launcher's store
 HEARTBEAT_S = 1.0  # a leader's heartbeat period

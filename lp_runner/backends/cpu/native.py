@@ -1,0 +1,536 @@
+"""lp_runner's native fp32 product (``native_gemm.c``): built on first use with the machine's C compiler.
+
+Why: a CPU forward of a few rows is bound by reading the weights, and neither torch's linear (MKL re-packs the
+weight on every call) nor oneDNN's prepacked inner product reads them at the machine's bandwidth at 1-8 rows:
+on an AMD EPYC (2 threads, the embedded model's linears, ``benchmarks/linear_kernels.py``) oneDNN reads 14-19
+GB/s, this kernel 24-32 GB/s at every row count from 1 to 8 (docs/results.md, "Native products"). Its weight layout,
+blocks of 32 output columns each stored as one contiguous run over the input dimension, lets one pass over the
+weights serve several rows from registers (8 with AVX-512, 3 with AVX2, 2 with 4-float vectors: the source's
+register tile per instruction set).
+
+Build: ``cc -O3 -march=native -fopenmp -shared -fPIC`` into the cache folder (``~/.cache/lp_runner/native``),
+named by a hash of the source, the compiler's version, the CPU's flags and any extra flags, so a shared home
+directory across different CPUs keeps one library per kind of CPU. ``$LP_RUNNER_NATIVE_CFLAGS`` adds flags
+after those (``-mno-avx512f`` builds the AVX2 register tile on an AVX-512 machine): how this project tests and
+measures the instruction sets it does not run on (``tests/test_native_isa.py``, ``benchmarks/native_isa.py``).
+A process builds into a private temporary name and renames it into place (ranks of one node may build at once).
+Without a compiler, or on a build or probe failure, the kernel is unavailable and ``model.prepack`` says why
+(``auto`` falls back to oneDNN's products).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lp_runner.backends.cpu.ops import define_op
+from lp_runner.errors import first_line
+
+SOURCE = Path(__file__).with_name("native_gemm.c")
+BLOCK = 32  # output columns per packed block (NB in the source)
+BUILD_TIMEOUT_S = 120.0
+EXTRA_FLAGS_ENV = "LP_RUNNER_NATIVE_CFLAGS"  # extra compiler flags, appended (tests and benchmarks: other ISAs)
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernel cannot be built or loaded here; the message says why."""
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise NativeUnavailable("no C compiler (cc, gcc or $CC) on PATH")
+    return cc
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for); the machine name where /proc has none."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def extra_flags() -> tuple[str, ...]:
+    """``$LP_RUNNER_NATIVE_CFLAGS``, split as a shell would."""
+    return tuple(shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
+
+
+def stand_in_builds() -> dict[str, tuple[tuple[str, ...], bool]]:
+    """The other instruction sets' tiles this CPU can build and run: name -> (extra flags, whether it gives this
+    CPU's default build's bits). AVX2 on an AVX-512 CPU (both with FMA: the same bits); SSE2 on any x86-64
+    (no FMA: fp32 rounding apart). What tests/test_native_isa.py and benchmarks/native_isa.py cover."""
+    cpu = set(_cpu_flags().split())
+    builds = {}
+    if {"avx512f", "avx2", "fma"} <= cpu:
+        builds["avx2"] = (("-mno-avx512f",), True)
+    if platform.machine() == "x86_64":
+        builds["x86-64"] = (("-march=x86-64",), False)
+    return builds
+
+
+def _library_path(cache_root: Path, cc: str, flags: tuple[str, ...], source: Path) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    ident = source.read_bytes() + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()
+    return cache_root / "native" / f"lp_native_gemm-{hashlib.sha256(ident).hexdigest()[:16]}.so"
+
+
+def build(cache_root: Path, flags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Path:
+    """The compiled library for this source, compiler, CPU and extra ``flags`` (default: ``extra_flags()``):
+    from the cache, else built now. ``source``: another version of ``native_gemm.c`` (a benchmark's baseline)."""
+    cc = _compiler()
+    flags = extra_flags() if flags is None else flags
+    target = _library_path(cache_root, cc, flags, source)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-lm", "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"{Path(cc).name} could not build {source.name}: {first_line(proc.stderr)}")
+        os.replace(tmp, target)
+    except subprocess.TimeoutExpired:
+        raise NativeUnavailable(f"building {source.name} took over {BUILD_TIMEOUT_S:g} s") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library(cache_root: str, flags: tuple[str, ...] = ()):
+    """The built library, loaded, with its entry points typed (one per root and flags for the process)."""
+    return open_library(build(Path(cache_root), flags))
+
+
+def open_library(path: Path):
+    """A built copy of ``native_gemm.c`` (this one, or another version a benchmark builds), loaded and typed."""
+    lib = ctypes.CDLL(str(path))
+    lib.lp_native_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.lp_native_gemm_f32.restype = ctypes.c_int
+    lib.lp_native_attention_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
+    lib.lp_native_attention_f32.restype = ctypes.c_int
+    lib.lp_native_llama_layer.argtypes = (
+        ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 12 + [ctypes.c_long] * 2)
+        + [ctypes.c_void_p] * 2
+        + [ctypes.c_long] * 7
+        + [ctypes.c_float, ctypes.c_int]
+    )
+    lib.lp_native_llama_layer.restype = ctypes.c_int
+    # on bfloat16 weights (older sources lack them): the float32 entries' arguments, the weights' pointers aside
+    for bf16, twin in (
+        ("lp_native_gemm_bf16w", lib.lp_native_gemm_f32),
+        ("lp_native_llama_layer_bf16w", lib.lp_native_llama_layer),
+    ):
+        if hasattr(lib, bf16):
+            getattr(lib, bf16).argtypes, getattr(lib, bf16).restype = twin.argtypes, ctypes.c_int
+    if hasattr(lib, "lp_native_llama_layers"):  # a model's layers in one call (older sources lack it)
+        lib.lp_native_llama_layers.argtypes = (
+            [ctypes.c_void_p, ctypes.c_long]
+            + [ctypes.c_void_p] * 7
+            + [ctypes.c_long] * 7
+            + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        )
+        lib.lp_native_llama_layers.restype = ctypes.c_int
+    if hasattr(lib, "lp_native_silu_gate_f32"):  # the layer's activation, for its test (older sources lack it)
+        lib.lp_native_silu_gate_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+        lib.lp_native_silu_gate_f32.restype = ctypes.c_int
+    return lib
+
+
+_FN = None  # the loaded product (``load``); every process loads the library once
+_ATTENTION = None  # the loaded attention, checked as the product is
+_LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
+_FN_BF16 = None  # the product and the layer on weights stored as bfloat16 (None: unavailable, _BF16_REASON says why)
+_LAYER_BF16 = None
+_LAYERS = None  # a model's decoder layers in one call (None: a build of an older source; ``LayerStack`` loops)
+NOT_LOADED = "the native kernel was not loaded (lp_runner.backends.cpu.native.load)"
+_BF16_REASON = NOT_LOADED
+
+
+_BUILD = ""  # the routed library's file name: a hash of its source, compiler, CPU and flags (build_id)
+
+
+def route(lib) -> None:
+    """Send every native call to ``lib`` (``load``; benchmarks swapping builds of the kernels in one process)."""
+    global _FN, _ATTENTION, _LAYER, _LAYERS, _FN_BF16, _LAYER_BF16, _BF16_REASON, _BUILD
+    _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
+    _LAYERS = getattr(lib, "lp_native_llama_layers", None)
+    _FN_BF16 = getattr(lib, "lp_native_gemm_bf16w", None)
+    _LAYER_BF16 = getattr(lib, "lp_native_llama_layer_bf16w", None)
+    has_bf16 = _FN_BF16 is not None and _LAYER_BF16 is not None
+    _BF16_REASON = "" if has_bf16 else "this build of the native kernel has no product on bfloat16 weights"
+    _BUILD = Path(lib._name).stem
+
+
+def _unroute() -> None:
+    """No native calls (a build that failed its probe)."""
+    global _FN, _ATTENTION, _LAYER, _LAYERS, _BUILD
+    _FN = _ATTENTION = _LAYER = _LAYERS = None
+    _BUILD = ""
+    _no_bf16("the native kernel failed its probe")
+
+
+def _no_bf16(reason: str) -> None:
+    """No native calls on bfloat16 weights, for ``reason`` (the float32 ones may stay)."""
+    global _FN_BF16, _LAYER_BF16, _BF16_REASON
+    _FN_BF16 = _LAYER_BF16 = None
+    _BF16_REASON = reason
+
+
+def bf16_unavailable_reason() -> str | None:
+    """Why the loaded kernel cannot multiply by weights stored as bfloat16 (``model.prepack=native-bf16``), or
+    None when it can."""
+    return _BF16_REASON or None
+
+
+def build_id() -> str:
+    """Which build of the kernels runs (empty before ``load``): part of the calibration key, so a new version of
+    ``native_gemm.c``, another compiler or other flags measure their own cost curve instead of reusing one
+    measured on other code."""
+    return _BUILD
+
+
+def load(cache_root: Path) -> None:
+    """Build (or find) and load the kernel, then check it against torch's linear on a probe; raises
+    ``NativeUnavailable`` saying why it cannot be used."""
+    try:
+        route(library(str(cache_root), extra_flags()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"cannot build or load {SOURCE.name} ({first_line(exc)})") from None
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 70, generator=generator)  # a partial last block and a K that is no multiple of 16
+    bias = torch.randn(40, generator=generator)
+    x = torch.randn(11, 70, generator=generator)  # more than one block of 8 rows
+    with torch.inference_mode():
+        got = product(x, pack(weight), bias, 40)
+        expected = torch.nn.functional.linear(x, weight, bias)
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+        _unroute()
+        raise NativeUnavailable(f"{SOURCE.name} disagrees with torch's linear on a probe")
+    q, k, v = (torch.randn(2, n, 24, generator=generator) for n in (6, 9, 9))  # 2 heads, 3 rows x 2 groups
+    mask = torch.zeros(3, 9).masked_fill(torch.rand(3, 9, generator=generator) < 0.4, torch.finfo(torch.float32).min)
+    mask[:, 0] = 0.0  # every row sees a key
+    with torch.inference_mode():
+        got = attention(q, k, v, mask, 0.3)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(2, 1), scale=0.3)
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        _unroute()
+        raise NativeUnavailable(f"{SOURCE.name}'s attention disagrees with torch's sdpa on a probe")
+    if _FN_BF16 is not None:  # bfloat16 storage: the float32 product on the rounded weights, bit for bit
+        with torch.inference_mode():
+            got = product(x, pack(weight, torch.bfloat16), bias, 40)
+            expected = product(x, pack(weight.to(torch.bfloat16)), bias, 40)
+        if not torch.equal(got, expected):  # the float32 product stays: it passed its own probe
+            _no_bf16(f"{SOURCE.name}'s product on bfloat16 weights differs from its float32 product on a probe")
+
+
+STORAGE = (torch.float32, torch.bfloat16)  # how ``pack`` can store the weights
+
+
+def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The shape ``pack`` gives an [out, in] weight."""
+    return (-(-out_features // BLOCK), in_features, BLOCK)
+
+
+def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[out, in] -> [ceil(out / BLOCK), in, BLOCK] in ``storage``, zero-padded columns: the kernel's layout.
+
+    float32: p[block, k, c] = w[block * BLOCK + c, k]. bfloat16 (the weight rounded to nearest even, as
+    ``Tensor.to`` rounds): each block's row of 32 holds columns c and c + 16 side by side in one 32-bit word, so
+    the kernel widens them with a single integer op each (see ``native_gemm.c``); ``product`` then gives the
+    float32 product on the rounded weight, bit for bit. ``out``: written in place (a slot of the model's arena,
+    ``arena.py``) and returned; the whole blocks are copied straight from the weight, so packing holds no copy of
+    it besides (the LM head's is 113 MB in the embedded model)."""
+    if storage not in STORAGE:
+        raise ValueError(f"native weights are stored as float32 or bfloat16, not {storage}")
+    out_features, in_features = weight.shape
+    shape = packed_shape(out_features, in_features)
+    if out is None:
+        out = torch.empty(shape, dtype=storage)
+    elif tuple(out.shape) != shape or out.dtype != storage or not out.is_contiguous():
+        raise ValueError(f"packing into {out.dtype} {list(out.shape)}: needs a contiguous {storage} {list(shape)}")
+    full = out_features // BLOCK
+    weight = weight.detach()
+    _pack_blocks(weight[: full * BLOCK], out[:full], storage)
+    if full < shape[0]:  # the last block's missing columns are zeros
+        last = torch.zeros(BLOCK, in_features, dtype=weight.dtype)
+        last[: out_features - full * BLOCK] = weight[full * BLOCK :]
+        _pack_blocks(last, out[full:], storage)
+    return out
+
+
+def _pack_blocks(rows: torch.Tensor, dest: torch.Tensor, storage: torch.dtype) -> None:
+    """rows [n * BLOCK, in] into dest [n, in, BLOCK], in ``pack``'s layout (copy_ rounds to ``storage``)."""
+    n, in_features = dest.shape[0], dest.shape[1]
+    if n == 0:
+        return
+    if storage == torch.float32:
+        dest.copy_(rows.reshape(n, BLOCK, in_features).transpose(1, 2))
+        return
+    half = BLOCK // 2
+    dest.view(n, in_features, half, 2).copy_(rows.reshape(n, 2, half, in_features).permute(0, 3, 2, 1))
+
+
+def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """[R, in] x the packed weight (+ bias) -> [R, out] float32, on torch's current thread count; the packed
+    weight's dtype says how ``pack`` stored it."""
+    fn = _FN_BF16 if packed.dtype == torch.bfloat16 else _FN
+    if fn is None:
+        raise NativeUnavailable(NOT_LOADED if _FN is None else _BF16_REASON)
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if rows.shape[0] == 0:
+        return out
+    in_features = packed.shape[1]
+    if rows.dtype != torch.float32 or rows.shape[1] != in_features:
+        raise ValueError(f"native product takes float32 [R, {in_features}] rows, not {rows.dtype} {list(rows.shape)}")
+    ptr_bias = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if fn(
+        rows.data_ptr(), packed.data_ptr(), ptr_bias, out.data_ptr(), rows.shape[0], out_features, in_features, threads
+    ):
+        raise ValueError(f"native product refused sizes R={rows.shape[0]} out={out_features} in={in_features}")
+    return out
+
+
+native_linear_op = define_op(  # the product as one opaque op for torch.compile (eager forwards call ``product``)
+    "native_linear",
+    "(Tensor rows, Tensor packed, Tensor? bias, int out_features) -> Tensor",
+    lambda rows, packed, bias, out_features: product(rows, packed, bias, out_features),  # looked up per call
+    lambda rows, packed, bias, out_features: rows.new_empty(rows.shape[0], out_features),
+)
+
+
+def attention(
+    query: torch.Tensor,  # [H, M, D]: M packed rows per K/V head; row r reads mask row r % Q
+    key: torch.Tensor,  # [H, C, D], slots contiguous (heads may be strided: a cache buffer's first C slots)
+    value: torch.Tensor,  # [H, C, D], as key
+    mask: torch.Tensor,  # [Q, C] additive: 0 visible, the dtype's min hidden
+    scale: float,
+) -> torch.Tensor:  # [H, M, D] float32
+    """Softmax attention of a few packed rows over a K/V buffer, visible keys only, on torch's thread count.
+
+    Why: torch's CPU sdpa (flash) costs 40-130 us per layer for a one- or two-row round over a few hundred keys,
+    ~15% of a compiled one-row forward of the embedded model, while the arithmetic is a few microseconds; this
+    loop skips the hidden keys (a static cache's unused slots among them) instead of scoring them."""
+    if _ATTENTION is None:
+        raise NativeUnavailable(NOT_LOADED)
+    query, mask = query.contiguous(), mask.contiguous()
+    key, value = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (key, value))  # slots in place
+    heads, rows, dim = query.shape
+    if key.shape != value.shape or key.shape[0] != heads or key.shape[2] != dim or mask.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"native attention: query {list(query.shape)}, key {list(key.shape)}, value {list(value.shape)}, "
+            f"mask {list(mask.shape)} do not fit"
+        )
+    out = torch.empty_like(query)
+    args = (query, key, value, mask, out)
+    if any(t.dtype != torch.float32 for t in args):
+        raise ValueError("native attention takes float32 tensors")
+    sizes = (heads, rows, mask.shape[0], key.shape[1], dim, key.stride(0), value.stride(0))
+    status = _ATTENTION(*(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError(f"native attention could not allocate {key.shape[1]} scores per thread")
+    if status:
+        raise ValueError(f"native attention refused sizes {sizes}")
+    return out
+
+
+def llama_layer(
+    hidden: torch.Tensor,  # [R, E], updated in place: the residual stream after the layer
+    weights: tuple,  # native_layers.LayerWeights.as_args(): norms, epsilon, packed weights and biases
+    cos: torch.Tensor,  # [R, D]
+    sin: torch.Tensor,  # [R, D]
+    slots: torch.Tensor,  # [R] int64: where each row's K/V goes
+    mask: torch.Tensor,  # [R, C] additive
+    keys: torch.Tensor,  # [H_kv, C, D] view of the layer's K buffer (slots contiguous), written at ``slots``
+    values: torch.Tensor,  # [H_kv, C, D], as keys
+    heads: int,
+    intermediate: int,
+    scale: float,
+) -> None:
+    """One Llama-family decoder layer on ``hidden`` in a single C call (``lp_native_llama_layer``, or its
+    ``_bf16w`` twin where the packed weights are stored as bfloat16: all four are, one kernel packs a model)."""
+    layer = _LAYER_BF16 if weights[3].dtype == torch.bfloat16 else _LAYER
+    if layer is None:
+        raise NativeUnavailable(NOT_LOADED if _LAYER is None else _BF16_REASON)
+    rows, embed = hidden.shape
+    kv_heads, capacity, dim = keys.shape
+    if (
+        not all(t.is_contiguous() for t in (hidden, cos, sin, mask, slots))
+        or keys.stride()[1:] != (dim, 1)
+        or values.stride() != keys.stride()
+        or cos.shape != (rows, dim)
+        or sin.shape != cos.shape
+        or mask.shape != (rows, capacity)
+        or slots.shape != (rows,)
+        or slots.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"native layer: hidden {list(hidden.shape)}, cos {list(cos.shape)}, mask {list(mask.shape)}, slots "
+            f"{list(slots.shape)} and K/V {list(keys.shape)} do not fit (contiguous, K/V slots in place)"
+        )
+    ln1, ln2, eps, *packed = weights
+    status = layer(
+        hidden.data_ptr(),
+        ln1.data_ptr(),
+        ln2.data_ptr(),
+        float(eps),
+        *(None if t is None else t.data_ptr() for t in packed),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(0),
+        values.stride(0),
+        slots.data_ptr(),
+        mask.data_ptr(),
+        capacity,
+        rows,
+        embed,
+        heads,
+        kv_heads,
+        dim,
+        intermediate,
+        float(scale),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError("native layer: out of memory")
+    if status:
+        raise ValueError(f"native layer refused sizes rows={rows} embed={embed} heads={heads}/{kv_heads} dim={dim}")
+
+
+class LayerStack:
+    """A model's decoder layers bound to one cache's K/V buffers, for ``lp_native_llama_layers``: every layer in a
+    single C call, with the table of its weights' and buffers' addresses built once here instead of once a forward.
+
+    Why: called layer by layer from Python, a forward of the embedded model lost 35-39 us between two layers (1.0-1.1
+    ms of a 15-24 ms forward on a 2-core CPU; ``native_gemm.c`` says why), and the per-layer checks and address
+    look-ups cost about 0.2 ms more. The stack keeps the tensors whose addresses it holds alive; whoever keeps it
+    (``native_layers``) builds a new one for other buffers (a grown cache gets new ones).
+
+    ``layers``: per layer, ``native_layers.LayerWeights.as_args()``; ``keys``/``values``: per layer, ``[H_kv, C, D]``
+    views of its buffers (slots contiguous; one size for all). A build of an older source without the stacked entry
+    (a benchmark's ``--baseline``) runs ``llama_layer`` per layer on the same arguments."""
+
+    POINTERS = 12  # per layer (LAYER_PTRS in native_gemm.c)
+
+    def __init__(
+        self,
+        layers: list[tuple],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        heads: int,
+        intermediate: int,
+        scale: float,
+    ) -> None:
+        if not layers or not (len(layers) == len(keys) == len(values)):
+            raise ValueError(f"native layers: {len(layers)} layers, {len(keys)} K and {len(values)} V buffers")
+        self.bf16 = layers[0][3].dtype == torch.bfloat16
+        kv_heads, capacity, dim = keys[0].shape
+        for k, v in zip(keys, values, strict=True):
+            if k.shape != (kv_heads, capacity, dim) or v.shape != k.shape or k.stride()[1:] != (dim, 1):
+                want = [kv_heads, capacity, dim]
+                raise ValueError(f"native layers: K/V {list(k.shape)} and {list(v.shape)}, not {want} (slots in place)")
+            if v.stride() != k.stride():
+                raise ValueError("native layers: K and V buffers of one layer laid out differently")
+        if any((args[3].dtype == torch.bfloat16) != self.bf16 for args in layers):
+            raise ValueError("native layers: one weight storage for every layer")
+        self.layers, self.keys, self.values = layers, keys, values  # kept alive: the table holds their addresses
+        self.heads, self.intermediate, self.scale = heads, intermediate, float(scale)
+        self.kv_heads, self.capacity, self.dim = kv_heads, capacity, dim
+        self.embed = layers[0][0].shape[0]  # the first norm's weight: one value per hidden unit
+        pointers = []
+        for (ln1, ln2, _, *packed), k, v in zip(layers, keys, values, strict=True):
+            pointers += [ln1.data_ptr(), ln2.data_ptr(), *(None if t is None else t.data_ptr() for t in packed)]
+            pointers += [k.data_ptr(), v.data_ptr()]
+        if len(pointers) != self.POINTERS * len(layers):
+            raise ValueError(f"native layers: {len(pointers)} addresses for {len(layers)} layers")
+        self._table = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._eps = (ctypes.c_float * len(layers))(*(float(args[2]) for args in layers))
+        strides = [s for k, v in zip(keys, values, strict=True) for s in (k.stride(0), v.stride(0))]
+        self._strides = (ctypes.c_long * len(strides))(*strides)
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [R, E], updated in place: the residual stream after the last layer
+        cos: torch.Tensor,  # [R, D]
+        sin: torch.Tensor,  # [R, D]
+        slots: torch.Tensor,  # [R] int64: where each row's K/V goes, in every layer's buffer
+        masks: list[torch.Tensor],  # per layer, [R, C] additive (layers of one attention type share one)
+    ) -> None:
+        """Every layer on ``hidden``: the values ``llama_layer`` gives layer by layer, bit for bit. Every size,
+        shape and slot is checked before any layer runs."""
+        layers = self.layers
+        if _LAYERS is None:
+            for args, mask, k, v in zip(layers, masks, self.keys, self.values, strict=True):
+                llama_layer(hidden, args, cos, sin, slots, mask, k, v, self.heads, self.intermediate, self.scale)
+            return
+        if self.bf16 and _LAYER_BF16 is None:
+            raise NativeUnavailable(_BF16_REASON)
+        rows, embed = hidden.shape
+        unique = {id(m): m for m in masks}
+        if (
+            len(masks) != len(layers)
+            or embed != self.embed
+            or any(t.dtype != torch.float32 for t in (hidden, cos, sin))
+            or not all(t.is_contiguous() for t in (hidden, cos, sin, slots, *unique.values()))
+            or cos.shape != (rows, self.dim)
+            or sin.shape != cos.shape
+            or slots.shape != (rows,)
+            or slots.dtype != torch.int64
+            or any(m.shape != (rows, self.capacity) or m.dtype != torch.float32 for m in unique.values())
+        ):
+            raise ValueError(
+                f"native layers: hidden {list(hidden.shape)}, cos {list(cos.shape)}, slots {list(slots.shape)} and "
+                f"masks {[list(m.shape) for m in unique.values()]} do not fit {len(layers)} layers of width "
+                f"{self.embed} and K/V {[self.kv_heads, self.capacity, self.dim]} (float32, contiguous)"
+            )
+        addresses = {key: m.data_ptr() for key, m in unique.items()}
+        status = _LAYERS(
+            hidden.data_ptr(),
+            len(layers),
+            self._table,
+            self._eps,
+            self._strides,
+            (ctypes.c_void_p * len(masks))(*(addresses[id(m)] for m in masks)),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            self.capacity,
+            rows,
+            embed,
+            self.heads,
+            self.kv_heads,
+            self.dim,
+            self.intermediate,
+            self.scale,
+            torch.get_num_threads(),
+            int(self.bf16),
+        )
+        if status == -2:
+            raise MemoryError("native layers: out of memory")
+        if status:
+            raise ValueError(
+                f"native layers refused sizes rows={rows} embed={embed} heads={self.heads}/{self.kv_heads} "
+                f"dim={self.dim} or a K/V slot outside the buffer"
+            )

@@ -1,0 +1,273 @@
+"""Native decoder layers: a Llama-family model's decoder layers as one C call (``lp_native_llama_layers``) for
+eager CPU rounds.
+
+Why: with the products native (``model.prepack``), a forward of a few rows is the weights' bytes over the memory
+bandwidth plus what it costs to reach them. An eager transformers layer reaches them through some twenty Python-
+level ops (norms, projections, rotary, the cache write, attention, the MLP's activation and the residual adds);
+even compiled, the 30 layers of the embedded model cost about 6 ms of Python and dispatch per forward on a 2-core
+CPU, against about 15 ms of products (a profile of the compiled one-row forward). The C layer takes the same
+steps on the same packed weights and the same K/V buffer, so what is left is the products themselves; all the
+layers go in one call (``native.LayerStack``), since even one return to Python per layer cost about 1 ms.
+
+Which layers: those whose structure is the one the C function computes, checked module by module
+(``layer_weights``): Llama, Mistral and Qwen2 decoder layers (pre-norm RMSNorm, rotary q/k in the rotate-half
+convention, grouped-query attention, SiLU-gated MLP, optional q/k/v biases) whose q/k/v and gate/up products are
+native ``SharedInputProduct``s and whose o/down products are native ``PackedLinear``s. Anything else keeps its
+own forward.
+
+When: the adapter's own rounds (``forward_model``, which also replaces transformers' model loop around the
+layers) at batch 1 on a static K/V buffer (``StaticBufferLayer``, whose slots the adapter sets) with the
+adapter's additive mask, of any number of rows: the prompt's prefill too, which ran 1.2-1.7x faster natively
+than through transformers' layers on the same products (16-1200 rows of the embedded model, 2 threads; torch's
+sdpa there attends over the whole buffer, the native loop only up to each row's last visible key). The model
+itself is not changed, so every other caller (``generate``, a compiled trace, an adapter with
+``native_layers=False``) runs transformers' layers.
+
+Exactness: each element is the expression transformers' eager layer evaluates, on the same products; only the
+order of float sums (the norms' mean) and the exponential's implementation differ, at fp32 rounding level, as
+any kernel change may. The tests compare against transformers' own greedy ``generate`` token for token and
+against the original layers' logits and K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from lp_runner.backends.cpu import native
+from lp_runner.backends.cpu.prepack import NATIVE_KERNELS, PackedLinear, ProductSlice, SharedInputProduct
+from lp_runner.backends.kv_cache import StaticBufferLayer
+
+# decoder layer and norm classes whose forward is the one lp_native_llama_layer computes (checked by name: the
+# classes live in each model's own transformers module)
+LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+MODEL_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # see ``forward_model``
+NATIVE_LAYERS_SUFFIX = "-layers"  # appended to the adapter's kernels name (calibration keys, summaries)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """What ``native.llama_layer`` reads of one decoder layer (packed weights: the products' own buffers)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps: float
+    qkv: SharedInputProduct
+    o: PackedLinear
+    gate_up: SharedInputProduct
+    down: PackedLinear
+    heads: int
+    intermediate: int
+    scale: float
+
+    @functools.cached_property
+    def groups(self) -> int:
+        """Query heads per K/V head: the packed attention rows per round row."""
+        return self.qkv.sizes[0] // self.qkv.sizes[1]
+
+    def as_args(self) -> tuple:
+        return self._args
+
+    @functools.cached_property
+    def _args(self) -> tuple:  # looked up once: module attribute lookups cost ~1 us each, 240 per forward
+        return (
+            self.ln1,
+            self.ln2,
+            self.eps,
+            self.qkv.packed_weight,
+            self.qkv.bias,
+            self.o.packed_weight,
+            self.o.bias,
+            self.gate_up.packed_weight,
+            self.gate_up.bias,
+            self.down.packed_weight,
+            self.down.bias,
+        )
+
+
+def _shared(slices: list, count: int) -> SharedInputProduct | None:
+    """The one native SharedInputProduct behind ``slices`` (in order 0..count-1), else None."""
+    if not all(isinstance(s, ProductSlice) for s in slices):
+        return None
+    shared = slices[0].shared
+    if any(s.shared is not shared for s in slices) or [s.index for s in slices] != list(range(count)):
+        return None
+    return shared if shared.kernel in NATIVE_KERNELS and len(shared.sizes) == count else None
+
+
+def _norm(module) -> tuple[torch.Tensor, float] | None:
+    if type(module).__name__ not in NORM_CLASSES or module.weight.dtype != torch.float32:
+        return None
+    return module.weight.detach().contiguous(), float(module.variance_epsilon)
+
+
+def layer_weights(layer: torch.nn.Module) -> LayerWeights | str:
+    """The layer's weights for the native layer, or why it cannot take it (one line)."""
+    name = type(layer).__name__
+    if name not in LAYER_CLASSES:
+        return f"{name} is not a Llama, Mistral or Qwen2 decoder layer"
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return f"{name} has no self_attn or mlp"
+    if any(hasattr(attn, extra) for extra in ("q_norm", "k_norm", "sinks")):
+        return f"{name} normalises q/k or has attention sinks"
+    qkv = _shared([getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")], 3)
+    gate_up = _shared([getattr(mlp, n, None) for n in ("gate_proj", "up_proj")], 2)
+    o, down = getattr(attn, "o_proj", None), getattr(mlp, "down_proj", None)
+    if qkv is None or gate_up is None:
+        return "q/k/v or gate/up are not one native product each (model.prepack=native, fused)"
+    if not all(isinstance(m, PackedLinear) and m.kernel is qkv.kernel for m in (o, down)) or (
+        gate_up.kernel is not qkv.kernel
+    ):  # one C call multiplies all four with one storage of the weights
+        return "o_proj, down_proj or gate/up is not a native product on the q/k/v product's weight storage"
+    if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"the MLP's activation is {type(getattr(mlp, 'act_fn', None)).__name__}, not SiLU"
+    norms = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+    if None in norms or norms[0][1] != norms[1][1]:
+        return "the layer norms are not float32 RMSNorms of one epsilon"
+    heads_dim = qkv.sizes[0]
+    dim = getattr(attn, "head_dim", None)
+    if not dim or heads_dim % dim or qkv.sizes[1] != qkv.sizes[2] or qkv.sizes[1] % dim or dim % 2 or dim > 512:
+        return f"unsupported head sizes (q/k/v {qkv.sizes}, head dim {dim})"
+    heads, kv_heads = heads_dim // dim, qkv.sizes[1] // dim
+    if heads % kv_heads or gate_up.sizes[0] != gate_up.sizes[1] or down.in_features != gate_up.sizes[0]:
+        return f"unsupported sizes (heads {heads}/{kv_heads}, gate/up {gate_up.sizes})"
+    if o.in_features != heads_dim or o.out_features != qkv.in_features or down.out_features != qkv.in_features:
+        return "the projections' sizes do not chain"
+    if getattr(attn, "attention_dropout", 0.0) and attn.training:
+        return "attention dropout in training mode"
+    return LayerWeights(
+        norms[0][0], norms[1][0], norms[0][1], qkv, o, gate_up, down, heads, gate_up.sizes[0], float(attn.scaling)
+    )
+
+
+@torch.inference_mode()
+def forward_model(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # [R]
+    position_ids: torch.Tensor,  # [R]
+    mask,  # [1, 1, R, C] additive, or {layer type: such a mask}
+    cache,  # the adapter's DynamicCache of StaticBufferLayers, write slots set
+    logit_rows: torch.Tensor,  # [L]
+) -> torch.Tensor | None:  # [L, vocab], or None: not this kind of forward (the caller runs the model's own)
+    """A whole round through the native layers without transformers' model loop: the embedding, the rotary
+    tables, one C call for all the layers, the final norm and the output layer on the logit rows, each the module or
+    kernel the model's own forward would use, in the same order.
+
+    Why: around the layers' C calls, transformers' model and layer code cost about 3.4 ms of Python per forward
+    of the embedded model on a 2-core CPU (module calls, keyword plumbing, the mask mapping), a sixth of a
+    one-row round. For a causal LM of ``MODEL_CLASSES`` (whose forward is exactly these steps: no embedding
+    scale, no logit soft-cap) every layer of which took ``install_native_layers``; None otherwise, and for
+    rounds it does not serve (another cache or mask), which the model's own forward runs."""
+    if type(model).__name__ not in MODEL_CLASSES or torch.compiler.is_compiling():
+        return None
+    base = model.model
+    layers = _decoder_layers(model)
+    weights = [getattr(layer, "_lp_native_weights", None) for layer in layers]
+    rows = input_ids.shape[0]
+    if None in weights or len(layers) != len(cache.layers):
+        return None
+    cached = cache.layers
+    if not all(isinstance(c, StaticBufferLayer) and c.is_initialized and c.write_slots is not None for c in cached):
+        return None
+    # each layer's attention type, as the model's own loop reads it (Qwen2: config.layer_types; None: one mask)
+    types_ = list(getattr(model.config, "layer_types", None) or [None] * len(layers))
+    if len(types_) != len(layers):
+        return None
+    masks = {}
+    for key in set(types_):
+        m = mask if isinstance(mask, torch.Tensor) else (mask or {}).get(key)
+        if not isinstance(m, torch.Tensor) or m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, rows):
+            return None
+        if m.dtype != torch.float32 or m.shape[3] != cached[0].keys.shape[2]:
+            return None
+        masks[key] = m[0, 0].contiguous()
+    slots = {id(c.write_slots): c.write_slots for c in cached}  # the adapter sets one for all
+    if len(slots) != 1:
+        return None
+    hidden = base.embed_tokens(input_ids[None])  # [1, R, E]
+    if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        return None
+    cos, sin = (
+        t.reshape(rows, t.shape[-1]).to(torch.float32).contiguous() for t in base.rotary_emb(hidden, position_ids[None])
+    )
+    h = hidden[0].contiguous()
+    stack = _stack(cache, weights)
+    stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_])
+    h = base.norm(h[None])[0]
+    return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
+
+
+# cache -> (the native.LayerStack of its buffers, the LayerWeights and the K/V buffer tensors it was built on)
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stack(cache, weights: list[LayerWeights]) -> native.LayerStack:
+    """The layers bound to ``cache``'s buffers: the stack built for this cache while it
+    still holds these very buffer tensors and the same layers' weights, else a new one (a grown cache has new
+    tensors; another model, other weights). Identity is enough: the stack keeps the tensors it was built on alive,
+    so no other tensor can take their ids. Kept beside the cache, not on it (a copied cache must not inherit the
+    original's addresses), and only as long as the cache lives: a finished generation's buffers are freed with it.
+    """
+    entry = _STACKS.get(cache)
+    cached = cache.layers
+    buffers = [t for c in cached for t in (c.keys, c.values)]
+    if entry is not None:
+        stack, owners, held = entry
+        if all(a is b for a, b in zip(owners, weights, strict=True)) and all(
+            a is b for a, b in zip(held, buffers, strict=True)
+        ):
+            return stack
+    first = weights[0]
+    keys, values = [c.keys[0] for c in cached], [c.values[0] for c in cached]
+    args = [w.as_args() for w in weights]
+    stack = native.LayerStack(args, keys, values, first.heads, first.intermediate, first.scale)
+    _STACKS[cache] = (stack, list(weights), buffers)
+    return stack
+
+
+def native_layers_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s decoder layers cannot run natively (one line), or None when every one can."""
+    layers = _decoder_layers(model)
+    if layers is None:
+        return "no decoder layer list (model.model.layers)"
+    if all(hasattr(layer, "_lp_native_weights") for layer in layers):
+        return None
+    if native._LAYER is None:
+        return "the native kernel is not loaded"
+    sizes = set()
+    for layer in layers:
+        weights = layer_weights(layer)
+        if isinstance(weights, str):
+            return weights
+        sizes.add((weights.heads, weights.intermediate, weights.scale, tuple(weights.qkv.sizes)))
+    if len(sizes) > 1:  # lp_native_llama_layers runs them all in one call, on one set of sizes
+        return "the decoder layers differ in size (heads, MLP width or attention scale)"
+    return None
+
+
+def install_native_layers(model: torch.nn.Module) -> int:
+    """Give every decoder layer of ``model`` its ``LayerWeights`` (what ``forward_model`` reads) when all of them
+    can take the native layer (else none: a model runs one kind of layer); returns how many layers have them.
+    Idempotent.
+
+    The layers themselves are untouched (the weights' reference is a plain attribute), so the module tree, the
+    state dict and with them the weights checksum are the checkpoint's, and the model's own forward is
+    transformers' for every other caller."""
+    if native_layers_reason(model) is not None:
+        return 0
+    layers = _decoder_layers(model)
+    for layer in layers:
+        if not hasattr(layer, "_lp_native_weights"):
+            layer._lp_native_weights = layer_weights(layer)
+    return len(layers)
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) else None

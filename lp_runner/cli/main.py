@@ -1,0 +1,432 @@
+"""``python -m lp_runner`` and ``torchrun -m lp_runner``: one entry point; WORLD_SIZE decides the rank count.
+
+Commands: ``run`` (the default: ``python -m lp_runner --config c.yaml ...`` means ``python -m lp_runner run
+--config c.yaml ...``), ``tune`` (``cli.tune``) and ``fetch`` (``models.fetch``); ``--version`` prints
+the package version and ``--log-level`` (before or after the command) sets what goes to stderr (``lp_runner.logs``).
+
+Without torchrun, ``parallel.workers=P`` x ``parallel.groups=D`` > 1 re-launches this same command under
+``torch.distributed.run`` on this machine (D x P ranks), so a single-machine run needs no launcher knowledge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lp_runner import __version__
+from lp_runner.config import Config, load_config
+from lp_runner.errors import DistributedError, InputError, LPError
+from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
+from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
+from lp_runner.logs import add_log_level, log, setup_logging
+
+COMMANDS = ("run", "tune", "fetch")
+EXIT_USER_ERROR = 2
+EXIT_PEER_FAILURE = 3
+EXIT_INTERRUPTED = 130
+EXIT_DIR_ENV = "LP_RUNNER_EXIT_DIR"  # where each self-launched rank leaves its exit code for the parent
+STOP_GRACE_S = 15.0  # after Ctrl-C / SIGTERM, how long torchrun and the ranks get before SIGKILL
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``run`` command's arguments (also the top level: no command means ``run``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m lp_runner [run]",
+        description="Exact Lookahead Decoding with Lookahead Parallelism (same tokens as greedy generate).",
+        epilog="other commands: 'python -m lp_runner tune -h' (choose a setting for this device and model), "
+        "'python -m lp_runner fetch -h' (download the embedded model into the cache)",
+    )
+    p.add_argument("--version", action="version", version=f"lp_runner {__version__}")
+    p.add_argument("--config", help="YAML config (sections: model, lookahead, generation, parallel, run)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="a single plain-text prompt (streamed to the terminal)")
+    src.add_argument("--prompts", help="JSONL file: one {id, prompt | messages} object per line")
+    p.add_argument("--output", help="write one JSON record per prompt to this JSONL file")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume", action="store_true", help="--output exists: keep its records, run only the prompts it lacks"
+    )
+    again.add_argument(
+        "--overwrite", action="store_true", help="--output exists: replace it (once the first new record is ready)"
+    )
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure this device's forward-cost curve again instead of reusing the cached one (run.recalibrate)",
+    )
+    p.add_argument("--pool-in", metavar="FILE", help="start the job store from FILE (run.pool_in; pool_scope=job)")
+    p.add_argument("--pool-out", metavar="FILE", help="save the job store to FILE at the end (run.pool_out)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config key (repeatable), e.g. --set lookahead.window_size=15",
+    )
+    add_log_level(p)
+    return p
+
+
+def split_command(argv: list[str]) -> tuple[str, list[str]]:
+    """``[--log-level L] [run | tune | fetch] ARGS`` -> (command, the command's arguments); no command is ``run``.
+
+    ``["--log-level", "DEBUG", "tune", "--prompts", "p"]`` -> ("tune", ["--log-level", "DEBUG", "--prompts", "p"]);
+    ``["--config", "c.yaml"]`` -> ("run", ["--config", "c.yaml"])."""
+    i = 0
+    while i < len(argv) and (argv[i] == "--log-level" or argv[i].startswith("--log-level=")):
+        i += 2 if argv[i] == "--log-level" else 1
+    if i < len(argv) and argv[i] in COMMANDS:
+        return argv[i], argv[:i] + argv[i + 1 :]
+    return "run", argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    command, args = split_command(list(sys.argv[1:] if argv is None else argv))
+    if command == "tune":
+        from lp_runner.cli.tune import main as tune_main
+
+        return tune_main(args)
+    if command == "fetch":
+        from lp_runner.models.fetch import main as fetch_main
+
+        return fetch_main(args, prog="python -m lp_runner fetch")
+    code = _run(args)
+    _leave_exit_code(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
+    """The ``run`` command; ``argv``: its arguments (no command word)."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    launched = "WORLD_SIZE" in os.environ
+    # A rank leaves at once on torchrun's SIGTERM; a top-level run ends on a scheduler's SIGTERM as on Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, _on_sigterm if launched else _interrupt)
+    output = None
+    try:
+        flags = ["run.recalibrate=true"] if args.recalibrate else []
+        flags += [f"run.{k}={v}" for k, v in (("pool_in", args.pool_in), ("pool_out", args.pool_out)) if v]
+        cfg = load_config(args.config, args.overrides + flags)
+        if args.prompt is not None:
+            specs = [PromptSpec(id="prompt", prompt=args.prompt, where="--prompt")]
+        elif args.prompts is not None:
+            specs = read_prompts(args.prompts)
+        else:
+            raise InputError("give --prompt TEXT or --prompts FILE.jsonl")
+        if (args.resume or args.overwrite) and args.output is None:
+            raise InputError(f"{'--resume' if args.resume else '--overwrite'} needs --output FILE")
+        if cfg.run.on_error == "stop":  # the whole input, before any weights are loaded
+            for spec in specs:
+                if (problem := prompt_problem(spec)) is not None:
+                    raise InputError(f"{spec.describe()}: {problem}")
+        single = args.prompt is not None
+        if args.output is not None and int(os.environ.get("RANK", "0")) == 0:
+            mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
+            output = OutputFile.open(args.output, mode, cfg)  # checked and locked before anything is loaded
+        if cfg.parallel.backend == "ray":
+            from lp_runner.jobs.ray import run_on_ray  # imported lazily: ray is optional
+
+            code = run_on_ray(cfg, specs, output, single=single)
+        elif cfg.parallel.workers * cfg.parallel.groups > 1 and not launched:
+            check_local_placement(cfg)  # what would fail in every rank fails here, once, before any rank starts
+            code = relaunch_with_torchrun(cfg, argv, output)
+        else:
+            code = run_local(cfg, specs, output, single=single)
+        if output is not None:
+            output.close(complete=code == 0)
+            output = None
+        return code
+    except LPError as exc:
+        log.error("%s", exc)
+        return EXIT_PEER_FAILURE if isinstance(exc, DistributedError) else EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return EXIT_INTERRUPTED
+    finally:
+        if output is not None:
+            output.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """torchrun stops the surviving workers with SIGTERM when one fails: say so instead of dying silently.
+
+    A rank may sit in a collective that only returns at its timeout, so it leaves at once (records already
+    written are flushed; the kernel drops the output lock)."""
+    log.error("stopped by the launcher (SIGTERM): another worker failed or the job was cancelled")
+    _leave_exit_code(128 + signum)
+    os._exit(128 + signum)
+
+
+def _leave_exit_code(code: int) -> None:
+    """A self-launched rank tells the parent its own exit code (torchrun reports 1 for any failure).
+
+    Written to a hidden file and renamed into place: torchrun's SIGTERM can end the rank mid-write, and a
+    truncated file must not read as another code (the parent then sees no code, not an empty one)."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if folder and "RANK" in os.environ:
+        with contextlib.suppress(OSError):
+            staged = Path(folder, f".rank{os.environ['RANK']}.{os.getpid()}")
+            staged.write_text(str(code))
+            os.replace(staged, Path(folder, f"rank{os.environ['RANK']}"))
+
+
+# ---------------------------------------------------------------- parallel.workers=P: torchrun started for you
+
+
+def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | None) -> int:
+    """parallel.workers x parallel.groups > 1 without a launcher: run the same command as D x P local torchrun
+    workers.
+
+    ``argv``: the ``run`` command's arguments (``--log-level`` included); each rank runs ``lp_runner run ARGV``.
+
+    This process holds the output's lock for the ranks (rank 0 writes), forwards Ctrl-C / SIGTERM to torchrun
+    and every rank, waits for them (at most STOP_GRACE_S, then SIGKILL), and leaves no process behind: it is
+    their subreaper, so ranks orphaned by a dying torchrun come back to it. Its exit code is the ranks' own."""
+    cmd = torchrun_command(cfg.parallel.workers * cfg.parallel.groups, argv)
+    _become_subreaper()
+    signals: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        signals.append(signum)
+        _signal_all(_descendants(), signum)
+
+    with tempfile.TemporaryDirectory(prefix="lp_runner-exit-") as codes:
+        env = {**os.environ, EXIT_DIR_ENV: codes}
+        if output is not None:
+            env[LOCK_HOLDER_ENV] = str(os.getpid())
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            proc = subprocess.Popen(
+                cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, preexec_fn=_stop_with_parent
+            )
+            if signals:  # arrived while torchrun was being started
+                _signal_all(_descendants(), signals[0])
+            relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, signals), daemon=True)
+            relay.start()
+            rc = _wait_bounded(proc, signals)
+            relay.join(timeout=5.0)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            _stop_leftovers()
+        written = {int(f.name[4:]): f.read_text() for f in Path(codes).glob("rank*")}
+        ranks = {rank: int(text) for rank, text in written.items() if text.isdigit()}
+    if signals:
+        log.error("interrupted")
+        return EXIT_INTERRUPTED
+    if rc == 0:
+        return 0
+    code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in ranks.values()), EXIT_PEER_FAILURE)
+    log.error("LP workers failed (exit code %d); see the worker messages above", code)
+    return code
+
+
+def check_local_placement(cfg: Config) -> None:
+    """The D x P ranks about to start on this machine can each be placed (``device.check_placement``: a GPU per
+    rank where the config asks for one, NCCL only with one GPU per rank); a ConfigError (exit 2) otherwise."""
+    from lp_runner.device import check_placement, gpu_count
+
+    ranks = cfg.parallel.workers * cfg.parallel.groups
+    check_placement(cfg.model.device, cfg.parallel.dist_backend, ranks, gpu_count())
+
+
+def torchrun_command(workers: int, argv: list[str]) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=DxP -m lp_runner run ARGV``: the command word
+    is written out, so each rank parses exactly the ``run`` arguments this process got."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={workers}",
+        "-m",
+        "lp_runner",
+        "run",
+        *argv,
+    ]
+
+
+def _wait_bounded(proc: subprocess.Popen, signals: list[int]) -> int:
+    """torchrun's exit code; after the first forwarded signal it gets STOP_GRACE_S, then it and the ranks are
+    killed."""
+    while proc.poll() is None and not signals:
+        time.sleep(0.1)  # short sleeps: the signal handler runs between them
+    deadline = time.monotonic() + STOP_GRACE_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if proc.poll() is None:
+        _signal_all(_descendants(), signal.SIGKILL)
+    return proc.wait()
+
+
+def _relay_stderr(pipe: Any, signals: list[int]) -> None:
+    """The ranks' and torchrun's stderr, as it comes (progress bars included); once the job is interrupted only
+    the ``error:`` lines pass: torchrun's own traceback of the signal says nothing the user does not know."""
+    out = sys.stderr.buffer
+    pending = b""
+    while chunk := os.read(pipe.fileno(), 65536):
+        if not signals:
+            out.write(chunk)
+            out.flush()
+            continue
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.lstrip(b"\r").startswith(b"error: "):
+                out.write(line.lstrip(b"\r") + b"\n")
+                out.flush()
+
+
+def _stop_with_parent() -> None:
+    """In the torchrun child: SIGTERM when this process dies, even by SIGKILL (torchrun then stops its ranks)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants (ranks whose torchrun died) are re-parented to this process, not to init."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants() -> list[int]:
+    """Pids of every process below this one (from /proc; Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def _stop_leftovers() -> None:
+    """Ranks that outlived torchrun (it was killed): SIGTERM, a bounded wait, SIGKILL; then reap them all."""
+    left = _descendants()
+    if left:
+        _signal_all(left, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while _descendants() and time.monotonic() < deadline:
+            _reap()
+            time.sleep(0.1)
+        _signal_all(_descendants(), signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while _descendants() and time.monotonic() < deadline:
+            _reap()
+            time.sleep(0.05)
+    _reap()
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+# ---------------------------------------------------------------- this process runs the prompts
+
+
+def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, single: bool) -> int:
+    """This process is one rank (or the only one): run the prompts the output lacks; rank 0 writes and reports.
+
+    With ``parallel.groups`` > 1 the groups share the prompts through the job's queue (``jobs.run_queued``)."""
+    from lp_runner.collector import worker_start_up
+    from lp_runner.jobs.queue import run_queued
+    from lp_runner.jobs.report import Report
+    from lp_runner.jobs.worker import model_checksum, run_prompts, start_worker  # heavy imports after argument checks
+
+    worker, finished = None, False
+    try:
+        with worker_start_up():  # this process's one worker: its start-up's objects out of later collections
+            worker = start_worker(cfg, specs)
+        done = output.done if output is not None else set()
+        if output is not None and done:
+            output.check_weights(model_checksum(worker))
+        everyone = worker.control or worker.comm  # the whole job (D > 1: its gloo control group)
+        if everyone.world_size > 1:  # every rank runs the prompts rank 0's output lacks
+            done = set(json.loads(everyone.all_gather_strings(json.dumps(sorted(done)))[0]))
+        todo = [s for s in specs if s.id not in done]
+        rebuild_store(worker, specs, output, everyone)
+        stream = None
+        if single and cfg.run.stream and worker.is_main:
+            stream = lambda text: print(text, end="", flush=True)  # noqa: E731
+        report = Report(cfg, output, len(specs), len(specs) - len(todo), progress=worker.is_main and not single)
+        try:
+            if worker.layout is not None:
+                run_queued(worker, todo, on_record=report.record, stream=stream)
+            else:
+                run_prompts(worker, todo, on_record=report.record, stream=stream)
+        finally:
+            report.close_bar()
+        if stream is not None:
+            print(flush=True)
+        if worker.is_main:
+            report.finish(worker.load_s, worker.comm.world_size, groups=cfg.parallel.groups)
+        finished = True
+        return 0
+    finally:
+        _shutdown_group(clean=finished)
+
+
+def rebuild_store(worker, specs: list[PromptSpec], output: OutputFile | None, everyone) -> None:
+    """``--resume`` under ``pool_scope: job``: the job store starts from the outputs already written, in the
+    job's prompt order, as if the job had not been interrupted (the store then holds what an uninterrupted
+    run's would have held before the remaining prompts, whatever order the records were written in). Rank 0's
+    records, shared once, so every replica of a group's store is the same. Error records add nothing."""
+    if worker.store is None:
+        return
+    seen = output.finished_outputs([s.id for s in specs]) if output is not None and worker.is_main else []
+    if everyone.world_size > 1:
+        seen = json.loads(everyone.all_gather_strings(json.dumps(seen))[0])
+    for prompt_ids, output_ids in seen:
+        worker.store.add(prompt_ids, output_ids)
+
+
+def _shutdown_group(clean: bool = True) -> None:
+    """Leave the process group. After a failure under NCCL the communicators are aborted instead: a collective a
+    lost peer never joined may still be queued on the GPU, and destroying the group would wait for it (or NCCL's
+    watchdog would end the process with a stack dump after the one-line error)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.6; private, so looked up
+    if not clean and dist.get_backend() == "nccl" and abort is not None:
+        abort()
+        return
+    dist.destroy_process_group()

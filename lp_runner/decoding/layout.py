@@ -1,0 +1,273 @@
+"""The round compiler: one list of rows -> input ids, position ids, visibility mask and logit row indices.
+
+A round packs three kinds of rows into one target forward, in this order:
+
+    [ ordinary rows | lookahead rows (level 0 context, then levels 1..depth of own columns) | verification rows ]
+
+* ordinary: tokens whose K/V is not cached yet (the prompt at prefill, re-fed tokens under LP); the last one is
+  the live key b_0 at position p. Causal among themselves, visible to every other row.
+* lookahead (level l, column j): reads b_0..b_j and t_1[j]..t_l[j] (see ``window.py`` for the geometry).
+* verification (candidate c, offset s): reads the ordinary rows and g_c[0..s] at positions p+1..p+1+s.
+Lookahead and verification rows never see each other, candidates never see each other, and equal positions
+never imply visibility: the mask is derived from row roles only.
+
+Worked example (one ordinary row at p=9, W=3, depth 1, columns [0, 3), one candidate of length 2), Q = 8:
+
+    row  token     role  level col  pos  sees (in-round)        logits
+    0    b0        ORD   0     0    9    0                      yes  (z0)
+    1    lvl0[0]   LA    0     1    10   0,1
+    2    lvl0[1]   LA    0     2    11   0,1,2
+    3    t1[0]     LA    1     0    10   0,3                    yes  (new[0])
+    4    t1[1]     LA    1     1    11   0,1,4                  yes  (new[1])
+    5    t1[2]     LA    1     2    12   0,1,2,5                yes  (new[2])
+    6    g[0]      VER   c0,s0      10   0,6                    yes
+    7    g[1]      VER   c0,s1      11   0,6,7                  yes
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from lp_runner.config import LookaheadConfig
+
+ROLE_ORDINARY = 0
+ROLE_LOOKAHEAD = 1
+ROLE_VERIFY = 2
+ROLE_PAD = 3  # filler that makes a round a cheaper row count (``pad_layout``): sees itself only, seen by no one
+NO_INDEX = -1  # level / column / candidate / offset of a row that has none
+
+
+@dataclass(frozen=True)
+class Row:
+    role: int
+    token: int
+    position: int
+    level: int = NO_INDEX
+    column: int = NO_INDEX
+    candidate: int = NO_INDEX
+    offset: int = NO_INDEX
+
+
+@dataclass(frozen=True)
+class RoundLayout:
+    """The contract of one packed forward; every tensor is derived from ``rows`` once."""
+
+    rows: tuple[Row, ...]
+    input_ids: torch.Tensor  # [num_rows] int64
+    position_ids: torch.Tensor  # [num_rows] int64
+    visibility: torch.Tensor  # [num_rows, num_rows] bool, True = row i may attend to row k
+    logit_rows: torch.Tensor  # [num_logit_rows] int64, rows whose LM-head output is computed
+    num_ordinary: int
+    num_lookahead: int
+    num_candidates: int
+    candidate_starts: tuple[int, ...]  # row index of each candidate's first token
+    # indices into the logit rows (not into rows):
+    ordinary_logit: int  # prediction z0 after the live key
+    column_logits: tuple[int, ...]  # one per own column, in column order: its new trajectory token
+    verify_logits: tuple[tuple[int, ...], ...]  # [num_candidates][len(candidate)]: prediction after g_c[s]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_padding(self) -> int:
+        """Rows appended by ``pad_layout``: they follow every real row, so their K/V lies past anything a round
+        commits and the next crop drops it."""
+        return sum(1 for r in self.rows if r.role == ROLE_PAD)
+
+    @property
+    def first_verify_row(self) -> int:
+        return self.num_ordinary + self.num_lookahead
+
+    def verify_row(self, candidate: int, offset: int) -> int:
+        """Row index (within the round) of candidate ``candidate``'s input at ``offset``."""
+        return self.candidate_starts[candidate] + offset
+
+
+def compile_round(
+    ordinary: Sequence[int],
+    start_position: int,
+    levels: Sequence[Sequence[int]],
+    columns: tuple[int, int],
+    candidates: Sequence[Sequence[int]],
+) -> RoundLayout:
+    """Build the round for one rank.
+
+    ordinary: uncached committed tokens, the last being the live key; the first sits at ``start_position``.
+    levels: the full window (levels[0] has W-1 tokens, deeper levels W); the deepest present level is output.
+    columns: [lo, hi) this rank computes (empty when lo == hi); it also feeds level-0 context for columns 1..lo-1.
+    candidates: non-empty suffixes (any lengths) to verify, all following the live key.
+    """
+    if not ordinary:
+        raise ValueError("a round needs at least one ordinary row (the live key)")
+    lo, hi = columns
+    depth = len(levels) - 1
+    p = start_position + len(ordinary) - 1  # position of the live key b_0
+    rows: list[Row] = [Row(ROLE_ORDINARY, tok, start_position + i) for i, tok in enumerate(ordinary)]
+    live = len(rows) - 1
+    logit_rows: list[int] = [live]
+    column_rows: list[int] = []
+
+    if hi > lo:
+        for j in range(1, hi):  # base stripe context and own level-0 rows
+            rows.append(Row(ROLE_LOOKAHEAD, levels[0][j - 1], p + j, level=0, column=j))
+            if depth == 0 and j >= lo:
+                column_rows.append(len(rows) - 1)
+        if depth == 0 and lo == 0:
+            column_rows.insert(0, live)  # column 0's level-0 token is the live key itself
+        for level in range(1, depth + 1):
+            for j in range(lo, hi):
+                rows.append(Row(ROLE_LOOKAHEAD, levels[level][j], p + j + level, level=level, column=j))
+                if level == depth:
+                    column_rows.append(len(rows) - 1)
+    num_lookahead = len(rows) - len(ordinary)
+
+    verify_rows: list[list[int]] = []
+    for c, suffix in enumerate(candidates):
+        if not suffix:
+            raise ValueError(f"candidate {c} is empty")
+        verify_rows.append([])
+        for s, tok in enumerate(suffix):
+            rows.append(Row(ROLE_VERIFY, tok, p + 1 + s, candidate=c, offset=s))
+            verify_rows[-1].append(len(rows) - 1)
+
+    # Logit rows: the live key, then own-column outputs, then all verification rows (each row once).
+    for r in column_rows:
+        if r != live:
+            logit_rows.append(r)
+    for rs in verify_rows:
+        logit_rows.extend(rs)
+    where = {r: i for i, r in enumerate(logit_rows)}
+
+    return RoundLayout(
+        rows=tuple(rows),
+        input_ids=torch.tensor([r.token for r in rows], dtype=torch.long),
+        position_ids=torch.tensor([r.position for r in rows], dtype=torch.long),
+        visibility=visibility_mask(rows),
+        logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+        num_ordinary=len(ordinary),
+        num_lookahead=num_lookahead,
+        num_candidates=len(candidates),
+        candidate_starts=tuple(rs[0] for rs in verify_rows),
+        ordinary_logit=0,
+        column_logits=tuple(where[r] for r in column_rows),
+        verify_logits=tuple(tuple(where[r] for r in rs) for rs in verify_rows),
+    )
+
+
+def round_size(
+    num_ordinary: int, columns: tuple[int, int], depth: int, candidate_lengths: Sequence[int]
+) -> tuple[int, int]:
+    """(rows, logit rows) of the round ``compile_round`` builds from these sizes, without building it.
+
+    The cost model prices rounds it never runs (other P, other settings) with this; a test holds it equal to
+    ``compile_round`` over every small shape. Example: one ordinary row, columns [0, 3) at depth 1, one candidate
+    of 2 (the module docstring's round) -> (8, 6).
+    """
+    lo, hi = columns
+    window_rows = (hi - 1) + (hi - lo) * depth if hi > lo else 0
+    own_outputs = (hi - lo) - (1 if depth == 0 and lo == 0 < hi else 0)  # depth 0: column 0's output is the key
+    cand = sum(candidate_lengths)
+    return num_ordinary + window_rows + cand, 1 + own_outputs + cand
+
+
+def longest_candidate(la: LookaheadConfig) -> int:
+    """The longest candidate a round can verify: N-1 from the pool, ``context_tokens`` from the context index (the
+    job store proposes as long as the context index, N-1 without one)."""
+    return max(la.ngram_size - 1, la.context_tokens if la.context_lookup else 0)
+
+
+def max_round_rows(la: LookaheadConfig) -> int:
+    """An upper bound on the rows of one round of ``la`` (P = 1, before padding): the live key, the window's rows
+    and G candidates of the longest length (the tuner sizes the curve it measures with it)."""
+    window_rows = (la.window_size - 1) + la.window_size * (la.ngram_size - 2) if la.lookahead_branch else 0
+    return 1 + window_rows + la.verification_set_size * longest_candidate(la)
+
+
+def pad_layout(layout: RoundLayout, num_rows: int) -> RoundLayout:
+    """The same round run as ``num_rows`` rows: filler rows appended after every real row.
+
+    Why: a forward's cost is not monotone in its row count on every device (one 2-core CPU measured 2-3 rows at
+    1.6-1.9x one row and 8 rows at 1.35x), so a round is cheaper run at a larger row count that the calibrated
+    curve says is cheaper (``costmodel.RowPlan``). Exactness: a filler row attends to itself only (a softmax
+    needs one visible key) and no real row attends to it, so every real row computes what it would without it;
+    no logits are computed for it; its K/V sits after the round's own rows, beyond any committed position, and
+    the round's crop drops it. Token and position repeat the live key's (any valid values would do).
+
+    Example: a 3-row round (live key at position 9, one 2-token candidate) padded to 5 rows appends two rows of
+    role ROLE_PAD at position 9; ``logit_rows``, ``verify_row`` and the commit plan are unchanged.
+    """
+    extra = num_rows - layout.num_rows
+    if extra < 0:
+        raise ValueError(f"cannot pad a round of {layout.num_rows} rows down to {num_rows}")
+    if extra == 0:
+        return layout
+    live = layout.rows[layout.num_ordinary - 1]
+    rows = layout.rows + tuple(Row(ROLE_PAD, live.token, live.position) for _ in range(extra))
+    return replace(
+        layout,
+        rows=rows,
+        input_ids=torch.cat([layout.input_ids, layout.input_ids.new_full((extra,), live.token)]),  # [num_rows]
+        position_ids=torch.cat([layout.position_ids, layout.position_ids.new_full((extra,), live.position)]),
+        visibility=visibility_mask(rows),  # [num_rows, num_rows]
+    )
+
+
+def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
+    """[Q, Q] bool: which in-round rows each row attends to, from roles alone (see module docstring).
+
+    A function of each row's (role, level, column, candidate, offset), not of its token or position, and a job's
+    rounds take few distinct shapes (a no-window round: the live row and its candidates' lengths): so it is
+    computed once per shape (``_visibility``, an LRU of 512) and copied (the caller owns its tensor). Computing
+    it took about 120 us a round on a 2-core EPYC, some 1% of a 12 ms round; a copy takes a few."""
+    return _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows)).clone()
+
+
+@functools.lru_cache(maxsize=512)
+def _visibility(shape: tuple[tuple[int, int, int, int, int], ...]) -> torch.Tensor:
+    """``visibility_mask`` of rows whose (role, level, column, candidate, offset) are ``shape``."""
+    role, level, column, cand, offset = (torch.tensor(field, dtype=torch.long) for field in zip(*shape, strict=True))
+    q = len(shape)
+    i_idx = torch.arange(q).unsqueeze(1)  # [Q, 1] attending row
+    k_idx = torch.arange(q).unsqueeze(0)  # [1, Q] attended row
+
+    def col(t: torch.Tensor) -> torch.Tensor:  # attribute of the attending row, [Q, 1]
+        return t.unsqueeze(1)
+
+    def row(t: torch.Tensor) -> torch.Tensor:  # attribute of the attended row, [1, Q]
+        return t.unsqueeze(0)
+
+    k_ord = row(role == ROLE_ORDINARY)
+    k_la = row(role == ROLE_LOOKAHEAD)
+    k_ver = row(role == ROLE_VERIFY)
+    i_ord = col(role == ROLE_ORDINARY)
+    i_la = col(role == ROLE_LOOKAHEAD)
+    i_ver = col(role == ROLE_VERIFY)
+
+    i_pad = col(role == ROLE_PAD)
+    sees_ordinary = k_ord & ~i_pad & (~i_ord | (k_idx <= i_idx))
+    sees_base = i_la & k_la & (row(level) == 0) & (row(column) <= col(column))
+    sees_trajectory = i_la & k_la & (row(level) >= 1) & (row(column) == col(column)) & (row(level) <= col(level))
+    sees_candidate = i_ver & k_ver & (row(cand) == col(cand)) & (row(offset) <= col(offset))
+    sees_self_as_pad = i_pad & (k_idx == i_idx)
+    return sees_ordinary | sees_base | sees_trajectory | sees_candidate | sees_self_as_pad  # [Q, Q]
+
+
+class RowCounts(Protocol):
+    """The row count each round runs at (``pad_layout``'s target): the tuner's measured ``costmodel.RowPlan`` is
+    one. The decoding loop needs only these two answers, so it does not depend on how the plan was made."""
+
+    def rows_for(self, rows: int, kv_len: int) -> int:
+        """The row count to run a round of ``rows`` rows at, with ``kv_len`` cached positions."""
+        ...
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows any padded round can have (bounds the cache a round may touch)."""
+        ...

@@ -1,0 +1,126 @@
+"""One job over D LP groups (``parallel.groups = D > 1``): the prompt loop of each group, fed by the work queue.
+
+``run_prompts`` (runner.py) runs a list of prompts in order on one LP group; ``run_queued`` is its D-group form:
+every rank tokenizes and checks every prompt (the same answer everywhere), then each group takes the next prompt
+from the job's queue (``parallel.groups``: longest first, whichever group is free) until none is left. The
+engine, the round protocol and the policy are those of a one-group job, so every prompt's greedy output is the
+one D = 1 gives (sampling streams are keyed by prompt id, not by order). World rank 0 writes every record, in
+the order they finish, each with its ``group``; a bad prompt's error record (``run.on_error=skip``) comes first
+and carries no group (no group ran it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+from lp_runner.decoding.engine import LookaheadEngine
+from lp_runner.errors import DistributedError, InputError, first_line
+from lp_runner.jobs.prompts import PromptSpec
+from lp_runner.jobs.worker import (
+    TextStreamer,
+    Worker,
+    chain_callbacks,
+    check_prompt,
+    eos_token_ids,
+    make_error_record,
+    make_record,
+    save_store,
+)
+from lp_runner.parallel.cores import CoreShare
+from lp_runner.parallel.groups import JobQueue, RecordCollector, claim_for_group, queue_order, store_client
+from lp_runner.tuning.policy import RoundPolicy
+
+
+def run_queued(
+    worker: Worker,
+    specs: Sequence[PromptSpec],
+    on_record: Callable[[dict], None] | None = None,
+    stream: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Generate ``specs`` across the job's groups; on world rank 0, every record (also passed to ``on_record``,
+    from its collector thread) in the order they finished; elsewhere [].
+
+    ``stream`` (world rank 0, a single prompt): the text as group 0 commits it, or the whole text when another
+    group ran the prompt."""
+    layout = worker.layout
+    if layout is None:
+        raise ValueError("run_queued needs a worker started with parallel.groups > 1")
+    timeout_s = worker.cfg.parallel.timeout_s
+    policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
+    engine = LookaheadEngine(
+        worker.adapter,
+        policy.lookahead,
+        worker.cfg.generation,
+        eos_token_ids(worker),
+        worker.comm,
+        policy.row_plan,
+        store=worker.store,  # each group's own (pool_scope=job): fed by the prompts this group ran
+    )
+    prompt_ids, problems = [], []
+    for spec in specs:
+        ids, problem = check_prompt(worker, engine, spec)
+        if problem is not None and worker.cfg.run.on_error == "stop":
+            raise InputError(f"{spec.describe()}: {problem}")
+        prompt_ids.append(ids)
+        problems.append(problem)
+    good = [i for i, problem in enumerate(problems) if problem is None]
+    order = [good[k] for k in queue_order([len(prompt_ids[i]) for i in good])]
+
+    records: list[dict] = []
+
+    def deliver(rec: dict) -> None:  # world rank 0 only: the one writer
+        records.append(rec)
+        if stream is not None and rec.get("group") != worker.group:
+            stream(rec.get("text", ""))
+        if on_record is not None:
+            on_record(rec)
+
+    collector = None
+    if worker.is_main:
+        for spec, problem in zip(specs, problems, strict=True):
+            if problem is not None:
+                rec = make_error_record(worker, spec, f"{spec.describe()}: {problem}")
+                rec["group"] = None
+                deliver(rec)
+        collector = RecordCollector(layout, len(order), timeout_s, deliver)
+        collector.start()
+    queue = JobQueue(store_client(timeout_s), worker.group) if worker.comm.rank == 0 else None
+    cores = share_cores(worker)
+    try:
+        while (k := claim_for_group(queue, worker.comm)) < len(order):
+            i = order[k]
+            streamer = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
+            on_commit = chain_callbacks([hook for hook in (streamer, cores) if hook is not None])
+            result = engine.generate(prompt_ids[i], on_commit=on_commit, sample_key=f"id:{specs[i].id}")
+            if queue is not None:
+                queue.post(make_record(worker, specs[i], prompt_ids[i], result))  # with the setting that ran
+            if policy.observe(prompt_ids[i], result.output_ids):  # the group's ranks see the same tokens
+                engine.set_lookahead(policy.lookahead)
+        if cores is not None:
+            cores.leave()
+        if queue is not None:
+            queue.finish()
+    except BaseException as exc:
+        if queue is not None:  # rank 0 names the failed group at once instead of waiting out its heartbeat
+            with contextlib.suppress(Exception):
+                queue.fail(first_line(exc))
+        raise
+    finally:
+        if worker.heartbeat is not None:
+            worker.heartbeat.stop()
+    if collector is not None:
+        collector.join()
+        if collector.error is not None:
+            raise DistributedError(collector.error)
+    save_store(worker)  # world rank 0: group 0's store (each group keeps its own)
+    return records
+
+
+def share_cores(worker: Worker) -> CoreShare | None:
+    """This rank's part in giving an idle group's cores to the busy ones (``parallel/cores.py``): CPU ranks with
+    ``parallel.share_cores`` that share their node with other ranks; None elsewhere (a GPU's speed does not come
+    from the host's threads)."""
+    if worker.device.type != "cpu" or not worker.cfg.parallel.share_cores:
+        return None
+    return CoreShare.from_env(lambda: store_client(worker.cfg.parallel.timeout_s))

@@ -1,0 +1,226 @@
+"""What a run shows and keeps: records to the output file, the progress bar, the end-of-run summary.
+
+One ``Report`` per run, on the process that writes (the only process, torchrun's rank 0, or the Ray driver), so
+every launcher produces the same file, bar and summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from lp_runner.config import Config
+from lp_runner.decoding.metrics import combine
+from lp_runner.jobs.output import OutputFile
+from lp_runner.logs import log
+
+
+def format_summary(
+    cfg: Config, summary: dict, load_s: float, workers: int, policy: dict | None = None, device: dict | None = None
+) -> str:
+    """``policy``: the last record's ``policy`` (the setting that ran, and why it was chosen); ``device``: its
+    ``run.device`` (what ran it, in which dtype)."""
+    la = cfg.lookahead
+    head = (
+        policy["setting"]
+        if policy and "setting" in policy
+        else (
+            f"W={la.window_size} N={la.ngram_size} G={la.verification_set_size} pool_from_prompt={la.pool_from_prompt}"
+        )
+    )
+    lines = [
+        "-" * 64,
+        f"lp_runner  {head}  workers={workers}",
+        *device_lines(device),
+        *policy_lines(policy),
+        f"prompts {summary['generations']}  new tokens {summary['new_tokens']}  forwards {summary['forwards']}  "
+        f"tokens/forward {summary['tokens_per_forward']:.2f}",
+        f"tokens/s {summary['tokens_per_s']:.2f}  generation {summary['seconds']:.2f} s  model load {load_s:.2f} s",
+        f"time split: forward {100 * summary['forward_share']:.1f}%  host {100 * summary['host_share']:.1f}%  "
+        f"comm {100 * summary['comm_share']:.1f}% ({summary['comm_us_per_round']:.0f} us/round)  "
+        f"mean packed rows {summary['mean_rows']:.1f}",
+        "-" * 64,
+    ]
+    return "\n".join(lines)
+
+
+def device_lines(device: dict | None) -> list[str]:
+    """What ran the job, e.g. ``device NVIDIA H200 (cuda): bfloat16 (auto: bfloat16 on CUDA), TF32 allowed; peak
+    host memory after loading 1.9 GiB``; nothing for records without it."""
+    if not device or "dtype" not in device:
+        return []
+    tf32 = ", TF32 allowed" if device.get("tf32") else ""
+    ranks = device.get("load_peak_host_mib_ranks") or [device.get("load_peak_host_mib") or 0.0]
+    of = f" (the most of {len(ranks)} ranks)" if len(ranks) > 1 else ""
+    peak_txt = f"; peak host memory after loading {max(ranks) / 1024:.1f} GiB{of}" if max(ranks) else ""
+    return [f"device {device['name']} ({device['type']}): {device['dtype']} ({device['dtype_choice']}){tf32}{peak_txt}"]
+
+
+def policy_lines(policy: dict | None) -> list[str]:
+    """How the setting was chosen (auto preset) and what the device's curve said, in two short lines."""
+    lines = prepack_lines(policy) + compile_lines(policy)
+    if not policy or policy.get("preset") != "auto" or "choice" not in policy:
+        return lines
+    choice, cal = policy["choice"], policy.get("calibration", {})
+    lines += [
+        f"preset auto ({choice['samples']} outputs, {choice['evaluated']} settings priced"
+        f"{', read from the cache' if choice.get('from_cache') else ''}): predicted "
+        f"{choice['predicted_ms_per_token']:.1f} ms/token, {choice['predicted_tokens_per_forward']:.2f} tokens/forward"
+    ]
+    curve = choice.get("curve_body_ms", {})
+    if curve:
+        one = curve.get("1")
+        pts = "  ".join(f"{q}:{ms / one:.2f}x" if one else f"{q}:{ms}ms" for q, ms in list(curve.items())[:8])
+        pad = policy.get("padding", {}).get("rows_to", {})
+        pad_txt = ", ".join(_ranges(pad)) or "none"
+        lines.append(
+            f"curve ({cal.get('device', '?')}, {cal.get('source', '?')} {cal.get('seconds', 0):.1f} s"
+            f"{_noise_text(cal)}): rows {pts}"
+            f"  padding {pad_txt}"
+        )
+    return lines
+
+
+def _noise_text(cal: dict) -> str:
+    """', noisy: 61% spread' for a curve measured on a busy machine (``calibrate.NOISY_SPREAD``)."""
+    return f", noisy: {100 * cal['spread']:.0f}% spread" if cal.get("noisy") else ""
+
+
+def prepack_lines(policy: dict | None) -> list[str]:
+    """The linear kernels (``model.prepack``), e.g.
+    ``linear layers: oneDNN-prepacked (211 in 121 products; model.prepack=auto)`` or
+    ``linear layers: torch (model.prepack=auto: float16 weights ...)``; nothing when off."""
+    pre = (policy or {}).get("prepack")
+    if not pre or pre["mode"] == "off":
+        return []
+    if pre["layers"]:
+        products = pre.get("products") or pre["layers"]  # records before sibling fusion have no "products"
+        label = pre.get("label", "oneDNN-prepacked")  # records before the native kernel have no label
+        line = f"linear layers: {label} ({pre['layers']} in {products} products; model.prepack={pre['mode']})"
+        if pre.get("native_layers"):
+            line += f"; decoder layers: native ({pre['native_layers']}, one call a round)"
+        if pre.get("huge_pages"):
+            line += "; weights in huge pages"
+        elif pre.get("huge_pages_note"):
+            line += f"; huge pages asked, not granted ({pre['huge_pages_note']})"
+        return [line]
+    return [f"linear layers: torch (model.prepack={pre['mode']}: {pre['reason']})"]
+
+
+def compile_lines(policy: dict | None) -> list[str]:
+    """The job's forward (``model.compile``), e.g. ``forward compiled (model.compile=on; compiled in 95.2 s)`` or
+    ``forward auto: eager (compiling took 100 s here; ...)``; nothing when off."""
+    comp = (policy or {}).get("compile")
+    if not comp or comp["mode"] == "off":
+        return []
+    took = f"; compiled in {comp['compile_s']:.1f} s" if comp["compiled"] else ""
+    if comp["mode"] == "on" and comp["compiled"]:
+        return [f"forward compiled (model.compile=on{took})"]
+    return [f"forward {comp['reason']}{took}"]  # auto's reason, or why "on" fell back to eager
+
+
+def _ranges(targets: dict[str, int]) -> list[str]:
+    """{"2": 8, "3": 8, "4": 8, "9": 16} -> ["2-4->8", "9->16"]: padded row counts, consecutive runs merged."""
+    runs: list[list[int]] = []  # [first, last, target]
+    for q, t in sorted((int(q), t) for q, t in targets.items()):
+        if runs and runs[-1][1] == q - 1 and runs[-1][2] == t:
+            runs[-1][1] = q
+        else:
+            runs.append([q, q, t])
+    return [f"{a}->{t}" if a == b else f"{a}-{b}->{t}" for a, b, t in runs]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile: ``percentile([4, 1, 3, 2], 0.5)`` -> 2, ``percentile([4, 1, 3, 2], 0.9)`` -> 4."""
+    ranked = sorted(values)
+    if not ranked:
+        return 0.0
+    return ranked[max(0, min(len(ranked), math.ceil(q * len(ranked))) - 1)]
+
+
+def job_line(records: Sequence[dict], wall_s: float, groups: int = 1) -> str:
+    """The whole job: new tokens over its wall time, per-prompt latency (each record's ``seconds``) p50/p90, and
+    each group's utilisation (its records' seconds over the wall time; parallel.groups > 1).
+
+    Two groups, records (group 0, 2 s, 20 tokens), (1, 3 s, 30), (0, 1 s, 10), wall 4 s ->
+    ``job 4.00 s  15.00 tokens/s  latency p50 2.00 s  p90 3.00 s  groups 2: busy 75% 75%``."""
+    wall_s = max(wall_s, 1e-9)
+    tokens = sum(r["new_tokens"] for r in records)
+    latencies = [r["seconds"] for r in records]
+    line = (
+        f"job {wall_s:.2f} s  {tokens / wall_s:.2f} tokens/s  latency p50 {percentile(latencies, 0.5):.2f} s  "
+        f"p90 {percentile(latencies, 0.9):.2f} s"
+    )
+    if groups > 1:
+        busy = [sum(r["seconds"] for r in records if r.get("group") == g) / wall_s for g in range(groups)]
+        line += f"  groups {groups}: busy " + " ".join(f"{100 * b:.0f}%" for b in busy)
+    return line
+
+
+class Report:
+    """Records of this run go to ``output`` (if any) and the bar; ``finish`` prints the summary.
+
+    ``total``: prompts in the job, ``already``: of those, how many the output held before (``--resume``).
+    """
+
+    def __init__(
+        self, cfg: Config, output: OutputFile | None, total: int, already: int = 0, progress: bool = True
+    ) -> None:
+        self.cfg = cfg
+        self.output = output
+        self.records: list[dict] = []
+        self.already = already
+        self.started = time.perf_counter()  # the job's wall clock: tokens/s of the whole job, group utilisation
+        self.bar: Any = None
+        if progress and cfg.run.progress and total > 1 and log.isEnabledFor(logging.INFO):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=already, desc="prompts", unit="prompt", file=sys.stderr)
+
+    def record(self, rec: dict) -> None:
+        self.records.append(rec)
+        if self.output is not None:
+            self.output.write(rec)
+        if self.bar is not None:
+            self.bar.update(1)
+            if "error" not in rec:
+                self.bar.set_postfix(tok_per_fwd=f"{rec['tokens_per_forward']:.2f}", tok_s=f"{rec['tokens_per_s']:.1f}")
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def finish(self, load_s: float, workers: int, recoveries: Sequence[dict] = (), groups: int = 1) -> None:
+        self.close_bar()
+        if not self.cfg.run.summary:
+            return
+        generated = [r for r in self.records if "error" not in r]
+        summary = combine(SimpleNamespace(**r["stats"]) for r in generated)
+        policy = next((r["policy"] for r in reversed(generated) if "policy" in r), None)
+        device = next((r["run"]["device"] for r in reversed(generated) if "run" in r), None)
+        lines = format_summary(self.cfg, summary, load_s, workers, policy, device).split("\n")
+        if generated:
+            lines.insert(-1, job_line(generated, time.perf_counter() - self.started, groups))
+        errors = len(self.records) - len(generated)
+        if errors or self.already:
+            lines.insert(
+                -1,
+                f"skipped: {self.already} already in the output (--resume), {errors} error records "
+                f"(run.on_error={self.cfg.run.on_error})",
+            )
+        if recoveries:
+            spent = sum(r["seconds"] or 0.0 for r in recoveries)
+            lines.insert(-1, f"recoveries {len(recoveries)} (lost workers, {spent:.2f} s to rebuild)")
+            for r in recoveries:
+                lines.insert(
+                    -1,
+                    f"  {r['lost'][:80]} -> prompt '{r['prompt']}' resumed at token {r['resumed_at_token']} "
+                    f"on {r['workers_after']} workers",
+                )
+        log.info("\n".join(lines))  # stderr: stdout carries only results (streamed text)

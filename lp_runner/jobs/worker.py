@@ -1,0 +1,502 @@
+"""One worker's job: join the group (if any), load the replica, check peers, run prompts, report records.
+
+The same function runs as the only process (P = 1), as a torchrun rank, and inside a Ray actor, so every path
+produces the same records. Only rank 0 streams, writes and reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lp_runner.backends.adapter import ModelAdapter
+from lp_runner.backends.cpu.prepack import PrepackChoice, apply_prepack
+from lp_runner.config import Config
+from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
+from lp_runner.decoding.job_store import JobPool, tokenizer_fingerprint
+from lp_runner.device import (
+    Placement,
+    bind,
+    gpu_count,
+    local_world_size,
+    peak_host_mib,
+    place,
+    resolve_dist_backend,
+    resolve_threads,
+    synchronizer,
+)
+from lp_runner.errors import ConfigError, DistributedError, InputError, first_line
+from lp_runner.jobs.output import output_digest, output_settings
+from lp_runner.jobs.prompts import PromptSpec, encode, prompt_problem
+from lp_runner.logs import log
+from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path, weights_checksum
+from lp_runner.parallel.comm import (
+    Communicator,
+    SoloCommunicator,
+    TorchCommunicator,
+    init_process_group,
+    strings_group,
+)
+from lp_runner.parallel.groups import GroupLayout, Heartbeat, form_groups, group_layout
+from lp_runner.tuning.calibrate import device_name
+from lp_runner.tuning.compile_choice import (
+    RECORD_KV,
+    CompileChoice,
+    decide,
+    load_record,
+    measure_record,
+    record_file,
+    record_key,
+    save_record,
+)
+from lp_runner.tuning.policy import RoundPolicy
+
+
+@dataclass
+class Worker:
+    cfg: Config
+    comm: Communicator
+    adapter: ModelAdapter
+    tokenizer: Any
+    model_path: Path
+    device: torch.device
+    load_s: float
+    policy: RoundPolicy | None = None  # setting and row padding per round; None: the config's setting as written
+    group: int = 0  # this rank's LP group (parallel.groups = D > 1; comm is then the group's communicator)
+    layout: GroupLayout | None = None  # None: one group, the whole world
+    control: Communicator | None = None  # D > 1: the whole world, on gloo (start-up messages only)
+    heartbeat: Heartbeat | None = None  # D > 1, on each group's leader: tells world rank 0 the group is alive
+    store: JobPool | None = None  # lookahead.pool_scope=job: the job's store (run.pool_in's contents at start)
+    placement: Placement | None = None  # device, dtype and TF32 as resolved (device.place)
+    load_peak_mib: float = 0.0  # this process's peak host memory right after loading the weights
+    load_peaks_mib: list[float] | None = None  # every rank's load_peak_mib (check_peers), in rank order
+
+    @property
+    def is_main(self) -> bool:
+        """The writing rank: rank 0 of the world (with D groups, the leader of group 0)."""
+        return self.comm.rank == 0 and self.group == 0
+
+
+def _rank0_timings(comm: Communicator, ms: dict[str, float]) -> dict[str, float]:
+    """The kernel timings rank 0 of this LP group measured: its ranks pack with the same kernel."""
+    return json.loads(comm.all_gather_strings(json.dumps(ms))[0])
+
+
+def distributed_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun / Ray environment; (0, 1, 0) when alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
+    """Join the process group, load the model, and check that all ranks agree.
+
+    ``prompts``: with ``run.on_error=stop``, checked (tokenized, against the model's context) as soon as the
+    tokenizer is loaded, so a bad prompt file fails before the start-up calibration is measured.
+
+    Under a launcher (torchrun or the Ray backend: MASTER_ADDR is set) the process group is formed even with one
+    rank, so ``torchrun --nproc-per-node=1`` runs the same collective path as P > 1 (NCCL on a GPU); a plain
+    ``python -m lp_runner`` uses the no-op communicator.
+
+    With ``parallel.groups = D > 1`` the world (D x P ranks, WORLD_SIZE checked) splits into D LP groups of
+    contiguous ranks (``parallel.groups``); ``comm`` is this rank's group (the no-op one when P = 1), ``control``
+    the whole world on gloo (peer check, ``--resume`` done set), and each group's leader starts its heartbeat.
+    """
+    rank, world, _ = distributed_env()
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    par = cfg.parallel
+    layout = group_layout(world, rank, par.workers, par.groups) if par.groups > 1 else None  # checks D x P
+    if layout is None and world > 1 and par.workers not in (1, world):
+        raise ConfigError(f"parallel.workers={par.workers} but the launcher started {world} workers")
+    placement = place(cfg.model.device, cfg.model.dtype)  # before anything touches a GPU
+    if placement.device.type != "cpu" and cfg.model.prepack not in ("auto", "off"):
+        raise ConfigError(
+            f"model.prepack={cfg.model.prepack} packs weights for CPU kernels, but the model goes to "
+            f"{placement.device}; use model.prepack=auto or off"
+        )
+    bind(placement)
+    torch.set_num_threads(resolve_threads(cfg.model.threads))  # LOCAL_WORLD_SIZE counts all D x P local ranks
+    comm, control, heartbeat = join_groups(cfg, placement, layout, launched or world > 1)
+    start = time.perf_counter()
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir or None)
+    model, tokenizer, folder = load_model_and_tokenizer(
+        path, dtype=placement.dtype, device=placement.device, allow_pickle=cfg.model.allow_pickle
+    )
+    load_peak_mib = peak_host_mib()  # the weights went straight to the device: what loading cost the host
+    _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before prepacking reorders them
+    cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
+    prepack = PrepackChoice(cfg.model.prepack, 0, "CPU kernels; the model is on a GPU")
+    if placement.device.type == "cpu":  # the packed kernels are CPU code: on a GPU nothing to agree on
+        prepack = apply_prepack(
+            model,
+            cfg.model.prepack,
+            cache_root,
+            agree=lambda ms: _rank0_timings(comm, ms),
+            huge_pages=cfg.model.huge_pages,
+        )
+    load_s = time.perf_counter() - start
+    adapter = ModelAdapter(model, native_layers=cfg.model.native_layers)
+    worker = Worker(cfg, comm, adapter, tokenizer, folder, placement.device, load_s)
+    worker.placement, worker.load_peak_mib = placement, load_peak_mib
+    worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
+    worker.group = layout.group if layout is not None else 0
+    if (control or comm).world_size > 1:
+        check_peers(worker, control or comm)  # every rank of the job, not only of its group
+    if prompts and cfg.run.on_error == "stop":
+        checker = LookaheadEngine(worker.adapter, cfg.lookahead, cfg.generation, eos_token_ids(worker), comm)
+        for spec in prompts:
+            problem = check_prompt(worker, checker, spec)[1]
+            if problem is not None:
+                raise InputError(f"{spec.describe()}: {problem}")
+    job_tokens = len(prompts) * cfg.generation.max_new_tokens
+    compile_choice = choose_forward(worker, job_tokens, cache_root, say=_log if worker.is_main else None)
+    worker.policy = RoundPolicy.build(
+        cfg,
+        worker.adapter,
+        comm,
+        cache_root=cache_root,
+        weights_checksum=lambda: model_checksum(worker),
+        log=_log if worker.is_main else None,
+    )
+    worker.policy.compile = compile_choice.describe()
+    worker.policy.prepack = {**prepack.describe(), "native_layers": worker.adapter.native_layers}
+    worker.store = job_store(cfg, tokenizer)
+    return worker
+
+
+def join_groups(
+    cfg: Config, placement: Placement, layout: GroupLayout | None, launched: bool
+) -> tuple[Communicator, Communicator | None, Heartbeat | None]:
+    """(this rank's LP group, the whole job on gloo when D > 1, the group leader's heartbeat) for a rank whose
+    device is bound (``device.bind``): the process group is formed on that device, the round exchange runs on
+    the resolved backend (NCCL: the rank's GPU) and every start-up string goes over gloo.
+
+    Alone (no launcher) this is the no-op communicator; under a launcher the group is formed even with one rank,
+    so ``torchrun --nproc-per-node=1`` runs the same collective path as P > 1."""
+    par = cfg.parallel
+    if layout is None and not launched:
+        return SoloCommunicator(), None, None
+    backend = resolve_dist_backend(par.dist_backend, cfg.model.device, local_world_size(), gpu_count())
+    init_process_group(backend, par.timeout_s, placement.device)
+    device = placement.collective_device(backend)
+    if layout is None:
+        return TorchCommunicator(device, None, strings_group(par.timeout_s), par.timeout_s), None, None
+    groups = form_groups(layout, par.timeout_s)
+    comm: Communicator = SoloCommunicator()  # a group of one rank has nothing to exchange, as a plain process
+    if layout.workers > 1:
+        comm = TorchCommunicator(device, groups.group, groups.group_strings, par.timeout_s)
+    control = TorchCommunicator(torch.device("cpu"), groups.control, None, par.timeout_s)
+    heartbeat = None
+    if comm.rank == 0:
+        heartbeat = Heartbeat(layout.group, par.timeout_s)
+        heartbeat.start()
+    return comm, control, heartbeat
+
+
+def job_store(cfg: Config, tokenizer: Any) -> JobPool | None:
+    """The job's store under ``pool_scope: job`` (None otherwise), started from ``run.pool_in`` when given
+    (a pool file of another tokenizer, version or a truncated one: a one-line InputError)."""
+    if cfg.lookahead.pool_scope != "job":
+        return None
+    store = JobPool(cfg.lookahead.pool_max_tokens)
+    if cfg.run.pool_in:
+        store.load(cfg.run.pool_in, tokenizer_fingerprint(tokenizer))
+    return store
+
+
+def save_store(worker: Worker) -> None:
+    """``run.pool_out``: the writing rank saves the job's store after the job's last prompt."""
+    if worker.cfg.run.pool_out and worker.store is not None and worker.is_main:
+        worker.store.save(worker.cfg.run.pool_out, tokenizer_fingerprint(worker.tokenizer))
+
+
+def _log(message: str) -> None:
+    log.info(message)
+
+
+def check_peers(worker: Worker, comm: Communicator | None = None) -> None:
+    """Every rank must run the same config on the same weights, or outputs would silently fork.
+
+    ``comm``: the ranks to compare (default: the worker's LP group); ranks in errors are its ranks. The same
+    message carries each rank's peak host memory at load, which the writing rank keeps for the records."""
+    mine = f"{worker.cfg.digest()}|{model_checksum(worker)}|{worker.load_peak_mib:.1f}"
+    everyone = (comm or worker.comm).all_gather_strings(mine)
+    worker.load_peaks_mib = [float(s.split("|")[2]) for s in everyone]
+    cfgs = {s.split("|")[0] for s in everyone}
+    if len(cfgs) > 1:
+        bad = [r for r, s in enumerate(everyone) if s.split("|")[0] != everyone[0].split("|")[0]]
+        raise DistributedError(f"config mismatch between ranks: ranks {bad} differ from rank 0")
+    if len({s.split("|")[1] for s in everyone}) > 1:
+        bad = [r for r, s in enumerate(everyone) if s.split("|")[1] != everyone[0].split("|")[1]]
+        raise DistributedError(f"model weights differ between ranks: ranks {bad} differ from rank 0")
+
+
+def eos_token_ids(worker: Worker) -> list[int]:
+    ids = worker.adapter.model.generation_config.eos_token_id
+    if ids is None:
+        ids = worker.tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+_CHECKSUMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_checksum(worker: Worker) -> str:
+    """``weights_checksum`` of the worker's model, computed once per model (one pass over the weights)."""
+    model = worker.adapter.model
+    if model not in _CHECKSUMS:
+        _CHECKSUMS[model] = weights_checksum(model)
+    return _CHECKSUMS[model]
+
+
+def make_error_record(worker: Worker, spec: PromptSpec, error: str) -> dict:
+    """``run.on_error=skip``: what the output keeps of a prompt that could not run (resume skips it too)."""
+    return {
+        "id": spec.id,
+        "error": error,
+        "config_digest": output_digest(worker.cfg),
+        "weights_checksum": model_checksum(worker),
+        "config": output_settings(worker.cfg),
+        "run": run_info(worker),
+    }
+
+
+def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], result: GenerationResult) -> dict:
+    cfg, s = worker.cfg, result.stats
+    la = worker.policy.lookahead if worker.policy is not None else cfg.lookahead  # the setting that ran
+    return {
+        "id": spec.id,
+        "prompt_ids": list(prompt_ids),
+        "output_ids": result.output_ids,
+        "text": worker.tokenizer.decode(result.output_ids, skip_special_tokens=True),
+        "new_tokens": len(result.output_ids),
+        "forwards": s.forwards,
+        "seconds": round(s.seconds, 6),
+        "tokens_per_forward": round(s.tokens_per_forward, 4),
+        "tokens_per_s": round(s.tokens_per_s, 3),
+        "model": str(worker.model_path),
+        "window_size": la.window_size,
+        "ngram_size": la.ngram_size,
+        "verification_set_size": la.verification_set_size,
+        "pool_from_prompt": la.pool_from_prompt,
+        "workers": worker.comm.world_size,
+        "group": worker.group,  # which of the parallel.groups LP groups generated it (0 with one group)
+        "dist_backend": worker.comm.backend,
+        "do_sample": cfg.generation.do_sample,
+        "stats": s.summary(),
+        "policy": worker.policy.describe() if worker.policy is not None else {"preset": "off"},
+        "config_digest": output_digest(cfg),  # what ``--resume`` checks: same settings, same weights
+        "weights_checksum": model_checksum(worker),
+        "config": output_settings(cfg),
+        "run": run_info(worker),
+    }
+
+
+def package_versions() -> dict[str, str]:
+    import transformers
+
+    from lp_runner import __version__
+
+    return {
+        "lp_runner": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+@functools.cache
+def _device_label(device: torch.device) -> str:
+    return device_name(device)  # reads /proc/cpuinfo on a CPU: once per process
+
+
+def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) -> CompileChoice:
+    """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 decides, every rank of
+    the group follows; a compiled adapter replaces ``worker.adapter`` after compiling (timed). With ``on``, rank 0
+    records what compiling cost and saved on this device (when it has no record, or on ``--recalibrate``), which
+    is what ``auto`` decides from next time."""
+    mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
+    if mode == "off":
+        return CompileChoice(mode, False, "off")
+    key = record_key(adapter.device, adapter.dtype, model_checksum(worker), adapter.kernels)
+    path = record_file(cache_root, key)
+    record = None if worker.cfg.run.recalibrate else load_record(path, key)
+    compiled, reason = decide(mode, record, job_tokens)
+    if comm.world_size > 1:  # rank 0's choice: the ranks of a group run one forward
+        compiled, reason = json.loads(comm.all_gather_strings(json.dumps([compiled, reason]))[0])
+    if not compiled:
+        return CompileChoice(mode, False, reason)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))  # reused by the next run
+    if say is not None:
+        say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
+    fast = ModelAdapter(adapter.model, compile=True)
+    try:
+        compile_s = fast.warm_up(RECORD_KV + 64)
+    except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback
+        reason = f"{reason}: compilation failed ({first_line(exc)}), eager"
+        log.warning("model.compile: %s", reason)
+        return CompileChoice(mode, False, reason)
+    if say is not None:
+        say(f"compiled in {compile_s:.1f} s")
+    if comm.rank == 0 and worker.group == 0 and mode == "on" and record is None:
+        sync = synchronizer(adapter.device)
+        try:
+            save_record(path, key, measure_record(adapter, fast, compile_s, sync))
+        except OSError as exc:  # a read-only cache costs the record, not the run
+            log.warning("cannot save the compile record at %s: %s", path, exc.strerror or exc)
+    worker.adapter = fast
+    return CompileChoice(mode, True, reason, round(compile_s, 3))
+
+
+def run_info(worker: Worker) -> dict:
+    """What a record needs besides its ``weights_checksum`` to be re-run: the whole resolved config (every
+    section, and ``explicit``: the keys the user set, which the auto preset leaves alone), the package versions
+    and the device that ran it. ``config_from_dict(rec["run"]["config"])`` rebuilds the Config; a YAML file of
+    the ``explicit`` keys' values gives the same Config through ``--config`` on the same lp_runner version.
+
+    Example: ``{"config": {"model": {...}, ..., "explicit": ["generation.max_new_tokens"]}, "versions":
+    {"lp_runner": "0.1.0", "torch": "2.13.0", ...}, "device": {"type": "cpu", "name": "AMD EPYC 7B13",
+    "threads": 1, "dtype": "float32", "tf32": false, "dtype_choice": "auto: float32 on a CPU",
+    "load_peak_host_mib": 1410.2}}``."""
+    dev = worker.device
+    device = {
+        "type": dev.type,
+        "name": _device_label(dev),
+        "threads": torch.get_num_threads(),  # model.threads resolved (0: the cores per rank)
+    }
+    if worker.placement is not None:  # model.dtype resolved (auto), and what loading cost the host
+        device.update(
+            worker.placement.describe(),
+            load_peak_host_mib=round(worker.load_peak_mib, 1),
+            load_peak_host_mib_ranks=worker.load_peaks_mib or [round(worker.load_peak_mib, 1)],  # every rank's
+        )
+    return {"config": worker.cfg.to_dict(), "versions": package_versions(), "device": device}
+
+
+class TextStreamer:
+    """Prints committed tokens as text as soon as they decode to complete characters."""
+
+    def __init__(
+        self, tokenizer: Any, write: Callable[[str], None], shown: Sequence[int] = (), printed: int | None = None
+    ) -> None:
+        """``shown``: tokens already on screen (a resumed generation); ``printed``: how many characters of their
+        text were written, when known exactly (default: all complete characters)."""
+        self.tokenizer = tokenizer
+        self.write = write
+        self.ids: list[int] = list(shown)
+        if printed is None:
+            printed = len(tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")) if shown else 0
+        self.printed = printed
+
+    def __call__(self, tokens: Sequence[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        self.write(text[self.printed :])
+        self.printed = len(text)
+
+
+def run_prompts(
+    worker: Worker,
+    specs: Sequence[PromptSpec],
+    on_record: Callable[[dict], None] | None = None,
+    stream: Callable[[str], None] | None = None,
+    committed: Sequence[Sequence[int]] | None = None,
+    on_commit: Callable[[int, Sequence[int]], None] | None = None,
+) -> list[dict]:
+    """Generate for every prompt on every rank; records (and callbacks) only on rank 0.
+
+    ``committed[i]`` resumes prompt i from tokens already generated (e.g. before a worker was lost); its record
+    holds the whole output, as if never interrupted, and ``stream`` shows only what follows the prefix.
+    ``on_commit(i, tokens)`` sees the tokens committed by every round of prompt i (rank 0 only).
+
+    Every prompt is tokenized and checked before the first is generated; a bad one (empty, too long for the
+    model) ends the run with an InputError naming its id and line (``run.on_error=stop``), or gets an error
+    record ``{id, error}`` in its place (``skip``)."""
+    policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
+    engine = LookaheadEngine(
+        worker.adapter,
+        policy.lookahead,
+        worker.cfg.generation,
+        eos_token_ids(worker),
+        worker.comm,
+        policy.row_plan,
+        store=worker.store,
+    )
+    prefixes = [list(c) for c in committed] if committed is not None else [[] for _ in specs]
+    if len(prefixes) != len(specs):
+        raise ValueError(f"committed has {len(prefixes)} entries for {len(specs)} prompts")
+    prompt_ids, problems = [], []
+    for spec in specs:
+        ids, problem = check_prompt(worker, engine, spec)
+        if problem is not None and worker.cfg.run.on_error == "stop":
+            raise InputError(f"{spec.describe()}: {problem}")
+        prompt_ids.append(ids)
+        problems.append(problem)
+    records = []
+    for i, (spec, ids, prefix) in enumerate(zip(specs, prompt_ids, prefixes, strict=True)):
+        if problems[i] is not None:  # every rank skips it alike
+            if worker.is_main:
+                rec = make_error_record(worker, spec, f"{spec.describe()}: {problems[i]}")
+                records.append(rec)
+                if on_record is not None:
+                    on_record(rec)
+            continue
+        callbacks: list[Callable[[Sequence[int]], None]] = []
+        if stream and worker.is_main:
+            callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefix))
+        if on_commit is not None and worker.is_main:
+            callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
+        result = engine.generate(
+            ids, on_commit=chain_callbacks(callbacks), committed=prefix, sample_key=f"id:{spec.id}"
+        )
+        rec = make_record(worker, spec, ids, result) if worker.is_main else {}  # with the setting that ran
+        if policy.observe(ids, result.output_ids):  # every rank observes the same tokens: the same new setting
+            engine.set_lookahead(policy.lookahead)
+        if worker.is_main:
+            records.append(rec)
+            if on_record is not None:
+                on_record(rec)
+    save_store(worker)
+    return records
+
+
+def check_prompt(worker: Worker, engine: LookaheadEngine, spec: PromptSpec) -> tuple[list[int], str | None]:
+    """(token ids, None) for a usable prompt, ([], what is wrong) otherwise."""
+    problem = prompt_problem(spec)
+    if problem is not None:
+        return [], problem
+    try:
+        ids = encode(worker.tokenizer, spec)
+    except ValueError as exc:  # e.g. messages for a tokenizer without a chat template
+        return [], f"cannot tokenize: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    try:
+        engine.check_prompt(ids)
+    except InputError as exc:
+        return [], str(exc)
+    return ids, None
+
+
+def chain_callbacks(callbacks: list[Callable[[Sequence[int]], None]]) -> Callable[[Sequence[int]], None] | None:
+    """One on_commit callback that calls each of ``callbacks`` in order (None when there are none)."""
+    if not callbacks:
+        return None
+
+    def call_all(tokens: Sequence[int]) -> None:
+        for callback in callbacks:
+            callback(tokens)
+
+    return call_all

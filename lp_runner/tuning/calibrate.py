@@ -1,0 +1,221 @@
+"""Start-up calibration: this device's forward-cost curve, measured in seconds and cached.
+
+Why at run time: the cost of a packed forward versus its row count is a property of the device, the dtype, the
+thread count and the model, and two CPUs of the same machine kind can disagree completely (one measured 2-3 rows
+at ~1.07x one row and 8 rows at 1.56x, another 2-3 rows at 1.6-1.9x and 8 rows at 1.35x). A setting tuned on
+one and shipped as a constant is wrong on the other; the curve measured where the job runs is not.
+
+The quick curve: the body cost (LM head on one row) at every row count of ``QUICK_ROWS`` and two K/V lengths,
+plus the head on every row at the largest count (``costmodel.measure_curve(head_rows=...)``); repetitions
+interleaved, medians. About 90 forwards: a few seconds for a small model on a CPU, well under a second on a
+GPU. It is cached under the cache dir, keyed by everything that changes it (device model, threads, dtype,
+weights checksum, torch version, the kernels and the native library's build, and the grid through
+``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures again. A curve measured on a busy machine (its
+repetitions disagree: ``NOISY_SPREAD``) is used and cached, but the next run measures again and the quieter curve
+stays: a moment's load does not price every later run's choices.
+
+Under LP only rank 0 measures (the others wait, so the measurement has the machine to itself) and every rank
+uses rank 0's curve: the replicated coordinators must make identical choices.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lp_runner.backends.cpu import native
+from lp_runner.device import synchronizer
+from lp_runner.tuning.costmodel import CostCurve, measure_curve
+from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
+
+CALIBRATION_VERSION = 2  # bump when the measurement (or its grid) changes: older cache entries are then ignored
+QUICK_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # rounds past 48 rows: extrapolated from 32-48
+QUICK_KV = (64, 512)
+QUICK_HEAD_ROWS = (48,)
+QUICK_REPS = 3  # + one warm-up sweep (medians of 3: one noisy forward moves no point)
+# A coarser grid where the quick one would not fit the time the other LP ranks wait (their start-up collective
+# carries parallel.timeout_s): a large model on a CPU.
+COARSE_ROWS = (1, 2, 4, 8, 16, 32, 48)  # includes QUICK_HEAD_ROWS
+COARSE_KV = (512,)
+COARSE_REPS = 1
+# A curve whose repetitions disagree by more than this (``CostCurve.spread``) was measured on a busy machine: the
+# run uses it and caches it, and the next run measures again, keeping the quieter curve (else a curve bent by a
+# moment's load would price every later run's choices until --recalibrate). The embedded model's quick curve on
+# this project's 2-core EPYC (2026-12-03): 0.08-0.22 on the quiet machine before the jitter allowance
+# (costmodel.JITTER_S) came off, 0.61-0.95 with one busy process beside it.
+NOISY_SPREAD = 0.4
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    curve: CostCurve
+    key: dict  # what the curve was measured for
+    source: str  # "measured" or "cache"
+    seconds: float  # time spent measuring or loading it
+    path: str  # the cache file
+
+    @property
+    def noisy(self) -> bool:
+        """Measured on a busy machine (the next run measures again)."""
+        return self.curve.spread > NOISY_SPREAD
+
+    def summary(self) -> dict:
+        return {
+            "source": self.source,
+            "seconds": round(self.seconds, 3),
+            "device": self.key["device"],
+            "spread": round(self.curve.spread, 3),
+            "noisy": self.noisy,
+        }
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model name: a GPU's name, else the CPU model as ``lscpu`` prints it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def calibration_key(
+    device: torch.device, dtype: torch.dtype, weights_checksum: str, compiled: bool = False, kernels: str = "torch"
+) -> dict:
+    """Everything the curve depends on; a change of any field means a new measurement."""
+    return {
+        "compiled": compiled,  # a compiled forward has its own curve
+        "kernels": kernels,  # and so do prepacked linears (lp_runner/prepack.py)
+        "build": native.build_id() if kernels.startswith("native") else "",  # and each build of the native code
+        "version": CALIBRATION_VERSION,
+        "device": device_name(device),
+        "device_type": device.type,
+        "threads": torch.get_num_threads() if device.type == "cpu" else 0,
+        "dtype": str(dtype).replace("torch.", ""),
+        "weights": weights_checksum,
+        "torch": torch.__version__,
+    }
+
+
+def cache_file(cache_root: Path, key: dict) -> Path:
+    return keyed_path(cache_root, "calibration", "curve", key)
+
+
+def load_cached(path: Path, key: dict) -> CostCurve | None:
+    """The cached curve for ``key``, or None when absent, unreadable or made for another key."""
+    return read_keyed(path, key, lambda data: CostCurve.from_dict(data["curve"]))
+
+
+def save(path: Path, key: dict, curve: CostCurve, seconds: float) -> None:
+    write_keyed(path, key, curve=curve.to_dict(), measured_s=round(seconds, 3))
+
+
+def measure_quick(adapter, budget_s: float | None = None) -> CostCurve:
+    """The quick curve; with ``budget_s``, the coarse grid when one probe forward says the quick grid would take
+    longer (about 2 x the probe's seconds per forward: most forwards have fewer rows than the probe's 64)."""
+    sync = synchronizer(adapter.device)
+    rows, kvs, reps = QUICK_ROWS, QUICK_KV, QUICK_REPS
+    if budget_s is not None:
+        forwards = (len(QUICK_ROWS) + len(QUICK_HEAD_ROWS)) * len(QUICK_KV) * (QUICK_REPS + 1)
+        if probe_seconds(adapter, sync) * forwards / 2 > budget_s:
+            rows, kvs, reps = COARSE_ROWS, COARSE_KV, COARSE_REPS
+    return measure_curve(adapter, kvs, rows, reps=reps, sync=sync, head_rows=QUICK_HEAD_ROWS)
+
+
+def probe_seconds(adapter, sync=None) -> float:
+    """Seconds of one 64-row forward on a 512-token cache (the quick grid's most expensive point)."""
+    from lp_runner.backends.adapter import crop
+
+    cache = adapter.new_cache()
+    kv, q = max(QUICK_KV), max(QUICK_ROWS)
+    ids = torch.zeros(kv + q, dtype=torch.long)
+    adapter.forward(ids[:kv], torch.arange(kv), torch.ones(kv, kv, dtype=torch.bool).tril(), cache, torch.tensor([0]))
+    (sync or (lambda: None))()
+    start = time.perf_counter()
+    adapter.forward(
+        ids[kv:], torch.arange(kv, kv + q), torch.ones(q, q, dtype=torch.bool).tril(), cache, torch.arange(q)
+    )
+    (sync or (lambda: None))()
+    seconds = time.perf_counter() - start
+    crop(cache, 0)
+    return seconds
+
+
+def calibrate(
+    adapter,
+    cache_root: Path,
+    weights_checksum: str,
+    recalibrate: bool = False,
+    log: Log | None = None,
+    budget_s: float | None = None,
+) -> Calibration:
+    """The curve for this adapter on this device: from the cache, or measured (and cached). ``budget_s``: the
+    longest a measurement may take (LP: the other ranks wait for it within their collective timeout)."""
+    key = calibration_key(
+        adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.kernels
+    )
+    path = cache_file(cache_root, key)
+    start = time.perf_counter()
+    cached = None if recalibrate else load_cached(path, key)
+    if cached is not None and cached.spread <= NOISY_SPREAD:
+        return Calibration(cached, key, "cache", time.perf_counter() - start, str(path))
+    if log is not None:
+        threads = f"{key['threads']} threads, " if key["threads"] else ""
+        what = f"on {key['device']} ({threads}{key['dtype']})"
+        if cached is None:
+            log(f"calibrating the forward-cost curve {what}; cached for next runs")
+        else:
+            log(f"the cached forward-cost curve {what} is noisy ({_spread_text(cached)}): measuring it again")
+    curve = measure_quick(adapter, budget_s)
+    seconds = time.perf_counter() - start
+    if cached is not None and cached.spread <= curve.spread:  # the cached one is the quieter: it stays
+        return Calibration(cached, key, "cache", seconds, str(path))
+    if curve.spread > NOISY_SPREAD and log is not None:
+        log(
+            f"warning: the forward-cost curve is noisy ({_spread_text(curve)}): is something else loading this "
+            "machine? This run uses it; the next run measures again and keeps the quieter curve"
+        )
+    try:
+        save(path, key, curve, seconds)
+    except OSError as exc:  # a read-only cache costs a re-measurement next time, not the run
+        if log is not None:
+            log(f"warning: cannot cache the calibration at {path}: {exc.strerror or exc}")
+    return Calibration(curve, key, "measured", seconds, str(path))
+
+
+def _spread_text(curve: CostCurve) -> str:
+    quiet = f"a quiet machine's under {100 * NOISY_SPREAD:.0f}%"
+    return f"repetitions {100 * curve.spread:.0f}% apart at the median point, {quiet}"
+
+
+def shared_calibration(comm, measure: Callable[[], Calibration]) -> Calibration:
+    """Rank 0's calibration on every rank (one start-up all_gather of its JSON; ranks > 0 never measure)."""
+    mine = measure() if comm.rank == 0 else None
+    if comm.world_size == 1:
+        return mine
+    blob = json.dumps(
+        {
+            "curve": mine.curve.to_dict(),
+            "key": mine.key,
+            "source": mine.source,
+            "seconds": mine.seconds,
+            "path": mine.path,
+        }
+        if mine is not None
+        else {}
+    )
+    first = json.loads(comm.all_gather_strings(blob)[0])
+    return Calibration(
+        CostCurve.from_dict(first["curve"]), first["key"], first["source"], first["seconds"], first["path"]
+    )

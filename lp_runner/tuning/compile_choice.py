@@ -1,0 +1,122 @@
+"""Whether a job runs its rounds through a compiled forward (``model.compile: off | on | auto``), and why.
+
+A compiled static-shape forward (``ModelAdapter(compile=True)``) costs a compilation at start-up (minutes on a
+2-core CPU for the embedded model, less from inductor's on-disk cache) and saves a device-dependent fraction of
+every round. Whether it pays is a measured question, per device:
+
+* ``on`` compiles, and records what it measured on this device (``CompileRecord``: the compile seconds and one
+  round's forward eager and compiled, timed side by side right after compiling) under the cache dir, keyed like
+  the calibration curve (device, threads, dtype, weights, torch);
+* ``auto`` reads that record and compiles when the job's rounds, each saving ``eager_s - compiled_s``, save more
+  than the compilation costs; rounds are estimated as the job's token budget (a round commits at least one
+  token, so this is an upper bound: it favours compiling only for jobs that are long anyway). Without a record,
+  ``auto`` runs eager and says how to get one;
+* ``off`` never compiles.
+
+The decision and its reason go to every record and the summary. Under LP, rank 0 decides and every rank follows
+(the start-up exchange), so the ranks of a group run one forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from lp_runner.tuning.calibrate import calibration_key
+from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
+
+RECORD_ROWS = (2, 8)  # the rounds timed for the record: a short and a typical packed round
+RECORD_KV = 256
+RECORD_REPS = 5
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """What compiling cost and saved on one device: seconds to compile, one round's forward eager and compiled."""
+
+    compile_s: float
+    eager_s: float
+    compiled_s: float
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    mode: str  # the config's model.compile
+    compiled: bool
+    reason: str
+    compile_s: float = 0.0  # this run's compilation (0 when eager)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def record_file(cache_root: Path, key: dict) -> Path:
+    return keyed_path(cache_root, "compile", "record", key)
+
+
+def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, kernels: str = "torch") -> dict:
+    return calibration_key(device, dtype, weights_checksum, kernels=kernels)
+
+
+def load_record(path: Path, key: dict) -> CompileRecord | None:
+    return read_keyed(path, key, lambda data: CompileRecord(**data["record"]))
+
+
+def save_record(path: Path, key: dict, record: CompileRecord) -> None:
+    write_keyed(path, key, record=asdict(record))
+
+
+def decide(mode: str, record: CompileRecord | None, job_tokens: int) -> tuple[bool, str]:
+    """(compile?, why) for ``mode`` given this device's record and the job's token budget (pure)."""
+    if mode == "off":
+        return False, "off"
+    if mode == "on":
+        return True, "on"
+    if record is None:
+        return False, "auto: eager (no measurement of the compiled forward on this device; model.compile=on makes one)"
+    if job_tokens <= 0:  # a Ray actor starts before it is handed prompts
+        return False, "auto: eager (the job's length is not known to this worker; model.compile=on compiles)"
+    saving = job_tokens * (record.eager_s - record.compiled_s)
+    pays = saving > record.compile_s
+    verdict = "compiled" if pays else "eager"
+    return pays, (
+        f"auto: {verdict} (compiling took {record.compile_s:.0f} s here; at most {job_tokens} rounds x "
+        f"{1e3 * (record.eager_s - record.compiled_s):.1f} ms saved = {saving:.0f} s)"
+    )
+
+
+def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecord:
+    """One round's forward through ``eager`` and ``compiled`` (two adapters of one model), interleaved, medians of
+    ``RECORD_REPS``, averaged over ``RECORD_ROWS``; both already warm."""
+    from lp_runner.backends.adapter import causal, crop
+
+    times: dict[int, list[float]] = {id(eager): [], id(compiled): []}
+    caches = {}
+    prefix = torch.arange(RECORD_KV) % 97
+    for adapter in (eager, compiled):
+        cache = adapter.new_cache(RECORD_KV + max(RECORD_ROWS))
+        adapter.forward(prefix, torch.arange(RECORD_KV), causal(RECORD_KV), cache, torch.tensor([RECORD_KV - 1]))
+        caches[id(adapter)] = cache
+    for rows in RECORD_ROWS:
+        per: dict[int, list[float]] = {id(eager): [], id(compiled): []}
+        for _ in range(RECORD_REPS + 1):  # the first of each is a warm-up
+            for adapter in (eager, compiled):
+                start = time.perf_counter()
+                adapter.forward(
+                    torch.zeros(rows, dtype=torch.long),
+                    torch.arange(RECORD_KV, RECORD_KV + rows),
+                    causal(rows),
+                    caches[id(adapter)],
+                    torch.arange(rows),
+                )
+                if sync is not None:
+                    sync()
+                per[id(adapter)].append(time.perf_counter() - start)
+                crop(caches[id(adapter)], RECORD_KV)
+        for k, v in per.items():
+            times[k].append(sorted(v[1:])[len(v[1:]) // 2])
+    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    return CompileRecord(round(compile_s, 3), mean[id(eager)], mean[id(compiled)])

@@ -1,0 +1,397 @@
+"""Cost model: what one round costs on this device, and so what a token costs at any (W, N, G) and any P.
+
+Lookahead wins only where a packed round of Q rows buys more tokens than Q rows cost relative to one row. The
+model has three measured inputs and no free parameters:
+
+* ``CostCurve``: seconds of one target forward versus packed rows Q, at one or more K/V lengths, with the LM
+  head on one row ("body") and on every row ("all"); a round with L logit rows costs body + (all - body) * L/Q.
+  Measured by ``measure_curve`` (interleaved repetitions, so slow drifts of a noisy machine hit every Q alike).
+* ``RoundShape``s: what each round of a real greedy run planned (candidate lengths, window depth, the winning
+  candidate, tokens emitted). Greedy output does not depend on P (LP is exact and plans the same rounds), so one
+  P = 1 run gives every rank's rows at any P through the real sharding functions.
+* the per-round communication (all_gather) cost and host overhead, measured elsewhere and passed in.
+
+``predict`` turns these into seconds per token; ``benchmarks/scaling.py --simulate`` and ``lp_runner tune`` are
+its users. Every prediction carries the inputs it came from.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+import torch
+
+from lp_runner.decoding.layout import round_size
+from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    kv_len: int  # cached positions before the forward
+    rows: int  # packed rows Q
+    body_s: float  # median seconds, LM head on one row
+    all_s: float  # median seconds, LM head on every row
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Forward seconds as a function of (rows, logit rows, K/V length); piecewise linear between measurements."""
+
+    points: tuple[CurvePoint, ...]
+    # the measurement's noise (repetition_spread): 0.0 where unknown (one repetition, a synthetic curve, a cache
+    # entry from before it was recorded)
+    spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a cost curve needs at least one measured point")
+
+    @property
+    def kv_lens(self) -> list[int]:
+        return list(self._tables[0])
+
+    @cached_property
+    def _tables(self) -> tuple[tuple[int, ...], dict[int, tuple[list[int], list[float], list[float]]]]:
+        """(K/V lengths ascending, per K/V length its points' rows, body_s and all_s in row order), sorted once:
+        the auto preset prices every simulated round of every setting it searches (about 25,000 rounds for a
+        re-choice on 4,096 output tokens), and sorting the points per lookup was a third of that search's time."""
+        kvs = tuple(sorted({p.kv_len for p in self.points}))
+        tables = {}
+        for kv in kvs:
+            pts = sorted((p for p in self.points if p.kv_len == kv), key=lambda p: p.rows)
+            tables[kv] = ([p.rows for p in pts], [p.body_s for p in pts], [p.all_s for p in pts])
+        return kvs, tables
+
+    def _at(self, kv_len: int, rows: float, which: str) -> float:
+        xs, body, full = self._tables[1][kv_len]
+        return _interp(xs, body if which == "body_s" else full, rows)
+
+    def seconds(self, rows: int, logit_rows: int | None = None, kv_len: int | None = None) -> float:
+        """Predicted forward seconds; ``logit_rows`` defaults to every row, ``kv_len`` to the first measured."""
+        if rows <= 0:
+            return 0.0
+        logit_rows = rows if logit_rows is None else min(max(logit_rows, 1), rows)
+        kvs, tables = self._tables
+        kv = kvs[0] if kv_len is None else kv_len
+
+        def at(k: int) -> float:
+            xs, body_s, all_s = tables[k]
+            full = _interp(xs, all_s, rows)
+            if rows == 1:
+                return full  # the one row's logits are always computed
+            body = _interp(xs, body_s, rows)
+            return body + max(full - body, 0.0) * (logit_rows - 1) / (rows - 1)
+
+        return max(_interp(kvs, [at(k) for k in kvs], kv), 0.0)
+
+    def ratio(self, rows: int, kv_len: int | None = None) -> float:
+        """Cost of ``rows`` (head on all rows) relative to a one-row forward."""
+        return self.seconds(rows, kv_len=kv_len) / self.seconds(1, kv_len=kv_len)
+
+    def to_dict(self) -> dict:
+        return {"points": [asdict(p) for p in self.points], "spread": self.spread}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        return cls(tuple(CurvePoint(**p) for p in d["points"]), float(d.get("spread", 0.0)))
+
+    @classmethod
+    def linear(cls, one_row_s: float, per_row_s: float, max_rows: int = 512, kv_len: int = 0) -> CostCurve:
+        """A synthetic curve (tests, what-if studies): t(Q) = one_row_s + per_row_s * (Q - 1), head included."""
+        qs = sorted({1, 2, max_rows})
+        return cls(
+            tuple(CurvePoint(kv_len, q, one_row_s + per_row_s * (q - 1), one_row_s + per_row_s * (q - 1)) for q in qs)
+        )
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation; linear extrapolation past either end (a single point is constant)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def measure_curve(
+    adapter,
+    kv_lens: Sequence[int],
+    rows: Sequence[int],
+    reps: int = 7,
+    sync=None,
+    seed: int = 0,
+    head_rows: Sequence[int] | None = None,
+) -> CostCurve:
+    """Median forward seconds for every (K/V length, Q), head on one row and on all rows.
+
+    Repetitions are interleaved (every Q once per sweep, sweep order rotated), so a slow drift of a shared
+    machine spreads over all Q instead of bending the curve. ``sync`` (``device.synchronizer``: a GPU's own sync) runs
+    before each clock read on asynchronous devices.
+
+    ``head_rows``: measure the head on every row only at these Q (the quick start-up calibration); elsewhere
+    ``all_s`` is ``body_s`` plus the measured cost of one more logit row times (Q - 1). The LM head is one
+    matrix product per logit row, independent of how many rows the body ran, so one large Q measures it best.
+    """
+    from lp_runner.backends.adapter import crop  # local: the adapter module imports transformers
+
+    gen = torch.Generator().manual_seed(seed)
+    sync = sync or (lambda: None)
+    caches = {}
+    for kv_len in kv_lens:  # one cache per K/V length, all alive: every sweep visits every (K/V, Q, head) case
+        cache = adapter.new_cache()
+        pre = torch.randint(0, adapter.vocab_size, (max(kv_len, 1),), generator=gen)
+        tril = torch.ones(len(pre), len(pre), dtype=torch.bool).tril()
+        adapter.forward(pre, torch.arange(len(pre)), tril, cache, torch.tensor([len(pre) - 1]))
+        caches[len(pre)] = cache
+    head_at = set(rows) if head_rows is None else set(head_rows)
+    if not head_at <= set(rows):
+        raise ValueError(f"head_rows {sorted(head_at)} must be among the measured rows {sorted(rows)}")
+    cases = [(kv, q, "body_s") for kv in caches for q in rows]
+    cases += [(kv, q, "all_s") for kv in caches for q in sorted(head_at)]
+    times: dict[tuple[int, int, str], list[float]] = {c: [] for c in cases}
+    for rep in range(reps + 1):
+        k = (rep * 7) % len(cases)
+        for kv, q, head in cases[k:] + cases[:k]:
+            ids = torch.randint(0, adapter.vocab_size, (q,), generator=gen)
+            vis = torch.ones(q, q, dtype=torch.bool).tril()
+            logit_rows = torch.arange(q - 1, q) if head == "body_s" else torch.arange(q)
+            sync()
+            start = time.perf_counter()
+            adapter.forward(ids, torch.arange(kv, kv + q), vis, caches[kv], logit_rows)
+            sync()
+            elapsed = time.perf_counter() - start
+            crop(caches[kv], kv)
+            if rep > 0:  # the first sweep warms allocators and kernels
+                times[(kv, q, head)].append(elapsed)
+    body = {(kv, q): _median(times[(kv, q, "body_s")]) for kv in caches for q in rows}
+    full = {(kv, q): _median(times[(kv, q, "all_s")]) for kv in caches for q in head_at}
+    per_logit_row = {  # seconds of one more logit row, per K/V length (from the largest Q with a head measured)
+        kv: max(full[(kv, q)] - body[(kv, q)], 0.0) / (q - 1) if q > 1 else 0.0 for kv in caches for q in [max(head_at)]
+    }
+    points = [
+        CurvePoint(kv, q, body[(kv, q)], full.get((kv, q), body[(kv, q)] + per_logit_row[kv] * (q - 1)))
+        for kv in caches
+        for q in rows
+    ]
+    return CostCurve(tuple(points), repetition_spread([times[(kv, q, "body_s")] for kv in caches for q in rows]))
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+JITTER_S = 0.002  # what one time slice of another process adds to a forward (see repetition_spread)
+
+
+def repetition_spread(repetitions: Sequence[Sequence[float]]) -> float:
+    """How far a curve's repetitions disagree beyond the scheduler's jitter: per point (slowest - fastest -
+    ``JITTER_S``, at least 0) / median, the median over the points measured more than once; 0.0 where none was.
+
+    Why: a curve measured while something else loads the machine (another job, a test suite, a build) is bent by
+    it, and every choice priced by it follows the bend; the spread says so. Why less the jitter: a time slice
+    lost to another process costs a forward a millisecond or two whatever its size, which is half of a tiny
+    model's forward and a twentieth of the embedded model's. Measured with the quick grid on this project's
+    2-core EPYC (2026-12-03): the embedded model 0.08-0.22 before the jitter came off on the quiet machine,
+    0.61-0.95 with one busy process beside it."""
+    rel = sorted(
+        max(max(t) - min(t) - JITTER_S, 0.0) / _median(t) for t in repetitions if len(t) > 1 and _median(t) > 0
+    )
+    return rel[len(rel) // 2] if rel else 0.0
+
+
+PAD_MARGIN = 0.05  # pad only where the curve says the larger row count is at least this much cheaper
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The row count each round runs at: the cheapest measured count at or above its own (``layout.pad_layout``).
+
+    A forward's cost is not monotone in its rows on every device: on one 2-core CPU 2-3 rows cost 1.6-1.9x one
+    row while 8 rows cost 1.35x, so a 3-row round is cheaper run as 8 rows. The filler rows compute no logits, so
+    both sides of the comparison are the body cost (head on one row). A target must beat the round's own count
+    by ``margin`` (a 3-repetition median is noisy), and no round is padded past the largest measured count.
+
+    Example (body ms at K/V 512: 1 -> 56, 2 -> 89, 3 -> 108, 4 -> 85, 8 -> 76, 16 -> 88):
+    rows_for(1) = 1, rows_for(2..6) = 8, rows_for(7) = 7 (8 rows within the margin), rows_for(9..16) unchanged.
+    """
+
+    kv_lens: tuple[int, ...]  # measured K/V lengths, ascending
+    targets: tuple[tuple[int, ...], ...]  # per K/V length: targets[k][q - 1] is the row count for q rows
+
+    @classmethod
+    def from_curve(cls, curve: CostCurve, margin: float = PAD_MARGIN) -> RowPlan:
+        kvs = curve.kv_lens
+        targets = []
+        for kv in kvs:
+            measured = sorted({p.rows for p in curve.points if p.kv_len == kv})
+            row = []
+            for q in range(1, measured[-1] + 1):
+                own = curve._at(kv, q, "body_s")
+                best, best_s = q, own * (1.0 - margin)
+                for r in measured:
+                    if r > q and curve._at(kv, r, "body_s") < best_s:
+                        best, best_s = r, curve._at(kv, r, "body_s")
+                row.append(best)
+            targets.append(tuple(row))
+        return cls(tuple(kvs), tuple(targets))
+
+    @classmethod
+    def identity(cls) -> RowPlan:
+        """No padding (a plan for devices where the curve is monotone, or padding switched off)."""
+        return cls((0,), ((1,),))
+
+    def rows_for(self, rows: int, kv_len: int) -> int:
+        """The row count to run a round of ``rows`` rows at, with ``kv_len`` cached positions (the measured K/V
+        length at or below it, else the smallest)."""
+        k = max(bisect.bisect_right(self.kv_lens, kv_len) - 1, 0)
+        table = self.targets[k]
+        return table[rows - 1] if 1 <= rows <= len(table) else rows
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows any padded round can have (bounds the cache a round may touch)."""
+        return max(max(t) for t in self.targets)
+
+    def to_dict(self) -> dict:
+        return {"kv_lens": list(self.kv_lens), "targets": [list(t) for t in self.targets]}
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What one round planned and produced; independent of P (see the module docstring)."""
+
+    kv_len: int  # cached positions before the round (on the winner's rank)
+    ordinary: int  # ordinary rows at P = 1 (the prompt at prefill, else 1)
+    window_size: int
+    depth: int  # window depth this round; -1 when the lookahead branch is off
+    candidates: tuple[int, ...]  # length of every candidate, in plan order
+    winner: int  # global index of the winning candidate, -1 if none held
+    emitted: int  # tokens committed
+
+
+def rank_rows(shapes: Sequence[RoundShape], world_size: int) -> list[list[tuple[int, int]]]:
+    """(rows, logit rows) per rank for every round at P = ``world_size``, by the engine's own sharding.
+
+    Ordinary rows at P > 1: the previous round's winning rank has its K/V and feeds the live key alone; every
+    other rank re-feeds the emitted tokens (the LP protocol in ``engine.py``). A round's winning rank is the owner
+    of its winning candidate, rank 0 when none held (ties go to the lowest rank).
+    """
+    out: list[list[tuple[int, int]]] = []
+    prev_winner_rank, prev_emitted = 0, 1
+    for i, s in enumerate(shapes):
+        if s.depth >= 0:
+            blocks = column_blocks(s.window_size, world_size, s.depth)
+            base = [lookahead_rows(b, s.depth) for b in blocks]
+        else:
+            blocks = ((0, 0),) * world_size
+            base = [0] * world_size
+        assignment = assign_candidates(list(s.candidates), base)
+        per_rank = []
+        for r in range(world_size):
+            refed = r != prev_winner_rank and i > 0  # LP: this rank lacks the last round's K/V
+            ordinary = prev_emitted if refed and world_size > 1 else s.ordinary
+            depth = max(s.depth, 0)  # no window: empty column blocks, depth unused
+            per_rank.append(round_size(ordinary, blocks[r], depth, [s.candidates[c] for c in assignment[r]]))
+        out.append(per_rank)
+        owner = next((r for r in range(world_size) if s.winner in assignment[r]), 0)
+        prev_winner_rank, prev_emitted = owner, s.emitted
+    return out
+
+
+@dataclass
+class Prediction:
+    """Predicted time of a recorded run replayed at P ranks; ``simulated`` marks it as not measured."""
+
+    world_size: int
+    rounds: int
+    tokens: int
+    forward_s: float
+    comm_s: float
+    host_s: float
+    mean_rows_max_rank: float
+    simulated: bool = True
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s + self.comm_s + self.host_s
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1e3 * self.seconds / self.tokens if self.tokens else float("inf")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(seconds=round(self.seconds, 6), ms_per_token=round(self.ms_per_token, 3))
+        return d
+
+
+def comm_seconds(world_size: int, allgather_2_s: float) -> float:
+    """Per-round all_gather cost at P ranks from the measured 2-rank cost: a ring all_gather of a tiny payload
+    takes P - 1 latency-bound steps, so (P - 1) x the 2-rank figure (an assumption, recorded with predictions)."""
+    return 0.0 if world_size <= 1 else (world_size - 1) * allgather_2_s
+
+
+def predict(
+    shapes: Sequence[RoundShape],
+    curve: CostCurve,
+    world_size: int = 1,
+    allgather_2_s: float = 0.0,
+    host_s_per_round: float = 0.0,
+    skip_prefill: bool = True,
+    row_plan: RowPlan | None = None,
+) -> Prediction:
+    """Seconds for the recorded rounds at P = ``world_size``: per round the slowest rank's forward (each rank
+    waits for it in the all_gather), plus communication and host time. The prefill round is left out by default:
+    it is the same for every method and only prompt-length dependent. With ``row_plan`` each rank's round costs
+    what the engine runs: its rows padded as the plan says (the same function the engine calls)."""
+    per_round = rank_rows(shapes, world_size)
+    first = 1 if skip_prefill and len(shapes) > 1 else 0
+    fwd = 0.0
+    rows_max = 0
+
+    def run_rows(q: int, kv_len: int) -> int:
+        return q if row_plan is None else row_plan.rows_for(q, kv_len)
+
+    for s, ranks in zip(shapes[first:], per_round[first:], strict=True):
+        fwd += max(curve.seconds(run_rows(q, s.kv_len), lg, s.kv_len) for q, lg in ranks)
+        rows_max += max(q for q, _ in ranks)
+    rounds = len(shapes) - first
+    tokens = sum(s.emitted for s in shapes[first:])
+    return Prediction(
+        world_size=world_size,
+        rounds=rounds,
+        tokens=tokens,
+        forward_s=fwd,
+        comm_s=rounds * comm_seconds(world_size, allgather_2_s),
+        host_s=rounds * host_s_per_round,
+        mean_rows_max_rank=rows_max / rounds if rounds else 0.0,
+        inputs={
+            "allgather_2_rank_us": round(1e6 * allgather_2_s, 1),
+            "comm_assumption": "ring all_gather: (P - 1) x the measured 2-rank latency",
+            "host_us_per_round": round(1e6 * host_s_per_round, 1),
+            "curve_kv_lens": curve.kv_lens,
+        },
+    )
+
+
+def shapes_from_records(records: Sequence, window_size: int) -> list[RoundShape]:
+    """The replayable shape of every round of one generation (``GenerationStats.records`` on any rank)."""
+    return [
+        RoundShape(
+            kv_len=r.past_len,
+            ordinary=r.ordinary,
+            window_size=window_size,
+            depth=r.depth,
+            candidates=tuple(r.plan_candidates),
+            winner=r.winner_candidate,
+            emitted=r.emitted,
+        )
+        for r in records
+    ]

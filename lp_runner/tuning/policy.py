@@ -1,0 +1,87 @@
+"""A job's round policy: which lookahead setting each generation uses and which row count each round runs at.
+
+Built once per worker after the model is loaded (``RoundPolicy.build``): the device's forward-cost curve
+(``calibrate``; rank 0's on every rank), the padding plan derived from it (``costmodel.RowPlan``) and, with
+``lookahead.preset: auto``, the setting chosen from the curve (``preset.AutoPreset``), re-chosen between prompts
+from the job's own outputs. With ``preset: off`` and ``pad_rows: false`` nothing is measured and the config's
+setting runs as written. Every input of a choice is shared by all ranks, so every rank holds the same policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lp_runner.config import Config, LookaheadConfig
+from lp_runner.tuning.calibrate import Calibration, calibrate, shared_calibration
+from lp_runner.tuning.costmodel import RowPlan
+from lp_runner.tuning.preset import AutoPreset
+from lp_runner.tuning.search import describe
+
+
+@dataclass
+class RoundPolicy:
+    lookahead: LookaheadConfig  # the setting for the next generation
+    row_plan: RowPlan | None  # None: every round at its own row count
+    calibration: Calibration | None
+    auto: AutoPreset | None
+    compile: dict | None = None  # the job's forward: eager or compiled and why (``compile_choice.CompileChoice``)
+    prepack: dict | None = None  # its linear kernels and why (``prepack.PrepackChoice``)
+
+    @classmethod
+    def fixed(cls, lookahead: LookaheadConfig) -> RoundPolicy:
+        """The config's setting as written, no padding (what a caller without a curve gets)."""
+        return cls(lookahead, None, None, None)
+
+    @classmethod
+    def build(
+        cls,
+        cfg: Config,
+        adapter,
+        comm,
+        cache_root: Path,
+        weights_checksum: Callable[[], str],
+        log: Callable[[str], None] | None = None,
+    ) -> RoundPolicy:
+        la = cfg.lookahead
+        if la.preset != "auto" and not la.pad_rows:
+            return cls.fixed(la)
+        # the group waits in a collective; with groups > 1 the other groups wait for the --resume done set
+        budget = 0.5 * cfg.parallel.timeout_s if comm.world_size > 1 or cfg.parallel.groups > 1 else None
+        cal = shared_calibration(
+            comm, lambda: calibrate(adapter, cache_root, weights_checksum(), cfg.run.recalibrate, log, budget)
+        )
+        row_plan = RowPlan.from_curve(cal.curve) if la.pad_rows else None
+        plan_for_search = row_plan or RowPlan.identity()
+        auto = None
+        if la.preset == "auto":
+            auto = AutoPreset(la, cfg.pinned_lookahead(), cal.curve, plan_for_search, comm.world_size, cache_root)
+        return cls(auto.lookahead if auto else la, row_plan, cal, auto)
+
+    def observe(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> bool:
+        """After a generation: True when the next one uses another setting (the auto preset adapted)."""
+        if self.auto is None or not self.auto.observe(prompt_ids, output_ids):
+            return False
+        self.lookahead = self.auto.lookahead
+        return True
+
+    def describe(self) -> dict:
+        """What the records and the summary say about the setting and why it was chosen."""
+        out: dict = {"preset": "auto" if self.auto else "off", "setting": describe(self.lookahead)}
+        out["lookahead"] = dataclasses.asdict(self.lookahead)
+        if self.auto is not None:
+            out["choice"] = self.auto.choice.to_dict()
+            out["choice"]["from_cache"] = self.auto.from_cache and self.auto.choice is self.auto.history[0]
+        if self.calibration is not None:
+            out["calibration"] = self.calibration.summary()
+        if self.compile is not None:
+            out["compile"] = self.compile
+        if self.prepack is not None:
+            out["prepack"] = self.prepack
+        if self.row_plan is not None:
+            k = -1  # the longest measured K/V length: what most rounds of a long generation see
+            padded = {q: t for q, t in enumerate(self.row_plan.targets[k], start=1) if t != q}
+            out["padding"] = {"kv_len": self.row_plan.kv_lens[k], "rows_to": {str(q): t for q, t in padded.items()}}
+        return out

@@ -1,0 +1,204 @@
+"""Compiled static-shape rounds (``model.compile``): the same tokens as eager rounds and HF greedy, and the choice.
+
+Oracles: the eager adapter's logits for the same round (compiled kernels reorder float sums: equal to rounding,
+the same argmax), HF greedy ``generate`` for whole generations on the three tiny families, row counts on both
+sides of every padding bucket; the pure ``decide`` against hand-computed cases; a real CLI run on a tiny model
+folder for the record that ``on`` writes and ``auto`` reads. Compiling takes tens of seconds per model on two
+cores: the compiling tests are slow.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import REPO, make_tiny_folder, write_prompts
+from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
+
+from lp_runner.backends.adapter import ModelAdapter, causal, crop
+from lp_runner.backends.attention import NATIVE_GQA, NATIVE_MAX_ROWS
+from lp_runner.backends.cpu.prepack import apply_prepack, native_unavailable_reason
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.decoding.engine import LookaheadEngine
+from lp_runner.models.loading import default_cache_dir
+from lp_runner.tuning.compile_choice import CompileRecord, decide
+from lp_runner.tuning.costmodel import RowPlan
+
+BUCKETS = (2, 4, 8, 16, 32)  # a padding plan: every round runs at the next of these
+
+
+def bucket_plan() -> RowPlan:
+    targets = tuple(next(b for b in (*BUCKETS, q) if b >= q) for q in range(1, 65))
+    return RowPlan(kv_lens=(10_000,), targets=(targets,))
+
+
+def test_decide() -> None:
+    record = CompileRecord(compile_s=60.0, eager_s=0.050, compiled_s=0.040)  # 10 ms saved per round
+    assert decide("off", record, 10**6) == (False, "off")
+    assert decide("on", None, 1) == (True, "on")
+    compiled, why = decide("auto", None, 10**6)
+    assert not compiled and "no measurement" in why and "model.compile=on" in why
+    compiled, why = decide("auto", record, 5000)  # 50 s saved < 60 s compiling
+    assert not compiled and "eager" in why and "60 s" in why and "50 s" in why
+    compiled, why = decide("auto", record, 7000)  # 70 s saved > 60 s
+    assert compiled and "compiled" in why
+    assert not decide("auto", CompileRecord(1.0, 0.040, 0.050), 10**6)[0]  # slower compiled: never
+    compiled, why = decide("auto", record, 0)  # a worker that does not know the job (a Ray actor)
+    assert not compiled and "not known" in why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_rounds_equal_eager_rounds_and_hf_greedy(tiny, family: str) -> None:
+    model = tiny(family)
+    torch._dynamo.reset()  # this test counts compilations: none left from other tests' models
+    eager, compiled = ModelAdapter(model), ModelAdapter(model, compile=True)
+    assert compiled.warm_up(64) > 0
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up's graph serves every later round
+        _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager, compiled)
+
+
+@pytest.mark.slow
+def test_native_kernels_compile_one_graph_for_every_round(tiny) -> None:
+    """A model on the native kernels attends with the native loop up to NATIVE_MAX_ROWS packed rows and with sdpa
+    beyond; the choice is made inside the op when it runs, so one graph serves both sides (a branch on the row
+    count in the graph compiled a second graph at the first one-row round, mid-job). The rounds also run with
+    the later rounds' guard checks skipped (``skip_guards``): a recompilation would raise there too."""
+    stock = tiny("llama")
+    if native_unavailable_reason(stock, default_cache_dir()) is not None:
+        pytest.skip("no native kernel here")
+    model = copy.deepcopy(stock)
+    apply_prepack(model, "native")
+    torch._dynamo.reset()
+    eager, compiled = ModelAdapter(model), ModelAdapter(model, compile=True)
+    assert compiled.attention == NATIVE_GQA and compiled.skip_guards
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert groups * 2 <= NATIVE_MAX_ROWS < groups * max(BUCKETS)  # both kernels run below
+    assert compiled.warm_up(64) > 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _compiled_rounds_equal_eager_rounds_and_hf_greedy(stock, eager, compiled)
+
+
+@pytest.mark.slow
+def test_skipped_guards_still_tell_two_models_of_one_class_apart() -> None:
+    """Two Llamas of different sizes share dynamo's cache (one class, one forward): with the guards of later rounds
+    skipped, every round of each must still run its own graph. Rounds alternate between the models, each on its
+    own cache, against their eager rounds."""
+    models = [tiny_model("llama"), tiny_model("llama", seed=1, hidden_size=96, num_attention_heads=6)]
+    torch._dynamo.reset()
+    pairs = [(ModelAdapter(m), ModelAdapter(m, compile=True)) for m in models]
+    for _, compiled in pairs:
+        compiled.warm_up(64)
+    caches = {}
+    for eager, compiled in pairs:
+        for adapter in (eager, compiled):
+            caches[id(adapter)] = adapter.new_cache(64)
+            adapter.forward(torch.arange(20), torch.arange(20), causal(20), caches[id(adapter)], torch.tensor([19]))
+    for rows in (1, 2, 5, 9):
+        for eager, compiled in pairs:
+            got, want = (
+                adapter.forward(torch.arange(rows), torch.arange(20, 20 + rows), causal(rows), caches[id(adapter)],
+                                torch.arange(rows))
+                for adapter in (compiled, eager)
+            )  # fmt: skip
+            torch.testing.assert_close(got, want, msg=f"{rows} rows")
+            for adapter in (eager, compiled):
+                crop(caches[id(adapter)], 20)
+
+
+def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter, compiled: ModelAdapter) -> None:
+    # single rounds on both sides of every bucket: rows = bucket and bucket + 1 (one row runs as two)
+    prefix = random_prompt(40, seed=5)
+    caches = {}
+    for adapter in (eager, compiled):
+        caches[id(adapter)] = adapter.new_cache(128)
+        adapter.forward(torch.tensor(prefix), torch.arange(40), causal(40), caches[id(adapter)], torch.tensor([39]))
+    for rows in sorted({1, *BUCKETS, *(b + 1 for b in BUCKETS)}):
+        ids = torch.tensor(random_prompt(rows, seed=rows))
+        if rows % 2:  # tensors made in inference mode too (as the engine's later rounds pass): one graph for both
+            with torch.inference_mode():
+                ids = ids.clone()
+        got, want = (
+            adapter.forward(ids, torch.arange(40, 40 + rows), causal(rows), caches[id(adapter)], torch.arange(rows))
+            for adapter in (compiled, eager)
+        )
+        torch.testing.assert_close(got, want, msg=f"{rows} rows")
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), rows
+        for adapter in (eager, compiled):
+            crop(caches[id(adapter)], 40)
+    # whole generations: window and candidates, padded to the buckets, against HF greedy
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    prompt = random_prompt(12, 3) * 2
+    engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=40), [], row_plan=bucket_plan())
+    result = engine.generate(prompt)
+    assert result.output_ids == hf_greedy(model, prompt, 40)
+    assert result.stats.forwards < 40  # candidates were accepted: multi-row rounds ran
+
+
+@pytest.mark.slow
+def test_compiled_embedded_model_equals_hf_greedy(embedded) -> None:
+    model, tokenizer = embedded
+    compiled = ModelAdapter(model, compile=True)
+    la = LookaheadConfig(window_size=5, ngram_size=4, verification_set_size=5)
+    engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=48), [], row_plan=bucket_plan())
+    for text in ("def fibonacci(n):\n    ", "The three primary colors are"):
+        ids = tokenizer(text)["input_ids"]
+        assert engine.generate(ids).output_ids == hf_greedy(model, ids, 48), text
+
+
+@pytest.mark.slow
+def test_cli_compile_on_records_and_auto_reads_it(tmp_path: Path) -> None:
+    """``on`` compiles and records this device's figures; ``auto`` then decides from them and says why."""
+    folder = make_tiny_folder(tmp_path / "model")
+    proc, rec = _run_cli(tmp_path, folder, "on", "on.jsonl", 16)
+    assert rec["policy"]["compile"]["compiled"] is True and rec["policy"]["compile"]["compile_s"] > 0
+    assert "forward compiled (model.compile=on; compiled in" in proc.stderr
+    records = list((tmp_path / "cache" / "compile").glob("record-*.json"))
+    assert len(records) == 1
+    saved = json.loads(records[0].read_text())["record"]
+    assert saved["compile_s"] > 0 and saved["eager_s"] > 0 and saved["compiled_s"] > 0
+    proc, rec = _run_cli(tmp_path, folder, "auto", "auto.jsonl", 16)  # 16 tokens never pay for a compilation
+    assert rec["policy"]["compile"]["compiled"] is False
+    assert f"compiling took {saved['compile_s']:.0f} s here" in rec["policy"]["compile"]["reason"]
+    assert "forward auto: eager (compiling took" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_compile_failure_falls_back_to_eager(tmp_path: Path) -> None:
+    """No usable C++ compiler (inductor's CPU backend needs one): one warning line, the job runs eager, the
+    record and the summary say why."""
+    folder = make_tiny_folder(tmp_path / "model")
+    proc, rec = _run_cli(tmp_path, folder, "on", "o.jsonl", 8, CXX=str(tmp_path / "no-such-compiler"))
+    warnings = [
+        ln for ln in proc.stderr.splitlines() if ln.startswith("warning: model.compile: on: compilation failed")
+    ]
+    assert len(warnings) == 1, proc.stderr
+    assert rec["policy"]["compile"]["compiled"] is False and "compilation failed" in rec["policy"]["compile"]["reason"]
+    assert rec["new_tokens"] == 8
+    assert "forward on: compilation failed" in proc.stderr  # the summary says it ran eager, and why
+
+
+def _run_cli(
+    tmp_path: Path, folder: Path, mode: str, out: str, max_new: int, **env: str
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """One prompt through ``python -m lp_runner`` on ``folder`` with ``model.compile=mode``, the cache (and so the
+    compile record and inductor's kernels) under ``tmp_path``; the run must succeed. Returns it and its record."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
+    proc = subprocess.run(
+        [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / out)]
+        + ["--set", f"model.path={folder}", "--set", f"model.compile={mode}", "--set", "model.threads=1"]
+        + ["--set", f"generation.max_new_tokens={max_new}"],
+        cwd=REPO,
+        env={**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache"), **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads((tmp_path / out).read_text().splitlines()[0])

@@ -1,0 +1,86 @@
+"""A round moves its results from the device to the host once (issue 17), greedy and sampling alike.
+
+Every value the host reads from the forward's logits passes through a conversion (``tolist``, ``item``,
+``numpy``, ``cpu``, ``bool``/``int``/``float``/``index``, ``to`` a CPU device). The test tags the real forward's
+output with a tensor subclass that every op on it propagates (``Tracked``) and counts those conversions per round,
+so a read-back added anywhere downstream of the forward, in any module, is counted, on the CPU as on a GPU.
+Outputs stay checked against the oracle (greedy) or against the engine without the tag (sampling), so the count is
+of a run that did the real work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_greedy, random_prompt, shared_tiny_model
+
+from lp_runner.backends.adapter import ModelAdapter
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.decoding.engine import LookaheadEngine
+
+READS = {"tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
+
+
+class Tracked(torch.Tensor):
+    """A tensor whose conversions to host values are counted in ``Tracked.reads``."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")) if a is not None)
+        if name in READS or to_cpu:
+            cls.reads += 1
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class TaggingAdapter(ModelAdapter):
+    """The real adapter; its logits come back tagged, and its forwards are counted (one per round)."""
+
+    forwards = 0
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        TaggingAdapter.forwards += 1
+        return super().forward(*args, **kwargs).as_subclass(Tracked)
+
+
+def _run(gen: GenerationConfig, tagged: bool) -> list[int]:
+    model = shared_tiny_model("llama")
+    adapter = (TaggingAdapter if tagged else ModelAdapter)(model)
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    prompt = random_prompt(12, 3) * 2  # a repeated prompt: the context lookup proposes, candidates get verified
+    return LookaheadEngine(adapter, la, gen, []).generate(prompt).output_ids
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_one_read_back_per_round(do_sample: bool) -> None:
+    gen = GenerationConfig(max_new_tokens=30, do_sample=do_sample, seed=11, temperature=0.9, top_k=20)
+    Tracked.reads = TaggingAdapter.forwards = 0
+    out = _run(gen, tagged=True)
+    rounds = TaggingAdapter.forwards - 1  # the adapter's own probe forward at construction reads nothing
+    assert rounds >= 5
+    assert Tracked.reads == rounds, f"{Tracked.reads} device->host reads in {rounds} rounds"
+    if do_sample:
+        assert out == _run(gen, tagged=False)  # the tag changes nothing (same seed, same samples)
+    else:
+        model = shared_tiny_model("llama")
+        assert out == hf_greedy(model, random_prompt(12, 3) * 2, 30)
+        assert len(out) > rounds  # candidates were accepted: verification rows were read too
+
+
+def test_tracked_counts_every_kind_of_read() -> None:
+    """The counter itself can fail: each conversion of a tagged tensor is one read."""
+    Tracked.reads = 0
+    t = torch.arange(3.0).as_subclass(Tracked)
+    t.tolist()
+    t[0].item()
+    int(t[1])
+    float(t[1])
+    bool(t[2])
+    t.numpy()
+    t.cpu()
+    t.to("cpu")
+    (t * 2).argmax().tolist()  # derived tensors stay tagged
+    assert Tracked.reads == 9

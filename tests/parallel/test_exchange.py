@@ -1,0 +1,153 @@
+"""LP in one process: P engines on threads behind an in-memory all_gather, and the exchange on its own.
+
+The engines, the coordinator replicas, the payloads, the digest check and the publication are all the real ones;
+only the transport is an in-process barrier instead of gloo/NCCL. That makes LP's protocol (winner choice,
+re-feed by the losing ranks, merged window columns) testable in seconds and debuggable in one process; the
+torchrun tests (``test_lp.py``) check the real transport.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+from helpers import hf_greedy, random_prompt, shared_tiny_model
+
+from lp_runner.backends.adapter import ModelAdapter
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.decoding.engine import LookaheadEngine
+from lp_runner.errors import DistributedError
+from lp_runner.parallel.exchange import GatherExchange, SoloExchange, pack, winner
+
+
+class LocalGroup:
+    """P communicators whose all_gather meets at a barrier (one slot per rank)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.slots: list[torch.Tensor | None] = [None] * world_size
+        self.barrier = threading.Barrier(world_size, timeout=60)
+
+    def comm(self, rank: int) -> LocalCommunicator:
+        return LocalCommunicator(self, rank)
+
+
+class LocalCommunicator:
+    backend = "local"
+
+    def __init__(self, group: LocalGroup, rank: int) -> None:
+        self.group, self.rank, self.world_size, self.collectives = group, rank, group.world_size, 0
+
+    def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
+        self.group.slots[self.rank] = payload.clone()
+        self.group.barrier.wait()  # every slot written
+        out = torch.stack(self.group.slots)  # type: ignore[arg-type]
+        self.group.barrier.wait()  # every rank has read before the next round overwrites
+        self.collectives += 1
+        return out
+
+    def all_gather_strings(self, text: str) -> list[str]:
+        raise NotImplementedError("start-up only")
+
+
+def run_ranks(world_size: int, la: LookaheadConfig, prompt: Sequence[int], max_new_tokens: int, family="llama"):
+    """Every rank's GenerationResult for one prompt, the ranks running concurrently on threads."""
+    model = shared_tiny_model(family)
+    group = LocalGroup(world_size)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    engines = [LookaheadEngine(ModelAdapter(model), la, gen, [], group.comm(r)) for r in range(world_size)]
+    results: list = [None] * world_size
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            results[rank] = engines[rank].generate(list(prompt))
+        except BaseException as exc:  # surfaced below; a dead rank breaks the barrier for the others
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("wng", [(7, 5, 7), (4, 3, 2)])
+def test_lp_in_one_process_matches_hf_greedy(world_size: int, wng: tuple[int, int, int]) -> None:
+    w, n, g = wng
+    la = LookaheadConfig(window_size=w, ngram_size=n, verification_set_size=g)
+    prompt = random_prompt(24, seed=5)
+    expected = hf_greedy(shared_tiny_model("llama"), prompt, 48)
+    results = run_ranks(world_size, la, prompt, 48)
+    for rank, res in enumerate(results):
+        assert res.output_ids == expected, f"rank {rank}"
+    wins = [rec.winner_rank for rec in results[0].stats.records]
+    assert all([rec.winner_rank for rec in r.stats.records] == wins for r in results)  # one decision per round
+    assert results[0].stats.collectives == results[0].stats.rounds  # one exchange per round
+
+
+def test_lp_in_one_process_ranks_other_than_0_win_and_publish() -> None:
+    """The losing ranks adopt the winner's tokens and re-feed them: with rank 1 winning some rounds outright,
+    the output can only be exact if publication from rank 1 works."""
+    la = LookaheadConfig(window_size=7, ngram_size=5, verification_set_size=7)
+    prompt = random_prompt(24, seed=5)
+    results = run_ranks(2, la, prompt, 64)
+    assert results[0].output_ids == hf_greedy(shared_tiny_model("llama"), prompt, 64)
+    wins = results[0].stats.wins_by_rank
+    assert wins.get("1", 0) > 0, wins
+    won_by_1 = [rec for rec in results[0].stats.records if rec.winner_rank == 1]
+    assert any(rec.hits > 0 for rec in won_by_1)  # rank 1's accepted tokens were published
+
+
+def test_solo_exchange_is_the_gather_exchange_of_one_rank() -> None:
+    """P = 1 without a launcher skips the collective; its decision must be the one a one-rank gather makes."""
+    args = (123, 2, (7, 8, 9), 4, {0: 11, 1: 12})
+
+    class One:
+        rank, world_size, collectives = 0, 1, 0
+
+        def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
+            return payload.unsqueeze(0)
+
+    solo = SoloExchange().agree(*args)
+    gather = GatherExchange(One(), max_emit=5, window_size=3, choose=winner).agree(*args)
+    assert (solo.rank, solo.hits, solo.emitted, solo.candidate, solo.columns, solo.won) == (
+        gather.rank,
+        gather.hits,
+        gather.emitted,
+        gather.candidate,
+        gather.columns,
+        gather.won,
+    )
+
+
+def test_gather_exchange_refuses_replicas_that_planned_differently() -> None:
+    class Two:
+        rank, world_size, collectives = 0, 2, 0
+
+        def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
+            other = pack(0, (5,), 999, -1, {}, 5, 3)  # rank 1 planned another round (digest 999)
+            return torch.stack([payload, other])
+
+    with pytest.raises(DistributedError, match="disagree on the round plan"):
+        GatherExchange(Two(), max_emit=5, window_size=3, choose=winner).agree(123, 1, (7, 8), 0, {})
+
+
+def test_gather_exchange_merges_columns_and_adopts_the_longest_hit() -> None:
+    class Two:
+        rank, world_size, collectives = 0, 2, 0
+
+        def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
+            other = pack(3, (4, 5, 6, 7), 123, 2, {2: 33}, 5, 3)
+            return torch.stack([payload, other])
+
+    d = GatherExchange(Two(), max_emit=5, window_size=3, choose=winner).agree(123, 1, (7, 8), 0, {0: 11, 1: 22})
+    assert (d.rank, d.hits, d.emitted, d.candidate, d.won) == (1, 3, (4, 5, 6, 7), 2, False)
+    assert d.columns == {0: 11, 1: 22, 2: 33}

@@ -1,0 +1,310 @@
+"""Lookahead Parallelism: real torchrun processes on gloo, against P = 1 and HF greedy generate (fp32).
+
+LP changes latency, not the algorithm: for every P the output ids must equal HF greedy, and the number of
+target forwards (hence tokens per forward) must equal the single worker's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import (
+    env_with_repo,
+    launch_ranks,
+    make_tiny_folder,
+    read_jsonl,
+    stop_all,
+    torchrun_cmd,
+    wait_for_file_lines,
+    write_prompts,
+)
+from helpers import hf_greedy
+
+from lp_runner.parallel.exchange import pack, unpack, winner
+from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
+
+PROMPTS = [
+    {"id": "plain", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown"},
+    {"id": "code", "prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"},
+    {"id": "chat", "messages": [{"role": "user", "content": "List three colours."}]},
+]
+
+
+# ---------------------------------------------------------------- sharding (pure)
+
+
+def _brute_force_best(w: int, p: int, depth: int) -> int:
+    best = None
+    for cuts in combinations(range(w + 1), p - 1) if p > 1 else [()]:
+        bounds = [0, *cuts, w]
+        if any(bounds[i] > bounds[i + 1] for i in range(p)):
+            continue
+        cost = max(lookahead_rows((bounds[i], bounds[i + 1]), depth) for i in range(p))
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("w,p,depth", [(7, 2, 3), (15, 2, 3), (15, 3, 3), (5, 3, 1), (2, 3, 2), (1, 2, 3), (9, 4, 0)])
+def test_column_blocks_cover_window_and_are_optimal(w, p, depth):
+    blocks = column_blocks(w, p, depth)
+    assert len(blocks) == p
+    assert blocks[0][0] == 0 and blocks[-1][1] == w  # contiguous cover of [0, W)
+    assert all(blocks[i][1] == blocks[i + 1][0] for i in range(p - 1))
+    assert max(lookahead_rows(b, depth) for b in blocks) == _brute_force_best(w, p, depth)
+
+
+def test_column_blocks_worked_example_and_w_below_p():
+    assert column_blocks(7, 2, 3) == ((0, 4), (4, 7))  # 3+12 = 15 rows and 6+9 = 15 rows
+    blocks = column_blocks(2, 3, 3)  # W < P: one rank gets no columns
+    assert sum(hi > lo for lo, hi in blocks) == 2 and blocks[-1][0] == blocks[-1][1]
+
+
+@pytest.mark.parametrize(
+    "lengths,base,expected",
+    [
+        ([4] * 5, [10, 4], [[2, 4], [0, 1, 3]]),  # docstring example: loads 18 and 16
+        ([], [10, 4], [[], []]),  # no candidates: nothing assigned
+        ([2], [3, 3, 3], [[0], [], []]),  # fewer candidates than ranks: ties go to the lowest rank
+        ([4, 4, 4], [0, 0, 0], [[0], [1], [2]]),
+        ([10, 4, 4], [0, 0], [[0], [1, 2]]),  # a long context candidate weighs its length
+    ],
+)
+def test_assign_candidates(lengths, base, expected):
+    assert assign_candidates(lengths, base) == expected
+
+
+def test_assign_candidates_keeps_groups_on_one_rank():
+    out = assign_candidates([3] * 4, [0, 0], groups=[7, 8, 7, 8])  # groups by first token
+    assert sorted(map(sorted, out)) == [[0, 2], [1, 3]]
+
+
+def test_exchange_roundtrip_and_winner_ties_to_lowest_rank():
+    a = pack(2, (5, 6, 7), 99, 0, {0: 11, 1: 12}, max_emit=5, w=4)
+    b = pack(2, (5, 6, 8), 99, 3, {2: 13, 3: 14}, max_emit=5, w=4)
+    reports = unpack(torch.stack([a, b]), max_emit=5, w=4)
+    assert reports[1].emitted == (5, 6, 8) and reports[1].columns == {2: 13, 3: 14}
+    assert reports[1].candidate == 3 and reports[0].plan_digest == 99
+    assert winner(reports) == 0  # equal hits: lowest rank
+    c = pack(3, (1, 2, 3, 4), 99, -1, {}, max_emit=5, w=4)
+    assert winner(unpack(torch.stack([a, b, c]), max_emit=5, w=4)) == 2
+
+
+# ---------------------------------------------------------------- real torchrun runs
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
+
+
+def _run_torchrun(nproc: int, model: Path, prompts: Path, out: Path, wng, extra=(), timeout=300):
+    w, n, g = wng
+    args = [
+        "--prompts", str(prompts), "--output", str(out),
+        "--set", f"model.path={model}", "--set", "model.threads=1",
+        "--set", f"lookahead.window_size={w}", "--set", f"lookahead.ngram_size={n}",
+        "--set", f"lookahead.verification_set_size={g}", "--set", "generation.max_new_tokens=48",
+        "--set", "lookahead.preset=off",  # this W/N/G with its window, not what the device's curve would choose
+        "--set", "run.progress=false", *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        torchrun_cmd(nproc, *args), env=env_with_repo(), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_jsonl(out), proc
+
+
+def _hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The shared oracle (helpers.hf_greedy) on a model loaded from the folder the CLI ran."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return hf_greedy(model, prompt_ids, max_new_tokens, eos_ids=[2])  # 2: the EOS lp_runner stops at
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wng", [(7, 5, 7), (2, 4, 3), (5, 3, 0)], ids=["W7N5G7", "W2N4G3-W<P", "W5N3G0"])
+def test_lp_matches_single_worker_and_hf_greedy(tmp_path, tiny_dir, wng):
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    results = {}
+    for nproc in (1, 2, 3):
+        records, proc = _run_torchrun(nproc, tiny_dir, prompts, tmp_path / f"out{nproc}.jsonl", wng)
+        results[nproc] = records
+        assert all(r["workers"] == nproc for r in records)
+        assert all(r["dist_backend"] == "gloo" for r in records)  # a launched job forms its group even at P=1
+        device = records[0]["run"]["device"]  # model.dtype auto on a CPU; every rank's peak host memory at load
+        assert (device["dtype"], device["tf32"], device["dtype_choice"]) == ("float32", False, "auto: float32 on a CPU")
+        assert len(device["load_peak_host_mib_ranks"]) == nproc and min(device["load_peak_host_mib_ranks"]) > 0
+        assert "tokens/forward" in proc.stderr  # the summary is printed (by rank 0 only)
+        assert proc.stderr.count("tokens/forward") == 1
+    for rec in results[1]:
+        assert rec["output_ids"] == _hf_greedy(tiny_dir, rec["prompt_ids"], 48), rec["id"]
+    for nproc in (2, 3):
+        for single, multi in zip(results[1], results[nproc], strict=True):
+            assert multi["output_ids"] == single["output_ids"], (nproc, single["id"])
+            assert multi["forwards"] == single["forwards"], (nproc, single["id"])  # same tokens per forward
+            assert multi["stats"]["collectives"] == multi["stats"]["rounds"]  # one collective per round
+    if wng[2] > 0:  # guard: candidates were verified and accepted, so LP's winner selection was exercised
+        assert sum(r["stats"]["accepted_tokens"] for r in results[2]) > 0
+    if wng == (7, 5, 7):  # (W2N4G3 here: rank 1 never holds a strictly longer hit; ties go to rank 0)
+        # ranks other than 0 won rounds and the others adopted their tokens (the outputs above are exact)
+        other_wins = sum(n for r in results[2] for rank, n in r["stats"]["wins_by_rank"].items() if rank != "0")
+        assert other_wins > 0, [r["stats"]["wins_by_rank"] for r in results[2]]
+    assert all(set(r["stats"]["wins_by_rank"]) == {"0"} for r in results[1])  # P = 1: the only rank wins
+
+
+@pytest.mark.slow
+def test_lp_embedded_model_matches_hf_greedy(tmp_path):
+    from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model
+
+    fetch_embedded_model()
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "fib", "prompt": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'},
+            {"id": "chat", "messages": [{"role": "user", "content": "Explain what a hash map is."}]},
+        ],
+    )
+    records, _ = _run_torchrun(2, Path("embedded"), prompts, tmp_path / "o.jsonl", (15, 5, 15))
+    for rec in records:
+        assert rec["output_ids"] == _hf_greedy(embedded_model_dir(), rec["prompt_ids"], 48), rec["id"]
+    assert sum(r["stats"]["accepted_tokens"] for r in records) > 0
+
+
+# ---------------------------------------------------------------- failures: never hang
+
+
+def _many_prompts(tmp_path: Path) -> Path:
+    return write_prompts(tmp_path / "many.jsonl", [{"id": str(i), "prompt": f"Item {i}:"} for i in range(400)])
+
+
+def _worker_pids(torchrun_pid: int) -> dict[int, int]:
+    """rank -> pid of the workers that torchrun started."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(torchrun_pid)], capture_output=True, text=True).stdout
+    ranks = {}
+    for pid in map(int, out.split()):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                ranks[int(item[5:])] = pid
+    return ranks
+
+
+@pytest.mark.slow
+def test_killed_worker_ends_job_with_clear_message(tmp_path, tiny_dir):
+    out = tmp_path / "o.jsonl"
+    args = [
+        "--prompts", str(_many_prompts(tmp_path)), "--output", str(out), "--set", f"model.path={tiny_dir}",
+        "--set", "generation.max_new_tokens=200", "--set", "model.threads=1", "--set", "parallel.timeout_s=20",
+        "--set", "run.progress=false",
+    ]  # fmt: skip
+    proc = subprocess.Popen(torchrun_cmd(2, *args), env=env_with_repo(), stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for_file_lines(out, 2, timeout=120), "generation never started"
+        os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        stop_all([proc])
+    assert proc.returncode != 0
+    assert elapsed < 30  # loose bound: within the 20 s collective timeout plus launcher teardown
+    # Either rank 0's next collective finds the peer gone and says so, or torchrun's agent, which polls its
+    # ranks, stops rank 0 first (SIGTERM between two collectives) and names the dead rank as the root cause.
+    rank0_saw_it = "error: [rank 0] a peer worker died or stalled during a collective" in err
+    launcher_saw_it = "Root Cause (first observed failure)" in err and re.search(
+        r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -9", err
+    )
+    assert rank0_saw_it or launcher_saw_it, err[-3000:]
+    assert len(read_jsonl(out)) >= 2  # records written before the failure are kept
+
+
+@pytest.mark.slow
+def test_stalled_worker_fails_within_timeout(tmp_path, tiny_dir):
+    out = tmp_path / "o.jsonl"
+    common = [
+        "--prompts", str(_many_prompts(tmp_path)), "--set", f"model.path={tiny_dir}",
+        "--set", "generation.max_new_tokens=200", "--set", "model.threads=1", "--set", "parallel.timeout_s=8",
+        "--set", "run.progress=false",
+    ]  # fmt: skip
+    procs = launch_ranks(2, [[*common, "--output", str(out)], common])
+    try:
+        assert wait_for_file_lines(out, 2, timeout=120), "generation never started"
+        procs[1].send_signal(signal.SIGSTOP)  # alive but silent: only the collective timeout can catch it
+        stopped_at = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        stop_all(procs)
+    assert procs[0].returncode == 3
+    assert 6 < elapsed < 30  # the configured 8 s timeout, loosely
+    assert "error: [rank 0] a peer worker died or stalled during a collective" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_config_mismatch_between_ranks_is_detected(tmp_path, tiny_dir):
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:1])
+    base = ["--prompts", str(prompts), "--set", f"model.path={tiny_dir}", "--set", "parallel.timeout_s=60"]
+    procs = launch_ranks(2, [[*base, "--set", "lookahead.window_size=7"], [*base, "--set", "lookahead.window_size=8"]])
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        stop_all(procs)
+    assert all(p.returncode == 3 for p in procs)
+    assert "config mismatch between ranks: ranks [1] differ from rank 0" in errs[0]
+
+
+@pytest.mark.slow
+def test_weights_mismatch_between_ranks_is_detected(tmp_path, tiny_dir):
+    other = make_tiny_folder(tmp_path / "other", "llama", seed=4)
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:1])
+    base = ["--prompts", str(prompts), "--set", "parallel.timeout_s=60"]
+    # Same config text on both ranks (model.path=model), resolved in each rank's own folder to other weights.
+    procs_args = []
+    for rank, target in enumerate((tiny_dir, other)):
+        d = tmp_path / f"rank{rank}"
+        d.mkdir()
+        (d / "model").symlink_to(target)
+        procs_args.append([*base, "--set", "model.path=model"])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lp_runner", *args],
+            cwd=tmp_path / f"rank{r}",
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, (args, env) in enumerate(zip(procs_args, _rank_envs(2), strict=True))
+    ]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        stop_all(procs)
+    assert all(p.returncode == 3 for p in procs)
+    assert "model weights differ between ranks: ranks [1] differ from rank 0" in errs[0]
+
+
+def _rank_envs(world: int) -> list[dict[str, str]]:
+    from dist_helpers import free_port
+
+    port = free_port()
+    return [
+        env_with_repo(
+            RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        for r in range(world)
+    ]

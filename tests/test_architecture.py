@@ -1,0 +1,117 @@
+"""The package structure the code claims (``docs/design.md``, section 10) holds in the code's own imports.
+
+Read from the sources with ``ast`` (every import, at module level or inside a function): modules and packages
+form a DAG, each package imports only the layers below it, and the CPU kernels are reached only through their
+backend's plug-in.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from dist_helpers import REPO
+
+PACKAGE = REPO / "lp_runner"
+# Top to bottom: a package may import the ones after it, never one before it. Top-level modules sit where their
+# job puts them: the entry points above everything, config / errors / logs / device / collector at the bottom.
+LAYERS = (
+    ("__main__", "cli"),
+    ("api",),
+    ("jobs",),
+    ("tuning",),
+    ("decoding",),
+    ("parallel", "backends"),
+    ("models",),
+    ("device", "config", "collector"),
+    ("logs", "errors", "__init__"),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every lp_runner module ``path`` imports, wherever the import statement stands."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "lp_runner":  # from lp_runner import x: x may be a module or a name
+                for alias in node.names:
+                    candidate = f"lp_runner.{alias.name}"
+                    found.add(candidate if _exists(candidate) else "lp_runner")
+            elif node.module.startswith("lp_runner."):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lp_runner.")}
+    return found
+
+
+def _exists(module: str) -> bool:
+    rel = Path(*module.split("."))
+    return (REPO / rel).with_suffix(".py").is_file() or (REPO / rel / "__init__.py").is_file()
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        graph[name] = {m for m in _imports(path) if m != name and _exists(m)}
+    return graph
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a module: its first package under lp_runner, or the top-level module's own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_every_module_import_forms_a_dag() -> None:
+    """No import circle, counting imports inside functions too (so none dodges a circle by being local)."""
+    assert _cycle(_graph()) is None
+
+
+def test_packages_import_only_the_layers_below_them() -> None:
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    units = {_unit(m) for m in _graph()}
+    assert units <= set(rank), f"add {sorted(units - set(rank))} to LAYERS"
+    upward = []
+    for module, imported in _graph().items():
+        for target in imported:
+            a, b = _unit(module), _unit(target)
+            if rank[b] < rank[a] and not (a == "__init__" and b == "api"):  # the lazy generate export
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_a_package_does_not_import_its_sibling_layer() -> None:
+    """parallel and backends share a layer: neither needs the other."""
+    graph = _graph()
+    crossing = [
+        f"{m} -> {t}" for m, ts in graph.items() for t in ts if {_unit(m), _unit(t)} == {"parallel", "backends"}
+    ]
+    assert crossing == []

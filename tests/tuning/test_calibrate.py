@@ -1,0 +1,229 @@
+"""Start-up calibration: measured once, cached under a key of everything that changes it, shared by LP ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from dist_helpers import env_with_repo, free_port, make_tiny_folder, read_jsonl, write_prompts
+
+from lp_runner.backends.adapter import ModelAdapter
+from lp_runner.models.loading import weights_checksum
+from lp_runner.tuning import costmodel
+from lp_runner.tuning.calibrate import (
+    COARSE_ROWS,
+    NOISY_SPREAD,
+    QUICK_KV,
+    QUICK_ROWS,
+    cache_file,
+    calibrate,
+    calibration_key,
+    save,
+)
+from lp_runner.tuning.costmodel import CostCurve, repetition_spread
+
+
+def test_each_build_of_the_native_kernels_has_its_own_curve(native_routing) -> None:
+    """A new version of native_gemm.c (or another compiler, or other flags) changes what a forward costs: its
+    curve is measured again, not read from a cache filled by other code. torch's kernels keep their key."""
+    from lp_runner.backends.cpu.prepack import native_unavailable_reason
+    from lp_runner.models.loading import default_cache_dir
+
+    native = native_routing
+    if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
+        pytest.skip("no native kernel here")
+    cpu, kernels = torch.device("cpu"), "native-packed-fused-layers"
+    native.load(default_cache_dir())
+    key, torch_key = (calibration_key(cpu, torch.float32, "abc", kernels=k) for k in (kernels, "torch"))
+    assert key["build"] == native.build_id() != "" and torch_key["build"] == ""
+    native.route(native.library(str(default_cache_dir()), ("-DLP_RUNNER_ANOTHER_BUILD",)))
+    assert native.build_id() != key["build"]
+    assert calibration_key(cpu, torch.float32, "abc", kernels=kernels) != key
+    assert calibration_key(cpu, torch.float32, "abc", kernels="torch") == torch_key
+
+
+@pytest.fixture
+def jitter_allowance(monkeypatch):
+    """The suite's other worker takes time slices of several ms from the tiny model's sub-millisecond forwards: a
+    larger allowance for scheduler jitter (``costmodel.JITTER_S``) keeps that from reading as a busy machine in
+    tests about the cache (the noise policy has its own test, with noise far above this allowance)."""
+    monkeypatch.setattr(costmodel, "JITTER_S", 0.02)
+
+
+def test_curve_is_cached_and_keyed(tiny, tmp_path, jitter_allowance) -> None:
+    model = tiny("llama")
+    adapter = ModelAdapter(model)
+    checksum = weights_checksum(model)
+    first = calibrate(adapter, tmp_path, checksum)
+    assert first.source == "measured"
+    assert sorted({p.rows for p in first.curve.points}) == list(QUICK_ROWS)
+    again = calibrate(adapter, tmp_path, checksum)
+    assert again.source == "cache" and again.curve == first.curve and again.path == first.path
+    assert calibrate(adapter, tmp_path, checksum, recalibrate=True).source == "measured"  # --recalibrate
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # another thread count is another curve
+        assert calibrate(adapter, tmp_path, checksum).source == "measured"
+    finally:
+        torch.set_num_threads(threads)
+    assert calibrate(adapter, tmp_path, "other-weights").source == "measured"  # another model
+    half = ModelAdapter(tiny("llama", seed=5).to(torch.bfloat16))  # another dtype (and weights)
+    key_half = calibration_key(half.device, half.dtype, checksum)
+    assert key_half["dtype"] == "bfloat16"
+    assert cache_file(tmp_path, key_half) != cache_file(
+        tmp_path, calibration_key(adapter.device, adapter.dtype, checksum)
+    )
+    assert calibrate(adapter, tmp_path, checksum).source == "cache"  # the first key is still there
+
+
+def test_measurement_fits_a_time_budget(tiny, tmp_path) -> None:
+    """Under LP the other ranks wait for rank 0's measurement inside a collective: a budget the quick grid would
+    overrun gets the coarse grid (a budget of a nanosecond always does)."""
+    adapter = ModelAdapter(tiny("llama"))
+    coarse = calibrate(adapter, tmp_path, "w", budget_s=1e-9)
+    assert sorted({p.rows for p in coarse.curve.points}) == list(COARSE_ROWS)
+    roomy = calibrate(adapter, tmp_path / "other", "w", budget_s=1e6)
+    assert sorted({p.rows for p in roomy.curve.points}) == list(QUICK_ROWS)
+
+
+def test_unreadable_or_foreign_cache_is_remeasured(tiny, tmp_path) -> None:
+    adapter = ModelAdapter(tiny("llama"))
+    cal = calibrate(adapter, tmp_path, "w")
+    path = cal.path
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert calibrate(adapter, tmp_path, "w").source == "measured"
+    with open(path) as f:
+        data = json.load(f)
+    data["key"]["threads"] = 999  # a file whose key does not match what it is read for
+    with open(path, "w") as f:
+        json.dump(data, f)
+    assert calibrate(adapter, tmp_path, "w").source == "measured"
+
+
+def _plant(cache_root, key: dict, ms: dict[int, float]) -> None:
+    """Write a curve into a cache folder, as if measured there (body = all, ms per row count)."""
+    points = [{"kv_len": kv, "rows": q, "body_s": t / 1e3, "all_s": t / 1e3} for kv in QUICK_KV for q, t in ms.items()]
+    path = cache_file(cache_root, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "curve": {"points": points}}))
+
+
+@pytest.mark.slow
+def test_lp_ranks_use_rank0_curve(tmp_path) -> None:
+    """Two real ranks whose caches hold opposite curves: rank 1 must use rank 0's (else the auto preset makes two
+    different plans and the plan digest stops the run), and the record shows rank 0's choice."""
+    folder = make_tiny_folder(tmp_path / "tiny")
+    from lp_runner.backends.cpu.prepack import apply_prepack
+    from lp_runner.models.loading import load_model_and_tokenizer
+
+    model, _, _ = load_model_and_tokenizer(folder)
+    checksum = weights_checksum(model)  # the checkpoint's, taken before prepacking as the runner does
+    apply_prepack(model, "auto")  # the runner's default model.prepack
+    kernels = ModelAdapter(model).kernels  # what the runner's adapter runs (native decoder layers included)
+    key = calibration_key(torch.device("cpu"), torch.float32, checksum, kernels=kernels)
+    key["threads"] = 1
+    dear = {q: 50.0 + 30.0 * (q - 1) for q in QUICK_ROWS}  # no window, few rows
+    free = {q: 50.0 for q in QUICK_ROWS}  # rows cost nothing: the window
+    _plant(tmp_path / "c0", key, dear)
+    _plant(tmp_path / "c1", key, free)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = env_with_repo(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LP_RUNNER_CACHE=str(tmp_path / f"c{rank}"),
+        )  # fmt: skip
+        args = ["--prompts", str(prompts), "--set", f"model.path={folder}", "--set", "model.threads=1",
+                "--set", "generation.max_new_tokens=12", "--set", "parallel.workers=2"]  # fmt: skip
+        if rank == 0:
+            args += ["--output", str(tmp_path / "out.jsonl")]
+        cmd = [sys.executable, "-m", "lp_runner", *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    rec = read_jsonl(tmp_path / "out.jsonl")[0]
+    assert rec["policy"]["calibration"]["source"] == "cache"
+    assert not rec["policy"]["lookahead"]["lookahead_branch"]  # rank 0's dear curve decided
+    assert not os.path.exists(tmp_path / "c1" / "calibration" / "x")  # (rank 1 measured nothing new)
+    assert len(os.listdir(tmp_path / "c1" / "calibration")) == 1
+
+
+def test_curve_roundtrip() -> None:
+    curve = CostCurve.linear(0.01, 0.001)
+    assert CostCurve.from_dict(json.loads(json.dumps(curve.to_dict()))) == curve
+    noisy = CostCurve(curve.points, 0.7)
+    assert CostCurve.from_dict(json.loads(json.dumps(noisy.to_dict()))) == noisy != curve
+    assert CostCurve.from_dict({"points": noisy.to_dict()["points"]}).spread == 0.0  # a cache entry from before
+
+
+def test_repetition_spread() -> None:
+    """Per point (slowest - fastest - jitter allowance) / median, the median over the points measured twice or
+    more; differences within the scheduler's jitter are no noise."""
+    j = costmodel.JITTER_S
+    assert repetition_spread([[0.010, 0.010, 0.010]]) == 0.0
+    assert repetition_spread([[0.010, 0.020, 0.030]]) == pytest.approx((0.020 - j) / 0.020)
+    assert repetition_spread([[0.001, 0.001 + j, 0.001]]) == 0.0  # a time slice, not a load
+    assert repetition_spread([[0.010], [0.5]]) == 0.0  # one repetition: unknown
+    points = [[0.010, 0.010, 0.010], [0.010, 0.020, 0.030], [0.010, 0.010, 0.050], [0.2]]
+    assert repetition_spread(points) == pytest.approx((0.020 - j) / 0.020)  # the middle of 0, 0.9 and 3.8
+
+
+class BusyMachine:
+    """The tiny model's adapter on a machine something else loads: half of its forwards (a seeded draw) lose
+    80 ms to the other load, as a busy process's time slices cost a forward."""
+
+    def __init__(self, adapter: ModelAdapter, seed: int = 0) -> None:
+        self._adapter, self._draw = adapter, random.Random(seed)
+
+    def forward(self, *args, **kwargs):
+        if self._draw.random() < 0.5:
+            time.sleep(0.08)
+        return self._adapter.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._adapter, name)
+
+
+def test_a_noisy_curve_is_measured_again_and_the_quieter_kept(tiny, tmp_path, jitter_allowance) -> None:
+    """A curve measured on a busy machine is used, said to be noisy, and cached; the next run measures again and
+    the quieter curve stays in the cache. Without this a moment's load would price every later run's choices until
+    --recalibrate (the auto preset once chose plain decoding for a tiny model from such a curve)."""
+    quiet = ModelAdapter(tiny("llama"))
+    logs: list[str] = []
+    noisy = calibrate(BusyMachine(quiet), tmp_path, "w", log=logs.append)
+    assert noisy.source == "measured" and noisy.noisy and noisy.curve.spread > NOISY_SPREAD
+    assert noisy.summary()["noisy"] and "noisy" in logs[-1] and "next run measures again" in logs[-1]
+    again = calibrate(quiet, tmp_path, "w", log=logs.append)
+    assert "is noisy" in logs[-1] and "measuring it again" in logs[-1]
+    assert again.source == "measured" and not again.noisy and again.path == noisy.path
+    kept = calibrate(quiet, tmp_path, "w")
+    assert kept.source == "cache" and kept.curve == again.curve
+
+    # a cached noisy curve stays where the new measurement is noisier still
+    key = calibration_key(quiet.device, quiet.dtype, "v", False, quiet.kernels)
+    planted = CostCurve(again.curve.points, NOISY_SPREAD + 0.01)
+    save(cache_file(tmp_path, key), key, planted, 1.0)
+    busy = calibrate(BusyMachine(quiet, seed=1), tmp_path, "v")
+    assert busy.source == "cache" and busy.curve == planted
+    assert calibrate(quiet, tmp_path, "v").source == "measured"  # and is measured again on a quiet machine
+
+
+def test_the_summary_line_says_the_curve_is_noisy() -> None:
+    from lp_runner.jobs.report import policy_lines
+
+    choice = {"samples": "shipped", "evaluated": 9, "predicted_ms_per_token": 20.0,
+              "predicted_tokens_per_forward": 1.5, "curve_body_ms": {"1": 20.0, "8": 24.0}}  # fmt: skip
+    cal = {"device": "AMD EPYC", "source": "measured", "seconds": 4.2, "spread": 0.61, "noisy": True}
+    lines = policy_lines({"preset": "auto", "choice": choice, "calibration": cal})
+    assert "curve (AMD EPYC, measured 4.2 s, noisy: 61% spread): rows 1:1.00x  8:1.20x" in lines[-1]
+    quiet = policy_lines({"preset": "auto", "choice": choice, "calibration": {**cal, "spread": 0.1, "noisy": False}})
+    assert "noisy" not in quiet[-1]
