@@ -28,7 +28,7 @@ from lp_runner import __version__
 from lp_runner.config import Config, load_config
 from lp_runner.errors import DistributedError, InputError, LPError
 from lp_runner.logs import add_log_level, log, setup_logging
-from lp_runner.output import LOCK_HOLDER_ENV, OutputFile
+from lp_runner.output import LOCK_HOLDER_ENV, OutputFile, check_not_an_input
 from lp_runner.prompts import PromptSpec, prompt_problem, read_prompts
 
 COMMANDS = ("run", "tune", "fetch")
@@ -134,6 +134,8 @@ def _run(argv: list[str]) -> int:
                 if (problem := prompt_problem(spec)) is not None:
                     raise InputError(f"{spec.describe()}: {problem}")
         single = args.prompt is not None
+        if args.output is not None:
+            check_not_an_input(args.output, {"--prompts": args.prompts, "--config": args.config, **pool_files(cfg)})
         if args.output is not None and int(os.environ.get("RANK", "0")) == 0:
             mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
             output = OutputFile.open(args.output, mode, cfg)  # checked and locked before anything is loaded
@@ -159,6 +161,12 @@ def _run(argv: list[str]) -> int:
         if output is not None:
             output.close()
         signal.signal(signal.SIGTERM, previous)
+
+
+def pool_files(cfg: Config) -> dict[str, str]:
+    """The job store's files a run reads or writes, by the option that names them (also ``run.pool_in`` / ``pool_out``
+    in a config)."""
+    return {"--pool-in": cfg.run.pool_in, "--pool-out": cfg.run.pool_out}
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -285,6 +285,40 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key given twice (PyYAML keeps the last one silently, so a second
+    ``model:`` section would replace the first without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise ConfigError(
+                    f"config file {self.name}:{line}: duplicate key '{key}' (first given at line {seen[key]}); "
+                    "give each key once"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(p: Path) -> Any:
+    """The YAML document in ``p``; invalid YAML or a duplicate key is a one-line ConfigError naming the line."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(p)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file, then the ``--set`` overrides; validated before return."""
     cfg = Config()
@@ -295,12 +329,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config path {p} is a folder, not a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        data = _read_yaml(p) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
         for section, values in data.items():

@@ -27,7 +27,7 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,6 +271,24 @@ class OutputFile:
                 self.sibling.unlink()
         finally:
             self.lock.release()
+
+
+def check_not_an_input(output: str | Path, inputs: Mapping[str, str | Path | None]) -> None:
+    """Refuse an output path that is one of the run's own files (``inputs``: the option that names each, e.g.
+    ``"--prompts"``, -> its path): records written over the prompts or the config would destroy what the run reads
+    (``--overwrite`` replaces the file once the first record is ready; ``--resume`` would refuse it as "not an
+    lp_runner record" only after the model loaded). Compared by resolved path, and by device and inode where both
+    exist (a hard link, a bind mount)."""
+    out = Path(output)
+    for what, path in inputs.items():
+        if not path:
+            continue
+        same = out.resolve() == Path(path).resolve()
+        if not same and out.exists() and Path(path).exists():
+            with contextlib.suppress(OSError):
+                same = os.path.samefile(out, path)
+        if same:
+            raise InputError(f"--output {output} is the same file as {what} {path}; write the records to another file")
 
 
 def _check_path(out: Path) -> None:

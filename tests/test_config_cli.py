@@ -120,6 +120,10 @@ def test_defaults_and_later_override_wins(tmp_path: Path) -> None:
         ("lookahead: 3\n", "config section 'lookahead' must be a mapping"),
         ("- 1\n- 2\n", "must hold a mapping of sections"),
         ("lookahead: {window_size: [\n", "is not valid YAML"),
+        # a key given twice: PyYAML alone keeps the last one silently
+        ("model:\n  path: a\nrun:\n  stream: true\nmodel:\n  threads: 1\n", ":5: duplicate key 'model' (first given"),
+        ("lookahead:\n  window_size: 3\n  window_size: 4\n", ":3: duplicate key 'window_size' (first given at line 2"),
+        ("lookahead: {window_size: 3, window_size: 4}\n", ":1: duplicate key 'window_size' (first given at line 1)"),
     ],
 )
 def test_config_file_errors(tmp_path: Path, text: str, message: str) -> None:
@@ -214,6 +218,27 @@ def test_cli_output_path_errors(tmp_path: Path) -> None:
     assert_user_error(run_cli("--prompt", "hi", "--output", str(tmp_path)), f"output path {tmp_path} is a folder")
     assert_user_error(run_cli("--prompt", "hi", "--resume"), "--resume needs --output FILE")
     assert afile.read_text() == "x"
+
+
+def test_cli_output_that_is_an_input_is_refused(tmp_path: Path) -> None:
+    """--output naming the prompts file, the config file or a pool file (even through another path to it) is
+    refused before anything is written: with --overwrite the records would replace the prompts."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    config = tmp_path / "c.yaml"
+    config.write_text("generation:\n  max_new_tokens: 4\n")
+    (tmp_path / "link.jsonl").hardlink_to(prompts)
+    base = ["--prompts", str(prompts), "--config", str(config), "--overwrite"]
+    same = "same file as"
+    assert_user_error(run_cli(*base, "--output", str(prompts)), f"--output {prompts} is the {same} --prompts {prompts}")
+    assert_user_error(run_cli(*base, "--output", str(tmp_path / "link.jsonl")), f"{same} --prompts {prompts}")
+    assert_user_error(run_cli(*base, "--output", str(tmp_path / "." / "c.yaml")), f"{same} --config {config}")
+    pool = tmp_path / "pool.json"
+    assert_user_error(run_cli(*base, "--output", str(pool), "--pool-out", str(pool)), f"{same} --pool-out {pool}")
+    assert_user_error(run_cli(*base, "--output", str(pool), "--pool-in", str(pool)), f"{same} --pool-in {pool}")
+    assert prompts.read_text() == '{"id": "a", "prompt": "hi"}\n'
+    assert config.read_text() == "generation:\n  max_new_tokens: 4\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "link.jsonl", "p.jsonl"]
 
 
 def test_cli_needs_a_prompt() -> None:
