@@ -20,8 +20,10 @@ a Ray recovery rebuilds it from the records already written.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
+import os
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -150,7 +152,10 @@ class JobPool:
         return hashlib.sha256(repr((self.max_tokens, self._seqs)).encode()).hexdigest()[:16]
 
     def save(self, path: str | Path, tokenizer_fingerprint: str) -> None:
-        """A versioned JSON file: the stored sequences, oldest first (loading re-adds them: the same store)."""
+        """A versioned JSON file: the stored sequences, oldest first (loading re-adds them: the same store).
+
+        Written beside the file and renamed over it: a failed write (a full disk) leaves the old file as it was,
+        and is a one-line InputError."""
         data = {
             "format": FORMAT,
             "version": VERSION,
@@ -159,7 +164,15 @@ class JobPool:
             "generations": self.generations,
             "sequences": [list(s) for s in self._seqs],
         }
-        Path(path).write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+        p = Path(path)
+        staged = p.with_name(p.name + ".new")
+        try:
+            staged.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+            os.replace(staged, p)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                staged.unlink()
+            raise InputError(f"cannot write pool file {p} ({exc.strerror or exc})") from None
 
     def load(self, path: str | Path, tokenizer_fingerprint: str) -> None:
         """Add a saved store's sequences (oldest first); a file of another format, version or tokenizer, or a

@@ -364,3 +364,120 @@ def test_on_error_skip_writes_error_records_and_counts_them(tiny_dir, prompts_wi
     assert stopped.returncode == 2
     assert f"error: prompt 'long' ({no_empty}:1): prompt of " in stopped.stderr
     assert not (tmp_path / "s.jsonl").exists()
+
+
+# ---------------------------------------------------------------- a full disk
+
+PAGE = 4096  # tmpfs counts whole pages per file
+NO_SPACE = "No space left on device"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of 64 KiB (a tmpfs mounted under the test's folder; about a dozen records fit), and a
+    function that resizes it (``mount -o remount``). Skipped where this process may not mount one."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}")
+
+    def resize(size: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
+
+    try:
+        yield disk, resize
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_full_disk_mid_run_is_one_line_and_resumes(tiny_dir, prompts, small_disk, reference, launcher):
+    """ENOSPC in the middle of a job: exit 2, one line naming the file, its record count and --resume, no torn
+    tail; once there is space again, --resume ends with the uninterrupted records."""
+    disk, resize = small_disk
+    out = disk / "o.jsonl"
+    proc = cli(tiny_dir, prompts, out, *LAUNCHERS[launcher])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    kept = complete_lines(out)
+    assert 1 <= kept < PROMPTS
+    line = f"error: cannot write {out} ({NO_SPACE}); {kept} records written, resume with --resume"
+    assert line in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert out.read_bytes().endswith(b"\n")  # the failed write's torn tail was cut off
+    assert sorted(p.name for p in disk.iterdir()) == ["o.jsonl"]  # no lock, no sibling left
+    resize("2m")
+    resumed = cli(tiny_dir, prompts, out, "--resume", *LAUNCHERS[launcher])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert by_id(read_jsonl(out)) == reference
+
+
+@pytest.mark.slow
+def test_full_disk_before_the_first_record_leaves_the_old_file(tiny_dir, prompts, small_disk):
+    """--overwrite on a disk the old output fills: OUT.new cannot take the first record; exit 2, one line, the old
+    file as it was and no OUT.new."""
+    disk, _ = small_disk
+    out = disk / "o.jsonl"
+    old = b'{"id": "old"}\n' * (15 * PAGE // 14)  # 15 of the 16 pages; the lock takes the last one
+    out.write_bytes(old[: 15 * PAGE - 1] + b"\n")
+    before = out.read_bytes()
+    proc = cli(tiny_dir, prompts, out, "--overwrite")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write {out}.new ({NO_SPACE}); the existing file is unchanged"
+    ), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in disk.iterdir()) == ["o.jsonl"]
+
+
+_WRITE_UNDER_A_FILE_SIZE_LIMIT = """
+import json, resource, signal, sys
+from pathlib import Path
+from lp_runner.config import Config
+from lp_runner.output import OutputError, OutputFile
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
+sink = OutputFile.open(sys.argv[1], sys.argv[2], Config())
+try:
+    for i in range(100):
+        sink.write({"id": f"r{i}", "pad": "x" * 150})
+except OutputError as exc:
+    print(exc)
+finally:
+    sink.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["new", "overwrite", "resume"])
+def test_output_write_error_is_one_line_and_cuts_the_torn_tail(tmp_path, mode):
+    """Without a mount: a file-size limit (RLIMIT_FSIZE) makes a real write fail mid-record (EFBIG). Whatever the
+    mode, the file keeps its complete records and nothing after them, and the error says how many."""
+    from lp_runner.config import Config
+    from lp_runner.output import output_digest
+
+    out = tmp_path / "o.jsonl"
+    a, b = (json.dumps({"id": i, "config_digest": output_digest(Config())}).encode() for i in "ab")
+    old = a + b"\n" + b + b'\n{"id": "c", "pa'  # resume: two records and a torn line
+    if mode != "new":
+        out.write_bytes(old)
+    script = [sys.executable, "-c", _WRITE_UNDER_A_FILE_SIZE_LIMIT, str(out), mode, "1000"]
+    proc = subprocess.run(script, env=env_with_repo(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    data = out.read_bytes()
+    lines = data.split(b"\n")
+    assert data.endswith(b"\n") and len(data) <= 1000
+    assert all(json.loads(line) for line in lines[:-1])
+    held = len(lines) - 1
+    assert proc.stdout == f"cannot write {out} (File too large); {held} records written, resume with --resume\n"
+    if mode == "resume":
+        assert data.startswith(a + b"\n" + b + b'\n{"id": "r0"')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
+    # the first record alone does not fit: OUT.new goes, an old file stays as it was
+    out.write_bytes(old)
+    proc = subprocess.run(script[:-2] + ["overwrite", "100"], env=env_with_repo(), capture_output=True, text=True)
+    assert proc.stdout == f"cannot write {out}.new (File too large); the existing file is unchanged\n", proc.stderr
+    assert out.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
