@@ -188,6 +188,39 @@ def test_bad_pool_files_are_refused_in_one_line(tmp_path, damage, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def _pool_file(path, sequences) -> None:
+    path.write_text(
+        json.dumps(
+            {"format": "lp_runner.job_pool", "version": 1, "tokenizer": FP, "generations": len(sequences),
+             "sequences": sequences, "num_tokens": sum(len(s) for s in sequences if isinstance(s, list))}
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sequences,message",
+    [
+        ([[1, 2], [3, 64, 5]], ": sequence 1, token 1: id 64 is outside the model's vocabulary of 64 ids"),
+        ([[1, -2]], ": sequence 0, token 1: -2 is not a token id"),
+        ([[1, True]], ": sequence 0, token 1: true is not a token id"),
+        ([[1, 2.0]], ": sequence 0, token 1: 2.0 is not a token id"),
+        ([[1], 7], " is damaged: sequence 1 is not a list of token ids"),
+    ],
+)
+def test_pool_file_ids_are_checked_against_the_vocabulary(tmp_path, sequences, message):
+    """Every token id of a pool file is a row of the model's vocabulary (``vocab_size``), or the first forward
+    that reads it fails inside the model; the error names the first bad entry."""
+    path = tmp_path / "pool.json"
+    _pool_file(path, sequences)
+    with pytest.raises(InputError) as err:
+        JobPool(100).load(path, FP, vocab_size=64)
+    assert str(err.value) == f"pool file {path}{message}"
+    _pool_file(path, [[1, 2], [3, 63, 0]])  # the last row of the vocabulary is a token
+    store = JobPool(100)
+    store.load(path, FP, vocab_size=64)
+    assert store.sequences == ((1, 2), (3, 63, 0))
+
+
 def test_prompt_scope_plans_as_before():
     """``pool_scope: prompt`` builds no job source: the sources and plans are those of a coordinator without one."""
     la = LookaheadConfig(lookahead_branch=False)
