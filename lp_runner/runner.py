@@ -48,6 +48,7 @@ from lp_runner.parallel.comm import (
 )
 from lp_runner.parallel.groups import GroupLayout, Heartbeat, form_groups, group_layout
 from lp_runner.policy import RoundPolicy
+from lp_runner.preflight import check_model_fits
 from lp_runner.prepack import apply_prepack
 from lp_runner.prompts import PromptSpec, encode, prompt_problem
 
@@ -149,9 +150,11 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     )
     load_s = time.perf_counter() - start
     adapter = ModelAdapter(model, native_layers=cfg.model.native_layers)
+    check_model_fits(cfg.lookahead, cfg.generation, adapter.max_positions)  # the loaded model's own context
     worker = Worker(cfg, comm, adapter, tokenizer, folder, device, load_s)
     worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
     worker.group = layout.group if layout is not None else 0
+    worker.store = job_store(cfg, tokenizer, adapter.vocab_size)  # --pool-in checked before the first forward
     if (control or comm).world_size > 1:
         check_peers(worker, control or comm)  # every rank of the job, not only of its group
     if prompts and cfg.run.on_error == "stop":
@@ -172,18 +175,18 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     )
     worker.policy.compile = compile_choice.describe()
     worker.policy.prepack = {**prepack.describe(), "native_layers": worker.adapter.native_layers}
-    worker.store = job_store(cfg, tokenizer)
     return worker
 
 
-def job_store(cfg: Config, tokenizer: Any) -> JobPool | None:
+def job_store(cfg: Config, tokenizer: Any, vocab_size: int | None = None) -> JobPool | None:
     """The job's store under ``pool_scope: job`` (None otherwise), started from ``run.pool_in`` when given
-    (a pool file of another tokenizer, version or a truncated one: a one-line InputError)."""
+    (a pool file of another tokenizer, version, a truncated one or one with a token id outside ``vocab_size``,
+    the model's: a one-line InputError)."""
     if cfg.lookahead.pool_scope != "job":
         return None
     store = JobPool(cfg.lookahead.pool_max_tokens)
     if cfg.run.pool_in:
-        store.load(cfg.run.pool_in, tokenizer_fingerprint(tokenizer))
+        store.load(cfg.run.pool_in, tokenizer_fingerprint(tokenizer), vocab_size)
     return store
 
 
