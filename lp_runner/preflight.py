@@ -170,7 +170,8 @@ def _safetensors_header(file: Path) -> dict[str, Any] | None:
 
 def available_memory() -> int | None:
     """Bytes this process may still allocate: the kernel's MemAvailable, or less under a cgroup (v2) limit; None
-    where neither can be read."""
+    where neither can be read. Generous where unsure (a refusal must be certain): a cgroup's page cache counts as
+    free, since the kernel reclaims it before it fails an allocation."""
     found = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -178,11 +179,13 @@ def available_memory() -> int | None:
                 found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
+    cgroup = Path("/sys/fs/cgroup")
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
-            found.append(max(0, int(limit) - used))
+            used = int((cgroup / "memory.current").read_text().strip())
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            found.append(max(0, int(limit) - used + int(stat.get("file", 0))))
     except (OSError, ValueError):
         pass
     return min(found) if found else None
