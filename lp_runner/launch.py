@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from lp_runner.errors import DistributedError
+
 PEER_GRACE_S = 3.0  # after a rank fails, how long the others get to end on their own before SIGTERM
 STOP_GRACE_S = 15.0  # after SIGTERM (or a forwarded Ctrl-C), how long the ranks get before SIGKILL
 STORE_TIMEOUT_S = 60.0  # the hosted store's own operations
@@ -109,7 +111,13 @@ def launch_ranks(world: int, command: list[str], env: Mapping[str, str] | None =
     ``env``: added to this process's environment for every rank. Leaves no process behind."""
     from torch.distributed import TCPStore  # imports torch: only once ranks are to be started
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    try:
+        store = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT_S)
+        )
+    except Exception as exc:  # no loopback, no free port
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DistributedError(f"cannot host the ranks' rendezvous on 127.0.0.1 ({reason[:200]})") from None
     base = {**os.environ, **(env or {})}
     run_id = uuid.uuid4().hex[:8]
     result = LaunchResult()

@@ -427,8 +427,9 @@ def test_pool_file_with_ids_outside_the_vocabulary_is_refused_before_loading(tin
     damaged: loading them would fail with another message). It used to reach the first forward: an IndexError."""
     import shutil
 
+    from transformers import AutoTokenizer
+
     from lp_runner.job_pool import JobPool, tokenizer_fingerprint
-    from lp_runner.loading import load_tokenizer
 
     model = tmp_path / "model"
     shutil.copytree(tiny_dir, model)
@@ -438,7 +439,7 @@ def test_pool_file_with_ids_outside_the_vocabulary_is_refused_before_loading(tin
     store.add((), (5, 6, 7))
     store.add((), (8, 99999, 9, 70000))
     pool = tmp_path / "pool.json"
-    store.save(pool, tokenizer_fingerprint(load_tokenizer(tiny_dir)))
+    store.save(pool, tokenizer_fingerprint(AutoTokenizer.from_pretrained(tiny_dir)))
     proc = cli(model, prompts, tmp_path / "o.jsonl", "--pool-in", str(pool))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
