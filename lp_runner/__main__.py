@@ -124,12 +124,12 @@ def _run(argv: list[str]) -> int:
         single = args.prompt is not None
         if args.output is not None:
             check_not_an_input(args.output, {"--prompts": args.prompts, "--config": args.config, **pool_files(cfg)})
-        from lp_runner.preflight import preflight  # its checks import torch and the loader
-
-        preflight(cfg, None if launched else cfg.parallel.workers * cfg.parallel.groups)
         if args.output is not None and int(os.environ.get("RANK", "0")) == 0:
             mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
             output = OutputFile.open(args.output, mode, cfg)  # checked and locked before anything is loaded
+        from lp_runner.preflight import preflight  # after the lock: a second run on the file fails at once
+
+        preflight(cfg, None if launched else cfg.parallel.workers * cfg.parallel.groups)
         if cfg.parallel.backend == "ray":
             from lp_runner.ray_backend import run_on_ray  # imported lazily: ray is optional
 
