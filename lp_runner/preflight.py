@@ -1,10 +1,11 @@
 """Checks made before any worker starts, in one place: ``preflight`` (and ``check_model_fits``, which it shares with
 the ranks' start-up).
 
-``preflight(cfg, local_ranks)`` runs in every ``run`` before anything is launched or loaded: the plain process, the
-parent that starts the ``parallel.workers`` x ``parallel.groups`` ranks, each of those ranks, a user's torchrun
-ranks. A setting that cannot run on this machine then fails with one ``error:`` line and exit 2 in the process the
-user started, instead of in D x P ranks at once (which the parent could only report as a failed peer, exit 3).
+``preflight(cfg, local_ranks)`` runs in every ``run`` once the output is locked and before anything is launched or
+loaded: the plain process, the parent that starts the ``parallel.workers`` x ``parallel.groups`` ranks, each of
+those ranks, a user's torchrun ranks. A setting that cannot run on this machine then fails with one ``error:`` line
+and exit 2 in the process the user started, instead of in D x P ranks at once (which the parent could only report
+as a failed peer, exit 3).
 Every check here is one each rank makes the same way on the same machine, so nothing is refused here that a rank
 would accept; what only the loaded model can tell (a ``.gguf`` model's context and vocabulary) is checked again
 after loading by the same functions (``check_model_fits``, ``JobPool.load``).
@@ -20,7 +21,8 @@ In order:
   their model copies need at least, against what this machine has available; more ranks than cores is a warning.
 
 With ``parallel.backend=ray`` nothing here applies: the workers run on the cluster's machines, which the actors
-check for themselves.
+check for themselves. A new check of this machine (a device that must exist, say) belongs in ``preflight`` too, as
+long as every rank would make it the same way.
 """
 
 from __future__ import annotations
@@ -75,9 +77,10 @@ def check_dist_backend(cfg: Config) -> None:
 def check_model_fits(la: LookaheadConfig, gen: GenerationConfig, positions: int | None) -> None:
     """The setting against a model's context of ``positions`` (None: the model states none) and MAX_ROUND_ROWS.
 
-    Example: W=100000 -> a round of 100,000s of rows, refused against MAX_ROUND_ROWS whatever the model; the
-    defaults (W=7 N=5 G=7, 10-token context proposals: 98 rows) against a model of 64 positions: refused, the
-    round alone would not fit; max_new_tokens=4096 against 4096 positions: refused, no prompt would fit."""
+    Example: W=1024 N=5 (with the other defaults) -> 1 + 1023 + 1024 x 3 + 7 x 10 = 4166 rows, refused against
+    MAX_ROUND_ROWS whatever the model; the defaults (W=7 N=5 G=7, 10-token context proposals: 98 rows) against a
+    model of 64 positions: refused, the round alone would not fit; max_new_tokens=4096 against 4096 positions:
+    refused, no prompt would fit."""
     from lp_runner.layout import max_round_rows  # imports torch
 
     rows = max_round_rows(la)
