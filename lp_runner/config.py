@@ -6,10 +6,12 @@ the same type checks and produce the same one-line error messages (``ConfigError
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -241,14 +243,17 @@ def _coerce(key: str, value: Any, target: type) -> Any:
     if target is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} must be a number, got {value!r}")
+            number = float(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(number):  # nan passes every comparison a bound makes; inf overflows a timeout
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
     if target is str:
         if isinstance(value, bool) and {"on", "off"} <= set(_CHOICES.get(key, ())):
             return "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
@@ -287,6 +292,40 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key given twice (PyYAML keeps the last one silently, so a second
+    ``model:`` section would replace the first without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise ConfigError(
+                    f"config file {self.name}:{line}: duplicate key '{key}' (first given at line {seen[key]}); "
+                    "give each key once"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(p: Path) -> Any:
+    """The YAML document in ``p``; invalid YAML or a duplicate key is a one-line ConfigError naming the line."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(p)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file, then the ``--set`` overrides; validated before return."""
     cfg = Config()
@@ -297,12 +336,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config path {p} is a folder, not a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        data = _read_yaml(p) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
         for section, values in data.items():
@@ -325,38 +359,53 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 class Bound(typing.NamedTuple):
-    """A plain lower bound; the error reads ``{key}{label} must be {op} {value}{meaning}, got {x}{why}``."""
+    """A setting's range. Below it the error reads ``{key}{label} must be {op} {value}{meaning}, got {x}{why}``;
+    above ``most`` (inclusive; None: no upper bound) ``{key}{label} must be <= {most}{most_why}, got {x}``."""
 
     op: str  # ">=" or ">"
     value: float
     label: str = ""  # e.g. " (W)"
     meaning: str = ""  # e.g. " (0: no cap)"
     why: str = ""
+    most: float | None = None  # the largest value that can run, or that any run could use
+    most_why: str = ""
 
 
-# Every plain lower bound, in one table; checks that relate two keys or constrain a value further are written out
-# in ``check_lookahead`` and ``validate``.
+# The most rows one round may compute, whatever the model: a round's masks grow with the square of its rows (at
+# 4096 rows the additive float mask alone is 4096 x (past + 4096) x 4 bytes, 128 MiB at a past of 4096 tokens) and
+# its layout is rebuilt in Python every round; a setting past it is a mistake, not a speed-up. A model's context
+# bounds a round further (``decoding.layout.check_model_fits``).
+MAX_ROUND_ROWS = 4096
+_ROWS = f" (a round's rows grow with it, and a round computes at most {MAX_ROUND_ROWS})"
+_WEEK_S = 7 * 24 * 3600.0  # a wait longer than this is a hang, not a timeout
+
+# Every setting's bounds, in one table; checks that relate two keys or constrain a value further are written out in
+# ``check_lookahead`` and ``validate``. What each bound means for the round and the machine: docs/design.md 9.5.
 _BOUNDS: dict[str, Bound] = {
     "lookahead.ngram_size": Bound(
-        ">=", 3, " (N)", why=": N-1 trajectory levels need at least one level above the base stripe"
+        ">=", 3, " (N)", why=": N-1 trajectory levels need at least one level above the base stripe",
+        most=64, most_why=_ROWS,
     ),
-    "lookahead.window_size": Bound(">=", 1, " (W)"),
-    "lookahead.verification_set_size": Bound(">=", 0, " (G)"),
-    "lookahead.context_max_ngram": Bound(">=", 1),
-    "lookahead.max_verify_rows": Bound(">=", 0, meaning=" (0: no cap)"),
-    "lookahead.context_tokens": Bound(">=", 1),
-    "lookahead.long_match_rows": Bound(">=", 0, meaning=" (0: no cap)"),
-    "lookahead.pool_max_tokens": Bound(">=", 0),
-    "generation.max_new_tokens": Bound(">=", 1),
-    "generation.top_k": Bound(">=", 0),
-    "parallel.workers": Bound(">=", 1),
-    "parallel.groups": Bound(">=", 1),
-    "parallel.timeout_s": Bound(">", 0),
-    "parallel.cpus_per_worker": Bound(">=", 0),
-    "parallel.placement_timeout_s": Bound(">", 0),
-    "parallel.max_restarts": Bound(">=", 0),
-    "model.threads": Bound(">=", 0),
-}
+    "lookahead.window_size": Bound(">=", 1, " (W)", most=1024, most_why=_ROWS),
+    "lookahead.verification_set_size": Bound(">=", 0, " (G)", most=1024, most_why=_ROWS),
+    "lookahead.context_max_ngram": Bound(">=", 1, most=64, most_why=" (the context index keeps a key per length)"),
+    "lookahead.max_verify_rows": Bound(">=", 0, meaning=" (0: no cap)", most=MAX_ROUND_ROWS),
+    "lookahead.context_tokens": Bound(">=", 1, most=1024, most_why=_ROWS),
+    "lookahead.long_match_rows": Bound(">=", 0, meaning=" (0: no cap)", most=MAX_ROUND_ROWS),
+    # ~82 bytes a stored token (measured at a million: docs/design.md 2.1): the bound is about 8 GB
+    "lookahead.pool_max_tokens": Bound(">=", 0, most=100_000_000, most_why=" (about 82 bytes a stored token)"),
+    "generation.max_new_tokens": Bound(
+        ">=", 1, most=1_000_000, most_why=" (and less than the model's context, checked once it is known)"
+    ),
+    "generation.top_k": Bound(">=", 0),  # above the vocabulary it keeps every token, as HF's warper does
+    "parallel.workers": Bound(">=", 1, most=1024, most_why=" (and what this machine holds, checked at start)"),
+    "parallel.groups": Bound(">=", 1, most=1024, most_why=" (and what this machine holds, checked at start)"),
+    "parallel.timeout_s": Bound(">", 0, most=_WEEK_S, most_why=" (a week: a longer wait is a hang)"),
+    "parallel.cpus_per_worker": Bound(">=", 0, most=1024),
+    "parallel.placement_timeout_s": Bound(">", 0, most=_WEEK_S, most_why=" (a week: a longer wait is a hang)"),
+    "parallel.max_restarts": Bound(">=", 0, most=1000),
+    "model.threads": Bound(">=", 0, most=1024),
+}  # fmt: skip
 
 
 def _check_bounds(section: str, values: object) -> None:
@@ -366,6 +415,13 @@ def _check_bounds(section: str, values: object) -> None:
             x = getattr(values, key.split(".", 1)[1])
             if x < b.value if b.op == ">=" else x <= b.value:
                 raise ConfigError(f"{key}{b.label} must be {b.op} {b.value:g}{b.meaning}, got {x}{b.why}")
+            if b.most is not None and x > b.most:
+                raise ConfigError(f"{key}{b.label} must be <= {_number(b.most)}{b.most_why}, got {x}")
+
+
+def _number(v: float) -> str:
+    """1000000.0 -> "1000000", 0.5 -> "0.5" (a bound as the user would type it)."""
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
 def check_lookahead(la: LookaheadConfig) -> None:
@@ -393,8 +449,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"generation.temperature must be > 0 when sampling, got {gen.temperature}")
     if not 0.0 < gen.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p}")
-    if par.gpus_per_worker < 0 and par.gpus_per_worker != -1:
-        raise ConfigError(f"parallel.gpus_per_worker must be >= 0 or -1 (auto), got {par.gpus_per_worker}")
+    if (par.gpus_per_worker < 0 and par.gpus_per_worker != -1) or par.gpus_per_worker > 64:
+        raise ConfigError(f"parallel.gpus_per_worker must be -1 (auto) or 0 to 64, got {par.gpus_per_worker}")
     if (cfg.run.pool_in or cfg.run.pool_out) and cfg.lookahead.pool_scope != "job":
         raise ConfigError("--pool-in / --pool-out (run.pool_in, run.pool_out) need lookahead.pool_scope=job")
     if not _DEVICE.fullmatch(cfg.model.device):

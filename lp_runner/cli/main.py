@@ -4,30 +4,24 @@ Commands: ``run`` (the default: ``python -m lp_runner --config c.yaml ...`` mean
 --config c.yaml ...``), ``tune`` (``cli.tune``) and ``fetch`` (``models.fetch``); ``--version`` prints
 the package version and ``--log-level`` (before or after the command) sets what goes to stderr (``lp_runner.logs``).
 
-Without torchrun, ``parallel.workers=P`` x ``parallel.groups=D`` > 1 re-launches this same command under
-``torch.distributed.run`` on this machine (D x P ranks), so a single-machine run needs no launcher knowledge.
+Without torchrun, ``parallel.workers=P`` x ``parallel.groups=D`` > 1 starts this same command as D x P ranks on
+this machine (``lp_runner.cli.launch``), so a single-machine run needs no launcher knowledge. Whatever can be checked
+before that is checked first, in this process (``lp_runner.cli.preflight``): a setting that cannot run is one line and
+exit 2 here, not a failure of every rank.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import os
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
-import time
-from pathlib import Path
-from typing import Any
 
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
 from lp_runner.errors import DistributedError, InputError, LPError
-from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
+from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile, check_not_an_input
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
 from lp_runner.logs import add_log_level, log, setup_logging
 
@@ -35,10 +29,6 @@ COMMANDS = ("run", "tune", "fetch")
 EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 3
 EXIT_INTERRUPTED = 130
-EXIT_DIR_ENV = "LP_RUNNER_EXIT_DIR"  # where each self-launched rank leaves its exit code for the parent
-STOP_GRACE_S = 15.0  # after Ctrl-C / SIGTERM, how long torchrun and the ranks get before SIGKILL
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         from lp_runner.models.fetch import main as fetch_main
 
         return fetch_main(args, prog="python -m lp_runner fetch")
-    code = _run(args)
-    _leave_exit_code(code)
-    return code
+    return _run(args)
 
 
 def _run(argv: list[str]) -> int:
@@ -134,16 +122,20 @@ def _run(argv: list[str]) -> int:
                 if (problem := prompt_problem(spec)) is not None:
                     raise InputError(f"{spec.describe()}: {problem}")
         single = args.prompt is not None
+        if args.output is not None:
+            check_not_an_input(args.output, {"--prompts": args.prompts, "--config": args.config, **pool_files(cfg)})
         if args.output is not None and int(os.environ.get("RANK", "0")) == 0:
             mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
             output = OutputFile.open(args.output, mode, cfg)  # checked and locked before anything is loaded
+        from lp_runner.cli.preflight import preflight  # after the lock: a second run on the file fails at once
+
+        preflight(cfg, None if launched else cfg.parallel.workers * cfg.parallel.groups)
         if cfg.parallel.backend == "ray":
             from lp_runner.jobs.ray import run_on_ray  # imported lazily: ray is optional
 
             code = run_on_ray(cfg, specs, output, single=single)
         elif cfg.parallel.workers * cfg.parallel.groups > 1 and not launched:
-            check_local_placement(cfg)  # what would fail in every rank fails here, once, before any rank starts
-            code = relaunch_with_torchrun(cfg, argv, output)
+            code = run_self_launched(cfg, argv, output)
         else:
             code = run_local(cfg, specs, output, single=single)
         if output is not None:
@@ -162,200 +154,51 @@ def _run(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def pool_files(cfg: Config) -> dict[str, str]:
+    """The job store's files a run reads or writes, by the option that names them (also ``run.pool_in`` / ``pool_out``
+    in a config)."""
+    return {"--pool-in": cfg.run.pool_in, "--pool-out": cfg.run.pool_out}
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    """torchrun stops the surviving workers with SIGTERM when one fails: say so instead of dying silently.
+    """A launcher stops the surviving ranks with SIGTERM when one fails: say so instead of dying silently.
 
     A rank may sit in a collective that only returns at its timeout, so it leaves at once (records already
     written are flushed; the kernel drops the output lock)."""
     log.error("stopped by the launcher (SIGTERM): another worker failed or the job was cancelled")
-    _leave_exit_code(128 + signum)
     os._exit(128 + signum)
 
 
-def _leave_exit_code(code: int) -> None:
-    """A self-launched rank tells the parent its own exit code (torchrun reports 1 for any failure).
-
-    Written to a hidden file and renamed into place: torchrun's SIGTERM can end the rank mid-write, and a
-    truncated file must not read as another code (the parent then sees no code, not an empty one)."""
-    folder = os.environ.get(EXIT_DIR_ENV)
-    if folder and "RANK" in os.environ:
-        with contextlib.suppress(OSError):
-            staged = Path(folder, f".rank{os.environ['RANK']}.{os.getpid()}")
-            staged.write_text(str(code))
-            os.replace(staged, Path(folder, f"rank{os.environ['RANK']}"))
+# ---------------------------------------------------------------- parallel.workers=P: the ranks started for you
 
 
-# ---------------------------------------------------------------- parallel.workers=P: torchrun started for you
+def run_self_launched(cfg: Config, argv: list[str], output: OutputFile | None) -> int:
+    """parallel.workers x parallel.groups > 1 without a launcher: the same command as D x P local ranks
+    (``launch.launch_ranks``); ``argv``: the ``run`` command's arguments, which each rank parses again.
 
+    This process holds the output's lock for the ranks (rank 0 writes). Its exit code is the ranks' own: the first
+    of 2 (input), 1 (a bug), 130 (interrupted) among them, else 3 (a failed peer: a rank killed, or stopped after
+    another failed). The ranks print their own ``error:`` lines; this process adds one line naming the rank that
+    ended first."""
+    from lp_runner.cli.launch import launch_ranks, rank_command
 
-def relaunch_with_torchrun(cfg: Config, argv: list[str], output: OutputFile | None) -> int:
-    """parallel.workers x parallel.groups > 1 without a launcher: run the same command as D x P local torchrun
-    workers.
-
-    ``argv``: the ``run`` command's arguments (``--log-level`` included); each rank runs ``lp_runner run ARGV``.
-
-    This process holds the output's lock for the ranks (rank 0 writes), forwards Ctrl-C / SIGTERM to torchrun
-    and every rank, waits for them (at most STOP_GRACE_S, then SIGKILL), and leaves no process behind: it is
-    their subreaper, so ranks orphaned by a dying torchrun come back to it. Its exit code is the ranks' own."""
-    cmd = torchrun_command(cfg.parallel.workers * cfg.parallel.groups, argv)
-    _become_subreaper()
-    signals: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        signals.append(signum)
-        _signal_all(_descendants(), signum)
-
-    with tempfile.TemporaryDirectory(prefix="lp_runner-exit-") as codes:
-        env = {**os.environ, EXIT_DIR_ENV: codes}
-        if output is not None:
-            env[LOCK_HOLDER_ENV] = str(os.getpid())
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            proc = subprocess.Popen(
-                cmd, env=env, start_new_session=True, stderr=subprocess.PIPE, preexec_fn=_stop_with_parent
-            )
-            if signals:  # arrived while torchrun was being started
-                _signal_all(_descendants(), signals[0])
-            relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, signals), daemon=True)
-            relay.start()
-            rc = _wait_bounded(proc, signals)
-            relay.join(timeout=5.0)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            _stop_leftovers()
-        written = {int(f.name[4:]): f.read_text() for f in Path(codes).glob("rank*")}
-        ranks = {rank: int(text) for rank, text in written.items() if text.isdigit()}
-    if signals:
+    env = {LOCK_HOLDER_ENV: str(os.getpid())} if output is not None else {}
+    result = launch_ranks(cfg.parallel.workers * cfg.parallel.groups, rank_command(argv), env)
+    if result.interrupted is not None:
         log.error("interrupted")
         return EXIT_INTERRUPTED
-    if rc == 0:
+    first = result.first_failure
+    if first is None:
         return 0
-    code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in ranks.values()), EXIT_PEER_FAILURE)
-    log.error("LP workers failed (exit code %d); see the worker messages above", code)
+    codes = {e.returncode for e in result.exits}
+    code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in codes), EXIT_PEER_FAILURE)
+    said = "; see its message above" if first.returncode > 0 else ""
+    log.error("LP workers failed (exit code %d): worker rank %d %s first%s", code, first.rank, first.describe(), said)
     return code
-
-
-def check_local_placement(cfg: Config) -> None:
-    """The D x P ranks about to start on this machine can each be placed (``device.check_placement``: a GPU per
-    rank where the config asks for one, NCCL only with one GPU per rank); a ConfigError (exit 2) otherwise."""
-    from lp_runner.device import check_placement, gpu_count
-
-    ranks = cfg.parallel.workers * cfg.parallel.groups
-    check_placement(cfg.model.device, cfg.parallel.dist_backend, ranks, gpu_count())
-
-
-def torchrun_command(workers: int, argv: list[str]) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node=DxP -m lp_runner run ARGV``: the command word
-    is written out, so each rank parses exactly the ``run`` arguments this process got."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={workers}",
-        "-m",
-        "lp_runner",
-        "run",
-        *argv,
-    ]
-
-
-def _wait_bounded(proc: subprocess.Popen, signals: list[int]) -> int:
-    """torchrun's exit code; after the first forwarded signal it gets STOP_GRACE_S, then it and the ranks are
-    killed."""
-    while proc.poll() is None and not signals:
-        time.sleep(0.1)  # short sleeps: the signal handler runs between them
-    deadline = time.monotonic() + STOP_GRACE_S
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if proc.poll() is None:
-        _signal_all(_descendants(), signal.SIGKILL)
-    return proc.wait()
-
-
-def _relay_stderr(pipe: Any, signals: list[int]) -> None:
-    """The ranks' and torchrun's stderr, as it comes (progress bars included); once the job is interrupted only
-    the ``error:`` lines pass: torchrun's own traceback of the signal says nothing the user does not know."""
-    out = sys.stderr.buffer
-    pending = b""
-    while chunk := os.read(pipe.fileno(), 65536):
-        if not signals:
-            out.write(chunk)
-            out.flush()
-            continue
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if line.lstrip(b"\r").startswith(b"error: "):
-                out.write(line.lstrip(b"\r") + b"\n")
-                out.flush()
-
-
-def _stop_with_parent() -> None:
-    """In the torchrun child: SIGTERM when this process dies, even by SIGKILL (torchrun then stops its ranks)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def _become_subreaper() -> None:
-    """Orphaned descendants (ranks whose torchrun died) are re-parented to this process, not to init."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def _descendants() -> list[int]:
-    """Pids of every process below this one (from /proc; Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields and fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = [], [os.getpid()]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signum)
-
-
-def _stop_leftovers() -> None:
-    """Ranks that outlived torchrun (it was killed): SIGTERM, a bounded wait, SIGKILL; then reap them all."""
-    left = _descendants()
-    if left:
-        _signal_all(left, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        while _descendants() and time.monotonic() < deadline:
-            _reap()
-            time.sleep(0.1)
-        _signal_all(_descendants(), signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while _descendants() and time.monotonic() < deadline:
-            _reap()
-            time.sleep(0.05)
-    _reap()
-
-
-def _reap() -> None:
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
 
 
 # ---------------------------------------------------------------- this process runs the prompts

@@ -20,8 +20,10 @@ a Ray recovery rebuilds it from the records already written.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
+import os
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +36,7 @@ MAX_KEY = 3  # longest k-gram key (match length), as the context index's default
 SCAN = 64  # most recent occurrences of a key read per lookup: the lookup's cost bound
 SEP = -1  # between generations: no key or continuation crosses it
 STORE_PROMPTS = False  # prompts are not stored: measured (benchmarks/results/global_pool.md), they add no tokens
-FORMAT = "lp_runner.decoding.job_store"
+FORMAT = "lp_runner.job_pool"  # the pool files' format name, kept across versions (the module it named moved)
 VERSION = 1
 
 
@@ -150,7 +152,10 @@ class JobPool:
         return hashlib.sha256(repr((self.max_tokens, self._seqs)).encode()).hexdigest()[:16]
 
     def save(self, path: str | Path, tokenizer_fingerprint: str) -> None:
-        """A versioned JSON file: the stored sequences, oldest first (loading re-adds them: the same store)."""
+        """A versioned JSON file: the stored sequences, oldest first (loading re-adds them: the same store).
+
+        Written beside the file and renamed over it: a failed write (a full disk) leaves the old file as it was,
+        and is a one-line InputError."""
         data = {
             "format": FORMAT,
             "version": VERSION,
@@ -159,12 +164,21 @@ class JobPool:
             "generations": self.generations,
             "sequences": [list(s) for s in self._seqs],
         }
-        Path(path).write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+        p = Path(path)
+        staged = p.with_name(p.name + ".new")
+        try:
+            staged.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
+            os.replace(staged, p)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                staged.unlink()
+            raise InputError(f"cannot write pool file {p} ({exc.strerror or exc})") from None
 
-    def load(self, path: str | Path, tokenizer_fingerprint: str) -> None:
-        """Add a saved store's sequences (oldest first); a file of another format, version or tokenizer, or a
-        truncated one, is refused with a one-line InputError."""
-        sequences, generations = read_pool_file(path, tokenizer_fingerprint)
+    def load(self, path: str | Path, tokenizer_fingerprint: str, vocab_size: int | None = None) -> None:
+        """Add a saved store's sequences (oldest first); a file of another format, version or tokenizer, a
+        truncated one, or one with a token id outside ``vocab_size`` (the model's), is refused with a one-line
+        InputError (``read_pool_file``)."""
+        sequences, generations = read_pool_file(path, tokenizer_fingerprint, vocab_size)
         for seq in sequences:
             self._append(tuple(seq))
         if self._num_tokens > self.max_tokens:
@@ -172,7 +186,14 @@ class JobPool:
         self.generations += generations
 
 
-def read_pool_file(path: str | Path, tokenizer_fingerprint: str) -> tuple[list[list[int]], int]:
+def read_pool_file(
+    path: str | Path, tokenizer_fingerprint: str | None, vocab_size: int | None = None
+) -> tuple[list[list[int]], int]:
+    """A pool file's (sequences, generations), or a one-line InputError naming the file and the first bad entry.
+
+    ``tokenizer_fingerprint``: the run's tokenizer (None: not checked, e.g. before the tokenizer is at hand);
+    ``vocab_size``: the model's vocabulary (None: not known yet): every token id must be one of its rows, or the
+    first forward that reads it would fail inside the model (an index out of range)."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"pool file not found: {p}")
@@ -180,19 +201,33 @@ def read_pool_file(path: str | Path, tokenizer_fingerprint: str) -> tuple[list[l
         data = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise InputError(f"pool file {p} is truncated or not a pool file (invalid JSON)") from None
+    except OSError as exc:
+        raise InputError(f"cannot read pool file {p} ({exc.strerror or exc})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InputError(f"pool file {p} is not an lp_runner pool file")
     if data.get("version") != VERSION:
         raise InputError(f"pool file {p} has version {data.get('version')!r}; this lp_runner reads version {VERSION}")
-    if data.get("tokenizer") != tokenizer_fingerprint:
+    if tokenizer_fingerprint is not None and data.get("tokenizer") != tokenizer_fingerprint:
         raise InputError(f"pool file {p} was made with another tokenizer; its token ids would mean other text")
     seqs = data.get("sequences")
-    valid = isinstance(seqs, list) and all(
-        isinstance(s, list) and all(isinstance(t, int) and t >= 0 for t in s) for s in seqs
-    )
-    if not valid or sum(len(s) for s in seqs) != data.get("num_tokens"):
+    if not isinstance(seqs, list):
+        raise InputError(f"pool file {p} is damaged: it has no list of sequences")
+    top = vocab_size if vocab_size is not None else float("inf")
+    for i, seq in enumerate(seqs):
+        if not isinstance(seq, list):
+            raise InputError(f"pool file {p} is damaged: sequence {i} is not a list of token ids")
+        for k, t in enumerate(seq):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < top:
+                where = f"pool file {p}: sequence {i}, token {k}"
+                if isinstance(t, int) and not isinstance(t, bool) and t >= 0:
+                    raise InputError(f"{where}: id {t} is outside the model's vocabulary of {vocab_size} ids")
+                raise InputError(f"{where}: {json.dumps(t)} is not a token id")
+    if sum(len(s) for s in seqs) != data.get("num_tokens"):
         raise InputError(f"pool file {p} is damaged: its sequences do not add up to its num_tokens")
-    return seqs, int(data.get("generations", len(seqs)))
+    generations = data.get("generations", len(seqs))
+    if isinstance(generations, bool) or not isinstance(generations, int) or generations < 0:
+        raise InputError(f"pool file {p} is damaged: generations is {json.dumps(generations)}, not a count")
+    return seqs, generations
 
 
 class StoreView:

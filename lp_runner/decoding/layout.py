@@ -33,7 +33,8 @@ from typing import Protocol
 
 import torch
 
-from lp_runner.config import LookaheadConfig
+from lp_runner.config import MAX_ROUND_ROWS, GenerationConfig, LookaheadConfig
+from lp_runner.errors import ConfigError
 
 ROLE_ORDINARY = 0
 ROLE_LOOKAHEAD = 1
@@ -257,6 +258,37 @@ def _visibility(shape: tuple[tuple[int, int, int, int, int], ...]) -> torch.Tens
     sees_candidate = i_ver & k_ver & (row(cand) == col(cand)) & (row(offset) <= col(offset))
     sees_self_as_pad = i_pad & (k_idx == i_idx)
     return sees_ordinary | sees_base | sees_trajectory | sees_candidate | sees_self_as_pad  # [Q, Q]
+
+
+def check_model_fits(la: LookaheadConfig, gen: GenerationConfig, positions: int | None) -> None:
+    """The setting against a model's context of ``positions`` (None: the model states none) and MAX_ROUND_ROWS.
+
+    Example: W=1024 N=5 (with the other defaults) -> 1 + 1023 + 1024 x 3 + 7 x 10 = 4166 rows, refused against
+    MAX_ROUND_ROWS whatever the model; the defaults (W=7 N=5 G=7, 10-token context proposals: 98 rows) against a
+    model of 64 positions: refused, the round alone would not fit; max_new_tokens=4096 against 4096 positions:
+    refused, no prompt would fit."""
+    rows = max_round_rows(la)
+    what = (
+        f"a round of this setting computes up to {rows} rows (the live token, "
+        f"{'W-1 + W x (N-2) window rows, ' if la.lookahead_branch else ''}G x the longest proposal)"
+    )
+    if rows > MAX_ROUND_ROWS:
+        raise ConfigError(
+            f"lookahead: {what}, more than the {MAX_ROUND_ROWS} a round may have; lower window_size (W), "
+            "ngram_size (N), verification_set_size (G) or context_tokens"
+        )
+    if positions is None:
+        return
+    if rows > positions:
+        raise ConfigError(
+            f"lookahead: {what}, more than the model's context of {positions} positions; lower window_size (W), "
+            "ngram_size (N), verification_set_size (G) or context_tokens"
+        )
+    if gen.max_new_tokens >= positions:
+        raise ConfigError(
+            f"generation.max_new_tokens={gen.max_new_tokens} leaves no room for a prompt in the model's context of "
+            f"{positions} positions (at most {positions - 1})"
+        )
 
 
 class RowCounts(Protocol):

@@ -27,13 +27,13 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lp_runner.config import Config
-from lp_runner.errors import InputError
+from lp_runner.errors import InputError, LPError
 
 MODES = ("new", "resume", "overwrite")
 LOCK_SUFFIX = ".lock"
@@ -47,6 +47,10 @@ _DIGEST_SECTIONS = ("model", "lookahead", "generation")
 # ... except a prepack that rounds the weights: it runs another model (model.linear_weights in the settings, so a
 # resume between it and any other prepack is refused by name; absent otherwise, so earlier files keep their digest)
 _WEIGHTS_ROUNDED_BY = {"native-bf16": "bfloat16"}
+
+
+class OutputError(LPError):
+    """The output cannot be written (disk full, I/O error, quota): what is on disk, and how to go on."""
 
 
 def output_settings(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -170,7 +174,9 @@ class OutputFile:
         self.existing = existing
         self.lock = lock
         self.sibling = path.with_name(path.name + NEW_SUFFIX)
-        self.file: Any = None
+        self.fd: int | None = None  # the file being written (OUT, or OUT.new until its first record is complete)
+        self.good_bytes = 0  # its length up to its last complete record
+        self.on_sibling = False  # writing OUT.new, which has not replaced OUT yet
         self.written = 0
 
     @classmethod
@@ -180,7 +186,10 @@ class OutputFile:
         out = Path(path)
         _check_path(out)
         lock = OutputLock(out)
-        lock.acquire(out)
+        try:
+            lock.acquire(out)
+        except OSError as exc:  # a full disk has no room for the holder's pid
+            raise OutputError(f"cannot write output file {out}: its lock {lock.path}: {exc.strerror or exc}") from None
         try:
             if mode == "new" and out.exists() and out.stat().st_size > 0:
                 raise InputError(
@@ -237,32 +246,64 @@ class OutputFile:
                 )
 
     def write(self, rec: dict) -> None:
-        line = json.dumps(rec) + "\n"
-        if self.file is None:
-            self._begin(line)
-        else:
-            self.file.write(line)
-        self.file.flush()  # a record on disk is never lost to a later failure
+        """Append one record; it is in the kernel's hands when this returns (a later failure cannot lose it).
+
+        An OSError (ENOSPC, EIO, EDQUOT) is an OutputError naming the file, what it holds and how to go on; the
+        torn tail of the failed write is cut off where the file system allows it (``--resume`` drops it too)."""
+        data = (json.dumps(rec) + "\n").encode("utf-8")
+        try:
+            if self.fd is None:
+                self._begin(data)
+            else:
+                _write_all(self.fd, data)
+        except OSError as exc:
+            raise self._failed(exc) from None
+        self.good_bytes += len(data)
         self.written += 1
 
-    def _begin(self, first_line: str) -> None:
+    def _begin(self, first: bytes) -> None:
         if self.mode == "resume" and self.path.exists():
-            with open(self.path, "r+b") as f:
-                f.truncate(self.existing.good_bytes)  # drop a torn last line
-            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-            self.file.write(first_line)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            os.ftruncate(self.fd, self.existing.good_bytes)  # drop a torn last line
+            self.good_bytes = self.existing.good_bytes
+            _write_all(self.fd, first)
             return
-        self.file = open(self.sibling, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        self.file.write(first_line)
-        self.file.flush()
+        self.fd = os.open(self.sibling, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.on_sibling = True
+        _write_all(self.fd, first)
         os.replace(self.sibling, self.path)  # the old file goes only now, with a complete record in its place
+        self.on_sibling = False
+
+    def _failed(self, exc: OSError) -> OutputError:
+        """After a failed write: the file cut back to its last complete record (or ``OUT.new`` removed, the old
+        ``OUT`` untouched), and the one line that says so."""
+        reason = exc.strerror or str(exc)
+        if self.on_sibling:  # OUT.new never replaced OUT
+            self._close_fd()
+            with contextlib.suppress(OSError):
+                self.sibling.unlink()
+            kept = "the existing file is unchanged" if self.path.exists() else "nothing was written"
+            return OutputError(f"cannot write {self.sibling} ({reason}); {kept}")
+        torn = ""
+        if self.fd is not None:
+            try:
+                os.ftruncate(self.fd, self.good_bytes)
+            except OSError as cut:
+                torn = f"; its last line is torn ({cut.strerror or cut}), --resume drops it"
+        held = len(self.existing.records) + self.written  # complete records in the file
+        return OutputError(f"cannot write {self.path} ({reason}); {held} records written{torn}, resume with --resume")
+
+    def _close_fd(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self, complete: bool = False) -> None:
         """``complete``: the run ended normally (a resume with nothing new still drops a torn last line)."""
         try:
-            if self.file is not None:
-                self.file.close()
-                self.file = None
+            if self.fd is not None:
+                self._close_fd()
             elif complete and self.mode == "resume" and self.existing.torn:
                 with open(self.path, "r+b") as f:
                     if os.fstat(f.fileno()).st_size == self.existing.size:  # not appended to by our ranks
@@ -271,6 +312,31 @@ class OutputFile:
                 self.sibling.unlink()
         finally:
             self.lock.release()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a write may take fewer; an OSError propagates)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def check_not_an_input(output: str | Path, inputs: Mapping[str, str | Path | None]) -> None:
+    """Refuse an output path that is one of the run's own files (``inputs``: the option that names each, e.g.
+    ``"--prompts"``, -> its path): records written over the prompts or the config would destroy what the run reads
+    (``--overwrite`` replaces the file once the first record is ready; ``--resume`` would refuse it as "not an
+    lp_runner record" only after the model loaded). Compared by resolved path, and by device and inode where both
+    exist (a hard link, a bind mount)."""
+    out = Path(output)
+    for what, path in inputs.items():
+        if not path:
+            continue
+        same = out.resolve() == Path(path).resolve()
+        if not same and out.exists() and Path(path).exists():
+            with contextlib.suppress(OSError):
+                same = os.path.samefile(out, path)
+        if same:
+            raise InputError(f"--output {output} is the same file as {what} {path}; write the records to another file")
 
 
 def _check_path(out: Path) -> None:

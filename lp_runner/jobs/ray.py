@@ -32,6 +32,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -51,6 +52,7 @@ RAY_MISSING = "parallel.backend=ray needs ray: pip install 'lp_runner[ray]'"
 POLL_S = 0.1  # how often the driver collects rank 0's tokens and records
 CONNECT_TIMEOUT_S = 10.0  # TCP check of a cluster address: ray.init itself retries an unreachable one for minutes
 START_GRACE_S = 5.0  # after a rank fails, how long the others get to report theirs (the root cause wins)
+UNREAD_WAIT_S = 5.0  # at teardown, how long the calls of killed actors get to end so that their failure is read
 
 
 class RayClusterError(LPError):
@@ -294,22 +296,49 @@ class _Group:
     actors: list[Any]
     load_s: float = 0.0
     ips: list[str] = field(default_factory=list)  # each rank's node
+    unread: list[Any] = field(default_factory=list)  # calls given up on before they answered (read at teardown)
 
     @property
     def size(self) -> int:
         return len(self.actors)
+
+    def get(self, ref: Any, timeout: float) -> Any:
+        """``ray.get`` of one call to this group; a call given up on (timed out) is read at teardown."""
+        try:
+            return self.ray.get(ref, timeout=timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            self.unread.append(ref)
+            raise
 
     def teardown(self) -> None:
         for actor in self.actors:
             with contextlib.suppress(Exception):  # already dead
                 self.ray.kill(actor, no_restart=True)
         self.actors = []
+        self._read_unread()
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
 
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
             self.pg = None
+
+    def _read_unread(self) -> None:
+        """Read the calls the driver gave up on, now that their actors are gone (they end within moments).
+
+        Why: Ray prints an "Unhandled error" dump, the remote traceback included, for every failed call whose
+        result nobody read, when its ref is freed; e.g. the surviving rank's ``run`` (DistributedError) after the
+        driver gave up on a stopped rank 0. The failure is reported already (one warning or error line); reading
+        the result marks it handled. A call still unfinished after UNREAD_WAIT_S goes to Ray's log filter
+        (``_UnhandledToFile``)."""
+        refs, self.unread = self.unread, []
+        if not refs:
+            return
+        with contextlib.suppress(Exception):
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=UNREAD_WAIT_S)
+            for ref in ready:
+                with contextlib.suppress(Exception):
+                    self.ray.get(ref, timeout=0)
 
 
 @dataclass
@@ -343,23 +372,62 @@ def run_on_ray(
     connected = ray.is_initialized()  # an embedding program's own connection: reused, left open
     previous = signal.getsignal(signal.SIGTERM)
     code = 1
+    unhandled = _UnhandledToFile(Path(tempfile.gettempdir()) / f"lp_runner-ray-{os.getpid()}.log")
     try:
-        if not connected:
-            _connect(ray, cfg)
-        # after ray.init, which installs its own SIGTERM handler (a C++ stack dump and no message)
-        signal.signal(signal.SIGTERM, _interrupt)
-        code = _Driver(ray, cfg, specs, sink, single).run()
-        return code
+        with unhandled:  # until the refs are freed (ray.shutdown)
+            try:
+                if not connected:
+                    _connect(ray, cfg)
+                # after ray.init, which installs its own SIGTERM handler (a C++ stack dump and no message)
+                signal.signal(signal.SIGTERM, _interrupt)
+                code = _Driver(ray, cfg, specs, sink, single).run()
+                return code
+            finally:
+                if not connected and ray.is_initialized():
+                    ray.shutdown()  # stops the local instance we started; only disconnects from a cluster
     finally:
         if opened and sink is not None:
             sink.close(complete=code == 0)
-        if not connected and ray.is_initialized():
-            ray.shutdown()  # stops the local instance we started; only disconnects from a cluster
         signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+class _UnhandledToFile(logging.Filter):
+    """Ray's "Unhandled error" reports (a failed call's result freed unread, with the remote traceback) go to a
+    log file instead of the terminal, for the run's life.
+
+    The driver reads every failed call it can (``_Group.unread``), but a call of a stopped actor may end only
+    after its group's teardown gave up waiting; its failure was already reported in one line (a recovery warning
+    or the run's error). Ray logs the report on ``ray._private.worker``; other records pass unchanged."""
+
+    LOGGER = "ray._private.worker"
+    PREFIX = "Unhandled error"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.written = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+            self.written += 1
+        return False
+
+    def __enter__(self) -> _UnhandledToFile:
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger(self.LOGGER).removeFilter(self)
+        if self.written:
+            log.debug("Ray's reports of %d failed calls read after their failure: %s", self.written, self.path)
 
 
 class _Driver:
@@ -548,10 +616,10 @@ class _Driver:
                 for i, (lane, rank) in enumerate(slots):
                     group = self.lanes.get(lane)
                     if lane not in self.idle_lanes and group is not None and rank < group.size:
-                        calls.append(group.actors[rank].share_threads.remote(len(slots), idle, i))
-        for ref in calls:
+                        calls.append((group, group.actors[rank].share_threads.remote(len(slots), idle, i)))
+        for group, ref in calls:
             with contextlib.suppress(Exception):  # a rank lost meanwhile: its lane's recovery deals with it
-                self.ray.get(ref, timeout=self.cfg.parallel.timeout_s)
+                group.get(ref, self.cfg.parallel.timeout_s)
 
     def _run_one(self, group: _Group, lane: int, i: int, finished: list) -> None:
         """Prompt i on the lane's group, from its committed prefix (empty unless a lost group began it)."""
@@ -564,7 +632,7 @@ class _Driver:
                 raise _Stopped
             self._take(self._poll(group, self.cfg.parallel.timeout_s), lane)
 
-        self._gather(refs, "the run", None, tick=tick)
+        self._gather(group, refs, "the run", None, tick=tick)
 
     def _recover_lane(self, group: _Group | None, lane: int, i: int, reason: str, workers: int) -> int | None:
         """``_recover`` for one lane: account for the loss of the group that held prompt i and return the prompt
@@ -574,9 +642,7 @@ class _Driver:
         prompt that paid for it. None when the queue is empty too (nothing to rebuild for)."""
         if group is not None and group.actors:
             with contextlib.suppress(Exception):
-                self._take(
-                    self.ray.get(group.actors[0].poll.remote(), timeout=min(5.0, self.cfg.parallel.timeout_s)), lane
-                )
+                self._take(group.get(group.actors[0].poll.remote(), min(5.0, self.cfg.parallel.timeout_s)), lane)
         with self.lock:
             written = i in self.progress.records
             if written:
@@ -619,7 +685,7 @@ class _Driver:
         if group is not None and group.actors:
             # tokens rank 0 committed after the last poll (it cannot pass the round its peer failed in)
             with contextlib.suppress(Exception):
-                self._take(self.ray.get(group.actors[0].poll.remote(), timeout=min(5.0, self.cfg.parallel.timeout_s)))
+                self._take(group.get(group.actors[0].poll.remote(), min(5.0, self.cfg.parallel.timeout_s)))
         todo = self.progress.todo()
         if not todo:  # lost after rank 0 had reported every record: nothing to redo
             return False
@@ -693,8 +759,9 @@ class _Driver:
             )
             group.actors.append(actor_cls.options(**options).remote())
         try:
-            infos = self._gather([a.node.remote() for a in group.actors], "start", par.placement_timeout_s)
+            infos = self._gather(group, [a.node.remote() for a in group.actors], "start", par.placement_timeout_s)
             self._gather(
+                group,
                 [
                     a.check_model.remote(self.cfg.model.path, self.cfg.model.cache_dir, rank)
                     for rank, a in enumerate(group.actors)
@@ -702,7 +769,7 @@ class _Driver:
                 "model check",
                 par.placement_timeout_s,
             )
-            port = self._gather([group.actors[0].free_port.remote()], "start", par.timeout_s)[0]
+            port = self._gather(group, [group.actors[0].free_port.remote()], "start", par.timeout_s)[0]
             cfg_data = self.cfg.to_dict()
             cfg_data["parallel"]["workers"] = workers
             cfg_data["model"]["threads"] = actor_threads(self.cfg.model.threads, self.bundle)
@@ -723,15 +790,23 @@ class _Driver:
                     LEVEL_ENV: level_name(),
                 }
                 refs.append(actor.start.remote(cfg_data, env))
-            group.load_s = self._gather(refs, "start", None)[0]
+            group.load_s = self._gather(group, refs, "start", None)[0]
             group.ips = [info["ip"] for info in infos]
         except BaseException:
             group.teardown()
             raise
         return group
 
-    def _gather(self, refs: list, phase: str, timeout: float | None, tick: Callable[[], None] | None = None) -> list:
-        """Every ref's result, calling ``tick`` every POLL_S while waiting (rank 0's messages during a run).
+    def _gather(
+        self,
+        group: _Group,
+        refs: list,
+        phase: str,
+        timeout: float | None,
+        tick: Callable[[], None] | None = None,
+    ) -> list:
+        """Every ref's result (calls to ``group``'s actors), calling ``tick`` every POLL_S while waiting (rank 0's
+        messages during a run). Refs not read when it raises are left to the group's teardown (``_Group.unread``).
 
         Failures: an actor that died, or did not answer within ``timeout``, raises _WorkerLost. After the first
         failure the other ranks get START_GRACE_S to report theirs, so the root cause wins over its echo: rank 1
@@ -739,6 +814,17 @@ class _Driver:
         rank's own LPError (model not visible, bad prompt) is fatal; a DistributedError (a rank saw its peer
         fail) means a lost worker during a run, and is fatal during start-up (config or weights mismatch).
         """
+        read: set[Any] = set()
+        try:
+            return self._gather_refs(refs, phase, timeout, tick, read)
+        except BaseException:
+            group.unread.extend(ref for ref in refs if ref not in read)
+            raise
+
+    def _gather_refs(
+        self, refs: list, phase: str, timeout: float | None, tick: Callable[[], None] | None, read: set[Any]
+    ) -> list:
+        """``_gather``'s loop; ``read`` collects the refs whose result (or failure) it took."""
         ray = self.ray
         pending, results, failures, grace_started = list(refs), {}, [], False
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -750,6 +836,7 @@ class _Driver:
             if tick is not None and not failures:
                 tick()
             for ref in ready:
+                read.add(ref)
                 try:
                     results[ref] = ray.get(ref)
                 except Exception as exc:
@@ -806,11 +893,12 @@ class _Driver:
         finished = [(r["prompt_ids"], r["output_ids"]) for _, r in sorted(progress.records.items()) if "error" not in r]
         finished = [*self.resumed, *finished]  # --resume: the records the output already held come first
         refs = [a.run.remote(specs, todo, committed, printed, self.stream, finished) for a in group.actors]
-        self._gather(refs, "the run", None, tick=lambda: self._take(self._poll(group, self.cfg.parallel.timeout_s)))
+        poll = lambda: self._take(self._poll(group, self.cfg.parallel.timeout_s))  # noqa: E731
+        self._gather(group, refs, "the run", None, tick=poll)
 
     def _poll(self, group: _Group, timeout: float) -> list[tuple]:
         try:
-            return self.ray.get(group.actors[0].poll.remote(), timeout=timeout)
+            return group.get(group.actors[0].poll.remote(), timeout)
         except self.ray.exceptions.GetTimeoutError:
             raise _WorkerLost(f"worker rank 0 did not answer within parallel.timeout_s={timeout:g} s") from None
         except Exception as exc:
@@ -915,8 +1003,6 @@ def _init_quietly(ray: Any, **kwargs: Any) -> tuple[Exception | None, str]:
     """``ray.init(**kwargs)`` with file descriptor 2 in a temporary file: while Ray's C++ client connects, its
     retries print one warning a second, and the only word on a missing auth token is in them. Returns (the
     failure or None, what was printed)."""
-    import tempfile
-
     failure = None
     with tempfile.TemporaryFile() as sink:
         sys.stderr.flush()

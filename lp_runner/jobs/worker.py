@@ -24,6 +24,7 @@ from lp_runner.backends.cpu.prepack import PrepackChoice, apply_prepack
 from lp_runner.config import Config
 from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
 from lp_runner.decoding.job_store import JobPool, tokenizer_fingerprint
+from lp_runner.decoding.layout import check_model_fits
 from lp_runner.device import (
     Placement,
     bind,
@@ -146,10 +147,12 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         )
     load_s = time.perf_counter() - start
     adapter = ModelAdapter(model, native_layers=cfg.model.native_layers)
+    check_model_fits(cfg.lookahead, cfg.generation, adapter.max_positions)  # the loaded model's own context
     worker = Worker(cfg, comm, adapter, tokenizer, folder, placement.device, load_s)
     worker.placement, worker.load_peak_mib = placement, load_peak_mib
     worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
     worker.group = layout.group if layout is not None else 0
+    worker.store = job_store(cfg, tokenizer, adapter.vocab_size)  # --pool-in checked before the first forward
     if (control or comm).world_size > 1:
         check_peers(worker, control or comm)  # every rank of the job, not only of its group
     if prompts and cfg.run.on_error == "stop":
@@ -170,7 +173,6 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     )
     worker.policy.compile = compile_choice.describe()
     worker.policy.prepack = {**prepack.describe(), "native_layers": worker.adapter.native_layers}
-    worker.store = job_store(cfg, tokenizer)
     return worker
 
 
@@ -203,14 +205,15 @@ def join_groups(
     return comm, control, heartbeat
 
 
-def job_store(cfg: Config, tokenizer: Any) -> JobPool | None:
+def job_store(cfg: Config, tokenizer: Any, vocab_size: int | None = None) -> JobPool | None:
     """The job's store under ``pool_scope: job`` (None otherwise), started from ``run.pool_in`` when given
-    (a pool file of another tokenizer, version or a truncated one: a one-line InputError)."""
+    (a pool file of another tokenizer, version, a truncated one or one with a token id outside ``vocab_size``,
+    the model's: a one-line InputError)."""
     if cfg.lookahead.pool_scope != "job":
         return None
     store = JobPool(cfg.lookahead.pool_max_tokens)
     if cfg.run.pool_in:
-        store.load(cfg.run.pool_in, tokenizer_fingerprint(tokenizer))
+        store.load(cfg.run.pool_in, tokenizer_fingerprint(tokenizer), vocab_size)
     return store
 
 

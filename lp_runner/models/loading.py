@@ -683,6 +683,18 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return value
 
 
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """A model folder's tokenizer alone, strictly offline (``preflight`` checks a pool file with it before any
+    weights load)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # missing/corrupt tokenizer files or an unsupported tokenizer class
+        raise ModelError(f"cannot load the tokenizer from {folder} ({_one_line(exc)})") from exc
+
+
 def load_model_and_tokenizer(
     path: str | os.PathLike[str],
     *,
@@ -717,13 +729,10 @@ def load_model_and_tokenizer(
         raise ModelError(f"model path not found: {src}")
     use_safetensors = _check_weights(folder, allow_pickle)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     common: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **common)
-    except Exception as exc:  # missing/corrupt tokenizer files or an unsupported tokenizer class
-        raise ModelError(f"cannot load the tokenizer from {folder} ({_one_line(exc)})") from exc
+    tokenizer = load_tokenizer(folder)
     try:
         with _no_progress_bars():
             model = sdpa_or_eager(

@@ -36,13 +36,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lp_runner.errors import ConfigError, DistributedError, first_line
+from lp_runner.errors import ConfigError, DistributedError, LPError, first_line
 from lp_runner.logs import log
 
 STORE_PREFIX = "lp_runner/jobs/"  # keys of the work queue in the launcher's store
 HEARTBEAT_S = 1.0  # a leader's heartbeat period
 POLL_S = 0.25  # how often rank 0's collector looks for records, heartbeats and failures
 EXIT_PEER_FAILURE = 3  # the CLI's exit code for a lost peer (``__main__``)
+EXIT_USER_ERROR = 2  # ... and for the user's error, e.g. an output that cannot be written
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,11 @@ def claim_for_group(queue: JobQueue | None, comm) -> int:
     return int(comm.all_gather(torch.tensor([mine], dtype=torch.int64))[0, 0])
 
 
-def abort(message: str) -> None:
+def abort(message: str, code: int = EXIT_PEER_FAILURE) -> None:
     """A background thread found the job broken: say so and leave at once (the main thread may sit in a
     generation or a collective). Records already written are on disk; the kernel drops the output lock."""
     log.error("%s", message)
-    os._exit(EXIT_PEER_FAILURE)
+    os._exit(code)
 
 
 class Heartbeat(threading.Thread):
@@ -220,7 +221,9 @@ class RecordCollector(threading.Thread):
     def run(self) -> None:
         try:
             self._collect(store_client(self.timeout_s))
-        except Exception as exc:  # the store is gone, or on_record failed (e.g. the disk is full)
+        except LPError as exc:  # on_record's own one-line error (e.g. the disk is full): the user's, exit 2
+            abort(str(exc), EXIT_USER_ERROR)
+        except Exception as exc:  # the store is gone, or on_record failed otherwise
             self.error = f"the job's record collector failed ({first_line(exc)})"
         if self.error is not None:
             self.on_failure(self.error)

@@ -63,6 +63,19 @@ REPO_ROOT = REPO
         (["model.device=tpu"], "model.device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
         (["model.device=cuda:x"], "model.device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
         (["run.on_error=ignore"], "run.on_error must be one of stop, skip, got 'ignore'"),
+        # upper bounds: what no run can use (docs/design.md 9.5)
+        (["lookahead.window_size=100000"], "lookahead.window_size (W) must be <= 1024 (a round's rows grow with it"),
+        (["lookahead.ngram_size=65"], "lookahead.ngram_size (N) must be <= 64 (a round's rows grow with it"),
+        (["lookahead.verification_set_size=5000"], "lookahead.verification_set_size (G) must be <= 1024"),
+        (["lookahead.max_verify_rows=5000"], "lookahead.max_verify_rows must be <= 4096, got 5000"),
+        (["lookahead.pool_max_tokens=1000000000"], "lookahead.pool_max_tokens must be <= 100000000 (about 82 bytes"),
+        (["generation.max_new_tokens=2000000"], "generation.max_new_tokens must be <= 1000000 (and less than the"),
+        (["parallel.workers=2000"], "parallel.workers must be <= 1024 (and what this machine holds"),
+        (["parallel.timeout_s=1e30"], "parallel.timeout_s must be <= 604800 (a week: a longer wait is a hang), got"),
+        (["parallel.timeout_s=.nan"], "parallel.timeout_s must be a finite number, got nan"),
+        (["generation.temperature=.inf"], "generation.temperature must be a finite number, got inf"),
+        (["parallel.gpus_per_worker=100"], "parallel.gpus_per_worker must be -1 (auto) or 0 to 64, got 100.0"),
+        (["model.threads=5000"], "model.threads must be <= 1024, got 5000"),
     ],
 )
 def test_override_errors(overrides: list[str], message: str) -> None:
@@ -70,6 +83,34 @@ def test_override_errors(overrides: list[str], message: str) -> None:
         load_config(None, overrides)
     assert str(info.value).startswith(message), str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "positions", "message"),
+    [
+        # W=1024 N=5: 1 + 1023 + 1024 x 3 + 7 x 10 rows, whatever the model
+        (["lookahead.window_size=1024"], None, "computes up to 4166 rows (the live token, W-1 + W x (N-2) window"),
+        (["lookahead.window_size=1024", "lookahead.lookahead_branch=false"], 200, None),  # no window: 71 rows
+        ([], 64, "computes up to 98 rows (the live token, W-1 + W x (N-2) window rows, G x the longest proposal), "
+         "more than the model's context of 64 positions"),
+        (["generation.max_new_tokens=16"], 98, None),  # the round fits exactly
+        (["generation.max_new_tokens=4096"], 4096, "generation.max_new_tokens=4096 leaves no room for a prompt in "
+         "the model's context of 4096 positions (at most 4095)"),
+        (["generation.max_new_tokens=4095"], 4096, None),
+    ],
+)  # fmt: skip
+def test_setting_against_the_models_context(overrides, positions, message) -> None:
+    """The rows a round of the setting computes, against MAX_ROUND_ROWS and the model's context; max_new_tokens
+    against the context (a prompt needs a position). Made before launching (config.json) and after loading."""
+    from lp_runner.decoding.layout import check_model_fits
+
+    cfg = load_config(None, overrides)
+    if message is None:
+        check_model_fits(cfg.lookahead, cfg.generation, positions)
+        return
+    with pytest.raises(ConfigError) as info:
+        check_model_fits(cfg.lookahead, cfg.generation, positions)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 def test_override_types() -> None:
@@ -121,6 +162,10 @@ def test_defaults_and_later_override_wins(tmp_path: Path) -> None:
         ("lookahead: 3\n", "config section 'lookahead' must be a mapping"),
         ("- 1\n- 2\n", "must hold a mapping of sections"),
         ("lookahead: {window_size: [\n", "is not valid YAML"),
+        # a key given twice: PyYAML alone keeps the last one silently
+        ("model:\n  path: a\nrun:\n  stream: true\nmodel:\n  threads: 1\n", ":5: duplicate key 'model' (first given"),
+        ("lookahead:\n  window_size: 3\n  window_size: 4\n", ":3: duplicate key 'window_size' (first given at line 2"),
+        ("lookahead: {window_size: 3, window_size: 4}\n", ":1: duplicate key 'window_size' (first given at line 1)"),
     ],
 )
 def test_config_file_errors(tmp_path: Path, text: str, message: str) -> None:
@@ -217,6 +262,27 @@ def test_cli_output_path_errors(tmp_path: Path) -> None:
     assert afile.read_text() == "x"
 
 
+def test_cli_output_that_is_an_input_is_refused(tmp_path: Path) -> None:
+    """--output naming the prompts file, the config file or a pool file (even through another path to it) is
+    refused before anything is written: with --overwrite the records would replace the prompts."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    config = tmp_path / "c.yaml"
+    config.write_text("generation:\n  max_new_tokens: 4\n")
+    (tmp_path / "link.jsonl").hardlink_to(prompts)
+    base = ["--prompts", str(prompts), "--config", str(config), "--overwrite"]
+    same = "same file as"
+    assert_user_error(run_cli(*base, "--output", str(prompts)), f"--output {prompts} is the {same} --prompts {prompts}")
+    assert_user_error(run_cli(*base, "--output", str(tmp_path / "link.jsonl")), f"{same} --prompts {prompts}")
+    assert_user_error(run_cli(*base, "--output", str(tmp_path / "." / "c.yaml")), f"{same} --config {config}")
+    pool = tmp_path / "pool.json"
+    assert_user_error(run_cli(*base, "--output", str(pool), "--pool-out", str(pool)), f"{same} --pool-out {pool}")
+    assert_user_error(run_cli(*base, "--output", str(pool), "--pool-in", str(pool)), f"{same} --pool-in {pool}")
+    assert prompts.read_text() == '{"id": "a", "prompt": "hi"}\n'
+    assert config.read_text() == "generation:\n  max_new_tokens: 4\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "link.jsonl", "p.jsonl"]
+
+
 def test_cli_needs_a_prompt() -> None:
     assert_user_error(run_cli(), "give --prompt TEXT or --prompts FILE.jsonl")
 
@@ -278,7 +344,7 @@ def test_cli_hub_like_id_is_refused() -> None:
 def test_cli_prompt_beyond_context(embedded) -> None:
     # the embedded model has 8192 positions; checked as soon as the tokenizer is loaded: before the start-up
     # calibration (forced here with --recalibrate), whose progress line would come before the error
-    proc = run_cli("--prompt", "def f(x):", "--set", "generation.max_new_tokens=9000", "--recalibrate")
+    proc = run_cli("--prompt", "def f(x):", "--set", "generation.max_new_tokens=8190", "--recalibrate")
     assert_user_error(proc, "exceeds the model's context of 8192 positions")
 
 
@@ -502,13 +568,14 @@ def test_split_command(argv: list[str], command: str, rest: list[str]) -> None:
 
 
 def test_self_launch_passes_the_run_arguments_through() -> None:
-    """parallel.workers=P re-runs the same arguments under torchrun, with the command word written out; each rank
+    """parallel.workers=P starts each rank with the same arguments, the command word written out; each rank
     parses them back to the same run arguments (--log-level included)."""
-    from lp_runner.cli.main import build_parser, split_command, torchrun_command
+    from lp_runner.cli.launch import rank_command
+    from lp_runner.cli.main import build_parser, split_command
 
     argv = ["--log-level", "WARNING", "--prompt", "hi", "--set", "parallel.workers=2"]
-    cmd = torchrun_command(2, argv)
-    assert cmd[cmd.index("--standalone") :] == ["--standalone", "--nproc-per-node=2", "-m", "lp_runner", "run", *argv]
+    cmd = rank_command(argv)
+    assert cmd[1:] == ["-m", "lp_runner", "run", *argv]
     command, rest = split_command(cmd[cmd.index("lp_runner") + 1 :])  # what each rank's main sees
     assert (command, rest) == ("run", argv)
     args = build_parser().parse_args(rest)

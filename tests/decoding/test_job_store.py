@@ -173,7 +173,7 @@ def test_save_load_round_trip(tmp_path):
         (lambda text: text[: len(text) // 2], "truncated"),
         (lambda text: text.replace('"version":1', '"version":2'), "version 2"),
         (lambda text: text.replace(FP, "tok-b"), "another tokenizer"),
-        (lambda text: text.replace('"format":"lp_runner.decoding.job_store"', '"format":"x"'), "not an lp_runner pool"),
+        (lambda text: text.replace('"format":"lp_runner.job_pool"', '"format":"x"'), "not an lp_runner pool"),
         (lambda text: text.replace('"num_tokens":3', '"num_tokens":4'), "damaged"),
     ],
 )
@@ -186,6 +186,39 @@ def test_bad_pool_files_are_refused_in_one_line(tmp_path, damage, message):
     with pytest.raises(InputError) as err:
         JobPool(40).load(path, FP)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _pool_file(path, sequences) -> None:
+    path.write_text(
+        json.dumps(
+            {"format": "lp_runner.job_pool", "version": 1, "tokenizer": FP, "generations": len(sequences),
+             "sequences": sequences, "num_tokens": sum(len(s) for s in sequences if isinstance(s, list))}
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sequences,message",
+    [
+        ([[1, 2], [3, 64, 5]], ": sequence 1, token 1: id 64 is outside the model's vocabulary of 64 ids"),
+        ([[1, -2]], ": sequence 0, token 1: -2 is not a token id"),
+        ([[1, True]], ": sequence 0, token 1: true is not a token id"),
+        ([[1, 2.0]], ": sequence 0, token 1: 2.0 is not a token id"),
+        ([[1], 7], " is damaged: sequence 1 is not a list of token ids"),
+    ],
+)
+def test_pool_file_ids_are_checked_against_the_vocabulary(tmp_path, sequences, message):
+    """Every token id of a pool file is a row of the model's vocabulary (``vocab_size``), or the first forward
+    that reads it fails inside the model; the error names the first bad entry."""
+    path = tmp_path / "pool.json"
+    _pool_file(path, sequences)
+    with pytest.raises(InputError) as err:
+        JobPool(100).load(path, FP, vocab_size=64)
+    assert str(err.value) == f"pool file {path}{message}"
+    _pool_file(path, [[1, 2], [3, 63, 0]])  # the last row of the vocabulary is a token
+    store = JobPool(100)
+    store.load(path, FP, vocab_size=64)
+    assert store.sequences == ((1, 2), (3, 63, 0))
 
 
 def test_prompt_scope_plans_as_before():

@@ -138,7 +138,7 @@ def test_existing_output_is_refused_and_left_untouched(tiny_dir, prompts, tmp_pa
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"error: output file {out} already exists; give --resume to continue it or --overwrite to replace it"
-    ]
+    ]  # one line: no traceback
     assert out.read_text() == '{"id": "old"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]  # no lock or sibling left behind
 
@@ -151,6 +151,7 @@ def test_resume_with_other_settings_or_weights_is_refused(tiny_dir, prompts, tmp
     proc = cli(tiny_dir, prompts, out, "--resume", "--set", "lookahead.window_size=3")
     assert proc.returncode == 2
     assert "error: --resume: " in proc.stderr and "lookahead.window_size: 7 in the file, 3 now" in proc.stderr
+    assert "Traceback" not in proc.stderr
     # the same settings but other weights: the config names the same path, a link swapped to another model
     other = make_tiny_folder(tmp_path / "other", "llama", seed=4)
     swapped = tmp_path / "model"
@@ -164,6 +165,7 @@ def test_resume_with_other_settings_or_weights_is_refused(tiny_dir, prompts, tmp
     proc = cli(swapped, prompts, tmp_path / "w.jsonl", "--resume")
     assert proc.returncode == 2
     assert "was generated from other model weights" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
     assert (tmp_path / "w.jsonl").read_text() == lines[0] + "\n"
     assert out.read_bytes() == before
 
@@ -172,10 +174,11 @@ def test_resume_with_other_settings_or_weights_is_refused(tiny_dir, prompts, tmp
 def test_overwrite_replaces_only_when_the_first_record_is_ready(tiny_dir, prompts, tmp_path, reference):
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": "old"}\n')
-    # fails after the model is loaded (every prompt is too long for the model): the old file stays
-    proc = cli(tiny_dir, prompts, out, "--overwrite", "--set", "generation.max_new_tokens=9000")
+    # fails after the model is loaded (every prompt is too long for the model's 4096 positions): the old file stays
+    proc = cli(tiny_dir, prompts, out, "--overwrite", "--set", "generation.max_new_tokens=4090")
     assert proc.returncode == 2
     assert "error: prompt 'p0' (" in proc.stderr and ":1): prompt of" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert out.read_text() == '{"id": "old"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
     proc = cli(tiny_dir, prompts, out, "--overwrite")
@@ -217,6 +220,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_output(
     finally:
         stop(proc)
     err = err.decode()
+    assert "Traceback" not in err, err[-3000:]
     if sig == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL
         end = time.monotonic() + 40  # nothing to forward a kill -9: torchrun gets SIGTERM as its parent dies
@@ -245,7 +249,7 @@ def test_torn_last_line_is_dropped_on_resume(tiny_dir, prompts, tmp_path, refere
     out.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:57])  # a kill in the middle of a write
     proc = cli(tiny_dir, prompts, out, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "skipped: 2 already in the output" in proc.stderr
+    assert "skipped: 2 already in the output" in proc.stderr and "Traceback" not in proc.stderr
     assert by_id(read_jsonl(out)) == reference
 
 
@@ -264,18 +268,64 @@ def test_failed_peer_exits_3_and_leaves_no_process(tiny_dir, prompts, tmp_path):
         _, err = proc.communicate(timeout=120)
     finally:
         stop(proc)
-    assert proc.returncode == 3, err.decode()[-3000:]
+    err = err.decode()
+    assert proc.returncode == 3, err[-3000:]
     assert not alive(below)
     assert 2 <= complete_lines(out) < PROMPTS
+    # the surviving rank's own line (its peer failed, or it was stopped), then the parent's one summary line
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and all(line.startswith("error: [rank 0] ") for line in lines[:-1]), err[-3000:]
+    assert lines[-1] == "error: LP workers failed (exit code 3): worker rank 1 was killed by SIGKILL first", err
 
 
 @pytest.mark.slow
 def test_self_launch_returns_the_ranks_input_error(tiny_dir, prompts, tmp_path):
     out = tmp_path / "o.jsonl"
-    proc = cli(tiny_dir, prompts, out, "--set", "parallel.workers=2", "--set", "generation.max_new_tokens=9000")
-    assert proc.returncode == 2, proc.stderr[-3000:]  # torchrun itself exits 1 for any failed rank
+    proc = cli(tiny_dir, prompts, out, "--set", "parallel.workers=2", "--set", "generation.max_new_tokens=4090")
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"error: [rank 0] prompt 'p0' ({prompts}:1): prompt of " in proc.stderr
     assert not out.exists()
+    # the ranks' own lines, then the parent's summary: no launcher banner, warning or traceback
+    lines = proc.stderr.strip().splitlines()
+    assert all(re.match(r"error: \[rank [01]\] prompt 'p0' ", line) for line in lines[:-1]), proc.stderr
+    assert re.fullmatch(
+        r"error: LP workers failed \(exit code 2\): worker rank [01] exited with code 2 first; see its message above",
+        lines[-1],
+    ), proc.stderr
+
+
+@pytest.mark.slow
+def test_self_launch_checks_what_it_can_before_starting_the_ranks(tiny_dir, prompts, tmp_path):
+    """A setting that cannot run on this machine is the parent's one line and exit 2 before any rank starts:
+    parallel.dist_backend=nccl without CUDA (each rank used to fail its process group: exit 3, the failed-peer
+    code, and a launcher traceback), a round that does not fit the model's context, more model copies than
+    memory."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nccl can run here")
+    out = tmp_path / "o.jsonl"
+    nccl = cli(tiny_dir, prompts, out, "--set", "parallel.workers=2", "--set", "parallel.dist_backend=nccl")
+    assert nccl.returncode == 2, nccl.stderr[-3000:]
+    assert nccl.stderr.splitlines() == [
+        "error: parallel.dist_backend=nccl needs CUDA devices, and this machine has none; use gloo or auto"
+    ]
+    wide = cli(tiny_dir, prompts, out, "--set", "parallel.workers=2", "--set", "lookahead.window_size=1024")
+    assert wide.returncode == 2, wide.stderr[-3000:]
+    assert wide.stderr.splitlines() == [
+        "error: lookahead: a round of this setting computes up to 4166 rows (the live token, W-1 + W x (N-2) "
+        "window rows, G x the longest proposal), more than the 4096 a round may have; lower window_size (W), "
+        "ngram_size (N), verification_set_size (G) or context_tokens"
+    ]
+    many = cli(tiny_dir, prompts, out, "--set", "parallel.workers=1024", "--set", "model.threads=1")
+    assert many.returncode == 2, many.stderr[-3000:]
+    assert re.fullmatch(
+        r"error: parallel.workers=1024 x parallel.groups=1 needs at least [\d.]+ GiB of memory \(1024 processes of "
+        r"400 MiB \+ the model's 6 MiB each\); this machine has [\d.]+ GiB available; lower parallel.workers or "
+        r"parallel.groups\n",
+        many.stderr,
+    ), many.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- one writer per file
@@ -301,7 +351,7 @@ def test_second_writer_fails_at_once_naming_the_holder(tiny_dir, prompts, tmp_pa
         _, err = first.communicate(timeout=300)
     finally:
         stop(first)
-    assert second.returncode == 2
+    assert second.returncode == 2 and "Traceback" not in err.decode()
     message = re.fullmatch(
         rf"error: output file {re.escape(str(out))} is being written by another lp_runner run \(pid (\d+)\); wait "
         "for it to end or choose another --output",
@@ -344,6 +394,7 @@ def test_on_error_skip_writes_error_records_and_counts_them(tiny_dir, prompts_wi
     out = tmp_path / "o.jsonl"
     proc = cli(tiny_dir, prompts_with_empty, out, "--set", "run.on_error=skip")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
     records = {r["id"]: r for r in read_jsonl(out)}
     assert sorted(records) == ["a", "b", "empty", "long"]
     assert (
@@ -361,6 +412,160 @@ def test_on_error_skip_writes_error_records_and_counts_them(tiny_dir, prompts_wi
         tmp_path / "long.jsonl", [json.loads(x) for x in prompts_with_empty.read_text().split("\n")[2:3]]
     )
     stopped = cli(tiny_dir, no_empty, tmp_path / "s.jsonl")
-    assert stopped.returncode == 2
+    assert stopped.returncode == 2 and "Traceback" not in stopped.stderr
     assert f"error: prompt 'long' ({no_empty}:1): prompt of " in stopped.stderr
     assert not (tmp_path / "s.jsonl").exists()
+
+
+# ---------------------------------------------------------------- a foreign pool file
+
+
+@pytest.mark.slow
+def test_pool_file_with_ids_outside_the_vocabulary_is_refused_before_loading(tiny_dir, prompts, tmp_path):
+    """A pool file made with this tokenizer (it passes the format checks) holding a token id beyond the model's
+    49152: one line naming the file and the first bad entry, before the weights load (the folder's weights are
+    damaged: loading them would fail with another message). It used to reach the first forward: an IndexError."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from lp_runner.decoding.job_store import JobPool, tokenizer_fingerprint
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # only the tokenizer and config.json can be read
+    store = JobPool(1000)
+    store.add((), (5, 6, 7))
+    store.add((), (8, 99999, 9, 70000))
+    pool = tmp_path / "pool.json"
+    store.save(pool, tokenizer_fingerprint(AutoTokenizer.from_pretrained(tiny_dir)))
+    proc = cli(model, prompts, tmp_path / "o.jsonl", "--pool-in", str(pool))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: pool file {pool}: sequence 1, token 1: id 99999 is outside the model's vocabulary of 49152 ids"
+    ]
+    # the same file on the intact model, self-launched: the parent refuses it before starting any rank
+    proc = cli(tiny_dir, prompts, tmp_path / "o.jsonl", "--pool-in", str(pool), "--set", "parallel.workers=2")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: pool file {pool}: sequence 1, token 1: id 99999 is outside the model's vocabulary of 49152 ids"
+    ], proc.stderr[-3000:]
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+# ---------------------------------------------------------------- a full disk
+
+PAGE = 4096  # tmpfs counts whole pages per file
+NO_SPACE = "No space left on device"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of 64 KiB (a tmpfs mounted under the test's folder; about a dozen records fit), and a
+    function that resizes it (``mount -o remount``). Skipped where this process may not mount one."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}")
+
+    def resize(size: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
+
+    try:
+        yield disk, resize
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_full_disk_mid_run_is_one_line_and_resumes(tiny_dir, prompts, small_disk, reference, launcher):
+    """ENOSPC in the middle of a job: exit 2, one line naming the file, its record count and --resume, no torn
+    tail; once there is space again, --resume ends with the uninterrupted records."""
+    disk, resize = small_disk
+    out = disk / "o.jsonl"
+    proc = cli(tiny_dir, prompts, out, *LAUNCHERS[launcher])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    kept = complete_lines(out)
+    assert 1 <= kept < PROMPTS
+    writer = "[rank 0] " if launcher == "torchrun-self" else ""  # rank 0 writes; its line is prefixed
+    line = f"error: {writer}cannot write {out} ({NO_SPACE}); {kept} records written, resume with --resume"
+    assert line in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert out.read_bytes().endswith(b"\n")  # the failed write's torn tail was cut off
+    assert sorted(p.name for p in disk.iterdir()) == ["o.jsonl"]  # no lock, no sibling left
+    resize("2m")
+    resumed = cli(tiny_dir, prompts, out, "--resume", *LAUNCHERS[launcher])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert by_id(read_jsonl(out)) == reference
+
+
+@pytest.mark.slow
+def test_full_disk_before_the_first_record_leaves_the_old_file(tiny_dir, prompts, small_disk):
+    """--overwrite on a disk the old output fills: OUT.new cannot take the first record; exit 2, one line, the old
+    file as it was and no OUT.new."""
+    disk, _ = small_disk
+    out = disk / "o.jsonl"
+    old = b'{"id": "old"}\n' * (15 * PAGE // 14)  # 15 of the 16 pages; the lock takes the last one
+    out.write_bytes(old[: 15 * PAGE - 1] + b"\n")
+    before = out.read_bytes()
+    proc = cli(tiny_dir, prompts, out, "--overwrite")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write {out}.new ({NO_SPACE}); the existing file is unchanged"
+    ), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in disk.iterdir()) == ["o.jsonl"]
+
+
+_WRITE_UNDER_A_FILE_SIZE_LIMIT = """
+import json, resource, signal, sys
+from pathlib import Path
+from lp_runner.config import Config
+from lp_runner.jobs.output import OutputError, OutputFile
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
+sink = OutputFile.open(sys.argv[1], sys.argv[2], Config())
+try:
+    for i in range(100):
+        sink.write({"id": f"r{i}", "pad": "x" * 150})
+except OutputError as exc:
+    print(exc)
+finally:
+    sink.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["new", "overwrite", "resume"])
+def test_output_write_error_is_one_line_and_cuts_the_torn_tail(tmp_path, mode):
+    """Without a mount: a file-size limit (RLIMIT_FSIZE) makes a real write fail mid-record (EFBIG). Whatever the
+    mode, the file keeps its complete records and nothing after them, and the error says how many."""
+    from lp_runner.config import Config
+    from lp_runner.jobs.output import output_digest
+
+    out = tmp_path / "o.jsonl"
+    a, b = (json.dumps({"id": i, "config_digest": output_digest(Config())}).encode() for i in "ab")
+    old = a + b"\n" + b + b'\n{"id": "c", "pa'  # resume: two records and a torn line
+    if mode != "new":
+        out.write_bytes(old)
+    script = [sys.executable, "-c", _WRITE_UNDER_A_FILE_SIZE_LIMIT, str(out), mode, "1000"]
+    proc = subprocess.run(script, env=env_with_repo(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    data = out.read_bytes()
+    lines = data.split(b"\n")
+    assert data.endswith(b"\n") and len(data) <= 1000
+    assert all(json.loads(line) for line in lines[:-1])
+    held = len(lines) - 1
+    assert proc.stdout == f"cannot write {out} (File too large); {held} records written, resume with --resume\n"
+    if mode == "resume":
+        assert data.startswith(a + b"\n" + b + b'\n{"id": "r0"')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
+    # the first record alone does not fit: OUT.new goes, an old file stays as it was
+    out.write_bytes(old)
+    proc = subprocess.run(script[:-2] + ["overwrite", "100"], env=env_with_repo(), capture_output=True, text=True)
+    assert proc.stdout == f"cannot write {out}.new (File too large); the existing file is unchanged\n", proc.stderr
+    assert out.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]

@@ -350,10 +350,11 @@ def test_job_embedded_model_matches_hf_greedy(cluster, tmp_path):
         assert rec["output_ids"] == _hf_greedy(embedded_model_dir(), rec["prompt_ids"], 24), rec["id"]
 
 
-@pytest.mark.slow
-def _run_and_kill_rank1(cluster, tiny_dir: Path, prompts: Path, out: Path, *extra: str) -> tuple[int, str]:
-    """Run the CLI against the cluster; once 2 records are written, SIGKILL the rank-1 actor (as an OOM kill or a
-    lost node would). Returns (exit code, stderr)."""
+def _run_and_kill_rank1(
+    cluster, tiny_dir: Path, prompts: Path, out: Path, *extra: str, sig: int = signal.SIGKILL, rank: int = 1
+) -> tuple[int, str]:
+    """Run the CLI against the cluster; once 2 records are written, send ``sig`` to the rank-``rank`` actor
+    (SIGKILL: as an OOM kill or a lost node would; SIGSTOP: a stalled worker). Returns (exit code, stderr)."""
     from ray.util.state import list_actors
 
     cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2), *extra)]
@@ -368,10 +369,10 @@ def _run_and_kill_rank1(cluster, tiny_dir: Path, prompts: Path, out: Path, *extr
         rank1 = [
             a
             for a in list_actors(address=cluster.url, filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.name and a.name.endswith("-g0-rank1")  # lp_runner-<run>-g<group generation>-rank<r>
+            if a.name and a.name.endswith(f"-g0-rank{rank}")  # lp_runner-<run>-g<group generation>-rank<r>
         ]
         assert len(rank1) == 1, rank1
-        os.kill(rank1[0].pid, signal.SIGKILL)
+        os.kill(rank1[0].pid, sig)
         _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -408,6 +409,27 @@ def test_killed_actor_is_replaced_and_output_is_identical(cluster, tiny_dir, tmp
     assert 0 < event["seconds"] < 120
     assert records.index(hit[0]) >= 2  # finished prompts were not re-run
     assert "warning: worker rank 1 was lost" in err and "recoveries 1 (lost workers" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_stalled_actor_is_one_warning_line(cluster, tiny_dir, tmp_path, rank):
+    """A stopped (SIGSTOP) actor: the other rank's collective times out after parallel.timeout_s (and, for rank 0,
+    the driver's poll of it), the group is rebuilt and the output is identical. The user sees one warning line
+    for it: no "Unhandled error" dump of a failed task's traceback (Ray prints one for a failed object ref nobody
+    read: the surviving rank's run, when the driver gave up on the stopped rank 0 first)."""
+    prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
+    extra = ("--set", "parallel.timeout_s=20")
+    rc, err = _run_and_kill_rank1(cluster, tiny_dir, prompts, out, *extra, sig=signal.SIGSTOP, rank=rank)
+    assert rc == 0, err[-3000:]
+    records, expected = read_jsonl(out), _uninterrupted(tiny_dir, prompts, MANY_TOKENS)
+    _same_generation(records, expected, frozenset({"forwards", "tokens_per_forward"}))
+    assert sum("recovery" in r for r in records) == 1
+    noise = [line for line in err.splitlines() if not line.startswith(("warning: ", "skipped", "prompts ", "  "))]
+    assert "Traceback" not in err and "Unhandled error" not in err, err[-3000:]
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "(recovery 1/2)" in warnings[0], err[-3000:]
+    assert not [line for line in noise if "ERROR" in line or "error" in line], err[-3000:]
 
 
 @pytest.mark.slow

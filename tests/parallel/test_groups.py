@@ -260,7 +260,7 @@ def _hf_greedy(model_dir: Path, prompt_ids: list[int]) -> list[int]:
 
 @pytest.mark.slow
 def test_groups_match_one_group_and_hf_greedy(tmp_path, tiny_dir):
-    """D=1 (one plain process), D=2 x P=1 (self-launched: ``--set parallel.groups=2`` starts torchrun) and
+    """D=1 (one plain process), D=2 x P=1 (self-launched: ``--set parallel.groups=2`` starts the ranks) and
     D=1 x P=2 (torchrun): the same output ids and forwards for every prompt; D=2 records name both groups."""
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
     _run([sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "d1.jsonl")])

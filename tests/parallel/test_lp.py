@@ -68,6 +68,62 @@ def test_column_blocks_worked_example_and_w_below_p():
     assert sum(hi > lo for lo, hi in blocks) == 2 and blocks[-1][0] == blocks[-1][1]
 
 
+def _column_blocks_by_scan(w: int, p: int, depth: int) -> tuple[tuple[int, int], ...]:
+    """The earlier column_blocks, which scanned every split point (W^2 per rank): the reference for its choices."""
+    inf = float("inf")
+    best = [[inf] * (w + 1) for _ in range(p + 1)]
+    choice = [[0] * (w + 1) for _ in range(p + 1)]
+    best[0][0] = 0
+    for r in range(1, p + 1):
+        for j in range(w + 1):
+            for i in range(j, -1, -1):
+                if best[r - 1][i] == inf:
+                    continue
+                cost = max(best[r - 1][i], lookahead_rows((i, j), depth))
+                if cost < best[r][j]:
+                    best[r][j], choice[r][j] = cost, i
+    blocks, j = [], w
+    for r in range(p, 0, -1):
+        blocks.append((choice[r][j], j))
+        j = choice[r][j]
+    return tuple(reversed(blocks))
+
+
+def test_column_blocks_choose_as_the_full_scan_did():
+    """The linear-time programme makes every choice the W^2 scan made, ties included (which ranks get the wider
+    blocks decides which rank's rows a round pads), on every W, P and depth of a grid past any setting in use."""
+    column_blocks.cache_clear()
+    for w in range(0, 41):
+        for p in range(1, 10):
+            for depth in range(0, 7):
+                assert column_blocks(w, p, depth) == _column_blocks_by_scan(w, p, depth), (w, p, depth)
+    for w, p, depth in [(64, 3, 4), (97, 5, 2), (128, 8, 3), (200, 2, 0), (150, 16, 1)]:
+        assert column_blocks(w, p, depth) == _column_blocks_by_scan(w, p, depth), (w, p, depth)
+
+
+def test_column_blocks_grow_linearly_with_the_window(monkeypatch):
+    """lookahead.window_size=100000 kept the W^2 scan at 100% CPU for minutes before any forward: the programme
+    prices O(P x W) blocks (counted, so the bound does not depend on this machine's speed), and W = 100000 over
+    4 ranks is answered at once."""
+    from lp_runner.parallel import sharding
+
+    calls = [0]
+
+    def counted(block: tuple[int, int], depth: int) -> int:
+        calls[0] += 1
+        return lookahead_rows(block, depth)
+
+    monkeypatch.setattr(sharding, "lookahead_rows", counted)
+    column_blocks.cache_clear()
+    for w in (100, 1000, 4000):
+        calls[0] = 0
+        column_blocks(w, 4, 3)
+        assert calls[0] <= 4 * 4 * (w + 1), (w, calls[0])  # the scan: 4 x W^2 / 2
+    monkeypatch.undo()
+    blocks = column_blocks(100_000, 4, 3)
+    assert blocks[0][0] == 0 and blocks[-1][1] == 100_000 and len(blocks) == 4
+
+
 @pytest.mark.parametrize(
     "lengths,base,expected",
     [
