@@ -117,7 +117,7 @@ def run_lp_cli(
         cmd = [
             sys.executable, "-m", "lp_runner", "--config", config, "--prompts", str(pfile), "--output", str(ofile),
             "--set", f"parallel.workers={workers}", "--set", f"model.threads={threads}",
-            "--set", f"generation.max_new_tokens={max_new}", "--set", "run.progress=false",
+            "--set", f"generation.max_new_tokens={max_new}", "--set", "advanced.progress=false",
         ]  # fmt: skip
         for key, value in (SAMPLING if sample else {}).items():
             cmd += ["--set", f"generation.{key}={str(value).lower()}"]
@@ -175,7 +175,7 @@ def config_policy(spec: str, adapter, model, recalibrate: bool) -> tuple[str, Ro
     """``NAME=PATH[+section.key=value...]`` -> (name, the policy the runner builds for that config here)."""
     name, _, rest = spec.partition("=")
     path, *overrides = rest.split("+")
-    cfg = load_config(path, [*overrides, *(["run.recalibrate=true"] if recalibrate else [])])
+    cfg = load_config(path, [*overrides, *(["advanced.recalibrate=true"] if recalibrate else [])])
     log = lambda m: print(f"{name}: {m}", file=sys.stderr, flush=True)  # noqa: E731
     policy = RoundPolicy.build(
         cfg, adapter, SoloCommunicator(), default_cache_dir(), lambda: weights_checksum(model), log
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument(
         "--config-file", action="append", default=[], metavar="NAME=PATH",
         help="also run a YAML config as the runner would (calibration and auto preset included), e.g. "
-        "auto=configs/default.yaml or nopad=configs/default.yaml+lookahead.pad_rows=false; repeatable",
+        "auto=configs/default.yaml or nopad=configs/default.yaml+advanced.pad_rows=false; repeatable",
     )  # fmt: skip
     ap.add_argument(
         "--lp", action="append", default=[], metavar="P:CONFIG",

@@ -322,7 +322,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only-outputs", action="store_true", help="write the HF greedy outputs and stop")
-    ap.add_argument("--max-tokens", type=int, default=1_000_000, help="lookahead.pool_max_tokens")
+    ap.add_argument("--max-tokens", type=int, default=1_000_000, help="advanced.pool_max_tokens")
     ap.add_argument("--engine", type=int, default=0, help="confirm on the first N prompts of each set")
     ap.add_argument("--engine-setting", default="G1")
     ap.add_argument("--wall", action="store_true", help="also report the engine's wall clock (quiet machine)")

@@ -159,12 +159,12 @@ cli() { # NAME CONFIG EXTRA_SETS...
     run_py "cli-$name" 150 "${TORCHRUN[@]}" -m lp_runner --config "$config" --prompts "$OUT/prompts.jsonl" \
         --output "$OUT/cli_$name.jsonl" --overwrite --set model.path="$MODEL_DIR" --set model.device="$DEVICE" \
         --set model.dtype="$DTYPE" --set parallel.workers=1 --set parallel.dist_backend="$DIST" \
-        --set generation.max_new_tokens="$MAX_NEW" --set generation.stop_on_eos=false --set run.progress=false "$@"
+        --set generation.max_new_tokens="$MAX_NEW" --set advanced.stop_on_eos=false --set advanced.progress=false "$@"
 }
 cli default configs/default.yaml
 cli lookahead configs/lookahead.yaml
-cli greedy configs/default.yaml --set lookahead.verification_set_size=0 --set lookahead.lookahead_branch=false \
-    --set lookahead.context_lookup=false --set lookahead.preset=off --set lookahead.pad_rows=false
+cli greedy configs/default.yaml --set lookahead.verification_set_size=0 --set advanced.lookahead_branch=false \
+    --set advanced.context_lookup=false --set lookahead.preset=off --set advanced.pad_rows=false
 
 # 4b. two ranks sharing the one device over gloo (model.device names it): every rank binds it, loads onto it and
 # exchanges through the host, through the real CLI. The records carry each rank's peak host memory at load.
@@ -173,7 +173,7 @@ if ((MODEL_OK)); then
         --config configs/default.yaml --prompts "$OUT/prompts.jsonl" --output "$OUT/cli_two-ranks.jsonl" --overwrite \
         --set model.path="$MODEL_DIR" --set model.device="$ONE_DEVICE" --set model.dtype="$DTYPE" \
         --set parallel.workers=2 --set parallel.dist_backend=gloo --set generation.max_new_tokens="$MAX_NEW" \
-        --set generation.stop_on_eos=false --set run.progress=false
+        --set advanced.stop_on_eos=false --set advanced.progress=false
 else
     echo "== cli-two-ranks: not run, no model folder"
     record cli-two-ranks not-run - 0 -

@@ -5,7 +5,7 @@
     python benchmarks/groups.py --only D1P1,D2P1,D2P1_unshared --repeat 3 --out results/groups_shared
 
 Setups (the CPU stand-in for one device per rank is one core per rank):
-    D=1 x P=1, 2 threads  |  D=2 x P=1, 1 thread each (with and without parallel.share_cores: a group with
+    D=1 x P=1, 2 threads  |  D=2 x P=1, 1 thread each (with and without advanced.share_cores: a group with
     no more work gives its thread to the other)  |  D=1 x P=2 (LP), 1 thread per rank
 Each is one ``python -m lp_runner`` run (D x P > 1 starts torchrun itself). Reported per setup: the job's wall
 time and tokens/s from its summary line (``report.job_line``: generation only, model loading excluded), the
@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 SETUPS = (  # (label, groups D, workers P, threads per rank, extra --set, output file tag)
     ("D=1 x P=1, 2 threads", 1, 1, 2, (), "D1P1"),
     ("D=2 x P=1, 1 thread each", 2, 1, 1, (), "D2P1"),
-    ("D=2 x P=1, 1 thread each, share_cores=false", 2, 1, 1, ("parallel.share_cores=false",), "D2P1_unshared"),
+    ("D=2 x P=1, 1 thread each, share_cores=false", 2, 1, 1, ("advanced.share_cores=false",), "D2P1_unshared"),
     ("D=1 x P=2, 1 thread per rank", 1, 2, 1, (), "D1P2"),
 )
 JOB_LINE = re.compile(
@@ -48,7 +48,7 @@ def run_setup(prompts: Path, out: Path, groups: int, workers: int, threads: int,
     sets = [*(arg for item in extra for arg in ("--set", item)),
         "--set", f"parallel.groups={groups}", "--set", f"parallel.workers={workers}",
         "--set", f"model.threads={threads}", "--set", f"generation.max_new_tokens={args.max_new_tokens}",
-        "--set", "run.progress=false",
+        "--set", "advanced.progress=false",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "lp_runner", "--config", str(args.config), "--prompts", str(prompts)]
     cmd += ["--output", str(out), "--overwrite", *sets]

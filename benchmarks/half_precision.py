@@ -56,7 +56,7 @@ COMMIT = _commit()  # read at start-up: the code that runs, even if the tree cha
 ENGINE_ONLY = LookaheadConfig(7, 5, 0, False, lookahead_branch=False, context_lookup=False)
 CONFIG_FILES = {
     "default": "default=configs/default.yaml",
-    "wide": "wide=configs/default.yaml+lookahead.preset=off+lookahead.lookahead_branch=true",
+    "wide": "wide=configs/default.yaml+lookahead.preset=off+advanced.lookahead_branch=true",
 }
 # (method, reference): each pair compared per prompt
 PAIRS = [

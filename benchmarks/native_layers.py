@@ -1,4 +1,4 @@
-"""Native decoder layers (``model.native_layers``) against transformers' layers on the same native products,
+"""Native decoder layers (``advanced.native_layers``) against transformers' layers on the same native products,
 eager, and against the compiled forward (``model.compile: on``), side by side on the embedded model.
 
 Three adapters share one model (native products): eager with ``native_layers=False`` (transformers' layer code,

@@ -68,7 +68,7 @@ def run_cli(
         "--set", f"model.threads={threads}", "--set", f"parallel.groups={groups}",
         "--set", f"lookahead.window_size={w}", "--set", f"lookahead.ngram_size={n}",
         "--set", f"lookahead.verification_set_size={g}",
-        "--set", "run.progress=false", *extra,
+        "--set", "advanced.progress=false", *extra,
     ]  # fmt: skip
     args = ["--config", str(REPO / "configs/default.yaml"), "--prompts", str(prompts), "--output", str(out), *sets]
     args.append("--overwrite")  # a rerun replaces the previous run's records
@@ -306,7 +306,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/scaling")
     ap.add_argument("--wng", default="15,5,15")
     ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--context-lookup", default="false", help="lookahead.context_lookup for every setup")
+    ap.add_argument("--context-lookup", default="false", help="advanced.context_lookup for every setup")
     ap.add_argument("--collective-bench", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--iters", type=int, default=500)
     ap.add_argument("--length", type=int, default=40)
@@ -345,9 +345,9 @@ def main() -> None:
     pfile.write_text("".join(json.dumps({k: v for k, v in p.items() if k != "set"}) + "\n" for p in prompts))
     context = args.context_lookup.lower() == "true"
     extra = [
-        "--set", f"lookahead.context_lookup={context}", "--set", "lookahead.pool_from_prompt=false",
-        "--set", "lookahead.lookahead_branch=true", "--set", f"generation.max_new_tokens={args.max_new_tokens}",
-        "--set", "lookahead.max_verify_rows=0",  # the full window and candidate set, whatever the default caps
+        "--set", f"advanced.context_lookup={context}", "--set", "advanced.pool_from_prompt=false",
+        "--set", "advanced.lookahead_branch=true", "--set", f"generation.max_new_tokens={args.max_new_tokens}",
+        "--set", "advanced.max_verify_rows=0",  # the full window and candidate set, whatever the default caps
     ]  # fmt: skip
     setups = {  # name: (workers P, threads per rank, groups D)
         "P1-1thread": (1, 1, 1), "P1-2threads": (1, 2, 1), "P2-1thread-each": (2, 1, 1), "D2P1-1thread-each": (1, 1, 2),

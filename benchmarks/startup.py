@@ -40,7 +40,7 @@ def run_once(cache: Path, prompts: Path, out: Path, args, searched: bool) -> tup
         shutil.rmtree(cache / "preset", ignore_errors=True)
     cmd = [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(out), "--overwrite"]
     cmd += ["--set", f"model.path={args.model}", "--set", f"generation.max_new_tokens={args.max_new_tokens}"]
-    cmd += ["--set", "run.progress=false"]
+    cmd += ["--set", "advanced.progress=false"]
     env = dict(os.environ, PYTHONPATH=str(REPO), LP_RUNNER_CACHE=str(cache))
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lp_runner.backends.adapter import ModelAdapter
-from lp_runner.config import Config, LookaheadConfig, set_key, validate
+from lp_runner.config import Config, LookaheadConfig, set_field, set_key, validate
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.errors import ConfigError
 from lp_runner.models.loading import default_cache_dir, weights_checksum
@@ -255,7 +255,7 @@ def _resolve(model: PreTrainedModel, config: Any, overrides: dict[str, Any], pro
         elif cfg.generation.do_sample and not isinstance(config, Config):  # a Config carries its own seed
             cfg.generation.seed = int(torch.randint(0, 2**31 - 1, ()).item())  # torch.manual_seed controls it
         for key, value in lookahead.items():
-            set_key(cfg, f"lookahead.{key}", value)
+            set_field(cfg, f"lookahead.{key}", value)  # every lookahead field is a keyword here
         if isinstance(config, LookaheadConfig):  # a setting object is run as written: every knob pinned
             cfg.explicit = tuple(f"lookahead.{f.name}" for f in dataclasses.fields(LookaheadConfig))
         cfg.explicit = tuple(sorted({*cfg.explicit, *(f"lookahead.{k}" for k in lookahead)}))

@@ -171,11 +171,22 @@ class Config:
     explicit: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by the section that keeps it, and ``explicit`` (records; ``config_from_dict`` rebuilds it)."""
         return dataclasses.asdict(self)
 
+    def to_user_dict(self) -> dict[str, dict[str, Any]]:
+        """Every setting as a user writes it in a YAML file: the user keys by section, the rest under
+        ``advanced`` (``load_config`` reads it back to an equal Config)."""
+        data = self.to_dict()
+        out = {section: {name: data[section][name] for name in names} for section, names in USER_KEYS.items()}
+        out[ADVANCED] = {name: data[key.split(".")[0]][name] for name, key in ADVANCED_KEYS.items()}
+        return out
+
     def pinned_lookahead(self) -> tuple[str, ...]:
-        """Lookahead knobs the user set (the auto preset keeps them as given)."""
-        return tuple(k.split(".", 1)[1] for k in self.explicit if k.startswith("lookahead."))
+        """Lookahead knobs the user set, by presence (the auto preset keeps them as given, whatever their value):
+        ``lookahead.window_size`` and ``advanced.max_verify_rows`` pin ``window_size`` and ``max_verify_rows``."""
+        fields = (internal_key(k) for k in self.explicit)
+        return tuple(k.split(".", 1)[1] for k in fields if k.startswith("lookahead."))
 
     def digest(self) -> str:
         """A short stable hash, used to check that every distributed rank runs the same config."""
@@ -190,6 +201,47 @@ _SECTION_TYPES: dict[str, type] = {
     "parallel": ParallelConfig,
     "run": RunConfig,
 }
+# What a user configures, section by section. Every other field is an internal of the run's plan (the knobs the
+# auto preset and the tuner turn: row caps, context-lookup lengths, the proposal order, padding) or an experiment
+# (the CPU kernels' huge pages and native layers, core sharing) or a per-invocation flag (--pool-in): each is
+# written ``advanced.<name>`` (one ``advanced:`` section in a YAML file), is kept in its own section, is recorded
+# like any setting, and pins the auto preset like any lookahead key the user writes.
+USER_KEYS: dict[str, tuple[str, ...]] = {
+    "model": ("path", "dtype", "device", "threads", "compile", "prepack"),
+    "lookahead": ("window_size", "ngram_size", "verification_set_size", "preset", "pool_scope"),
+    "generation": ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed"),
+    "parallel": ("backend", "workers", "groups", "dist_backend", "timeout_s", "ray_address"),
+    "run": ("on_error",),
+}
+ADVANCED = "advanced"
+# advanced name -> "section.field" where it is kept (every name is unique across the sections)
+ADVANCED_KEYS: dict[str, str] = {
+    f.name: f"{section}.{f.name}"
+    for section, cls in _SECTION_TYPES.items()
+    for f in dataclasses.fields(cls)
+    if f.name not in USER_KEYS[section]
+}
+
+
+assert len(ADVANCED_KEYS) == sum(
+    len(dataclasses.fields(cls)) - len(USER_KEYS[section]) for section, cls in _SECTION_TYPES.items()
+), "an advanced name is a field of two sections"
+
+
+def user_key(internal: str) -> str:
+    """How a user writes the "section.field" ``internal`` (for messages): ``lookahead.max_verify_rows`` ->
+    ``advanced.max_verify_rows``; a user key is itself."""
+    section, _, name = internal.partition(".")
+    return f"{ADVANCED}.{name}" if ADVANCED_KEYS.get(name) == internal else internal
+
+
+def internal_key(key: str) -> str:
+    """The "section.field" a written key is kept under: ``advanced.max_verify_rows`` -> ``lookahead.max_verify_rows``;
+    a user key is itself."""
+    section, _, name = key.partition(".")
+    return ADVANCED_KEYS.get(name, key) if section == ADVANCED else key
+
+
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.compile": ("off", "on", "auto"),
@@ -205,10 +257,14 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # model.device
 
 
 def _known_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
+    users = [f"{section}.{name}" for section, names in USER_KEYS.items() for name in names]
+    return users + [f"{ADVANCED}.{name}" for name in ADVANCED_KEYS]
 
 
 def _unknown(key: str) -> ConfigError:
+    section, _, name = key.partition(".")
+    if section in _SECTION_TYPES and ADVANCED_KEYS.get(name) == key:
+        return ConfigError(f"'{key}' is an advanced setting: write it as '{ADVANCED}.{name}'")
     close = difflib.get_close_matches(key, _known_keys(), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")
@@ -219,8 +275,10 @@ def _field_type(section_cls: type, name: str) -> type:
     return hints[name]
 
 
-def _coerce(key: str, value: Any, target: type) -> Any:
-    """Convert a YAML or command-line value to the field's type, refusing lossy or ambiguous conversions."""
+def _coerce(internal: str, value: Any, target: type) -> Any:
+    """Convert a YAML or command-line value to the field's type, refusing lossy or ambiguous conversions.
+    ``internal``: the "section.field" being set, named in errors as the user writes it."""
+    key = user_key(internal)
     if target is bool:
         if isinstance(value, bool):
             return value
@@ -255,7 +313,7 @@ def _coerce(key: str, value: Any, target: type) -> Any:
             raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return number
     if target is str:
-        if isinstance(value, bool) and {"on", "off"} <= set(_CHOICES.get(key, ())):
+        if isinstance(value, bool) and {"on", "off"} <= set(_CHOICES.get(internal, ())):
             return "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -264,7 +322,20 @@ def _coerce(key: str, value: Any, target: type) -> Any:
 
 
 def set_key(cfg: Config, key: str, value: Any) -> None:
-    """Set ``section.name`` on ``cfg`` with type checking (mutates ``cfg``)."""
+    """Set a key as a user writes it (``section.name`` of ``USER_KEYS``, or ``advanced.name``) on ``cfg``, with
+    type checking (mutates ``cfg``)."""
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise _unknown(key)
+    section, name = parts
+    if not (name in USER_KEYS.get(section, ()) or (section == ADVANCED and name in ADVANCED_KEYS)):
+        raise _unknown(key)
+    set_field(cfg, internal_key(key), value)
+
+
+def set_field(cfg: Config, key: str, value: Any) -> None:
+    """Set ``section.field`` of any field, user-facing or internal, with type checking (mutates ``cfg``): the
+    rebuild of a recorded config (``config_from_dict``) and the Python API, which take every field."""
     parts = key.split(".")
     if len(parts) != 2 or parts[0] not in _SECTION_TYPES:
         raise _unknown(key)
@@ -340,7 +411,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
         for section, values in data.items():
-            if section not in _SECTION_TYPES:
+            if section not in _SECTION_TYPES and section != ADVANCED:
                 raise _unknown(str(section))
             if values is None:
                 continue
@@ -414,9 +485,9 @@ def _check_bounds(section: str, values: object) -> None:
         if key.startswith(section + "."):
             x = getattr(values, key.split(".", 1)[1])
             if x < b.value if b.op == ">=" else x <= b.value:
-                raise ConfigError(f"{key}{b.label} must be {b.op} {b.value:g}{b.meaning}, got {x}{b.why}")
+                raise ConfigError(f"{user_key(key)}{b.label} must be {b.op} {b.value:g}{b.meaning}, got {x}{b.why}")
             if b.most is not None and x > b.most:
-                raise ConfigError(f"{key}{b.label} must be <= {_number(b.most)}{b.most_why}, got {x}")
+                raise ConfigError(f"{user_key(key)}{b.label} must be <= {_number(b.most)}{b.most_why}, got {x}")
 
 
 def _number(v: float) -> str:
@@ -429,12 +500,12 @@ def check_lookahead(la: LookaheadConfig) -> None:
     _check_bounds("lookahead", la)
     if not 1 <= la.context_min_ngram <= la.context_max_ngram:
         raise ConfigError(
-            f"lookahead.context_min_ngram must be between 1 and context_max_ngram={la.context_max_ngram}, "
+            f"advanced.context_min_ngram must be between 1 and context_max_ngram={la.context_max_ngram}, "
             f"got {la.context_min_ngram}"
         )
     if not 0 <= la.long_match_ngram <= la.context_max_ngram:
         raise ConfigError(
-            f"lookahead.long_match_ngram must be between 0 (off) and context_max_ngram={la.context_max_ngram}, "
+            f"advanced.long_match_ngram must be between 0 (off) and context_max_ngram={la.context_max_ngram}, "
             f"got {la.long_match_ngram}"
         )
 
@@ -450,16 +521,16 @@ def validate(cfg: Config) -> None:
     if not 0.0 < gen.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p}")
     if (par.gpus_per_worker < 0 and par.gpus_per_worker != -1) or par.gpus_per_worker > 64:
-        raise ConfigError(f"parallel.gpus_per_worker must be -1 (auto) or 0 to 64, got {par.gpus_per_worker}")
+        raise ConfigError(f"advanced.gpus_per_worker must be -1 (auto) or 0 to 64, got {par.gpus_per_worker}")
     if (cfg.run.pool_in or cfg.run.pool_out) and cfg.lookahead.pool_scope != "job":
-        raise ConfigError("--pool-in / --pool-out (run.pool_in, run.pool_out) need lookahead.pool_scope=job")
+        raise ConfigError("--pool-in / --pool-out (advanced.pool_in, advanced.pool_out) need lookahead.pool_scope=job")
     if not _DEVICE.fullmatch(cfg.model.device):
         raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
     for key, choices in _CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in choices:
-            raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+            raise ConfigError(f"{user_key(key)} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
@@ -470,6 +541,6 @@ def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
             cfg.explicit = tuple(values)
             continue
         for name, value in values.items():
-            set_key(cfg, f"{section}.{name}", value)
+            set_field(cfg, f"{section}.{name}", value)
     validate(cfg)
     return cfg

@@ -29,6 +29,7 @@ from transformers import (
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
+from lp_runner.tuning.costmodel import CostCurve, CurvePoint
 
 FAMILIES = ("llama", "qwen2", "mistral")
 TINY_VOCAB = 96
@@ -277,3 +278,27 @@ def code_and_chat_ids(tokenizer, code: Sequence[str], question: str) -> list[lis
     chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
     chat = chat["input_ids"] if hasattr(chat, "keys") else chat
     return [tokenizer(p)["input_ids"] for p in code] + [list(chat)]
+
+
+def curve_from_ms(ms: dict[int, float], kv_len: int = 512) -> CostCurve:
+    """A curve from body milliseconds per row count (the head costs nothing extra)."""
+    return CostCurve(tuple(CurvePoint(kv_len, q, t / 1e3, t / 1e3) for q, t in ms.items()))
+
+
+# A curve measured on one 2-core AMD EPYC (ms, K/V 300): 2-3 rows cost more than 8 (the case padding is for).
+AMD_MS = {1: 56, 2: 89, 3: 108, 4: 85, 8: 76, 16: 88}
+
+
+def save_tiny_tokenizer(folder: Path) -> None:
+    """A real word-level tokenizer of 64 tokens (w0..w59 and four specials) saved into ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(60)}
+    vocab.update({"<unk>": 60, "<s>": 61, "</s>": 62, "<pad>": 63})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tok.save_pretrained(folder)

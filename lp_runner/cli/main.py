@@ -55,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recalibrate",
         action="store_true",
-        help="measure this device's forward-cost curve again instead of reusing the cached one (run.recalibrate)",
+        help="measure this device's forward-cost curve again instead of reusing the cached one (advanced.recalibrate)",
     )
-    p.add_argument("--pool-in", metavar="FILE", help="start the job store from FILE (run.pool_in; pool_scope=job)")
-    p.add_argument("--pool-out", metavar="FILE", help="save the job store to FILE at the end (run.pool_out)")
+    p.add_argument("--pool-in", metavar="FILE", help="start the job store from FILE (advanced.pool_in; pool_scope=job)")
+    p.add_argument("--pool-out", metavar="FILE", help="save the job store to FILE at the end (advanced.pool_out)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -106,8 +106,8 @@ def _run(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm if launched else _interrupt)
     output = None
     try:
-        flags = ["run.recalibrate=true"] if args.recalibrate else []
-        flags += [f"run.{k}={v}" for k, v in (("pool_in", args.pool_in), ("pool_out", args.pool_out)) if v]
+        flags = ["advanced.recalibrate=true"] if args.recalibrate else []
+        flags += [f"advanced.{k}={v}" for k, v in (("pool_in", args.pool_in), ("pool_out", args.pool_out)) if v]
         cfg = load_config(args.config, args.overrides + flags)
         if args.prompt is not None:
             specs = [PromptSpec(id="prompt", prompt=args.prompt, where="--prompt")]
@@ -155,8 +155,8 @@ def _run(argv: list[str]) -> int:
 
 
 def pool_files(cfg: Config) -> dict[str, str]:
-    """The job store's files a run reads or writes, by the option that names them (also ``run.pool_in`` / ``pool_out``
-    in a config)."""
+    """The job store's files a run reads or writes, by the option that names them (also ``advanced.pool_in`` /
+    ``pool_out`` in a config)."""
     return {"--pool-in": cfg.run.pool_in, "--pool-out": cfg.run.pool_out}
 
 

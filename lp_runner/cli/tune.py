@@ -71,8 +71,7 @@ def split_lines(result: TuneResult, table: Sequence[Split]) -> list[str]:
 def write_config(cfg: Config, result: TuneResult, path: Path, header: Sequence[str]) -> None:
     """A complete config (every key, so it does not depend on later changes of defaults) with the why on top.
     The setting is written with ``preset: off``: a tuned setting is a preset of its own, to be run as written."""
-    d = cfg.to_dict()
-    d.pop("explicit", None)
+    d = cfg.to_user_dict()
     d["lookahead"]["preset"] = "off"
     lines = [f"# {h}" for h in header]
     lines.append(

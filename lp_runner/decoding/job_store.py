@@ -2,7 +2,7 @@
 
 Chat outputs of one model repeat themselves across prompts (openings, list scaffolding, closing sentences, code
 boilerplate), which a per-prompt pool and context index never see. ``JobPool`` keeps the committed text of every
-finished generation of a job, bounded by ``lookahead.pool_max_tokens`` (oldest generations evicted first), and
+finished generation of a job, bounded by ``advanced.pool_max_tokens`` (oldest generations evicted first), and
 ``JobPoolSource`` proposes from it under the same budget G as the other sources.
 
 Data structure (chosen by the lookup cost, ``benchmarks/global_pool.py``): one flat token list (generations

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lp_runner.config import Config
+from lp_runner.config import Config, user_key
 from lp_runner.errors import InputError, LPError
 
 MODES = ("new", "resume", "overwrite")
@@ -72,13 +72,15 @@ def output_digest(cfg: Config) -> str:
 
 
 def settings_diff(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[str]:
-    """``["lookahead.window_size: 7 in the file, 5 now", ...]``; empty when nothing differs."""
+    """``["lookahead.window_size: 7 in the file, 5 now", "advanced.max_verify_rows: 0 in the file, 2 now", ...]``
+    (each key as the user writes it); empty when nothing differs."""
     out = []
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section, {}), new.get(section, {})
         for key in sorted(set(a) | set(b)):
             if a.get(key, "(unset)") != b.get(key, "(unset)"):
-                out.append(f"{section}.{key}: {a.get(key, '(unset)')!r} in the file, {b.get(key, '(unset)')!r} now")
+                where = user_key(f"{section}.{key}")
+                out.append(f"{where}: {a.get(key, '(unset)')!r} in the file, {b.get(key, '(unset)')!r} now")
     return out
 
 

@@ -119,7 +119,7 @@ def run_queued(
 
 def share_cores(worker: Worker) -> CoreShare | None:
     """This rank's part in giving an idle group's cores to the busy ones (``parallel/cores.py``): CPU ranks with
-    ``parallel.share_cores`` that share their node with other ranks; None elsewhere (a GPU's speed does not come
+    ``advanced.share_cores`` that share their node with other ranks; None elsewhere (a GPU's speed does not come
     from the host's threads)."""
     if worker.device.type != "cpu" or not worker.cfg.parallel.share_cores:
         return None

@@ -13,7 +13,7 @@ Elastic recovery, worked example (P = 2, prompts a b c, the rank-1 actor is kill
     group 1   as many workers as the cluster now holds (P, or fewer after a node loss) run [b, c] with
               committed = [b's 37 tokens, []]; greedy output is a function of the prefix, so b's record equals the
               uninterrupted one. The record gains a ``recovery`` list; the summary counts the events and seconds.
-At most ``parallel.max_restarts`` recoveries, then the run fails with the last cause.
+At most ``advanced.max_restarts`` recoveries, then the run fails with the last cause.
 
 D > 1 groups (``parallel.groups``), worked example (D = 2, P = 1, prompts a b c d): the driver runs two lanes,
 each a thread with its own placement group, actors and torch group. Lane 0 takes a, lane 1 takes b; lane 1
@@ -71,7 +71,7 @@ class _Stopped(Exception):
 
 
 def parse_resources(text: str) -> dict[str, float]:
-    """``"accel=1,mem_gb=16"`` -> {"accel": 1.0, "mem_gb": 16.0} (parallel.resources_per_worker)."""
+    """``"accel=1,mem_gb=16"`` -> {"accel": 1.0, "mem_gb": 16.0} (advanced.resources_per_worker)."""
     out: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, amount = item.partition("=")
@@ -80,7 +80,7 @@ def parse_resources(text: str) -> dict[str, float]:
         except ValueError:
             value = -1.0
         if not sep or not name.strip() or value < 0:
-            raise ConfigError(f"parallel.resources_per_worker expects name=amount[,name=amount], got {item!r}")
+            raise ConfigError(f"advanced.resources_per_worker expects name=amount[,name=amount], got {item!r}")
         out[name.strip()] = value
     return out
 
@@ -93,7 +93,7 @@ def worker_bundle(par: ParallelConfig, cluster_gpus: float, device: str) -> dict
     bundle = {"CPU": par.cpus_per_worker, "GPU": gpus, **parse_resources(par.resources_per_worker)}
     bundle = {name: amount for name, amount in bundle.items() if amount > 0}
     if not bundle:
-        raise ConfigError("a Ray worker must reserve something: set parallel.cpus_per_worker or gpus_per_worker > 0")
+        raise ConfigError("a Ray worker must reserve something: set advanced.cpus_per_worker or gpus_per_worker > 0")
     return bundle
 
 
@@ -267,7 +267,7 @@ class Replica:
             torch.set_num_threads(self.shared)
 
     def save_store(self, path: str) -> None:
-        """``run.pool_out`` with D > 1 groups: lane 0's store, saved once after the job (as torchrun saves group
+        """``advanced.pool_out`` with D > 1 groups: lane 0's store, saved once after the job (as torchrun saves group
         0's)."""
         from lp_runner.jobs.worker import tokenizer_fingerprint
 
@@ -601,7 +601,7 @@ class _Driver:
             self.node_slots.setdefault(ip, []).append((lane, rank))
 
     def _share_cores(self) -> None:
-        """``parallel.share_cores`` on Ray (CPU, D > 1): the threads of the lanes that have left a node go to the
+        """``advanced.share_cores`` on Ray (CPU, D > 1): the threads of the lanes that have left a node go to the
         busy ranks still on it, as torchrun ranks share them through the store (``parallel/cores.py``). Only the
         cores this job held are shared: a lane that never started frees no reservation of its own. Each busy
         rank is told its node's slots and which left; it takes its share from its next round."""
@@ -653,7 +653,7 @@ class _Driver:
             limit = self.cfg.parallel.max_restarts
             if len(self.recoveries) >= limit:
                 raise DistributedError(
-                    f"gave up after {len(self.recoveries)} recoveries (parallel.max_restarts={limit}); last "
+                    f"gave up after {len(self.recoveries)} recoveries (advanced.max_restarts={limit}); last "
                     f"failure: group {lane}: {reason}"
                 )
             event = {
@@ -692,7 +692,7 @@ class _Driver:
         limit = self.cfg.parallel.max_restarts
         if len(self.recoveries) >= limit:
             raise DistributedError(
-                f"gave up after {len(self.recoveries)} recoveries (parallel.max_restarts={limit}); last failure: "
+                f"gave up after {len(self.recoveries)} recoveries (advanced.max_restarts={limit}); last failure: "
                 f"{reason}"
             )
         at = todo[0]
@@ -741,7 +741,7 @@ class _Driver:
                 have = _fmt({k: avail.get(k, 0.0) for k in self.bundle})
                 raise RayClusterError(
                     f"the Ray cluster did not free {workers} x ({_fmt(self.bundle)}) within "
-                    f"parallel.placement_timeout_s={par.placement_timeout_s:g} s (available now: {have})"
+                    f"advanced.placement_timeout_s={par.placement_timeout_s:g} s (available now: {have})"
                 )
             workers -= 1
         group = _Group(ray, pg, [])

@@ -67,6 +67,8 @@ def policy_lines(policy: dict | None) -> list[str]:
     if not policy or policy.get("preset") != "auto" or "choice" not in policy:
         return lines
     choice, cal = policy["choice"], policy.get("calibration", {})
+    if policy.get("pinned"):  # written keys win over the search, whatever their value: say which they were
+        lines.append(f"pinned by the config (kept as written by the auto preset): {', '.join(policy['pinned'])}")
     lines += [
         f"preset auto ({choice['samples']} outputs, {choice['evaluated']} settings priced"
         f"{', read from the cache' if choice.get('from_cache') else ''}): predicted "

@@ -77,7 +77,7 @@ class Worker:
     layout: GroupLayout | None = None  # None: one group, the whole world
     control: Communicator | None = None  # D > 1: the whole world, on gloo (start-up messages only)
     heartbeat: Heartbeat | None = None  # D > 1, on each group's leader: tells world rank 0 the group is alive
-    store: JobPool | None = None  # lookahead.pool_scope=job: the job's store (run.pool_in's contents at start)
+    store: JobPool | None = None  # lookahead.pool_scope=job: the job's store (advanced.pool_in's contents at start)
     placement: Placement | None = None  # device, dtype and TF32 as resolved (device.place)
     load_peak_mib: float = 0.0  # this process's peak host memory right after loading the weights
     load_peaks_mib: list[float] | None = None  # every rank's load_peak_mib (check_peers), in rank order
@@ -206,7 +206,7 @@ def join_groups(
 
 
 def job_store(cfg: Config, tokenizer: Any, vocab_size: int | None = None) -> JobPool | None:
-    """The job's store under ``pool_scope: job`` (None otherwise), started from ``run.pool_in`` when given
+    """The job's store under ``pool_scope: job`` (None otherwise), started from ``advanced.pool_in`` when given
     (a pool file of another tokenizer, version, a truncated one or one with a token id outside ``vocab_size``,
     the model's: a one-line InputError)."""
     if cfg.lookahead.pool_scope != "job":
@@ -218,7 +218,7 @@ def job_store(cfg: Config, tokenizer: Any, vocab_size: int | None = None) -> Job
 
 
 def save_store(worker: Worker) -> None:
-    """``run.pool_out``: the writing rank saves the job's store after the job's last prompt."""
+    """``advanced.pool_out``: the writing rank saves the job's store after the job's last prompt."""
     if worker.cfg.run.pool_out and worker.store is not None and worker.is_main:
         worker.store.save(worker.cfg.run.pool_out, tokenizer_fingerprint(worker.tokenizer))
 

@@ -14,7 +14,7 @@ Why this module exists:
 * GGUF conversion needs the ``gguf`` extra (``gguf`` and ``accelerate``, which transformers' GGUF loading
   requires); everything else runs without it.
 * Pickle checkpoints (``pytorch_model.bin``, ``*.pt``...) can run arbitrary code when loaded, so they are
-  refused unless the user opts in with ``model.allow_pickle``.
+  refused unless the user opts in with ``advanced.allow_pickle``.
 * Distributed ranks must agree that they loaded the same weights; ``weights_checksum`` gives a cheap
   fingerprint they can compare.
 
@@ -650,7 +650,7 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
         raise ModelError(f"no *.safetensors weights in {folder}")
     if not allow_pickle:
         raise ModelError(
-            f"refusing pickle-format checkpoint at {pickles[0]} (set model.allow_pickle=true to load it anyway)"
+            f"refusing pickle-format checkpoint at {pickles[0]} (set advanced.allow_pickle=true to load it anyway)"
         )
     if not any(p.name.startswith("pytorch_model") and p.name.endswith(".bin") for p in pickles):
         raise ModelError(

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lp_runner.config import Config, LookaheadConfig
+from lp_runner.config import Config, LookaheadConfig, internal_key
 from lp_runner.tuning.calibrate import Calibration, calibrate, shared_calibration
 from lp_runner.tuning.costmodel import RowPlan
-from lp_runner.tuning.preset import AutoPreset
+from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset
 from lp_runner.tuning.search import describe
 
 
@@ -29,6 +29,7 @@ class RoundPolicy:
     auto: AutoPreset | None
     compile: dict | None = None  # the job's forward: eager or compiled and why (``compile_choice.CompileChoice``)
     prepack: dict | None = None  # its linear kernels and why (``prepack.PrepackChoice``)
+    pinned: tuple[str, ...] = ()  # the keys the config wrote that the auto preset keeps, as they were written
 
     @classmethod
     def fixed(cls, lookahead: LookaheadConfig) -> RoundPolicy:
@@ -55,10 +56,12 @@ class RoundPolicy:
         )
         row_plan = RowPlan.from_curve(cal.curve) if la.pad_rows else None
         plan_for_search = row_plan or RowPlan.identity()
-        auto = None
+        auto, pinned = None, ()
         if la.preset == "auto":
             auto = AutoPreset(la, cfg.pinned_lookahead(), cal.curve, plan_for_search, comm.world_size, cache_root)
-        return cls(auto.lookahead if auto else la, row_plan, cal, auto)
+            shape = {f"lookahead.{name}" for name in auto.pinned} - {f"lookahead.{n}" for n in NOT_ROUND_SHAPE}
+            pinned = tuple(k for k in cfg.explicit if internal_key(k) in shape)
+        return cls(auto.lookahead if auto else la, row_plan, cal, auto, pinned=pinned)
 
     def observe(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> bool:
         """After a generation: True when the next one uses another setting (the auto preset adapted)."""
@@ -74,6 +77,8 @@ class RoundPolicy:
         if self.auto is not None:
             out["choice"] = self.auto.choice.to_dict()
             out["choice"]["from_cache"] = self.auto.from_cache and self.auto.choice is self.auto.history[0]
+        if self.auto is not None:
+            out["pinned"] = list(self.pinned)
         if self.calibration is not None:
             out["calibration"] = self.calibration.summary()
         if self.compile is not None:

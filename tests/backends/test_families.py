@@ -102,10 +102,10 @@ def test_packed_rows_see_their_own_window(family: str) -> None:
 
 
 def _save_folder(family: str, folder: Path) -> Path:
-    from test_loading import _save_tiny_tokenizer  # a real word-level tokenizer (64 tokens, within the vocab)
+    from helpers import save_tiny_tokenizer  # a real word-level tokenizer (64 tokens, within the vocab)
 
     tiny_model(family).save_pretrained(folder)
-    _save_tiny_tokenizer(folder)
+    save_tiny_tokenizer(folder)
     return folder
 
 

@@ -42,7 +42,7 @@ REPO_ROOT = REPO
         (["lookahead.window_size=abc"], "lookahead.window_size must be an integer, got 'abc'"),
         (["lookahead.window_size=1.5"], "lookahead.window_size must be an integer, got 1.5"),
         (["lookahead.window_size=true"], "lookahead.window_size must be an integer, got True"),
-        (["lookahead.pool_from_prompt=maybe"], "lookahead.pool_from_prompt must be true or false, got 'maybe'"),
+        (["advanced.pool_from_prompt=maybe"], "advanced.pool_from_prompt must be true or false, got 'maybe'"),
         (["generation.temperature=warm"], "generation.temperature must be a number, got 'warm'"),
         (["model.path=[1, 2]"], "model.path must be a string, got [1, 2]"),
         (["nosection.key=1"], "unknown config key 'nosection.key'"),
@@ -50,14 +50,14 @@ REPO_ROOT = REPO
         (["lookahead.window_size"], "--set expects section.key=value, got 'lookahead.window_size'"),
         (["generation.max_new_tokens=0"], "generation.max_new_tokens must be >= 1, got 0"),
         (
-            ["lookahead.context_min_ngram=4"],
-            "lookahead.context_min_ngram must be between 1 and context_max_ngram=3, got 4",
+            ["advanced.context_min_ngram=4"],
+            "advanced.context_min_ngram must be between 1 and context_max_ngram=3, got 4",
         ),
         (
-            ["lookahead.long_match_ngram=4"],
-            "lookahead.long_match_ngram must be between 0 (off) and context_max_ngram=3, got 4",
+            ["advanced.long_match_ngram=4"],
+            "advanced.long_match_ngram must be between 0 (off) and context_max_ngram=3, got 4",
         ),
-        (["lookahead.long_match_rows=-1"], "lookahead.long_match_rows must be >= 0 (0: no cap), got -1"),
+        (["advanced.long_match_rows=-1"], "advanced.long_match_rows must be >= 0 (0: no cap), got -1"),
         (["generation.top_p=0"], "generation.top_p must be in (0, 1], got 0.0"),
         (["model.dtype=float64"], "model.dtype must be one of auto, float32, bfloat16, float16, got 'float64'"),
         (["model.device=tpu"], "model.device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
@@ -67,14 +67,14 @@ REPO_ROOT = REPO
         (["lookahead.window_size=100000"], "lookahead.window_size (W) must be <= 1024 (a round's rows grow with it"),
         (["lookahead.ngram_size=65"], "lookahead.ngram_size (N) must be <= 64 (a round's rows grow with it"),
         (["lookahead.verification_set_size=5000"], "lookahead.verification_set_size (G) must be <= 1024"),
-        (["lookahead.max_verify_rows=5000"], "lookahead.max_verify_rows must be <= 4096, got 5000"),
-        (["lookahead.pool_max_tokens=1000000000"], "lookahead.pool_max_tokens must be <= 100000000 (about 82 bytes"),
+        (["advanced.max_verify_rows=5000"], "advanced.max_verify_rows must be <= 4096, got 5000"),
+        (["advanced.pool_max_tokens=1000000000"], "advanced.pool_max_tokens must be <= 100000000 (about 82 bytes"),
         (["generation.max_new_tokens=2000000"], "generation.max_new_tokens must be <= 1000000 (and less than the"),
         (["parallel.workers=2000"], "parallel.workers must be <= 1024 (and what this machine holds"),
         (["parallel.timeout_s=1e30"], "parallel.timeout_s must be <= 604800 (a week: a longer wait is a hang), got"),
         (["parallel.timeout_s=.nan"], "parallel.timeout_s must be a finite number, got nan"),
         (["generation.temperature=.inf"], "generation.temperature must be a finite number, got inf"),
-        (["parallel.gpus_per_worker=100"], "parallel.gpus_per_worker must be -1 (auto) or 0 to 64, got 100.0"),
+        (["advanced.gpus_per_worker=100"], "advanced.gpus_per_worker must be -1 (auto) or 0 to 64, got 100.0"),
         (["model.threads=5000"], "model.threads must be <= 1024, got 5000"),
     ],
 )
@@ -90,7 +90,7 @@ def test_override_errors(overrides: list[str], message: str) -> None:
     [
         # W=1024 N=5: 1 + 1023 + 1024 x 3 + 7 x 10 rows, whatever the model
         (["lookahead.window_size=1024"], None, "computes up to 4166 rows (the live token, W-1 + W x (N-2) window"),
-        (["lookahead.window_size=1024", "lookahead.lookahead_branch=false"], 200, None),  # no window: 71 rows
+        (["lookahead.window_size=1024", "advanced.lookahead_branch=false"], 200, None),  # no window: 71 rows
         ([], 64, "computes up to 98 rows (the live token, W-1 + W x (N-2) window rows, G x the longest proposal), "
          "more than the model's context of 64 positions"),
         (["generation.max_new_tokens=16"], 98, None),  # the round fits exactly
@@ -118,12 +118,12 @@ def test_override_types() -> None:
         None,
         [
             "lookahead.window_size=15",
-            "lookahead.pool_from_prompt=false",
+            "advanced.pool_from_prompt=false",
             "generation.temperature=0.7",
             "generation.top_p=1",  # an int literal for a float field
             "model.path=/some/folder",
-            "model.cache_dir=",  # empty value: the empty string
-            "run.stream=off",  # YAML 1.1 style booleans are accepted
+            "advanced.cache_dir=",  # empty value: the empty string
+            "advanced.stream=off",  # YAML 1.1 style booleans are accepted
             "lookahead.ngram_size= 4",  # whitespace around the value
         ],
     )
@@ -655,3 +655,73 @@ def test_cli_log_level_keeps_stdout_for_the_text(embedded) -> None:
     assert loud.stdout == quiet.stdout == text + "\n"
     assert "tokens/forward" in loud.stderr  # the summary, at INFO
     assert quiet.stderr == ""
+
+
+# ---------------------------------------------------------------- user knobs and the advanced section
+
+
+def test_the_config_has_few_user_knobs_and_every_other_field_is_advanced() -> None:
+    """Every field is written exactly one way: ``section.name`` for the user knobs (at most 25), ``advanced.name``
+    for the internals the preset and the tuner turn and for experiments."""
+    import dataclasses
+
+    from lp_runner.config import _SECTION_TYPES, ADVANCED_KEYS, USER_KEYS
+
+    users = [f"{s}.{n}" for s, names in USER_KEYS.items() for n in names]
+    assert len(users) <= 25, users
+    fields = {f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)}
+    assert set(users) | set(ADVANCED_KEYS.values()) == fields
+    assert not set(users) & set(ADVANCED_KEYS.values())
+    for name in ("max_verify_rows", "long_match_rows", "context_tokens", "candidate_policy", "huge_pages", "pad_rows"):
+        assert name in ADVANCED_KEYS  # tuner-born and experimental knobs are not user knobs
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lookahead.max_verify_rows=3", "'lookahead.max_verify_rows' is an advanced setting: write it as "
+         "'advanced.max_verify_rows'"),
+        ("run.progress=false", "'run.progress' is an advanced setting: write it as 'advanced.progress'"),
+        ("advanced.window_size=5", "unknown config key 'advanced.window_size' (did you mean"),
+        ("advanced.bogus=1", "unknown config key 'advanced.bogus'"),
+    ],
+)  # fmt: skip
+def test_a_key_in_the_wrong_place_is_one_line_naming_where_it_goes(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_an_advanced_key_pins_the_preset_by_presence_even_at_its_default() -> None:
+    cfg = load_config(None, ["advanced.max_verify_rows=0", "lookahead.window_size=7"])  # both their defaults
+    assert set(cfg.pinned_lookahead()) == {"max_verify_rows", "window_size"}
+    assert cfg.explicit == ("advanced.max_verify_rows", "lookahead.window_size")  # as the user wrote them
+
+
+def test_a_config_written_as_a_user_writes_it_reads_back_equal(tmp_path: Path) -> None:
+    """``to_user_dict`` (what ``lp_runner tune`` writes): user sections and one ``advanced:`` section."""
+    import yaml
+
+    cfg = load_config(None, ["advanced.max_verify_rows=3", "lookahead.window_size=5", "advanced.progress=false"])
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_user_dict()))
+    again = load_config(path)
+    assert {k: v for k, v in again.to_dict().items() if k != "explicit"} == {
+        k: v for k, v in cfg.to_dict().items() if k != "explicit"
+    }
+    assert "advanced.max_verify_rows" in again.explicit and "lookahead.max_verify_rows" not in again.explicit
+
+
+def test_the_summary_names_the_keys_the_config_pinned() -> None:
+    from lp_runner.jobs.report import policy_lines
+
+    policy = {
+        "preset": "auto",
+        "pinned": ["advanced.max_verify_rows", "lookahead.window_size"],
+        "choice": {"samples": "shipped", "evaluated": 3, "predicted_ms_per_token": 10.0,
+                   "predicted_tokens_per_forward": 1.5},
+    }  # fmt: skip
+    assert (
+        "pinned by the config (kept as written by the auto preset): advanced.max_verify_rows, lookahead.window_size"
+        in policy_lines(policy)
+    )

@@ -143,7 +143,7 @@ def test_lp_job_store_replicas_agree(tmp_path):
             "--set", "model.threads=1", "--set", "lookahead.pool_scope=job", "--set", "lookahead.preset=off",
             "--set", "lookahead.window_size=4", "--set", "lookahead.ngram_size=4",
             "--set", "lookahead.verification_set_size=3", "--set", "generation.max_new_tokens=32",
-            "--set", "run.progress=false",
+            "--set", "advanced.progress=false",
         ]  # fmt: skip
         proc = subprocess.run(torchrun_cmd(nproc, *args), env=env_with_repo(), capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]

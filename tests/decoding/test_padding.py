@@ -10,21 +10,12 @@ import random
 
 import pytest
 import torch
-from helpers import FAMILIES, TINY_VOCAB, hf_greedy, make_engine, random_prompt
+from helpers import AMD_MS, FAMILIES, TINY_VOCAB, curve_from_ms, hf_greedy, make_engine, random_prompt
 
 from lp_runner.backends.adapter import ModelAdapter, crop, move_rows
 from lp_runner.decoding.engine import kv_commit_plan
 from lp_runner.decoding.layout import ROLE_PAD, compile_round, pad_layout
-from lp_runner.tuning.costmodel import CostCurve, CurvePoint, RowPlan, predict
-
-
-def curve_from_ms(ms: dict[int, float], kv_len: int = 512) -> CostCurve:
-    """A curve from body milliseconds per row count (the head costs nothing extra)."""
-    return CostCurve(tuple(CurvePoint(kv_len, q, t / 1e3, t / 1e3) for q, t in ms.items()))
-
-
-# The curve measured on the AMD EPYC machine of issue 13 (ms, K/V 300): 2-3 rows cost more than 8.
-AMD_MS = {1: 56, 2: 89, 3: 108, 4: 85, 8: 76, 16: 88}
+from lp_runner.tuning.costmodel import RowPlan, predict
 
 
 def test_pad_layout_rows_and_mask() -> None:

@@ -145,7 +145,7 @@ def test_lp_two_workers_sampling_matches_exact_joint(tmp_path):
         "--set", f"generation.temperature={SETTINGS['temperature']}", "--set", f"generation.top_k={SETTINGS['top_k']}",
         "--set", f"generation.top_p={SETTINGS['top_p']}", "--set", "generation.seed=99",
         "--set", "lookahead.window_size=3", "--set", "lookahead.ngram_size=4",
-        "--set", "lookahead.verification_set_size=3", "--set", "model.threads=1", "--set", "run.progress=false",
+        "--set", "lookahead.verification_set_size=3", "--set", "model.threads=1", "--set", "advanced.progress=false",
         "--set", "lookahead.preset=off",  # the window under LP, as written
     ]  # fmt: skip
     proc = subprocess.run(torchrun_cmd(2, *args), env=env_with_repo(), capture_output=True, text=True, timeout=900)

@@ -55,7 +55,7 @@ def args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(out),
         "--set", f"model.path={model}", "--set", "model.threads=1", "--set", f"generation.max_new_tokens={MAX_NEW}",
-        "--set", "run.progress=false", "--set", "parallel.timeout_s=30", *extra,
+        "--set", "advanced.progress=false", "--set", "parallel.timeout_s=30", *extra,
     ]  # fmt: skip
 
 
@@ -156,7 +156,7 @@ def test_resume_with_other_settings_or_weights_is_refused(tiny_dir, prompts, tmp
     other = make_tiny_folder(tmp_path / "other", "llama", seed=4)
     swapped = tmp_path / "model"
     swapped.symlink_to(tiny_dir)
-    first = cli(swapped, prompts, tmp_path / "w.jsonl", "--set", "run.summary=false")
+    first = cli(swapped, prompts, tmp_path / "w.jsonl", "--set", "advanced.summary=false")
     assert first.returncode == 0, first.stderr[-2000:]
     lines = (tmp_path / "w.jsonl").read_text().splitlines()
     (tmp_path / "w.jsonl").write_text(lines[0] + "\n")

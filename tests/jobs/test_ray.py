@@ -152,7 +152,8 @@ AS_WRITTEN = "lookahead.preset=off"
 def _args(model: Path | str, prompts: Path, out: Path, max_new: int = 48, *extra: str) -> list[str]:
     return [
         "--prompts", str(prompts), "--output", str(out), "--set", f"model.path={model}", "--set", "model.threads=1",
-        "--set", f"generation.max_new_tokens={max_new}", "--set", "run.progress=false", "--set", AS_WRITTEN, *extra,
+        "--set", f"generation.max_new_tokens={max_new}", "--set", "advanced.progress=false",
+        "--set", AS_WRITTEN, *extra,
     ]  # fmt: skip
 
 
@@ -217,7 +218,7 @@ def _uninterrupted(model: Path, specs_path: Path, max_new: int) -> list[dict]:
 
 
 def test_resources_bundle_and_capacity():
-    par = load_config(None, ["parallel.resources_per_worker=accel=0.5, mem=2"]).parallel
+    par = load_config(None, ["advanced.resources_per_worker=accel=0.5, mem=2"]).parallel
     assert parse_resources(par.resources_per_worker) == {"accel": 0.5, "mem": 2.0}
     assert worker_bundle(par, cluster_gpus=0, device="auto") == {"CPU": 1.0, "accel": 0.5, "mem": 2.0}
     assert worker_bundle(par, cluster_gpus=8, device="auto")["GPU"] == 1.0  # auto: one GPU each on a GPU cluster
@@ -234,13 +235,13 @@ def test_resources_bundle_and_capacity():
 def test_a_loss_after_the_lanes_prompt_was_written_is_still_a_recovery(caplog):
     """The race the killed-group test can land in: the actor dies after rank 0 reported prompt i's record (between
     its last poll and the end of ``run``). The lane rebuilds its group all the same, so the loss counts against
-    ``parallel.max_restarts`` and is reported on the next prompt the lane takes (from token 0); with the queue
+    ``advanced.max_restarts`` and is reported on the next prompt the lane takes (from token 0); with the queue
     empty it is only a warning. The driver's bookkeeping, no cluster (``group=None``: nothing to drain)."""
     from lp_runner.errors import DistributedError
     from lp_runner.jobs.prompts import PromptSpec
     from lp_runner.jobs.ray import _Driver
 
-    cfg = load_config(None, ["parallel.groups=2", "parallel.max_restarts=1"])
+    cfg = load_config(None, ["parallel.groups=2", "advanced.max_restarts=1"])
     specs = [PromptSpec(id=str(i), prompt="x") for i in range(3)]
     driver = _Driver(None, cfg, specs, None, single=False)
     assert driver._claim() == 0 and driver._claim() == 1  # lane 0 holds prompt 0, lane 1 prompt 1
@@ -435,9 +436,9 @@ def test_stalled_actor_is_one_warning_line(cluster, tiny_dir, tmp_path, rank):
 @pytest.mark.slow
 def test_recoveries_are_bounded(cluster, tiny_dir, tmp_path):
     prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
-    rc, err = _run_and_kill_rank1(cluster, tiny_dir, prompts, out, "--set", "parallel.max_restarts=0")
+    rc, err = _run_and_kill_rank1(cluster, tiny_dir, prompts, out, "--set", "advanced.max_restarts=0")
     assert rc == 3, err[-3000:]
-    assert "error: gave up after 0 recoveries (parallel.max_restarts=0); last failure: worker rank 1 was lost" in err
+    assert "error: gave up after 0 recoveries (advanced.max_restarts=0); last failure: worker rank 1 was lost" in err
     assert 2 <= len(read_jsonl(out)) < MANY  # records finished before the loss are kept
     assert "Traceback" not in err
 
@@ -507,7 +508,7 @@ def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, ti
 def test_two_groups_share_the_cores_a_finished_group_frees(cluster, tiny_dir, tmp_path):
     """parallel.groups=2 x 1 thread, three long prompts: the group that finds the queue empty leaves while the other
     runs the third prompt, whose actor then takes both threads mid-generation (its log line reaches the driver) and
-    still writes HF greedy's tokens (``parallel.share_cores``, as under torchrun)."""
+    still writes HF greedy's tokens (``advanced.share_cores``, as under torchrun)."""
     long = 1500
     specs = [{"id": str(i), "prompt": "story 1 story 1 story 1"} for i in range(3)]
     prompts = write_prompts(tmp_path / "p.jsonl", specs)
@@ -525,14 +526,14 @@ def test_two_groups_share_the_cores_a_finished_group_frees(cluster, tiny_dir, tm
 
 @pytest.mark.slow
 def test_two_groups_out_of_restarts_stop_every_group(cluster, tiny_dir, tmp_path):
-    """parallel.max_restarts=0: group 1's loss is fatal; group 0 is stopped too (its actor torn down), exit 3."""
+    """advanced.max_restarts=0: group 1's loss is fatal; group 0 is stopped too (its actor torn down), exit 3."""
     from ray.util.state import list_actors
 
     prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
-    no_restarts = ("--set", "parallel.max_restarts=0")
+    no_restarts = ("--set", "advanced.max_restarts=0")
     rc, err, run_id = _run_two_groups_and_kill_group1(cluster, tiny_dir, prompts, out, *no_restarts)
     assert rc == 3, err[-3000:]
-    assert "error: gave up after 0 recoveries (parallel.max_restarts=0); last failure: group 1: worker rank 0" in err
+    assert "error: gave up after 0 recoveries (advanced.max_restarts=0); last failure: group 1: worker rank 0" in err
     assert 2 <= len(read_jsonl(out)) < MANY and "Traceback" not in err  # records written before the loss stay
     deadline, ours = time.monotonic() + 15, ["?"]
     while ours and time.monotonic() < deadline:  # the state API may report a killed actor a moment late
@@ -546,7 +547,7 @@ def test_two_groups_out_of_restarts_stop_every_group(cluster, tiny_dir, tmp_path
 def test_more_gpus_than_the_cluster_has_fails_fast(cluster, tiny_dir, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:1])
     start = time.monotonic()
-    gpus = ("--set", "parallel.gpus_per_worker=1", "--set", f"parallel.ray_address={cluster.gcs}")  # config key
+    gpus = ("--set", "advanced.gpus_per_worker=1", "--set", f"parallel.ray_address={cluster.gcs}")  # config key
     proc = _cli(_args(tiny_dir, prompts, tmp_path / "o.jsonl", 8, *_ray_args(2), *gpus), timeout=60)
     assert time.monotonic() - start < 30
     assert proc.returncode == 2
@@ -642,7 +643,7 @@ def test_local_instance_declares_the_real_cores(tiny_dir, tmp_path):
     """More CPUs per worker than this machine has: a clear error, not an oversubscribed local instance."""
     cores = len(os.sched_getaffinity(0))
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:1])
-    cpus = ("--set", f"parallel.cpus_per_worker={cores + 1}")
+    cpus = ("--set", f"advanced.cpus_per_worker={cores + 1}")
     env = env_with_repo()
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "o.jsonl", 8, *_ray_args(1), *cpus)]

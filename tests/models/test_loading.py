@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import REPO
-from helpers import tiny_model
+from helpers import save_tiny_tokenizer, tiny_model
 
 from lp_runner.errors import LPError
 from lp_runner.models.loading import (
@@ -48,20 +48,6 @@ needs_gguf_extra = pytest.mark.skipif(
 # Local helpers: a tiny random Llama model with a real (word-level) fast tokenizer.
 
 
-def _save_tiny_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(60)}
-    vocab.update({"<unk>": 60, "<s>": 61, "</s>": 62, "<pad>": 63})
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
-    tok.save_pretrained(folder)
-
-
 def _tiny_llama(seed: int = 0) -> torch.nn.Module:
     return tiny_model(
         "llama", seed, vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
@@ -72,7 +58,7 @@ def _tiny_llama(seed: int = 0) -> torch.nn.Module:
 def make_safetensors_folder(folder: Path, seed: int = 0) -> Path:
     model = _tiny_llama(seed)
     model.save_pretrained(folder)
-    _save_tiny_tokenizer(folder)
+    save_tiny_tokenizer(folder)
     assert list(folder.glob("*.safetensors")), "save_pretrained is expected to write safetensors"
     return folder
 
@@ -290,7 +276,7 @@ def test_pickle_checkpoint_refused_unless_allowed(tmp_path: Path) -> None:
     msg = str(info.value)
     assert "refusing pickle-format checkpoint at" in msg
     assert str(folder) in msg
-    assert "model.allow_pickle=true" in msg
+    assert "advanced.allow_pickle=true" in msg
 
     model, tokenizer, path = load_model_and_tokenizer(folder, allow_pickle=True)
     assert path == folder

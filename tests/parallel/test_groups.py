@@ -241,7 +241,7 @@ def _args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
         "--set", "lookahead.preset=off",  # this W/N/G as written, in every group alike
         # per-prompt pool: with the job store a group's proposals depend on the prompts it ran, so forwards differ
         "--set", "lookahead.pool_scope=prompt",
-        "--set", "run.progress=false", *extra,
+        "--set", "advanced.progress=false", *extra,
     ]  # fmt: skip
 
 
@@ -290,12 +290,12 @@ def test_groups_match_one_group_and_hf_greedy(tmp_path, tiny_dir):
 @pytest.mark.slow
 def test_a_lone_prompt_takes_the_idle_groups_core_and_keeps_its_tokens(tmp_path, tiny_dir):
     """D=2 with one prompt: one group has nothing to do from the start, so the other takes its thread mid-generation
-    (logged) and still generates HF greedy's tokens; with ``parallel.share_cores=false`` it keeps one thread."""
+    (logged) and still generates HF greedy's tokens; with ``advanced.share_cores=false`` it keeps one thread."""
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "long", "prompt": "story 1 story 1 story 1"}])
     runs = {}
     for share in ("true", "false"):
         out = tmp_path / f"{share}.jsonl"
-        args = _args(tiny_dir, prompts, out, "--set", "parallel.groups=2", "--set", f"parallel.share_cores={share}")
+        args = _args(tiny_dir, prompts, out, "--set", "parallel.groups=2", "--set", f"advanced.share_cores={share}")
         args[args.index(f"generation.max_new_tokens={MAX_NEW}")] = "generation.max_new_tokens=2000"  # > PERIOD_S
         runs[share] = (_run([sys.executable, "-m", "lp_runner", *args]).stderr, read_jsonl(out)[0])
     (shared_err, shared), (alone_err, alone) = runs["true"], runs["false"]

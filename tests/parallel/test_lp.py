@@ -170,7 +170,7 @@ def _run_torchrun(nproc: int, model: Path, prompts: Path, out: Path, wng, extra=
         "--set", f"lookahead.window_size={w}", "--set", f"lookahead.ngram_size={n}",
         "--set", f"lookahead.verification_set_size={g}", "--set", "generation.max_new_tokens=48",
         "--set", "lookahead.preset=off",  # this W/N/G with its window, not what the device's curve would choose
-        "--set", "run.progress=false", *extra,
+        "--set", "advanced.progress=false", *extra,
     ]  # fmt: skip
     proc = subprocess.run(
         torchrun_cmd(nproc, *args), env=env_with_repo(), capture_output=True, text=True, timeout=timeout
@@ -264,7 +264,7 @@ def test_killed_worker_ends_job_with_clear_message(tmp_path, tiny_dir):
     args = [
         "--prompts", str(_many_prompts(tmp_path)), "--output", str(out), "--set", f"model.path={tiny_dir}",
         "--set", "generation.max_new_tokens=200", "--set", "model.threads=1", "--set", "parallel.timeout_s=20",
-        "--set", "run.progress=false",
+        "--set", "advanced.progress=false",
     ]  # fmt: skip
     proc = subprocess.Popen(torchrun_cmd(2, *args), env=env_with_repo(), stderr=subprocess.PIPE, text=True)
     try:
@@ -293,7 +293,7 @@ def test_stalled_worker_fails_within_timeout(tmp_path, tiny_dir):
     common = [
         "--prompts", str(_many_prompts(tmp_path)), "--set", f"model.path={tiny_dir}",
         "--set", "generation.max_new_tokens=200", "--set", "model.threads=1", "--set", "parallel.timeout_s=8",
-        "--set", "run.progress=false",
+        "--set", "advanced.progress=false",
     ]  # fmt: skip
     procs = launch_ranks(2, [[*common, "--output", str(out)], common])
     try:

@@ -11,8 +11,7 @@ import dataclasses
 import gc
 
 import pytest
-from helpers import FAMILIES, make_engine, random_prompt
-from test_padding import AMD_MS, curve_from_ms
+from helpers import AMD_MS, FAMILIES, curve_from_ms, make_engine, random_prompt
 
 from lp_runner.config import LookaheadConfig, load_config
 from lp_runner.tuning import preset
@@ -119,7 +118,7 @@ def test_pinned_knobs_win() -> None:
 def test_config_records_explicit_keys(tmp_path) -> None:
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("lookahead:\n  verification_set_size: 3\n")
-    cfg = load_config(cfg_file, ["lookahead.max_verify_rows=5", "generation.max_new_tokens=9"])
+    cfg = load_config(cfg_file, ["advanced.max_verify_rows=5", "generation.max_new_tokens=9"])
     assert cfg.pinned_lookahead() == ("max_verify_rows", "verification_set_size")
     assert load_config(None).pinned_lookahead() == ()
 

@@ -1,5 +1,5 @@
 """One allocation for the native products' packed weights, in transparent huge pages when asked
-(``model.huge_pages``).
+(``advanced.huge_pages``).
 
 Why one allocation: the weights lie in the order a forward reads them, and a region asked for 2 MB pages wastes at
 most one page (2 MB pages per tensor round each up: 663 MB for the embedded model's 538 MB, measured before).
@@ -14,7 +14,7 @@ Why not by default: on that same VM, fresh 2 MB pages cost about 5-15 ms each to
 backs them anew, free memory in 2 MB blocks having gone back to it, while 4 KB pages reuse what the load has just
 freed): 2.6-3.6 s to pack the embedded model, against 0.4-0.5 s in 4 KB pages, and the README's one-prompt
 command ran 1.35x longer. The gain is per forward and the cost once a process, so long jobs ask for them
-(``model.huge_pages: true``).
+(``advanced.huge_pages: true``).
 A small probe at start-up could not tell the two cases apart: the first few huge pages came from recently freed
 blocks and faulted as fast as 4 KB pages (1.5 ms per 2 MB), the next hundreds did not.
 """

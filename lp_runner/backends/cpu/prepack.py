@@ -50,7 +50,7 @@ NATIVE = "native-packed"  # lp_runner's own product (native.py), float32
 NATIVE_FUSED = "native-packed-fused"
 NATIVE_BF16 = "native-packed-bf16"  # ... on the weights rounded to and stored as bfloat16 (model.prepack=native-bf16)
 NATIVE_BF16_FUSED = "native-packed-bf16-fused"
-HUGE_PAGES_SUFFIX = "-huge-pages"  # ... their weights in transparent huge pages (model.huge_pages; arena.py)
+HUGE_PAGES_SUFFIX = "-huge-pages"  # ... their weights in transparent huge pages (advanced.huge_pages; arena.py)
 # Sibling linears of one module that HF's Llama, Mistral and Qwen2 forwards call on the same input tensor.
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -267,8 +267,8 @@ class PrepackChoice:
     products: int = 0  # products per forward the packed layers make (siblings fused: fewer than ``layers``)
     kernel: str = "onednn"  # KERNELS key of the packed layers' kernel
     measured_ms: dict[str, float] = field(default_factory=dict)  # auto/on with several kernels: what each took
-    huge_pages: bool = False  # the packed weights in transparent huge pages (model.huge_pages, granted)
-    huge_pages_note: str = ""  # model.huge_pages asked and not granted: why
+    huge_pages: bool = False  # the packed weights in transparent huge pages (advanced.huge_pages, granted)
+    huge_pages_note: str = ""  # advanced.huge_pages asked and not granted: why
 
     @property
     def kernels(self) -> str:
@@ -421,7 +421,7 @@ def apply_prepack(
     ``cache_root``: where the native kernel is built (default: lp_runner's cache folder). ``agree`` (ranks of one
     LP group): called exactly once in ``auto``/``on`` by every rank with its timings, returns the timings to
     decide by (rank 0's), so a group's ranks pack with the same kernel and price one cost curve. ``huge_pages``
-    (``model.huge_pages``): the native kernels' weights asked for transparent huge pages (arena.py)."""
+    (``advanced.huge_pages``): the native kernels' weights asked for transparent huge pages (arena.py)."""
     if mode == "off":
         return PrepackChoice(mode, 0, "off")
     if cache_root is None:

@@ -1,5 +1,5 @@
 """One allocation for the native products' packed weights (``lp_runner/arena.py``), in huge pages where asked
-(``model.huge_pages``).
+(``advanced.huge_pages``).
 
 Oracles: the tensors' own addresses (aligned, in order, disjoint, one storage); the kernel's view of the region
 (``/proc/self/smaps``: the VMA that holds the weights marked eligible for transparent huge pages, or not); and the
@@ -105,7 +105,7 @@ def test_an_opaque_layout_packs_each_weight_on_its_own(tiny) -> None:
 
 @pytest.mark.skipif(NATIVE_REASON is not None, reason=f"no native kernel: {NATIVE_REASON}")
 def test_huge_pages_are_off_unless_asked_and_named_where_granted(tiny) -> None:
-    """``model.huge_pages``: off by default (no suffix, no note); asked, the kernels' name (the calibration and
+    """``advanced.huge_pages``: off by default (no suffix, no note); asked, the kernels' name (the calibration and
     compile records' key) and the summary say so, or say why not (oneDNN's opaque weights, a THP mode of never)."""
     default = apply_prepack(copy.deepcopy(tiny("llama")), "native")
     assert not default.huge_pages and not default.kernels.endswith(HUGE_PAGES_SUFFIX)

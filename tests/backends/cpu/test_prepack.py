@@ -371,9 +371,9 @@ def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path:
     }
     assert "linear layers:" not in torch_proc.stderr
     assert packed["output_ids"] == plain["output_ids"]
-    # native products: decoder layers native by default, transformers' layers with model.native_layers=false
+    # native products: decoder layers native by default, transformers' layers with advanced.native_layers=false
     layers_proc, layers = _run_cli(tmp_path, folder, "native", "layers.jsonl")
-    _, unlayered = _run_cli(tmp_path, folder, "native", "unlayered.jsonl", "--set", "model.native_layers=false")
+    _, unlayered = _run_cli(tmp_path, folder, "native", "unlayered.jsonl", "--set", "advanced.native_layers=false")
     assert layers["policy"]["prepack"]["native_layers"] == 2 and unlayered["policy"]["prepack"]["native_layers"] == 0
     assert "; decoder layers: native (2, one call a round)" in layers_proc.stderr
     assert layers["output_ids"] == unlayered["output_ids"] == plain["output_ids"]
