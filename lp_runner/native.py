@@ -152,14 +152,14 @@ def open_library(path: Path):
         )
         lib.lp_native_llama_layers.restype = ctypes.c_int
     if hasattr(lib, "lp_native_llama_layers_segments"):  # a batched round's generations (older sources lack it)
-        lib.lp_native_llama_layers_segments.argtypes = lib.lp_native_llama_layers.argtypes + [ctypes.c_long] + [
-            ctypes.c_void_p
-        ] * 4
+        lib.lp_native_llama_layers_segments.argtypes = (
+            lib.lp_native_llama_layers.argtypes + [ctypes.c_long] + [ctypes.c_void_p] * 4
+        )
         lib.lp_native_llama_layers_segments.restype = ctypes.c_int
     if hasattr(lib, "lp_native_attention_segments_f32"):
-        lib.lp_native_attention_segments_f32.argtypes = lib.lp_native_attention_f32.argtypes + [ctypes.c_long] + [
-            ctypes.c_void_p
-        ] * 4
+        lib.lp_native_attention_segments_f32.argtypes = (
+            lib.lp_native_attention_f32.argtypes + [ctypes.c_long] + [ctypes.c_void_p] * 4
+        )
         lib.lp_native_attention_segments_f32.restype = ctypes.c_int
     if hasattr(lib, "lp_native_silu_gate_f32"):  # the layer's activation, for its test (older sources lack it)
         lib.lp_native_silu_gate_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
