@@ -154,6 +154,9 @@ class RunConfig:
     on_error: str = "stop"  # stop | skip: a bad prompt ends the run, or becomes an error record {id, error}
     pool_in: str = ""  # start the job store (lookahead.pool_scope=job) from this file (``--pool-in``)
     pool_out: str = ""  # save the job store here at the end of the run (``--pool-out``)
+    # generations in flight per group, all in one forward per round, a new prompt joining as one finishes
+    # (lp_runner/scheduler.py); 1: one prompt at a time. Outputs are the same at any value
+    batch: int = 1
 
 
 @dataclass
@@ -354,6 +357,7 @@ _BOUNDS: dict[str, Bound] = {
     "parallel.placement_timeout_s": Bound(">", 0),
     "parallel.max_restarts": Bound(">=", 0),
     "model.threads": Bound(">=", 0),
+    "run.batch": Bound(">=", 1, meaning=" (1: one prompt at a time)"),
 }
 
 
@@ -385,7 +389,7 @@ def validate(cfg: Config) -> None:
     """Reject settings that cannot run, before anything is allocated."""
     gen, par = cfg.generation, cfg.parallel
     check_lookahead(cfg.lookahead)
-    for section in ("generation", "parallel", "model"):
+    for section in ("generation", "parallel", "model", "run"):
         _check_bounds(section, getattr(cfg, section))
     if gen.temperature <= 0 and gen.do_sample:
         raise ConfigError(f"generation.temperature must be > 0 when sampling, got {gen.temperature}")

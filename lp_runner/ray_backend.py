@@ -241,8 +241,10 @@ class Replica:
                     streamers[i] = TextStreamer(self.worker.tokenizer, write, shown=committed[i], printed=printed[i])
                 streamers[i](tokens)
 
-        def on_record(rec: dict) -> None:
-            self._send(("record", indices[done[0]], rec))
+        index_of = {spec.id: indices[k] for k, spec in enumerate(specs)}
+
+        def on_record(rec: dict) -> None:  # in the order prompts finish (run.batch > 1: not the list's)
+            self._send(("record", index_of[rec["id"]], rec))
             done[0] += 1
 
         self._take_shared_threads()

@@ -145,3 +145,19 @@ class RoundLoop:
         rows = sum(layout.num_rows for layout in layouts)
         for gen in gens:
             gen.record(forward_s, comm_s, host_s, rows, len(gens), self.comm is not None)
+
+
+def batch_for(requested: int, adapter) -> tuple[int, str | None]:
+    """The batch a job runs (``run.batch``) on ``adapter``, and why it is 1 where more was asked: a model whose
+    layers cannot run a batched round exactly (``ModelAdapter.batch_support``) runs one prompt at a time."""
+    if requested <= 1:
+        return 1, None
+    reason = adapter.batch_support()
+    return (
+        (1, f"run.batch={requested} needs a batched forward: {reason}; one prompt at a time")
+        if reason
+        else (
+            requested,
+            None,
+        )
+    )
