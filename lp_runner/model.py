@@ -247,7 +247,9 @@ class ModelAdapter:
             layer_windows=tuple(self.mask_windows[t if self.mask_per_type else ""] for t in layer_types),
             inner=native_gqa_attention if self.attention == NATIVE_GQA else packed_gqa_sdpa,
         )
-        placeholder = torch.zeros(1, 1, len(ids), 1, dtype=self.dtype, device=device)  # no layer may use it
+        # no layer may use it: a mask of no keys broadcasts to none (one of width 1 would broadcast to every slot),
+        # so an attention that is not ``batched_attention`` fails instead of reading other generations' keys
+        placeholder = torch.zeros(1, 1, len(ids), 0, dtype=self.dtype, device=device)
         mask = {t: placeholder for t in self.mask_windows} if self.mask_per_type else placeholder
         with packed_gqa(self.model.config, BATCHED):
             out = self.model(

@@ -13,9 +13,10 @@ index copy per layer (``flush``).
 
 Regions are placed first fit. When no gap is large enough the live regions are slid to the front (``compact``:
 a copy of their cached slots, rare) and, if the buffer is still too small, it grows (a larger buffer holding the
-old one; the native layers bind to the new one). Example (capacity 100): regions of 40 and 30 at 0 and 40; the
-first finishes; a region of 50 does not fit the gap of 40 nor the 30 after 70, so the second slides to 0 and the
-new one takes 30..79.
+old one; the native layers bind to the new one). Example (capacity 128): regions of 48 and 32 at 0 and 48; the
+first finishes; a region of 64 fits neither the gap of 48 nor the 48 slots after 80, so the second slides to 0
+and the new one takes 32..95; a region of 64 more fits nowhere (32 free), so the buffer grows to 256 and it takes
+96..159.
 """
 
 from __future__ import annotations
