@@ -102,7 +102,10 @@ def probe(adapter) -> str | None:
     rounds run by each generation alone (``ModelAdapter.forward`` on its own cache). Catches a model whose layers
     do not hand the batch down to the attention (it fails on the placeholder mask) or attend across segments."""
     from lp_runner.layout import compile_round
+    from lp_runner.model import ModelAdapter
 
+    # the reference rounds run eager: a compiled adapter's graph is for its own job's shapes
+    reference = ModelAdapter(adapter.model) if adapter.compiled else adapter
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, adapter.vocab_size, (n,), generator=gen).tolist() for n in (5, 3)]
     windows = list(adapter.mask_windows.values())
@@ -112,7 +115,7 @@ def probe(adapter) -> str | None:
 
         slots = SlotCache.allocate(adapter.model, adapter.kv_shape, adapter.dtype, adapter.device, 64)
         bases = [slots.region(16).base, slots.region(16).base]
-        alone_caches = [adapter.new_cache(64) for _ in prompts]
+        alone_caches = [reference.new_cache(64) for _ in prompts]
         for past in ([0, 0], [len(p) for p in prompts]):
             layouts = [
                 compile_round(p, 0, [[]], (0, 0), []) if not k else compile_round(p[-1:], k, [[]], (0, 0), [p[:2]])
@@ -122,7 +125,7 @@ def probe(adapter) -> str | None:
             got = adapter.forward_batch(batch, slots.cache).float().split(batch.logit_counts)
             for b, layout in enumerate(layouts):
                 ids, positions, vis, rows = layout.input_ids, layout.position_ids, layout.visibility, layout.logit_rows
-                alone = adapter.forward(ids, positions, vis, alone_caches[b], rows).float()
+                alone = reference.forward(ids, positions, vis, alone_caches[b], rows).float()
                 if not torch.allclose(got[b], alone, rtol=tol, atol=tol):
                     err = (got[b] - alone).abs().max().item()
                     return f"a batched round's logits differ from separate forwards by {err:.3g}"

@@ -62,7 +62,7 @@ class RoundPolicy:
         auto = None
         if la.preset == "auto":
             curve = batched_curve(cal.curve, batch)
-            auto = AutoPreset(la, cfg.pinned_lookahead(), curve, plan_for_search, comm.world_size, cache_root)
+            auto = AutoPreset(la, cfg.pinned_lookahead(), curve, plan_for_search, comm.world_size, cache_root, batch)
         return cls(auto.lookahead if auto else la, row_plan, cal, auto, batch=batch)
 
     def observe(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> bool:

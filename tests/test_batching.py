@@ -536,3 +536,28 @@ def test_killed_batched_job_resumes_to_the_uninterrupted_output(tiny_dir: Path, 
     records = read_jsonl(out)
     assert len(records) == 40 and len({r["id"] for r in records}) == 40
     assert by_id(out) == by_id(tmp_path / "ref.jsonl") == by_id(tmp_path / "one.jsonl")
+
+
+def test_auto_preset_spends_fewer_speculative_rows_per_generation_as_the_batch_grows() -> None:
+    """On a curve flat to 8 rows and steep after (this project's 2-thread CPU curve, rounded), the auto preset
+    priced on a batch's share of each forward verifies fewer rows per generation and round at batch 4 and 16 than
+    one prompt at a time, and its predicted job throughput grows with the batch."""
+    from lp_runner.costmodel import RowPlan
+    from lp_runner.preset import AutoPreset, shipped_prior, simulate
+
+    ms = {1: 23, 2: 23, 4: 25, 8: 30, 12: 30, 16: 33, 24: 45, 32: 57, 48: 78}
+    curve = CostCurve(tuple(CurvePoint(kv, q, t / 1e3, t / 1e3 + q * 1e-4) for kv in (64, 512) for q, t in ms.items()))
+    samples = shipped_prior().samples
+
+    def verify_rows_per_round(la: LookaheadConfig) -> float:
+        shapes = [s for sample in samples for s in simulate(la, sample)]
+        return sum(sum(s.candidates) for s in shapes) / len(shapes)
+
+    rows, throughput = {}, {}
+    for batch in (1, 4, 16):
+        plan = RowPlan.from_curve(curve) if batch == 1 else RowPlan.identity()
+        auto = AutoPreset(LookaheadConfig(), (), batched_curve(curve, batch), plan, batch=batch)
+        rows[batch] = verify_rows_per_round(auto.lookahead)
+        throughput[batch] = 1e3 / auto.choice.predicted_ms_per_token  # the job's tokens/s: ms are a batch's share
+    assert rows[1] > rows[4] > rows[16] or rows[1] > rows[4] == rows[16] == 0, rows
+    assert throughput[1] < throughput[4] < throughput[16], throughput
