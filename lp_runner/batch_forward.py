@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lp_runner.layout import RoundLayout
+from lp_runner.layout import RoundLayout, compile_round
+from lp_runner.model import ModelAdapter
 from lp_runner.native import Segments
+from lp_runner.slot_cache import SlotCache
 
 
 @dataclass(frozen=True)
@@ -96,14 +98,11 @@ def pack_round(
 PROBE_TOLERANCE = {torch.float32: 1e-4}  # logits of a batched round against separate forwards; half precision: 3e-2
 
 
-def probe(adapter) -> str | None:
+def probe(adapter: ModelAdapter) -> str | None:
     """Why ``adapter`` cannot run batched rounds exactly, or None: two generations (prompts of 5 and 3 tokens) as
     one batched prefill, then one batched round of a live key and a 2-token candidate each, against the same
     rounds run by each generation alone (``ModelAdapter.forward`` on its own cache). Catches a model whose layers
     do not hand the batch down to the attention (it fails on the placeholder mask) or attend across segments."""
-    from lp_runner.layout import compile_round
-    from lp_runner.model import ModelAdapter
-
     # the reference rounds run eager: a compiled adapter's graph is for its own job's shapes
     reference = ModelAdapter(adapter.model) if adapter.compiled else adapter
     gen = torch.Generator().manual_seed(0)
@@ -111,8 +110,6 @@ def probe(adapter) -> str | None:
     windows = list(adapter.mask_windows.values())
     tol = PROBE_TOLERANCE.get(adapter.dtype, 3e-2)
     try:
-        from lp_runner.slot_cache import SlotCache  # it imports the adapter's cache layers
-
         slots = SlotCache.allocate(adapter.model, adapter.kv_shape, adapter.dtype, adapter.device, 64)
         bases = [slots.region(16).base, slots.region(16).base]
         alone_caches = [reference.new_cache(64) for _ in prompts]

@@ -57,8 +57,8 @@ class OwnCacheForward:
 class BatchedForward:
     """Every generation of the round in one forward, each on its region of one K/V buffer.
 
-    The buffer is made at the first generation's arrival for ``batch`` generations of its size, and grows (or is
-    compacted) should the generations that follow not fit (``SlotCache.region``)."""
+    The buffer is made at the first generation's arrival, its size, and grows (doubling) or is compacted as the
+    generations that follow need room (``SlotCache.region``): a job of one prompt holds one generation's K/V."""
 
     def __init__(self, adapter: ModelAdapter, batch: int) -> None:
         self.adapter, self.batch = adapter, batch
@@ -68,7 +68,7 @@ class BatchedForward:
     def kv_for(self, need: int) -> SlotRegion:
         if self.slots is None:
             a = self.adapter
-            self.slots = SlotCache.allocate(a.model, a.kv_shape, a.dtype, a.device, self.batch * need)
+            self.slots = SlotCache.allocate(a.model, a.kv_shape, a.dtype, a.device, need)
         return self.slots.region(need)
 
     def run(self, layouts, kvs, past_lens) -> torch.Tensor:
