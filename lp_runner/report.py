@@ -50,7 +50,7 @@ def batch_lines(summary: dict, policy: dict | None) -> list[str]:
     """With ``run.batch`` > 1, what the shared forwards held, e.g. ``batch 8: 120 forwards of 7.6 generations and
     21.3 rows, 12.40 tokens per forward (1.63 per generation)``; nothing one prompt at a time."""
     batch = (policy or {}).get("batch", 1)
-    if batch <= 1 or "batched_forwards" not in summary:
+    if batch <= 1 or summary.get("generations_per_forward", 1.0) <= 1.0:
         return []
     return [
         f"batch {batch}: {summary['batched_forwards']:.0f} forwards of {summary['generations_per_forward']:.1f} "

@@ -163,7 +163,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
                 raise InputError(f"{spec.describe()}: {problem}")
     job_tokens = len(prompts) * cfg.generation.max_new_tokens
     compile_choice = choose_forward(worker, job_tokens, cache_root, say=_log if worker.is_main else None)
-    batch, why_not = batch_for(cfg.run.batch, worker.adapter)
+    batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(prompts))
     if why_not and worker.is_main:
         log.warning(why_not)
     worker.policy = RoundPolicy.build(

@@ -147,17 +147,16 @@ class RoundLoop:
             gen.record(forward_s, comm_s, host_s, rows, len(gens), self.comm is not None)
 
 
-def batch_for(requested: int, adapter) -> tuple[int, str | None]:
-    """The batch a job runs (``run.batch``) on ``adapter``, and why it is 1 where more was asked: a model whose
-    layers cannot run a batched round exactly (``ModelAdapter.batch_support``) runs one prompt at a time."""
-    if requested <= 1:
+def batch_for(requested: int, adapter, prompts: int = 0) -> tuple[int, str | None]:
+    """The batch a job runs (``run.batch``) on ``adapter``, and why it is less than asked.
+
+    Never more than the job's ``prompts`` (when known, > 0): a job of one prompt runs one at a time, on the
+    plain forward and with the setting the auto preset chooses for one prompt. A model whose layers cannot run a
+    batched round exactly (``ModelAdapter.batch_support``) runs one prompt at a time, and says why."""
+    batch = min(requested, prompts) if prompts > 0 else requested
+    if batch <= 1:
         return 1, None
     reason = adapter.batch_support()
-    return (
-        (1, f"run.batch={requested} needs a batched forward: {reason}; one prompt at a time")
-        if reason
-        else (
-            requested,
-            None,
-        )
-    )
+    if reason:
+        return 1, f"run.batch={requested} needs a batched forward: {reason}; one prompt at a time"
+    return batch, None
