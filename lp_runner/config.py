@@ -155,10 +155,10 @@ class RunConfig:
     pool_in: str = ""  # start the job store (lookahead.pool_scope=job) from this file (``--pool-in``)
     pool_out: str = ""  # save the job store here at the end of the run (``--pool-out``)
     # generations in flight per group, all in one forward per round, a new prompt joining as one finishes
-    # (lp_runner/scheduler.py); 1: one prompt at a time. Outputs are the same at any value. 4 by measurement
-    # (benchmarks/batching.py, 40 prompts on a 2-core CPU): the largest batch whose median latency per prompt
-    # stayed within 2x one at a time's (2.0x the job tokens/s there; 8: 2.6x at 3.1x the latency)
-    batch: int = 4
+    # (lp_runner/scheduler.py); 1: one prompt at a time. Outputs are the same at any value. 1 by measurement
+    # (benchmarks/batching.py, 40 prompts on a 2-core CPU): 4 gave 2.0x the job tokens/s at 2.0x the median
+    # latency per prompt, 8 2.6x at 3.1x; which side of that trade a job wants is the user's to say
+    batch: int = 1
 
 
 @dataclass

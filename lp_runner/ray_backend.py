@@ -699,6 +699,9 @@ class _Driver:
             port = self._gather([group.actors[0].free_port.remote()], "start", par.timeout_s)[0]
             cfg_data = self.cfg.to_dict()
             cfg_data["parallel"]["workers"] = workers
+            # one prompt in flight per group: a lost worker's recovery resumes the one prompt it held (run.batch
+            # applies to torchrun and single-process jobs)
+            cfg_data["run"]["batch"] = 1
             if lane is not None:
                 cfg_data["parallel"]["groups"] = 1
                 cfg_data["run"]["pool_out"] = ""  # run_prompts would save it after every prompt

@@ -321,8 +321,6 @@ def test_cli_prompts_file_end_to_end(embedded, prompts_file, tmp_path: Path) -> 
         "lookahead.verification_set_size=5",
         "--set",
         "model.threads=1",  # one intra-op thread: far faster than two on a machine whose cores are busy
-        "--set",
-        "run.batch=1",  # one prompt at a time: records in file order (several in flight write as they finish)
     )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -96,9 +96,7 @@ def test_cli_pool_out_then_pool_in(embedded, tmp_path):
 @pytest.mark.slow
 def test_cli_resume_rebuilds_the_store(embedded, tmp_path):
     """--resume starts the job store from the records already written: the resumed job ends with the store (and
-    the records) of the job run without interruption. One prompt at a time (run.batch=1): with several in flight
-    the store takes outputs in the order generations finish, which a restart changes (the outputs, compared last,
-    do not change; test_batching.py resumes a batched job)."""
+    the records) of the job run without interruption."""
     import json
 
     specs = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(humaneval_prompts(3))]
@@ -106,7 +104,6 @@ def test_cli_resume_rebuilds_the_store(embedded, tmp_path):
     all_prompts.write_text("".join(json.dumps(s) + "\n" for s in specs))
     first_only.write_text("".join(json.dumps(s) + "\n" for s in specs[:2]))
     common = ["--set", "lookahead.pool_scope=job", "--set", "generation.max_new_tokens=16", "--set", "model.threads=1"]
-    common += ["--set", "run.batch=1"]
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
     proc = _cli("--prompts", str(all_prompts), "--output", str(whole), "--pool-out", str(tmp_path / "w.json"), *common)
     assert proc.returncode == 0, proc.stderr
@@ -146,7 +143,7 @@ def test_lp_job_store_replicas_agree(tmp_path):
             "--set", "model.threads=1", "--set", "lookahead.pool_scope=job", "--set", "lookahead.preset=off",
             "--set", "lookahead.window_size=4", "--set", "lookahead.ngram_size=4",
             "--set", "lookahead.verification_set_size=3", "--set", "generation.max_new_tokens=32",
-            "--set", "run.progress=false", "--set", "run.batch=1",  # each prompt after the last: the store has them
+            "--set", "run.progress=false",
         ]  # fmt: skip
         proc = subprocess.run(torchrun_cmd(nproc, *args), env=env_with_repo(), capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
