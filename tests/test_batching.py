@@ -561,3 +561,40 @@ def test_auto_preset_spends_fewer_speculative_rows_per_generation_as_the_batch_g
         throughput[batch] = 1e3 / auto.choice.predicted_ms_per_token  # the job's tokens/s: ms are a batch's share
     assert rows[1] > rows[4] > rows[16] or rows[1] > rows[4] == rows[16] == 0, rows
     assert throughput[1] < throughput[4] < throughput[16], throughput
+
+
+@needs_native
+@pytest.mark.parametrize("build", list(native.stand_in_builds()) or ["none"])
+def test_segment_attention_on_each_build(build: str, native_routing) -> None:
+    """The attention over segments built for the instruction sets this CPU stands in for (AVX2, SSE2): each
+    segment's rows equal a call of that segment alone on the same build, and the default build's bits where the
+    builds share them (FMA builds); head sizes of the vector and scalar paths."""
+    builds = native.stand_in_builds()
+    if build not in builds:
+        pytest.skip("this CPU stands in for no other instruction set")
+    flags, bitwise = builds[build]
+    gen = torch.Generator().manual_seed(3)
+    for dim in (64, 40):
+        rows, bases, widths = [3, 1, 2], [0, 40, 90], [30, 17, 25]
+        keys, values = (torch.randn(2, 128, dim, generator=gen) for _ in range(2))
+        masks = [
+            torch.zeros(r, w).masked_fill(torch.rand(r, w, generator=gen) < 0.3, HIDDEN)
+            for r, w in zip(rows, widths, strict=True)
+        ]
+        for m in masks:
+            m[:, 0] = 0.0
+        query = torch.randn(2, 3 * sum(rows), dim, generator=gen)
+        flat, segments = torch.cat([m.reshape(-1) for m in masks]), native.Segments.of(rows, bases, widths)
+        out = {}
+        for name in ("default", build):
+            native.route(native.library(str(default_cache_dir()), () if name == "default" else flags))
+            out[name] = native.attention_segments(query, keys, values, flat, dim**-0.5, segments)
+            first = 0
+            for r, b, w, m in zip(rows, bases, widths, masks, strict=True):
+                own = query.view(2, 3, sum(rows), dim)[:, :, first : first + r].reshape(2, 3 * r, dim)
+                alone = native.attention(own, keys[:, b : b + w], values[:, b : b + w], m, dim**-0.5)
+                got = out[name].view(2, 3, sum(rows), dim)[:, :, first : first + r].reshape(2, 3 * r, dim)
+                assert torch.equal(got, alone), (name, dim)
+                first += r
+        if bitwise:
+            assert torch.equal(out[build], out["default"]), dim
