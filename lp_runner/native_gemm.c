@@ -518,23 +518,6 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
     for (int c = 0; c < DV * P16; c++) *(vec *)(o[i] + VL * c) = kept[i][c] * inv[i];
 }
 
-/* Attention of a few packed rows over a K/V buffer (lp_runner/attention.py, with the native product).
-
-   q [H, M, D]: the M = groups x Q packed query rows of each K/V head h (row r reads the mask of round row r % Q);
-   k, v [H, C, D]: the cache's first C slots, head h at k + h * ks (v + h * vs), each slot D contiguous floats;
-   mask [Q, C] additive (0 visible; a key at or below -1e30 hidden);
-   out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
-
-   A task is up to RB rows of one head; for heads of a multiple of 16 floats, up to 256, each key and each value is
-   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (their dot
-   products summed across lanes by one tree, sum16_parts), a vector exp, and the weighted sum of values in
-   registers, block of keys by block. The keys every row
-   of a task sees (a round's cached prefix: most keys) are scored and weighed without reading the mask per key;
-   the others are checked key by key. Hidden keys are never scored or weighed (a static cache's spare slots may
-   hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in
-   any fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its
-   task: a row's result does not depend on the rows beside it (the product's guarantee, kept).
-   A row that sees no key gets zeros. */
 /* The rows of one call that share a K/V region: the generations of a batched round (lp_runner/batch_forward.py).
    Segment b holds round rows [start[b], start[b + 1]); its key j is slot base[b] + j of the buffer, for j below
    width[b]; its mask rows are width[b] floats each, at mask + moff[b], its rows in order. No row of a segment
@@ -690,6 +673,23 @@ static int attention_segments(const float *q, const float *k, const float *v, co
   return failed ? -2 : 0;
 }
 
+/* Attention of a few packed rows over a K/V buffer (lp_runner/attention.py, with the native product).
+
+   q [H, M, D]: the M = groups x Q packed query rows of each K/V head h (row r reads the mask of round row r % Q);
+   k, v [H, C, D]: the cache's first C slots, head h at k + h * ks (v + h * vs), each slot D contiguous floats;
+   mask [Q, C] additive (0 visible; a key at or below -1e30 hidden);
+   out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
+
+   A task is up to RB rows of one head; for heads of a multiple of 16 floats, up to 256, each key and each value is
+   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (their dot
+   products summed across lanes by one tree, sum16_parts), a vector exp, and the weighted sum of values in
+   registers, block of keys by block. The keys every row
+   of a task sees (a round's cached prefix: most keys) are scored and weighed without reading the mask per key;
+   the others are checked key by key. Hidden keys are never scored or weighed (a static cache's spare slots may
+   hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in
+   any fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its
+   task: a row's result does not depend on the rows beside it (the product's guarantee, kept).
+   A row that sees no key gets zeros. */
 int lp_native_attention_f32(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
                             long M, long Q, long C, long D, long ks, long vs, float scale, int threads) {
   if (H < 1 || M < 1 || Q < 1 || C < 1 || D < 1 || threads < 1) return -1;
