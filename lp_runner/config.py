@@ -158,6 +158,11 @@ class RunConfig:
     on_error: str = "stop"  # stop | skip: a bad prompt ends the run, or becomes an error record {id, error}
     pool_in: str = ""  # start the job store (lookahead.pool_scope=job) from this file (``--pool-in``)
     pool_out: str = ""  # save the job store here at the end of the run (``--pool-out``)
+    # generations in flight per group, all in one forward per round, a new prompt joining as one finishes
+    # (lp_runner/scheduler.py); 1: one prompt at a time. Outputs are the same at any value. 1 by measurement
+    # (benchmarks/batching.py, 40 prompts on a 2-core CPU): 4 gave 2.0x the job tokens/s at 2.0x the median
+    # latency per prompt, 8 2.6x at 3.1x; which side of that trade a job wants is the user's to say
+    batch: int = 1
 
 
 @dataclass
@@ -211,7 +216,7 @@ USER_KEYS: dict[str, tuple[str, ...]] = {
     "lookahead": ("window_size", "ngram_size", "verification_set_size", "preset", "pool_scope"),
     "generation": ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed"),
     "parallel": ("backend", "workers", "groups", "dist_backend", "timeout_s", "ray_address"),
-    "run": ("on_error",),
+    "run": ("on_error", "batch"),
 }
 ADVANCED = "advanced"
 # advanced name -> "section.field" where it is kept (every name is unique across the sections)
@@ -476,6 +481,7 @@ _BOUNDS: dict[str, Bound] = {
     "parallel.placement_timeout_s": Bound(">", 0, most=_WEEK_S, most_why=" (a week: a longer wait is a hang)"),
     "parallel.max_restarts": Bound(">=", 0, most=1000),
     "model.threads": Bound(">=", 0, most=1024),
+    "run.batch": Bound(">=", 1, meaning=" (1: one prompt at a time)", most=1024),
 }  # fmt: skip
 
 
@@ -514,7 +520,7 @@ def validate(cfg: Config) -> None:
     """Reject settings that cannot run, before anything is allocated."""
     gen, par = cfg.generation, cfg.parallel
     check_lookahead(cfg.lookahead)
-    for section in ("generation", "parallel", "model"):
+    for section in ("generation", "parallel", "model", "run"):
         _check_bounds(section, getattr(cfg, section))
     if gen.temperature <= 0 and gen.do_sample:
         raise ConfigError(f"generation.temperature must be > 0 when sampling, got {gen.temperature}")

@@ -80,6 +80,7 @@ def native_routing(monkeypatch):
     ``native.route`` another build."""
     from lp_runner.backends.cpu import native
 
-    for name in ("_FN", "_ATTENTION", "_LAYER", "_FN_BF16", "_LAYER_BF16", "_BF16_REASON", "_BUILD"):
+    names = ("_FN", "_ATTENTION", "_LAYER", "_FN_BF16", "_LAYER_BF16", "_BF16_REASON", "_BUILD")
+    for name in (*names, "_LAYERS", "_LAYERS_SEGMENTS", "_ATTENTION_SEGMENTS"):
         monkeypatch.setattr(native, name, getattr(native, name))
     return native

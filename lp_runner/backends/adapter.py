@@ -25,16 +25,21 @@ import time
 import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from lp_runner.backends.attention import (
+    BATCHED,
     NATIVE_GQA,
     PACKED_GQA,
+    SegmentedRound,
     additive_mask,
+    native_gqa_attention,
     packed_gqa,
+    packed_gqa_sdpa,
     sliding_window_mask,
     supports_packed_gqa,
 )
@@ -43,6 +48,9 @@ from lp_runner.backends.cpu.native_layers import NATIVE_LAYERS_SUFFIX, install_n
 from lp_runner.backends.cpu.prepack import linear_kernels
 from lp_runner.backends.kv_cache import AppendBufferLayer, StaticBufferLayer, kv_head_shape, static_capacity
 from lp_runner.errors import LPError
+
+if TYPE_CHECKING:
+    from lp_runner.backends.batch import BatchRound
 
 SLIDING = "sliding_attention"  # the layer type whose mask is windowed (transformers' name in ``layer_types``)
 
@@ -202,6 +210,68 @@ class ModelAdapter:
         for layer in static:
             layer.length = total
         return logits
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: BatchRound, cache: DynamicCache) -> torch.Tensor:  # [L, vocab]
+        """One forward over several generations (``batch_forward.py``): every row writes its K/V at its slot of
+        ``cache`` (a ``slot_cache.SlotCache``'s buffers) and attends to its own generation's keys only. The native
+        layers where the model has them (one C call over the segments); transformers' layers otherwise, with
+        ``attention.batched_attention`` (one attention call per segment). Eager in either case: a compiled forward
+        is traced for one sequence. Check ``decoding.forwards.batch_support`` first."""
+        device = self.device
+        slots = batch.slots.to(device)
+        for layer in cache.layers:
+            layer.write_slots = slots
+        ids, positions, logit_rows = (t.to(device) for t in (batch.input_ids, batch.position_ids, batch.logit_rows))
+        if self.native_layers:
+            masks = {window: m.to(device) for window, m in batch.masks.items()}
+            per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
+            mask = per_type if self.mask_per_type else next(iter(per_type.values()))
+            logits = native_layer_path.forward_model(
+                self.model, ids, positions, mask, cache, logit_rows, segments=batch.segments
+            )
+            if logits is not None:
+                return logits
+        seg = batch.segments
+        starts, bases, widths = seg.start.tolist(), seg.base.tolist(), seg.width.tolist()
+        masks = {
+            window: tuple(batch.segment_mask(window, b).to(device)[None, None] for b in range(seg.count))
+            for window in batch.masks
+        }
+        layer_types = getattr(self.model.config.get_text_config(), "layer_types", None) or [""] * len(cache.layers)
+        rnd = SegmentedRound(
+            rows=tuple(zip(starts[:-1], starts[1:], strict=True)),
+            keys=tuple((b, b + w) for b, w in zip(bases, widths, strict=True)),
+            masks=masks,
+            layer_windows=tuple(self.mask_windows[t if self.mask_per_type else ""] for t in layer_types),
+            inner=native_gqa_attention if self.attention == NATIVE_GQA else packed_gqa_sdpa,
+        )
+        # no layer may use it: a mask of no keys broadcasts to none (one of width 1 would broadcast to every slot),
+        # so an attention that is not ``batched_attention`` fails instead of reading other generations' keys
+        placeholder = torch.zeros(1, 1, len(ids), 0, dtype=self.dtype, device=device)
+        mask = {t: placeholder for t in self.mask_windows} if self.mask_per_type else placeholder
+        with packed_gqa(self.model.config, BATCHED):
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=logit_rows,
+                lp_batch=rnd,
+                **{self._cache_kw: cache},
+            )
+        return out.logits[0]  # [L, vocab]
+
+    def batch_structure(self) -> str | None:
+        """Why this model's layers cannot take a batched round (one line), or None where they may: the native
+        layers, or transformers' sdpa layers that hand the forward's keywords down to their attention over plain
+        attention cache layers. Whether they then compute it exactly is the decoding side's probe
+        (``decoding.forwards.batch_support``)."""
+        if not (self.native_layers or supports_packed_gqa(self.model.config)):
+            return f"{type(self.model).__name__} runs {self.model.config._attn_implementation} attention"
+        if not all(_is_attention_layer(layer) for layer in DynamicCache(config=self.model.config).layers):
+            return "its cache has layers that are not plain attention layers"
+        return None
 
     def _one_row_as_two(self, input_ids, position_ids, cache: DynamicCache, logit_rows) -> torch.Tensor:
         """A one-row round of a compiled forward, run as two rows: the row, then a filler that sees only itself

@@ -16,8 +16,9 @@ path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -146,9 +147,62 @@ def native_gqa_attention(
 
 
 NATIVE_GQA = "lp_runner_native_gqa"
+
+
+@dataclass(frozen=True)
+class SegmentedRound:
+    """What ``batched_attention`` needs of a batched round (``batch_forward.BatchRound``) besides the tensors:
+    each segment's rows and keys, its masks per sliding window (on the model's device), and each layer's window."""
+
+    rows: tuple[tuple[int, int], ...]  # per segment: [first, stop) round rows
+    keys: tuple[tuple[int, int], ...]  # per segment: [base, base + width) buffer slots
+    masks: Mapping[int | None, tuple[torch.Tensor, ...]]  # window -> per segment [1, 1, rows, width] additive
+    layer_windows: tuple[int | None, ...]  # per decoder layer (``layer_idx``): the window its mask has
+    inner: Callable  # one segment's attention: ``packed_gqa_sdpa`` or ``native_gqa_attention``
+
+
+def batched_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, R, D]: every segment's rows
+    key: torch.Tensor,  # [1, H_kv, C, D]: the whole slot buffer (``slot_cache``)
+    value: torch.Tensor,  # [1, H_kv, C, D]
+    attention_mask,  # a placeholder: the masks are the segments' own (``lp_batch``)
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    lp_batch: SegmentedRound | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # ([1, R, H, D], no weights)
+    """A batched round's attention on transformers' layers: each segment's rows attend to its own region of the
+    buffer only, through its own mask, with the attention a round of that generation alone runs (``inner``), one
+    call per segment. The model's forward hands ``lp_batch`` down to here as a keyword; a model whose layers do
+    not (or that calls another attention) fails loudly instead, on the placeholder mask's width (``ModelAdapter.
+    supports_batch`` finds out once, against separate forwards)."""
+    if lp_batch is None:
+        raise RuntimeError("batched attention called without its round (the model did not pass lp_batch down)")
+    masks = lp_batch.masks[lp_batch.layer_windows[module.layer_idx]]
+    outs = []
+    for (first, stop), (base, end), mask in zip(lp_batch.rows, lp_batch.keys, masks, strict=True):
+        out, _ = lp_batch.inner(
+            module,
+            query[:, :, first:stop],
+            key[:, :, base:end],
+            value[:, :, base:end],
+            mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+        outs.append(out)  # [1, rows, H, D]
+    return torch.cat(outs, dim=1), None
+
+
+BATCHED = "lp_runner_batched"
 AttentionInterface.register(PACKED_GQA, packed_gqa_sdpa)
 AttentionInterface.register(NATIVE_GQA, native_gqa_attention)
-for _name in (PACKED_GQA, NATIVE_GQA):
+AttentionInterface.register(BATCHED, batched_attention)
+for _name in (PACKED_GQA, NATIVE_GQA, BATCHED):
     AttentionMaskInterface.register(_name, sdpa_mask)  # the same masks as sdpa, should one ever be built
 
 

@@ -3,7 +3,7 @@ forward buys (tokens per forward, hits, packed rows)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 
@@ -30,6 +30,8 @@ class RoundRecord:
     winner_rank: int = 0  # the rank whose verdict was published (LP: the others re-feed its tokens)
     plan_sources: tuple[str, ...] = ()  # the source of every candidate of the round
     proposed: tuple[tuple[str, int], ...] = ()  # per source: suffixes it proposed (before dedup and budget)
+    batch_rows: int = 0  # rows of the whole forward on this rank, every generation's (``run.batch``), padding included
+    batch_size: int = 1  # generations in that forward
 
 
 @dataclass
@@ -53,6 +55,10 @@ class GenerationStats:
     # per candidate source: {"proposed": n, "verified": n, "accepted": tokens accepted from its winning candidates}
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
     wins_by_rank: dict[str, int] = field(default_factory=dict)  # rounds each rank's verdict was published ("0": ...)
+    # this generation's share of the batched forwards it took part in (1 / generations per forward, summed) and of
+    # their rows (rows / generations, summed): over a job, forwards = sum of shares, rows per forward = rows / that
+    forward_share: float = 0.0
+    batch_rows_share: float = 0.0
 
     def count_source(self, name: str, key: str, value: int) -> None:
         entry = self.sources.setdefault(name, {"proposed": 0, "verified": 0, "accepted": 0})
@@ -68,6 +74,8 @@ class GenerationStats:
         self.logit_rows += rec.logit_rows
         self.verified_rounds += int(bool(rec.plan_candidates))  # verified on some rank
         self.accepted_tokens += rec.hits
+        self.forward_share += 1.0 / rec.batch_size
+        self.batch_rows_share += (rec.batch_rows or rec.rows + rec.padded_rows) / rec.batch_size
         self.forward_s += rec.forward_s
         self.comm_s += rec.comm_s
         self.host_s += rec.host_s
@@ -98,7 +106,7 @@ class GenerationStats:
             tokens_per_s=round(self.tokens_per_s, 3),
             mean_rows=round(self.mean_rows, 2),
         )
-        for k in ("forward_s", "comm_s", "host_s", "seconds"):
+        for k in ("forward_s", "comm_s", "host_s", "seconds", "forward_share", "batch_rows_share"):
             d[k] = round(d[k], 6)
         return d
 
@@ -119,7 +127,8 @@ def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
     tot: dict[str, float] = {k: 0 for k in keys}
     times = {"forward_s": 0.0, "comm_s": 0.0, "host_s": 0.0, "seconds": 0.0}
     n = 0
-    for s in stats:
+    stats_list = list(stats)
+    for s in stats_list:
         n += 1
         for k in keys:
             tot[k] += getattr(s, k, 0)  # records written before a counter existed lack it
@@ -134,4 +143,23 @@ def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
     for k in ("forward_s", "comm_s", "host_s"):
         out[k.replace("_s", "_share")] = round(times[k] / secs, 4) if secs else 0.0
     out["comm_us_per_round"] = round(1e6 * times["comm_s"] / tot["rounds"], 1) if tot["rounds"] else 0.0
+    out.update(batch_figures(stats_list, tot))
     return out
+
+
+def batch_figures(stats: Sequence, totals: dict) -> dict[str, float]:
+    """What the job's forwards held when generations shared them (``run.batch``): forwards (each counted once),
+    generations and rows per forward, tokens per forward (the job's) and per generation per forward. Records made
+    before batching existed count as forwards of one generation.
+
+    Example: two generations of 10 rounds each, always together in forwards of 8 rows, 30 tokens in all ->
+    forwards 10, generations/forward 2.0, rows/forward 8.0, tokens/forward 3.0, per generation 1.5."""
+    forwards = sum(getattr(s, "forward_share", 0.0) or getattr(s, "forwards", 0) for s in stats)
+    rows = sum(getattr(s, "batch_rows_share", 0.0) or getattr(s, "rows", 0) for s in stats)
+    rounds = totals["rounds"]
+    return {
+        "batched_forwards": round(forwards, 3),
+        "generations_per_forward": round(rounds / forwards, 3) if forwards else 0.0,
+        "rows_per_forward": round(rows / forwards, 2) if forwards else 0.0,
+        "job_tokens_per_forward": round(totals["new_tokens"] / forwards, 4) if forwards else 0.0,
+    }

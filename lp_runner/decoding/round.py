@@ -1,25 +1,50 @@
-"""One rank's round: its state, the round itself (layout, forward, verdict) and the publication of a decision.
+"""One rank's round of one generation: its state, its layout and verdict, and the publication of a decision.
 
-``run_round`` computes; it publishes nothing: the only thing it changes is the cache, which holds the round's
-rows past the committed length until ``publish`` keeps the winner's accepted rows (or crops them on a failed
-forward). ``publish`` applies the round's ``Decision`` (the same on every rank) to the state: committed tokens,
-K/V (copy the winner's rows, or crop and re-feed the emitted tokens next round: no K/V crosses devices) and the
-window.
+``lay_out`` and ``take_verdict`` compute; they publish nothing. Between them the forward (``engine.py`` runs it,
+for one generation or a batch) writes the round's rows to the generation's K/V past its committed length, where
+they stay until ``publish`` keeps the winner's accepted rows (or the caller crops them after a failed forward).
+``publish`` applies the round's ``Decision`` (the same on every rank) to the state: committed tokens, K/V (copy
+the winner's rows, or crop and re-feed the emitted tokens next round: no K/V crosses devices) and the window.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-from lp_runner.backends.adapter import ModelAdapter, crop, move_rows
+from lp_runner.backends.adapter import crop, move_rows
 from lp_runner.decoding.coordinator import RoundPlan
 from lp_runner.decoding.layout import RoundLayout, RowCounts, compile_round, pad_layout
 from lp_runner.decoding.verify.greedy import Verdict
-from lp_runner.decoding.verify.verifier import Verifier
+from lp_runner.decoding.verify.verifier import ReadBack, Verifier
 from lp_runner.decoding.window import JacobiWindow
 from lp_runner.parallel.exchange import Decision
+
+
+class KVStore(Protocol):
+    """A generation's K/V as publication sees it: positions 0..length-1 cached, rows movable within."""
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions."""
+        ...
+
+    def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy positions ``src`` to ``dst`` (every source read before any write)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CacheKV:
+    """A generation's own cache (``ModelAdapter.new_cache``): what a round of one generation runs on."""
+
+    cache: object  # the adapter's DynamicCache
+
+    def crop(self, length: int) -> None:
+        crop(self.cache, length)  # per layer: a forward that failed part-way left some layers longer
+
+    def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        move_rows(self.cache, src, dst)
 
 
 @dataclass
@@ -30,7 +55,7 @@ class RoundState:
     pending: list[int]  # committed tokens not yet in this rank's cache; the last is the live key
     past_len: int  # positions in the cache, all committed
     window: JacobiWindow
-    cache: Any  # the adapter's cache (``ModelAdapter.new_cache``)
+    kv: KVStore  # the generation's K/V: its own cache (``CacheKV``) or its region of a batch's (``slot_cache``)
 
     @property
     def live(self) -> int:
@@ -45,38 +70,32 @@ class RoundResult:
     verdict: Verdict  # candidate: index into this rank's candidates
     candidate: int  # the same candidate as a global index into the plan's candidates, -1 if none
     columns: dict[int, int]  # global window column -> this rank's new trajectory token
-    forward_s: float
 
 
-def run_round(
-    state: RoundState,
-    plan: RoundPlan,
-    rank: int,
-    adapter: ModelAdapter,
-    verifier: Verifier,
-    row_plan: RowCounts | None,
-    round_key: tuple[int | str, int],
-) -> RoundResult:
-    """Lay out this rank's share of ``plan``, run the one packed forward, verify its candidates."""
+def lay_out(state: RoundState, plan: RoundPlan, rank: int, row_plan: RowCounts | None) -> RoundLayout:
+    """This rank's share of ``plan`` as one packed round (padded to the row count ``row_plan`` says, if any)."""
     columns, candidates = plan.for_rank(rank)
     layout = compile_round(state.pending, state.past_len, state.window.levels, columns, candidates)
     if row_plan is not None:
         layout = pad_layout(layout, row_plan.rows_for(layout.num_rows, state.past_len))
-    t = time.perf_counter()
-    try:
-        logits = adapter.forward(
-            layout.input_ids, layout.position_ids, layout.visibility, state.cache, layout.logit_rows
-        )
-        readback = verifier.read_back(logits, layout)  # the round's one device->host transfer
-    except BaseException:
-        crop(state.cache, state.past_len)  # a failed round publishes nothing
-        raise
-    forward_s = time.perf_counter() - t
+    return layout
+
+
+def take_verdict(
+    readback: ReadBack,
+    layout: RoundLayout,
+    plan: RoundPlan,
+    rank: int,
+    verifier: Verifier,
+    round_key: tuple[int | str, int],
+) -> RoundResult:
+    """Verify this rank's candidates from the round's read-back; its new window columns."""
+    columns, candidates = plan.for_rank(rank)
     preds = readback.preds
     verdict = verifier.verify(readback, layout, plan.candidates, candidates, round_key)
     global_candidate = plan.assignment[rank][verdict.candidate] if verdict.candidate >= 0 else -1
     own_columns = dict(zip(range(*columns), (preds[i] for i in layout.column_logits), strict=True))
-    return RoundResult(layout, verdict, global_candidate, own_columns, forward_s)
+    return RoundResult(layout, verdict, global_candidate, own_columns)
 
 
 @dataclass(frozen=True)
@@ -113,12 +132,12 @@ def publish(
     """
     if decision.won:
         kv = kv_commit_plan(state.past_len, result.layout, result.verdict.candidate, result.verdict.hits)
-        move_rows(state.cache, kv.src, kv.dst)
-        crop(state.cache, kv.length)
+        state.kv.move(kv.src, kv.dst)
+        state.kv.crop(kv.length)
         state.past_len, state.pending = kv.length, [decision.emitted[-1]]
     else:
         frontier = state.past_len + result.layout.num_ordinary
-        crop(state.cache, frontier)
+        state.kv.crop(frontier)
         state.past_len, state.pending = frontier, list(decision.emitted)
     if not window_on:
         return []

@@ -4,7 +4,8 @@
 every rank tokenizes and checks every prompt (the same answer everywhere), then each group takes the next prompt
 from the job's queue (``parallel.groups``: longest first, whichever group is free) until none is left. The
 engine, the round protocol and the policy are those of a one-group job, so every prompt's greedy output is the
-one D = 1 gives (sampling streams are keyed by prompt id, not by order). World rank 0 writes every record, in
+one D = 1 gives (sampling streams are keyed by prompt id, not by order). With ``run.batch`` B > 1 each group
+keeps up to B of its claims in flight, claiming the next whenever one finishes. World rank 0 writes every record, in
 the order they finish, each with its ``group``; a bad prompt's error record (``run.on_error=skip``) comes first
 and carries no group (no group ran it).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-from lp_runner.decoding.engine import LookaheadEngine
+from lp_runner.decoding.engine import GenerationResult, Job, LookaheadEngine
 from lp_runner.errors import DistributedError, InputError, first_line
 from lp_runner.jobs.prompts import PromptSpec
 from lp_runner.jobs.worker import (
@@ -87,16 +88,25 @@ def run_queued(
         collector.start()
     queue = JobQueue(store_client(timeout_s), worker.group) if worker.comm.rank == 0 else None
     cores = share_cores(worker)
+
+    def next_job() -> Job | None:  # a claim whenever the group has room: every rank of it takes the leader's
+        k = claim_for_group(queue, worker.comm)
+        if k >= len(order):
+            return None
+        i = order[k]
+        streamer = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
+        on_commit = chain_callbacks([hook for hook in (streamer, cores) if hook is not None])
+        return Job(prompt_ids[i], sample_key=f"id:{specs[i].id}", on_commit=on_commit, tag=i)
+
+    def on_done(job: Job, result: GenerationResult) -> None:
+        i = job.tag
+        if queue is not None:
+            queue.post(make_record(worker, specs[i], prompt_ids[i], result))  # with the setting that ran
+        if policy.observe(prompt_ids[i], result.output_ids):  # the group's ranks see the same tokens
+            engine.set_lookahead(policy.lookahead)
+
     try:
-        while (k := claim_for_group(queue, worker.comm)) < len(order):
-            i = order[k]
-            streamer = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
-            on_commit = chain_callbacks([hook for hook in (streamer, cores) if hook is not None])
-            result = engine.generate(prompt_ids[i], on_commit=on_commit, sample_key=f"id:{specs[i].id}")
-            if queue is not None:
-                queue.post(make_record(worker, specs[i], prompt_ids[i], result))  # with the setting that ran
-            if policy.observe(prompt_ids[i], result.output_ids):  # the group's ranks see the same tokens
-                engine.set_lookahead(policy.lookahead)
+        engine.run(next_job, on_done, batch=policy.batch)  # run.batch generations in flight per group
         if cores is not None:
             cores.leave()
         if queue is not None:

@@ -251,8 +251,10 @@ class Replica:
                     streamers[i] = TextStreamer(self.worker.tokenizer, write, shown=committed[i], printed=printed[i])
                 streamers[i](tokens)
 
-        def on_record(rec: dict) -> None:
-            self._send(("record", indices[done[0]], rec))
+        index_of = {spec.id: indices[k] for k, spec in enumerate(specs)}
+
+        def on_record(rec: dict) -> None:  # in the order prompts finish (run.batch > 1: not the list's)
+            self._send(("record", index_of[rec["id"]], rec))
             done[0] += 1
 
         self._take_shared_threads()
@@ -773,6 +775,9 @@ class _Driver:
             cfg_data = self.cfg.to_dict()
             cfg_data["parallel"]["workers"] = workers
             cfg_data["model"]["threads"] = actor_threads(self.cfg.model.threads, self.bundle)
+            # one prompt in flight per group: a lost worker's recovery resumes the one prompt it held (run.batch
+            # applies to torchrun and single-process jobs)
+            cfg_data["run"]["batch"] = 1
             if lane is not None:
                 cfg_data["parallel"]["groups"] = 1
                 cfg_data["run"]["pool_out"] = ""  # run_prompts would save it after every prompt

@@ -25,6 +25,7 @@ from lp_runner.config import Config
 from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
 from lp_runner.decoding.job_store import JobPool, tokenizer_fingerprint
 from lp_runner.decoding.layout import check_model_fits
+from lp_runner.decoding.scheduler import Job, batch_for
 from lp_runner.device import (
     Placement,
     bind,
@@ -163,6 +164,9 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
                 raise InputError(f"{spec.describe()}: {problem}")
     job_tokens = len(prompts) * cfg.generation.max_new_tokens
     compile_choice = choose_forward(worker, job_tokens, cache_root, say=_log if worker.is_main else None)
+    batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(prompts))
+    if why_not and worker.is_main:
+        log.warning(why_not)
     worker.policy = RoundPolicy.build(
         cfg,
         worker.adapter,
@@ -170,6 +174,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         cache_root=cache_root,
         weights_checksum=lambda: model_checksum(worker),
         log=_log if worker.is_main else None,
+        batch=batch,
     )
     worker.policy.compile = compile_choice.describe()
     worker.policy.prepack = {**prepack.describe(), "native_layers": worker.adapter.native_layers}
@@ -278,7 +283,7 @@ def make_error_record(worker: Worker, spec: PromptSpec, error: str) -> dict:
 
 def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], result: GenerationResult) -> dict:
     cfg, s = worker.cfg, result.stats
-    la = worker.policy.lookahead if worker.policy is not None else cfg.lookahead  # the setting that ran
+    la = result.lookahead or (worker.policy.lookahead if worker.policy is not None else cfg.lookahead)  # that ran
     return {
         "id": spec.id,
         "prompt_ids": list(prompt_ids),
@@ -420,7 +425,9 @@ def run_prompts(
     committed: Sequence[Sequence[int]] | None = None,
     on_commit: Callable[[int, Sequence[int]], None] | None = None,
 ) -> list[dict]:
-    """Generate for every prompt on every rank; records (and callbacks) only on rank 0.
+    """Generate for every prompt on every rank; records (and callbacks) only on rank 0, as each prompt finishes:
+    in file order one at a time, in the order they finish with ``run.batch`` > 1 (the policy's batch: prompts
+    join in file order as earlier ones finish, ``scheduler.RoundLoop``).
 
     ``committed[i]`` resumes prompt i from tokens already generated (e.g. before a worker was lost); its record
     holds the whole output, as if never interrupted, and ``stream`` shows only what follows the prefix.
@@ -450,29 +457,38 @@ def run_prompts(
         prompt_ids.append(ids)
         problems.append(problem)
     records = []
-    for i, (spec, ids, prefix) in enumerate(zip(specs, prompt_ids, prefixes, strict=True)):
-        if problems[i] is not None:  # every rank skips it alike
-            if worker.is_main:
-                rec = make_error_record(worker, spec, f"{spec.describe()}: {problems[i]}")
-                records.append(rec)
-                if on_record is not None:
-                    on_record(rec)
-            continue
-        callbacks: list[Callable[[Sequence[int]], None]] = []
-        if stream and worker.is_main:
-            callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefix))
-        if on_commit is not None and worker.is_main:
-            callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
-        result = engine.generate(
-            ids, on_commit=chain_callbacks(callbacks), committed=prefix, sample_key=f"id:{spec.id}"
-        )
-        rec = make_record(worker, spec, ids, result) if worker.is_main else {}  # with the setting that ran
-        if policy.observe(ids, result.output_ids):  # every rank observes the same tokens: the same new setting
+
+    def deliver(rec: dict) -> None:  # rank 0 only
+        records.append(rec)
+        if on_record is not None:
+            on_record(rec)
+
+    queue = iter(range(len(specs)))
+
+    def next_job() -> Job | None:
+        for i in queue:
+            spec, prefix = specs[i], prefixes[i]
+            if problems[i] is not None:  # every rank skips it alike
+                if worker.is_main:
+                    deliver(make_error_record(worker, spec, f"{spec.describe()}: {problems[i]}"))
+                continue
+            callbacks: list[Callable[[Sequence[int]], None]] = []
+            if stream and worker.is_main:
+                callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefix))
+            if on_commit is not None and worker.is_main:
+                callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
+            return Job(prompt_ids[i], prefix, f"id:{spec.id}", chain_callbacks(callbacks), tag=i)
+        return None
+
+    def on_done(job: Job, result: GenerationResult) -> None:
+        i = job.tag
+        rec = make_record(worker, specs[i], prompt_ids[i], result) if worker.is_main else {}
+        if policy.observe(prompt_ids[i], result.output_ids):  # every rank observes the same tokens, in one order
             engine.set_lookahead(policy.lookahead)
         if worker.is_main:
-            records.append(rec)
-            if on_record is not None:
-                on_record(rec)
+            deliver(rec)
+
+    engine.run(next_job, on_done, batch=policy.batch)
     save_store(worker)
     return records
 

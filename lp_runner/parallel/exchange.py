@@ -55,8 +55,13 @@ def pack(
 
 def unpack(gathered: torch.Tensor, max_emit: int, w: int) -> list[RankReport]:
     """[P, L] -> one report per rank (the round's single host read-back of the exchange)."""
+    return _reports(gathered.tolist(), max_emit, w)
+
+
+def _reports(rows: list[list[int]], max_emit: int, w: int) -> list[RankReport]:
+    """One report per rank from its payload block (host values)."""
     reports = []
-    for row in gathered.tolist():
+    for row in rows:
         hits, num_emitted, digest, candidate = row[:HEADER]
         cols = row[HEADER + max_emit : HEADER + max_emit + w]
         reports.append(
@@ -123,15 +128,51 @@ class GatherExchange:
         self.comm, self.max_emit, self.w, self.choose = comm, max_emit, window_size, choose
 
     def agree(self, plan_digest: int, hits: int, emitted: Sequence[int], candidate: int, columns: dict[int, int]):
-        payload = pack(hits, emitted, plan_digest, candidate, columns, self.max_emit, self.w)
-        t = time.perf_counter()
-        reports = unpack(self.comm.all_gather(payload), self.max_emit, self.w)
-        comm_s = time.perf_counter() - t
-        if any(r.plan_digest != plan_digest for r in reports):
-            raise DistributedError(f"rank {self.comm.rank}: coordinator replicas disagree on the round plan")
-        win = self.choose(reports)
+        entry = Entry(plan_digest, hits, tuple(emitted), candidate, columns, self.max_emit, self.w, self.choose)
+        return agree_batch(self.comm, [entry])[0]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One generation's part of a round's agreement: this rank's verdict and columns, and how its payload block is
+    sized and its winner chosen (from its own setting and verifier)."""
+
+    plan_digest: int
+    hits: int
+    emitted: tuple[int, ...]
+    candidate: int  # global index, -1 if none
+    columns: dict[int, int]
+    max_emit: int  # longest emitted run of its setting
+    window_size: int
+    choose: Callable[[Sequence[RankReport]], int]
+
+
+def agree_batch(comm, entries: Sequence[Entry]) -> list[Decision]:
+    """The round's decisions for every generation of a batch, from ONE all_gather: the payload is one block per
+    generation, each of ``pack``'s layout at the batch's longest emitted run and widest window (so its size is
+    fixed for the round and the same on every rank, which run the same generations in the same order).
+    ``comm`` None: one rank alone, each verdict is its decision (no collective). One entry is
+    ``GatherExchange``'s round exactly (the same payload).
+
+    Example: two generations with E = 4, W = 3 and 6: blocks of 4 + 4 + 6 = 14, a payload of 28 int64."""
+    if comm is None:
+        return [Decision(0, e.hits, e.emitted, e.candidate, dict(e.columns), True, 0.0) for e in entries]
+    max_emit = max(e.max_emit for e in entries)
+    w = max(e.window_size for e in entries)
+    block = HEADER + max_emit + w
+    payload = torch.cat([pack(e.hits, e.emitted, e.plan_digest, e.candidate, e.columns, max_emit, w) for e in entries])
+    t = time.perf_counter()
+    rows = comm.all_gather(payload).tolist()  # [P][n * block]: the round's one host read-back of the exchange
+    comm_s = time.perf_counter() - t
+    decisions = []
+    for k, e in enumerate(entries):
+        reports = _reports([row[k * block : (k + 1) * block] for row in rows], max_emit, w)
+        if any(r.plan_digest != e.plan_digest for r in reports):
+            raise DistributedError(f"rank {comm.rank}: coordinator replicas disagree on the round plan")
+        win = e.choose(reports)
         merged: dict[int, int] = {}
         for r in reports:
             merged.update(r.columns)
-        w = reports[win]
-        return Decision(win, w.hits, w.emitted, w.candidate, merged, win == self.comm.rank, comm_s)
+        chosen = reports[win]
+        decisions.append(Decision(win, chosen.hits, chosen.emitted, chosen.candidate, merged, win == comm.rank, comm_s))
+    return decisions

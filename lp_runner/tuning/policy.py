@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lp_runner.config import Config, LookaheadConfig, internal_key
 from lp_runner.tuning.calibrate import Calibration, calibrate, shared_calibration
-from lp_runner.tuning.costmodel import RowPlan
+from lp_runner.tuning.costmodel import RowPlan, batched_curve
 from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset
 from lp_runner.tuning.search import describe
 
@@ -30,6 +30,7 @@ class RoundPolicy:
     compile: dict | None = None  # the job's forward: eager or compiled and why (``compile_choice.CompileChoice``)
     prepack: dict | None = None  # its linear kernels and why (``prepack.PrepackChoice``)
     pinned: tuple[str, ...] = ()  # the keys the config wrote that the auto preset keeps, as they were written
+    batch: int = 1  # generations sharing each forward (``run.batch``, where the model can batch)
 
     @classmethod
     def fixed(cls, lookahead: LookaheadConfig) -> RoundPolicy:
@@ -45,23 +46,28 @@ class RoundPolicy:
         cache_root: Path,
         weights_checksum: Callable[[], str],
         log: Callable[[str], None] | None = None,
+        batch: int = 1,
     ) -> RoundPolicy:
+        """``batch``: generations that share each forward (``run.batch``); the auto preset then prices a round of
+        one generation as its share of a forward of all of them (``costmodel.batched_curve``)."""
         la = cfg.lookahead
         if la.preset != "auto" and not la.pad_rows:
-            return cls.fixed(la)
+            return dataclasses.replace(cls.fixed(la), batch=batch)
         # the group waits in a collective; with groups > 1 the other groups wait for the --resume done set
         budget = 0.5 * cfg.parallel.timeout_s if comm.world_size > 1 or cfg.parallel.groups > 1 else None
         cal = shared_calibration(
             comm, lambda: calibrate(adapter, cache_root, weights_checksum(), cfg.run.recalibrate, log, budget)
         )
         row_plan = RowPlan.from_curve(cal.curve) if la.pad_rows else None
-        plan_for_search = row_plan or RowPlan.identity()
+        # rounds of several generations are not padded (scheduler.RoundLoop): the search prices them unpadded
+        plan_for_search = (row_plan if batch == 1 else None) or RowPlan.identity()
         auto, pinned = None, ()
         if la.preset == "auto":
-            auto = AutoPreset(la, cfg.pinned_lookahead(), cal.curve, plan_for_search, comm.world_size, cache_root)
+            curve = batched_curve(cal.curve, batch)
+            auto = AutoPreset(la, cfg.pinned_lookahead(), curve, plan_for_search, comm.world_size, cache_root, batch)
             shape = {f"lookahead.{name}" for name in auto.pinned} - {f"lookahead.{n}" for n in NOT_ROUND_SHAPE}
             pinned = tuple(k for k in cfg.explicit if internal_key(k) in shape)
-        return cls(auto.lookahead if auto else la, row_plan, cal, auto, pinned=pinned)
+        return cls(auto.lookahead if auto else la, row_plan, cal, auto, pinned=pinned, batch=batch)
 
     def observe(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> bool:
         """After a generation: True when the next one uses another setting (the auto preset adapted)."""
@@ -72,7 +78,7 @@ class RoundPolicy:
 
     def describe(self) -> dict:
         """What the records and the summary say about the setting and why it was chosen."""
-        out: dict = {"preset": "auto" if self.auto else "off", "setting": describe(self.lookahead)}
+        out: dict = {"preset": "auto" if self.auto else "off", "setting": describe(self.lookahead), "batch": self.batch}
         out["lookahead"] = dataclasses.asdict(self.lookahead)
         if self.auto is not None:
             out["choice"] = self.auto.choice.to_dict()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from lp_runner.backends.batch import Segments
 from lp_runner.backends.cpu.ops import define_op
 from lp_runner.errors import first_line
 
@@ -149,6 +150,16 @@ def open_library(path: Path):
             + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         )
         lib.lp_native_llama_layers.restype = ctypes.c_int
+    if hasattr(lib, "lp_native_llama_layers_segments"):  # a batched round's generations (older sources lack it)
+        lib.lp_native_llama_layers_segments.argtypes = (
+            lib.lp_native_llama_layers.argtypes + [ctypes.c_long] + [ctypes.c_void_p] * 4
+        )
+        lib.lp_native_llama_layers_segments.restype = ctypes.c_int
+    if hasattr(lib, "lp_native_attention_segments_f32"):
+        lib.lp_native_attention_segments_f32.argtypes = (
+            lib.lp_native_attention_f32.argtypes + [ctypes.c_long] + [ctypes.c_void_p] * 4
+        )
+        lib.lp_native_attention_segments_f32.restype = ctypes.c_int
     if hasattr(lib, "lp_native_silu_gate_f32"):  # the layer's activation, for its test (older sources lack it)
         lib.lp_native_silu_gate_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
         lib.lp_native_silu_gate_f32.restype = ctypes.c_int
@@ -161,6 +172,8 @@ _LAYER = None  # the loaded decoder layer: the probed product and attention comp
 _FN_BF16 = None  # the product and the layer on weights stored as bfloat16 (None: unavailable, _BF16_REASON says why)
 _LAYER_BF16 = None
 _LAYERS = None  # a model's decoder layers in one call (None: a build of an older source; ``LayerStack`` loops)
+_LAYERS_SEGMENTS = None  # the same over a batched round's segments (None: an older source; no native batches)
+_ATTENTION_SEGMENTS = None  # the attention over segments (its tests)
 NOT_LOADED = "the native kernel was not loaded (lp_runner.backends.cpu.native.load)"
 _BF16_REASON = NOT_LOADED
 
@@ -171,8 +184,11 @@ _BUILD = ""  # the routed library's file name: a hash of its source, compiler, C
 def route(lib) -> None:
     """Send every native call to ``lib`` (``load``; benchmarks swapping builds of the kernels in one process)."""
     global _FN, _ATTENTION, _LAYER, _LAYERS, _FN_BF16, _LAYER_BF16, _BF16_REASON, _BUILD
+    global _LAYERS_SEGMENTS, _ATTENTION_SEGMENTS
     _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
     _LAYERS = getattr(lib, "lp_native_llama_layers", None)
+    _LAYERS_SEGMENTS = getattr(lib, "lp_native_llama_layers_segments", None)
+    _ATTENTION_SEGMENTS = getattr(lib, "lp_native_attention_segments_f32", None)
     _FN_BF16 = getattr(lib, "lp_native_gemm_bf16w", None)
     _LAYER_BF16 = getattr(lib, "lp_native_llama_layer_bf16w", None)
     has_bf16 = _FN_BF16 is not None and _LAYER_BF16 is not None
@@ -182,8 +198,8 @@ def route(lib) -> None:
 
 def _unroute() -> None:
     """No native calls (a build that failed its probe)."""
-    global _FN, _ATTENTION, _LAYER, _LAYERS, _BUILD
-    _FN = _ATTENTION = _LAYER = _LAYERS = None
+    global _FN, _ATTENTION, _LAYER, _LAYERS, _BUILD, _LAYERS_SEGMENTS, _ATTENTION_SEGMENTS
+    _FN = _ATTENTION = _LAYER = _LAYERS = _LAYERS_SEGMENTS = _ATTENTION_SEGMENTS = None
     _BUILD = ""
     _no_bf16("the native kernel failed its probe")
 
@@ -354,6 +370,39 @@ def attention(
     return out
 
 
+def attention_segments(
+    query: torch.Tensor,  # [H, M, D]: M = groups x Q packed rows per K/V head; row r reads mask row r % Q
+    key: torch.Tensor,  # [H, C, D] the whole buffer (slots contiguous)
+    value: torch.Tensor,  # [H, C, D], as key
+    mask: torch.Tensor,  # [mask_size] flat: each segment's [rows, width] additive rows, in segment order
+    scale: float,
+    segments: Segments,
+) -> torch.Tensor:  # [H, M, D] float32
+    """``attention`` over a batched round's segments: each round row attends to its own segment's keys only,
+    with the value a call of its segment alone gives, bit for bit (``native_gemm.c``)."""
+    if _ATTENTION_SEGMENTS is None:
+        raise NativeUnavailable(NOT_LOADED if _ATTENTION is None else "this build has no attention over segments")
+    query, mask = query.contiguous(), mask.contiguous()
+    key, value = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (key, value))
+    heads, rows, dim = query.shape
+    q_rows = int(segments.start[-1])
+    if mask.shape != (segments.mask_size,) or key.shape != value.shape or key.shape[0] != heads:
+        raise ValueError(f"native attention over segments: mask {list(mask.shape)}, key {list(key.shape)} do not fit")
+    out = torch.empty_like(query)
+    args = (query, key, value, mask, out)
+    if any(t.dtype != torch.float32 for t in args):
+        raise ValueError("native attention takes float32 tensors")
+    sizes = (heads, rows, q_rows, key.shape[1], dim, key.stride(0), value.stride(0))
+    status = _ATTENTION_SEGMENTS(
+        *(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads(), *segments.pointers()
+    )
+    if status == -2:
+        raise MemoryError("native attention over segments: out of memory")
+    if status:
+        raise ValueError(f"native attention over segments refused sizes {sizes} or its segments")
+    return out
+
+
 def llama_layer(
     hidden: torch.Tensor,  # [R, E], updated in place: the residual stream after the layer
     weights: tuple,  # native_layers.LayerWeights.as_args(): norms, epsilon, packed weights and biases
@@ -477,10 +526,17 @@ class LayerStack:
         sin: torch.Tensor,  # [R, D]
         slots: torch.Tensor,  # [R] int64: where each row's K/V goes, in every layer's buffer
         masks: list[torch.Tensor],  # per layer, [R, C] additive (layers of one attention type share one)
+        segments: Segments | None = None,
     ) -> None:
         """Every layer on ``hidden``: the values ``llama_layer`` gives layer by layer, bit for bit. Every size,
-        shape and slot is checked before any layer runs."""
+        shape and slot is checked before any layer runs.
+
+        ``segments``: a batched round (``Segments``): each mask is then the flat [mask_size] of every segment's
+        rows over its own keys, and each row's K/V slot must lie in its segment's keys."""
         layers = self.layers
+        if segments is not None:
+            self._run_segments(hidden, cos, sin, slots, masks, segments)
+            return
         if _LAYERS is None:
             for args, mask, k, v in zip(layers, masks, self.keys, self.values, strict=True):
                 llama_layer(hidden, args, cos, sin, slots, mask, k, v, self.heads, self.intermediate, self.scale)
@@ -533,4 +589,67 @@ class LayerStack:
             raise ValueError(
                 f"native layers refused sizes rows={rows} embed={embed} heads={self.heads}/{self.kv_heads} "
                 f"dim={self.dim} or a K/V slot outside the buffer"
+            )
+
+    def _run_segments(
+        self,
+        hidden: torch.Tensor,  # [R, E]
+        cos: torch.Tensor,  # [R, D]
+        sin: torch.Tensor,  # [R, D]
+        slots: torch.Tensor,  # [R] int64
+        masks: list[torch.Tensor],  # per layer, [mask_size] flat
+        segments: Segments,
+    ) -> None:
+        if _LAYERS_SEGMENTS is None:
+            raise NativeUnavailable(NOT_LOADED if _LAYERS is None else "this build has no layers over segments")
+        if self.bf16 and _LAYER_BF16 is None:
+            raise NativeUnavailable(_BF16_REASON)
+        rows, embed = hidden.shape
+        unique = {id(m): m for m in masks}
+        if (
+            len(masks) != len(self.layers)
+            or embed != self.embed
+            or any(t.dtype != torch.float32 for t in (hidden, cos, sin))
+            or not all(t.is_contiguous() for t in (hidden, cos, sin, slots, *unique.values()))
+            or cos.shape != (rows, self.dim)
+            or sin.shape != cos.shape
+            or slots.shape != (rows,)
+            or slots.dtype != torch.int64
+            or int(segments.start[-1]) != rows
+            or any(m.shape != (segments.mask_size,) or m.dtype != torch.float32 for m in unique.values())
+        ):
+            raise ValueError(
+                f"native layers over segments: hidden {list(hidden.shape)}, slots {list(slots.shape)} and masks "
+                f"{[list(m.shape) for m in unique.values()]} do not fit {segments.count} segments of "
+                f"{int(segments.start[-1])} rows ({segments.mask_size} mask floats)"
+            )
+        addresses = {key: m.data_ptr() for key, m in unique.items()}
+        status = _LAYERS_SEGMENTS(
+            hidden.data_ptr(),
+            len(self.layers),
+            self._table,
+            self._eps,
+            self._strides,
+            (ctypes.c_void_p * len(masks))(*(addresses[id(m)] for m in masks)),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            self.capacity,
+            rows,
+            embed,
+            self.heads,
+            self.kv_heads,
+            self.dim,
+            self.intermediate,
+            self.scale,
+            torch.get_num_threads(),
+            int(self.bf16),
+            *segments.pointers(),
+        )
+        if status == -2:
+            raise MemoryError("native layers: out of memory")
+        if status:
+            raise ValueError(
+                f"native layers over segments refused sizes rows={rows} capacity={self.capacity}, a segment outside "
+                "the buffer, or a K/V slot outside its segment"
             )

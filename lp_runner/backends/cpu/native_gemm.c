@@ -518,41 +518,63 @@ static inline __attribute__((always_inline)) void values_shared(float *const *o,
     for (int c = 0; c < DV * P16; c++) *(vec *)(o[i] + VL * c) = kept[i][c] * inv[i];
 }
 
-/* Attention of a few packed rows over a K/V buffer (lp_runner/attention.py, with the native product).
+/* The rows of one call that share a K/V region: the generations of a batched round (lp_runner/batch_forward.py).
+   Segment b holds round rows [start[b], start[b + 1]); its key j is slot base[b] + j of the buffer, for j below
+   width[b]; its mask rows are width[b] floats each, at mask + moff[b], its rows in order. No row of a segment
+   reads another segment's keys or mask. A plain round is one segment: rows [0, Q), base 0, width C, offset 0. */
+struct segments {
+  long n;
+  const long *start, *base, *width, *moff;
+};
 
-   q [H, M, D]: the M = groups x Q packed query rows of each K/V head h (row r reads the mask of round row r % Q);
-   k, v [H, C, D]: the cache's first C slots, head h at k + h * ks (v + h * vs), each slot D contiguous floats;
-   mask [Q, C] additive (0 visible; a key at or below -1e30 hidden);
-   out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
+/* The sizes of a segment table: rows [0, Q) covered in order, each region inside the C slots. */
+static int segments_ok(const struct segments *sg, long Q, long C) {
+  if (sg->n < 1 || sg->start[0] != 0 || sg->start[sg->n] != Q) return 0;
+  for (long b = 0; b < sg->n; b++)
+    if (sg->start[b + 1] <= sg->start[b] || sg->base[b] < 0 || sg->width[b] < 1 || sg->moff[b] < 0 ||
+        sg->base[b] + sg->width[b] > C)
+      return 0;
+  return 1;
+}
 
-   A task is up to RB rows of one head; for heads of a multiple of 16 floats, up to 256, each key and each value is
-   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (their dot
-   products summed across lanes by one tree, sum16_parts), a vector exp, and the weighted sum of values in
-   registers, block of keys by block. The keys every row
-   of a task sees (a round's cached prefix: most keys) are scored and weighed without reading the mask per key;
-   the others are checked key by key. Hidden keys are never scored or weighed (a static cache's spare slots may
-   hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in
-   any fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its
-   task: a row's result does not depend on the rows beside it (the product's guarantee, kept).
-   A row that sees no key gets zeros. */
-int lp_native_attention_f32(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
-                            long M, long Q, long C, long D, long ks, long vs, float scale, int threads) {
-  if (H < 1 || M < 1 || Q < 1 || C < 1 || D < 1 || threads < 1) return -1;
-  long chunks = (M + RB - 1) / RB, stride = (C + 15) & ~15L;
-  /* Per mask row: keys [0, open) all visible, none at or past end (a prefix and a bound every task of that row
-     shares, found once per call instead of once per task). */
-  long *open_at = malloc(sizeof(long) * 2 * (size_t)Q);
-  if (!open_at) return -2;
-  long *end_at = open_at + Q;
-  for (long r = 0; r < Q; r++) {
-    const float *mq = mask + (size_t)r * C;
-    long j = 0;
-    while (j < C && mq[j] > -1e30f) j++;
-    open_at[r] = j;
-    for (j = C; j > open_at[r] && !(mq[j - 1] > -1e30f); j--) {
-    }
-    end_at[r] = j;
+/* lp_native_attention_f32 over segments (see there): each task is up to RB packed rows of one segment and one
+   head, so a task's rows share their keys, and a row's arithmetic is the one a call of its segment alone gives
+   (its keys at the same offsets from the segment's base, the same mask row): bit for bit. With one segment the
+   tasks are the plain call's. G = M / Q query heads per K/V head (any M with one segment). */
+static int attention_segments(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
+                              long M, long Q, long D, long ks, long vs, float scale, int threads,
+                              const struct segments *sg) {
+  long nseg = sg->n, G = M / Q;
+  if (nseg > 1 && M % Q) return -1;
+  long wmax = 0;
+  for (long b = 0; b < nseg; b++) wmax = sg->width[b] > wmax ? sg->width[b] : wmax;
+  long stride = (wmax + 15) & ~15L;
+  /* Per mask row: its mask, its segment, keys [0, open) all visible, none at or past end (a prefix and a bound
+     every task of that row shares, found once per call instead of once per task). Per segment: its first task. */
+  long *open_at = malloc(sizeof(long) * (3 * (size_t)Q + (size_t)nseg + 1));
+  const float **mrow = malloc(sizeof(float *) * (size_t)Q);
+  if (!open_at || !mrow) {
+    free(open_at), free(mrow);
+    return -2;
   }
+  long *end_at = open_at + Q, *seg_of = end_at + Q, *first_task = seg_of + Q;
+  first_task[0] = 0;
+  for (long b = 0; b < nseg; b++) {
+    long rows = sg->start[b + 1] - sg->start[b], packed = nseg == 1 ? M : G * rows, C = sg->width[b];
+    first_task[b + 1] = first_task[b] + (packed + RB - 1) / RB;
+    for (long r = sg->start[b]; r < sg->start[b + 1]; r++) {
+      const float *mq = mask + sg->moff[b] + (size_t)(r - sg->start[b]) * C;
+      long j = 0;
+      while (j < C && mq[j] > -1e30f) j++;
+      open_at[r] = j;
+      for (j = C; j > open_at[r] && !(mq[j - 1] > -1e30f); j--) {
+      }
+      end_at[r] = j;
+      mrow[r] = mq;
+      seg_of[r] = b;
+    }
+  }
+  long per_head = first_task[nseg];
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
@@ -562,20 +584,24 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
       failed = 1;
     }
 #pragma omp for schedule(static)
-    for (long t = 0; t < H * chunks; t++) {
+    for (long t = 0; t < H * per_head; t++) {
       if (!s) continue;
-      long h = t / chunks, r0 = (t % chunks) * RB;
-      int rb = M - r0 < RB ? (int)(M - r0) : RB;
-      const float *kh = k + (size_t)h * ks, *vh = v + (size_t)h * vs;
+      long h = t / per_head, task = t % per_head, b = 0;
+      while (first_task[b + 1] <= task) b++;
+      long rows = sg->start[b + 1] - sg->start[b], packed = nseg == 1 ? M : G * rows;
+      long r0 = (task - first_task[b]) * RB;
+      int rb = packed - r0 < RB ? (int)(packed - r0) : RB;
+      const float *kh = k + (size_t)h * ks + (size_t)sg->base[b] * D, *vh = v + (size_t)h * vs + (size_t)sg->base[b] * D;
       const float *qr[RB], *mr[RB];
       float *o[RB];
-      long end = 0, open = C; /* one past the last key any row sees; keys below open every row sees */
+      long end = 0, open = sg->width[b]; /* one past the last key any row sees; keys below open every row sees */
       for (int i = 0; i < rb; i++) {
-        qr[i] = q + ((size_t)h * M + r0 + i) * D;
-        mr[i] = mask + (size_t)((r0 + i) % Q) * C;
-        o[i] = out + ((size_t)h * M + r0 + i) * D;
-        end = end_at[(r0 + i) % Q] > end ? end_at[(r0 + i) % Q] : end;
-        open = open_at[(r0 + i) % Q] < open ? open_at[(r0 + i) % Q] : open;
+        long idx = r0 + i, row = sg->start[b] + idx % rows, r = (idx / rows) * Q + row; /* packed row, mask row */
+        qr[i] = q + ((size_t)h * M + r) * D;
+        mr[i] = mrow[row];
+        o[i] = out + ((size_t)h * M + r) * D;
+        end = end_at[row] > end ? end_at[row] : end;
+        open = open_at[row] < open ? open_at[row] : open;
       }
       open = open < end ? open : end;
       long span = (end + 15) & ~15L;
@@ -643,8 +669,44 @@ int lp_native_attention_f32(const float *q, const float *k, const float *v, cons
     }
     free(s);
   }
-  free(open_at);
+  free(open_at), free(mrow);
   return failed ? -2 : 0;
+}
+
+/* Attention of a few packed rows over a K/V buffer (lp_runner/attention.py, with the native product).
+
+   q [H, M, D]: the M = groups x Q packed query rows of each K/V head h (row r reads the mask of round row r % Q);
+   k, v [H, C, D]: the cache's first C slots, head h at k + h * ks (v + h * vs), each slot D contiguous floats;
+   mask [Q, C] additive (0 visible; a key at or below -1e30 hidden);
+   out [H, M, D]. Per (h, r): s_j = (q . k_j) * scale + mask_j over the visible keys only, softmax, sum_j p_j v_j.
+
+   A task is up to RB rows of one head; for heads of a multiple of 16 floats, up to 256, each key and each value is
+   loaded once for all of them (scores_shared, values_shared). Per row, 16 keys' scores at a time (their dot
+   products summed across lanes by one tree, sum16_parts), a vector exp, and the weighted sum of values in
+   registers, block of keys by block. The keys every row
+   of a task sees (a round's cached prefix: most keys) are scored and weighed without reading the mask per key;
+   the others are checked key by key. Hidden keys are never scored or weighed (a static cache's spare slots may
+   hold anything; keys past the last visible one are not visited at all), a hidden key weighs exactly 0, as in
+   any fp32 softmax, and every row's arithmetic is the same expression in the same order whatever rows share its
+   task: a row's result does not depend on the rows beside it (the product's guarantee, kept).
+   A row that sees no key gets zeros. */
+int lp_native_attention_f32(const float *q, const float *k, const float *v, const float *mask, float *out, long H,
+                            long M, long Q, long C, long D, long ks, long vs, float scale, int threads) {
+  if (H < 1 || M < 1 || Q < 1 || C < 1 || D < 1 || threads < 1) return -1;
+  const long start[2] = {0, Q}, base = 0, moff = 0;
+  const struct segments one = {1, start, &base, &C, &moff};
+  return attention_segments(q, k, v, mask, out, H, M, Q, D, ks, vs, scale, threads, &one);
+}
+
+/* lp_native_attention_f32 with the round's rows in nseg segments (struct segments: start [nseg + 1], base, width,
+   moff [nseg]) over one K/V buffer of C slots, M = G x Q packed rows per head. 0; -1 bad sizes; -2 out of memory. */
+int lp_native_attention_segments_f32(const float *q, const float *k, const float *v, const float *mask, float *out,
+                                     long H, long M, long Q, long C, long D, long ks, long vs, float scale,
+                                     int threads, long nseg, const long *start, const long *base, const long *width,
+                                     const long *moff) {
+  const struct segments sg = {nseg, start, base, width, moff};
+  if (H < 1 || M < 1 || Q < 1 || C < 1 || D < 1 || threads < 1 || !segments_ok(&sg, Q, C)) return -1;
+  return attention_segments(q, k, v, mask, out, H, M, Q, D, ks, vs, scale, threads, &sg);
 }
 
 /* The layer's row-wise steps (norms, rotary and head layout, SiLU, residual adds) share the rows out over the
@@ -809,8 +871,8 @@ static int llama_layer(const struct work *w, const struct shape *s, float *h, co
                        float eps, const void *wqkv, const float *bqkv, const void *wo, const float *bo,
                        const void *wgu, const float *bgu, const void *wd, const float *bd, const float *cos,
                        const float *sin, float *kbuf, float *vbuf, long ks, long vs, const long *slots,
-                       const float *mask, float scale, int threads, int bf16) {
-  long C = s->C, R = s->R, E = s->E, H = s->H, Hkv = s->Hkv, D = s->D, I = s->I;
+                       const float *mask, const struct segments *sg, float scale, int threads, int bf16) {
+  long R = s->R, E = s->E, H = s->H, Hkv = s->Hkv, D = s->D, I = s->I;
   long G = H / Hkv, nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv;
   float *x = w->x, *qkv = w->qkv, *qp = w->qp, *ao = w->ao, *gu = w->gu, *act = w->act, *y = w->y;
   int status;
@@ -827,7 +889,7 @@ static int llama_layer(const struct work *w, const struct shape *s, float *h, co
       memcpy(vbuf + (size_t)kv * vs + (size_t)slots[i] * D, row + nq + nkv + kv * D, sizeof(float) * (size_t)D);
     }
   });
-  if ((status = lp_native_attention_f32(qp, kbuf, vbuf, mask, ao, Hkv, G * R, R, C, D, ks, vs, scale, threads)))
+  if ((status = attention_segments(qp, kbuf, vbuf, mask, ao, Hkv, G * R, R, D, ks, vs, scale, threads, sg)))
     return status;
   /* back to [R, H * D] (query head kv * G + g), into qp: read no more */
   FOR_ROWS(i, R, threads, for (long kv = 0; kv < Hkv; kv++) for (long g = 0; g < G; g++)
@@ -853,22 +915,51 @@ static int llama_layer(const struct work *w, const struct shape *s, float *h, co
    built once per cache (native.LayerStack); the intermediate values are allocated once per call.
    0; -1 bad sizes; -2 out of memory. */
 #define LAYER_PTRS 12
-int lp_native_llama_layers(float *h, long L, void *const *ptrs, const float *eps, const long *kv_strides,
+static int layers_segments(float *h, long L, void *const *ptrs, const float *eps, const long *kv_strides,
                            const float *const *masks, const float *cos, const float *sin, const long *slots, long C,
-                           long R, long E, long H, long Hkv, long D, long I, float scale, int threads, int bf16) {
+                           long R, long E, long H, long Hkv, long D, long I, float scale, int threads, int bf16,
+                           const struct segments *sg) {
   struct shape s = {C, R, E, H, Hkv, D, I};
   struct work w;
-  if (L < 0 || !shape_ok(&s, slots)) return -1;
+  if (L < 0 || !shape_ok(&s, slots) || !segments_ok(sg, R, C)) return -1;
+  for (long b = 0; b < sg->n; b++) /* a row writes its K/V inside its own segment's keys only */
+    for (long i = sg->start[b]; i < sg->start[b + 1]; i++)
+      if (slots[i] < sg->base[b] || slots[i] >= sg->base[b] + sg->width[b]) return -1;
   if (work_alloc(&w, &s)) return -2;
   int status = 0;
   for (long l = 0; l < L && !status; l++) {
     void *const *p = ptrs + LAYER_PTRS * l;
     status = llama_layer(&w, &s, h, p[0], p[1], eps[l], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], cos, sin,
-                         p[10], p[11], kv_strides[2 * l], kv_strides[2 * l + 1], slots, masks[l], scale, threads,
+                         p[10], p[11], kv_strides[2 * l], kv_strides[2 * l + 1], slots, masks[l], sg, scale, threads,
                          bf16);
   }
   work_free(&w);
   return status;
+}
+
+int lp_native_llama_layers(float *h, long L, void *const *ptrs, const float *eps, const long *kv_strides,
+                           const float *const *masks, const float *cos, const float *sin, const long *slots, long C,
+                           long R, long E, long H, long Hkv, long D, long I, float scale, int threads, int bf16) {
+  const long start[2] = {0, R}, base = 0, moff = 0;
+  const struct segments one = {1, start, &base, &C, &moff};
+  return layers_segments(h, L, ptrs, eps, kv_strides, masks, cos, sin, slots, C, R, E, H, Hkv, D, I, scale, threads,
+                         bf16, &one);
+}
+
+/* lp_native_llama_layers over a batched round (lp_runner/batch_forward.py): the rows of nseg generations, each
+   with its own region of the K/V buffers and its own mask rows (struct segments; masks[l] holds every segment's
+   rows at the offsets moff), in one call, so the products read each weight once for every generation's rows.
+   Every row's K/V slot must lie inside its segment's keys. A row's values are those of its segment's rows run
+   alone (the products, norms and attention do not depend on the rows beside a row), bit for bit.
+   0; -1 bad sizes; -2 out of memory. */
+int lp_native_llama_layers_segments(float *h, long L, void *const *ptrs, const float *eps, const long *kv_strides,
+                                    const float *const *masks, const float *cos, const float *sin, const long *slots,
+                                    long C, long R, long E, long H, long Hkv, long D, long I, float scale,
+                                    int threads, int bf16, long nseg, const long *start, const long *base,
+                                    const long *width, const long *moff) {
+  const struct segments sg = {nseg, start, base, width, moff};
+  return layers_segments(h, L, ptrs, eps, kv_strides, masks, cos, sin, slots, C, R, E, H, Hkv, D, I, scale, threads,
+                         bf16, &sg);
 }
 
 /* One layer: the stacked call above with L = 1 (its checks, its buffers, its code). */

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lp_runner.backends.batch import Segments
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.prepack import NATIVE_KERNELS, PackedLinear, ProductSlice, SharedInputProduct
 from lp_runner.backends.kv_cache import StaticBufferLayer
@@ -153,6 +154,7 @@ def forward_model(
     mask,  # [1, 1, R, C] additive, or {layer type: such a mask}
     cache,  # the adapter's DynamicCache of StaticBufferLayers, write slots set
     logit_rows: torch.Tensor,  # [L]
+    segments: Segments | None = None,
 ) -> torch.Tensor | None:  # [L, vocab], or None: not this kind of forward (the caller runs the model's own)
     """A whole round through the native layers without transformers' model loop: the embedding, the rotary
     tables, one C call for all the layers, the final norm and the output layer on the logit rows, each the module or
@@ -162,7 +164,10 @@ def forward_model(
     of the embedded model on a 2-core CPU (module calls, keyword plumbing, the mask mapping), a sixth of a
     one-row round. For a causal LM of ``MODEL_CLASSES`` (whose forward is exactly these steps: no embedding
     scale, no logit soft-cap) every layer of which took ``install_native_layers``; None otherwise, and for
-    rounds it does not serve (another cache or mask), which the model's own forward runs."""
+    rounds it does not serve (another cache or mask), which the model's own forward runs.
+
+    ``segments``: a batched round of several generations (``batch_forward.py``); each mask is then flat
+    ([mask_size]: every segment's rows over its own keys) and the C call attends per segment."""
     if type(model).__name__ not in MODEL_CLASSES or torch.compiler.is_compiling():
         return None
     base = model.model
@@ -181,9 +186,14 @@ def forward_model(
     masks = {}
     for key in set(types_):
         m = mask if isinstance(mask, torch.Tensor) else (mask or {}).get(key)
-        if not isinstance(m, torch.Tensor) or m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, rows):
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.float32:
             return None
-        if m.dtype != torch.float32 or m.shape[3] != cached[0].keys.shape[2]:
+        if segments is not None:
+            if m.shape != (segments.mask_size,):
+                return None
+            masks[key] = m.contiguous()
+            continue
+        if m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, rows) or m.shape[3] != cached[0].keys.shape[2]:
             return None
         masks[key] = m[0, 0].contiguous()
     slots = {id(c.write_slots): c.write_slots for c in cached}  # the adapter sets one for all
@@ -197,7 +207,7 @@ def forward_model(
     )
     h = hidden[0].contiguous()
     stack = _stack(cache, weights)
-    stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_])
+    stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_], segments)
     h = base.norm(h[None])[0]
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
 

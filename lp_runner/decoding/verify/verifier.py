@@ -41,6 +41,10 @@ class Verifier(Protocol):
         """The round's one device->host transfer: everything ``verify`` and the window need from ``logits``."""
         ...
 
+    def read_back_many(self, logits: torch.Tensor, layouts: Sequence[RoundLayout]) -> list[ReadBack]:
+        """``read_back`` for a batched round (``logits``: each layout's logit rows in turn), still one transfer."""
+        ...
+
     def verify(
         self,
         readback: ReadBack,
@@ -60,6 +64,10 @@ class GreedyVerifier:
 
     def read_back(self, logits: torch.Tensor, layout: RoundLayout) -> ReadBack:
         return ReadBack(logits.argmax(-1).tolist())
+
+    def read_back_many(self, logits: torch.Tensor, layouts: Sequence[RoundLayout]) -> list[ReadBack]:
+        preds = logits.argmax(-1).tolist()  # [sum of logit rows]: the one transfer
+        return [ReadBack(part) for part in _split(preds, layouts)]
 
     def verify(self, readback, layout, plan_candidates, candidates, round_key) -> Verdict:
         preds = readback.preds
@@ -85,13 +93,27 @@ class SamplingVerifier:
     def read_back(self, logits: torch.Tensor, layout: RoundLayout) -> ReadBack:
         """The argmax of every row (the window's columns) and the warped rows sampling tests, as one float64
         tensor (token ids are exact in float64), moved to the host once."""
+        return self.read_back_many(logits, [layout])[0]
+
+    def read_back_many(self, logits: torch.Tensor, layouts: Sequence[RoundLayout]) -> list[ReadBack]:
         gen = self.gen
-        rows = [layout.ordinary_logit, *(i for r in layout.verify_logits for i in r)]
-        probs = warp_logits(logits[rows], gen.temperature, gen.top_k, gen.top_p)  # [1 + verify rows, V] float64
-        packed = torch.cat([probs.reshape(-1), logits.argmax(-1).to(torch.float64)])  # [(1 + verify) * V + R]
+        parts, shapes, at = [], [], 0
+        for layout in layouts:  # each generation's tested rows, warped on the device
+            rows = [at + layout.ordinary_logit, *(at + i for r in layout.verify_logits for i in r)]
+            probs = warp_logits(logits[rows], gen.temperature, gen.top_k, gen.top_p)  # [1 + verify rows, V] float64
+            parts.append(probs.reshape(-1))
+            shapes.append(probs.shape)
+            at += len(layout.logit_rows)
+        packed = torch.cat([*parts, logits.argmax(-1).to(torch.float64)])  # [sum (1 + verify) * V + R]
         host = packed.numpy(force=True)  # the one transfer
-        split = probs.numel()
-        return ReadBack(host[split:].astype(np.int64).tolist(), host[:split].reshape(probs.shape))
+        split = sum(part.numel() for part in parts)
+        preds = _split(host[split:].astype(np.int64).tolist(), layouts)
+        out, at = [], 0
+        for shape, pred in zip(shapes, preds, strict=True):
+            size = shape[0] * shape[1]
+            out.append(ReadBack(pred, host[at : at + size].reshape(shape)))
+            at += size
+        return out
 
     def verify(self, readback, layout, plan_candidates, candidates, round_key) -> Verdict:
         gen = self.gen
@@ -114,6 +136,16 @@ class SamplingVerifier:
 
     def choose(self, reports: Sequence[RankReport]) -> int:
         return sampling_winner(reports)
+
+
+def _split(values: list, layouts: Sequence[RoundLayout]) -> list[list]:
+    """``values`` of every layout's logit rows in turn -> one list per layout."""
+    out, at = [], 0
+    for layout in layouts:
+        n = len(layout.logit_rows)
+        out.append(values[at : at + n])
+        at += n
+    return out
 
 
 def make_verifier(gen: GenerationConfig) -> Verifier:
