@@ -13,8 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,3 +108,34 @@ def default_sigint() -> None:
     background job (``pytest ... &``) with SIGINT ignored, the child inherits that across exec, and Python then
     never raises KeyboardInterrupt: the test would see the shell's choice, not lp_runner's handling."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class LocalGroup:
+    """P communicators in one process (ranks on threads) whose all_gather meets at a barrier (one slot per rank):
+    LP's protocol without processes."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.slots: list[torch.Tensor | None] = [None] * world_size
+        self.barrier = threading.Barrier(world_size, timeout=60)
+
+    def comm(self, rank: int) -> LocalCommunicator:
+        return LocalCommunicator(self, rank)
+
+
+class LocalCommunicator:
+    backend = "local"
+
+    def __init__(self, group: LocalGroup, rank: int) -> None:
+        self.group, self.rank, self.world_size, self.collectives = group, rank, group.world_size, 0
+
+    def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
+        self.group.slots[self.rank] = payload.clone()
+        self.group.barrier.wait()  # every slot written
+        out = torch.stack(self.group.slots)  # type: ignore[arg-type]
+        self.group.barrier.wait()  # every rank has read before the next round overwrites
+        self.collectives += 1
+        return out
+
+    def all_gather_strings(self, text: str) -> list[str]:
+        raise NotImplementedError("start-up only")

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import env_with_repo, make_tiny_folder, read_jsonl, torchrun_cmd, write_prompts
+from dist_helpers import LocalGroup, env_with_repo, make_tiny_folder, read_jsonl, torchrun_cmd, write_prompts
 from helpers import hf_greedy, random_prompt, tiny_model
-from test_exchange import LocalGroup
 
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.batch import Segments
