@@ -84,3 +84,11 @@ def native_routing(monkeypatch):
     for name in (*names, "_LAYERS", "_LAYERS_SEGMENTS", "_ATTENTION_SEGMENTS"):
         monkeypatch.setattr(native, name, getattr(native, name))
     return native
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Llama saved as a folder the CLI loads (the embedded tokenizer, seed 3), shared by every job test."""
+    from dist_helpers import make_tiny_folder
+
+    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
