@@ -22,7 +22,7 @@ from transformers import PreTrainedModel  # noqa: E402
 # The machine is shared (2 cores): one intra-op thread keeps tiny-model tests fast and predictable.
 torch.set_num_threads(1)
 
-# The files that took longest (durations of the whole suite in one process on a 2-core AMD EPYC, Zen 3: 59 min),
+# The files that took longest (durations of the whole suite in one process),
 # long first. Under pytest-xdist (README: -n 2 --dist loadfile --no-loadscope-reorder) a worker that runs low takes
 # the next whole file in collection order: the long ones go first and the short ones fill the end, so the workers
 # finish together instead of one idling while the other runs a long file it picked up last. Files that launch

@@ -451,7 +451,7 @@ def _run_two_groups_and_kill_group1(cluster, tiny_dir: Path, prompts: Path, out:
 
 @pytest.mark.slow
 def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, tiny_dir, tmp_path):
-    """parallel.groups=2 x workers=1 (issue 15): two placement groups, prompts to whichever group is free. The
+    """parallel.groups=2 x workers=1: two placement groups, prompts to whichever group is free. The
     group-1 actor is SIGKILLed mid-job: group 1 alone is rebuilt and resumes its prompt from the committed prefix,
     group 0 runs on untouched; every record equals the uninterrupted single worker's and HF greedy."""
     from ray.util.state import list_actors

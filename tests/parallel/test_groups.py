@@ -1,4 +1,4 @@
-"""``parallel.groups = D``: D LP groups of P ranks in one job, fed by one work queue (issue 15).
+"""``parallel.groups = D``: D LP groups of P ranks in one job, fed by one work queue.
 
 Groups change how many prompts run at once, not what any prompt generates: every record must equal the D = 1
 run's (output ids and forwards) and HF greedy. The queue itself is tested in-process on a real TCPStore; the
