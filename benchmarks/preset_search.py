@@ -8,7 +8,8 @@ job's). Each pair runs one child process per variant, in alternating order: this
 the baseline's (exported with ``git archive``). A child loads the embedded model (a job's heap, which Python's
 garbage collector walks), then, per curve, times ``AutoPreset``'s start-up search over the shipped samples and
 its re-choices, the shipped samples replayed six times as the job's outputs. Curves: this machine's newest
-calibration curve (when the cache holds one) and a synthetic curve where 2-3 rows cost more than 8 (``tests/helpers.py``).
+calibration curve (when the cache holds one) and a synthetic curve where 2-3 rows cost more than 8
+(``tests/helpers.py``).
 
 Reported per search: each variant's median seconds and the median of the pairs' ratios (baseline / this); a
 two-core machine's speed drifts between minutes, so only ratios taken side by side count. Both variants must
