@@ -64,6 +64,10 @@ BATCH_AUTO_SPACE: dict[str, tuple] = space_of(
 # whichever setting runs)
 NOT_ROUND_SHAPE = {"preset", "pad_rows", "pool_scope", "pool_max_tokens"}
 ADAPT_AFTER_TOKENS = (256, 1024, 4096)  # re-choose from this job's outputs once this many tokens were written
+# a window running is re-judged from its own rounds once they cover this many output tokens: on fewer, one
+# prompt's kind decides (of the shipped samples the first two, code that repeats its prompt, favour the window
+# off on a flat curve, the other six the window)
+WINDOW_EVIDENCE_TOKENS = 1024
 MAX_SAMPLE_TOKENS = 4096  # the search reads at most this many recent output tokens (bounds its time)
 
 
@@ -330,8 +334,9 @@ class AutoPreset:
 
     ``observe`` after every generation; ``lookahead`` is the setting for the next one. Re-chosen when the job's
     output tokens first reach each of ``ADAPT_AFTER_TOKENS``, from the most recent ``MAX_SAMPLE_TOKENS``; a job
-    whose choice holds the Jacobi window prices it from its own window rounds and keeps it only where they beat
-    the window-off settings simulated on the same outputs (window rounds cannot be simulated).
+    whose choice holds the Jacobi window prices it from its own window rounds, once they cover
+    ``WINDOW_EVIDENCE_TOKENS``, and keeps it only where they beat the window-off settings simulated on the same
+    outputs (window rounds cannot be simulated).
 
     ``cache_root``: where the start-up choice is kept for the next job with the same inputs (``startup_key``).
     It is a pure function of them, and the search took 4.7 s of every start on a 2-core EPYC (Zen 3): 53
@@ -359,6 +364,7 @@ class AutoPreset:
         self.history: list[Choice] = [self.choice]
         self._observed: list[Sample] = []
         self._window_rounds: list[tuple[RoundShape, ...]] = []  # this job's rounds of the window setting running
+        self._window_tokens = 0  # the output tokens they made
         self._tokens = 0
 
     @property
@@ -375,13 +381,14 @@ class AutoPreset:
             return False
         if self.lookahead.lookahead_branch and shapes:
             self._window_rounds.append(tuple(shapes))
+            self._window_tokens += len(output_ids)
         before = self._tokens
         self._observed.append(Sample(tuple(prompt_ids), tuple(output_ids)))
         self._tokens += len(output_ids)
         if not any(before < t <= self._tokens for t in ADAPT_AFTER_TOKENS):
             return False
-        if self.lookahead.lookahead_branch and not self._window_rounds:
-            return False  # a window running without its rounds observed: nothing prices it, it stays
+        if self.lookahead.lookahead_branch and self._window_tokens < WINDOW_EVIDENCE_TOKENS:
+            return False  # too few of its own rounds (or none observed) to judge the window: it stays
         recent, count = [], 0
         for s in reversed(self._observed):
             if count >= MAX_SAMPLE_TOKENS:
@@ -396,7 +403,7 @@ class AutoPreset:
         self.choice = choice
         self.history.append(choice)
         if changed:
-            self._window_rounds = []
+            self._window_rounds, self._window_tokens = [], 0
         return changed
 
     def _startup_choice(self, cache_root: Path | None) -> tuple[Choice, bool]:
