@@ -247,7 +247,7 @@ def _run(args) -> int:
     if args.report:
         report = {
             "date": date.today().isoformat(),
-            "curve": curve.to_dict(),
+            "curve": curve.to_dict(),  # with the measured host time, priced as the auto preset prices it
             "threads": threads,
             "workers": workers,
             "allgather_2_rank_us": args.allgather_us,

@@ -263,6 +263,8 @@ def test_tune_command_writes_a_loadable_config(tmp_path):
     assert data["best"]["ms_per_token"] <= data["base"]["ms_per_token"]
     assert dataclasses.asdict(cfg.lookahead) == data["best"]["lookahead"]
     assert "predicted" in out.read_text().splitlines()[2]
+    host = data["curve"]["host"]  # measured on the model (the --curve file has none), as calibration measures it
+    assert host["round_s"] >= 0 and host["row_s"] >= 0 and "host time per round" in proc.stderr
 
 
 def test_tune_command_bad_input(tmp_path):
