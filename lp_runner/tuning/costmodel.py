@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -456,3 +456,17 @@ def shapes_from_records(records: Sequence, window_size: int) -> list[RoundShape]
         )
         for r in records
     ]
+
+
+def as_one_rank(shapes: Sequence[RoundShape], prompt_len: int) -> list[RoundShape]:
+    """A generation's shapes as P = 1 would have run them, from any rank's records: the plan, the winner and the
+    emitted tokens are the same at every P (LP is exact and plans the same rounds), but a rank's own K/V length
+    and ordinary rows are not (a rank that did not own the last winner re-feeds its tokens). Every rank of a job
+    turns its records into the same shapes, so choices priced on them agree (the auto preset's window rounds).
+    At P = 1: round 0 feeds the prompt from an empty cache; round i > 0 feeds the live key alone, after
+    prompt_len - 1 + the tokens emitted before it."""
+    out, kv = [], 0
+    for i, s in enumerate(shapes):
+        out.append(replace(s, kv_len=kv, ordinary=prompt_len if i == 0 else 1))
+        kv = (prompt_len - 1 if i == 0 else kv) + s.emitted
+    return out

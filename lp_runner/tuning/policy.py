@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lp_runner.config import Config, LookaheadConfig, internal_key
 from lp_runner.tuning.calibrate import Calibration, calibrate, shared_calibration
-from lp_runner.tuning.costmodel import RowPlan, batched_curve, shapes_from_records
+from lp_runner.tuning.costmodel import RowPlan, as_one_rank, batched_curve, shapes_from_records
 from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset
 from lp_runner.tuning.search import describe
 
@@ -83,7 +83,8 @@ class RoundPolicy:
             return False
         ran = ran or self.lookahead
         own = ran == self.lookahead and ran.lookahead_branch and records
-        shapes = shapes_from_records(records, ran.window_size) if own else None
+        # as P = 1 ran them: every rank holds the same shapes, so every rank makes the same choice
+        shapes = as_one_rank(shapes_from_records(records, ran.window_size), len(prompt_ids)) if own else None
         if not self.auto.observe(prompt_ids, output_ids, shapes):
             return False
         self.lookahead = self.auto.lookahead

@@ -14,7 +14,16 @@ from lp_runner.config import LookaheadConfig
 from lp_runner.device import rows_are_cheap
 from lp_runner.tuning import calibrate, preset
 from lp_runner.tuning.calibrate import GPU_KV, GPU_ROWS, QUICK_KV, QUICK_ROWS, measure_host, measurement_plan
-from lp_runner.tuning.costmodel import CostCurve, CurvePoint, HostCost, RoundShape, RowPlan, predict
+from lp_runner.tuning.costmodel import (
+    CostCurve,
+    CurvePoint,
+    HostCost,
+    RoundShape,
+    RowPlan,
+    as_one_rank,
+    predict,
+    shapes_from_records,
+)
 from lp_runner.tuning.preset import AutoPreset, search, shipped_prior
 from lp_runner.tuning.search import MIN_GAIN, SPACE
 
@@ -136,6 +145,21 @@ def test_policy_feeds_the_window_rounds_it_ran(tiny, monkeypatch) -> None:
     res = engine.generate([1, 2, 3, 4, 5])
     policy.observe([1, 2, 3, 4, 5], res.output_ids, res.stats.records, res.lookahead)
     assert len(auto._window_rounds) == 1 and sum(s.emitted for s in auto._window_rounds[0]) == len(res.output_ids)
+    assert list(auto._window_rounds[0]) == shapes_from_records(res.stats.records, policy.lookahead.window_size)  # P=1
+
+
+def test_window_rounds_from_any_rank_read_as_one_rank() -> None:
+    """Under LP a rank's records hold its own K/V length and ordinary rows (a rank that did not own the last winner
+    re-feeds it): ``as_one_rank`` gives every rank the same shapes, P = 1's."""
+    plan = dict(window_size=4, depth=3, candidates=(3, 3), winner=0)
+    rank1 = [
+        RoundShape(0, 5, emitted=2, **plan),
+        RoundShape(5, 2, emitted=3, **plan),
+        RoundShape(7, 3, emitted=1, **plan),
+    ]
+    one = as_one_rank(rank1, prompt_len=5)
+    assert [(s.kv_len, s.ordinary) for s in one] == [(0, 5), (6, 1), (9, 1)]
+    assert [s.emitted for s in one] == [2, 3, 1] and as_one_rank(one, 5) == one
 
 
 def test_host_cost_through_two_groups() -> None:
