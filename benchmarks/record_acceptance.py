@@ -9,6 +9,7 @@ questions, apart from every benchmark prompt), with the embedded SmolLM2-135M-In
   model's own guesses and cannot be simulated). Timing plays no part: shapes depend only on the tokens.
 
     python benchmarks/record_acceptance.py            # rewrites lp_runner/tuning/data/acceptance.json (a few minutes)
+    python benchmarks/record_acceptance.py --add      # keeps the file's samples and settings, records the missing
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ WINDOW_SETTINGS = {  # name -> (W, N, G); context lookup on, no row cap, pool fr
     "window-4-4-4": (4, 4, 4),
     "window-7-5-7": (7, 5, 7),
     "window-15-5-15": (15, 5, 15),
+    "window-15-7-15": (15, 7, 15),
 }
 
 
@@ -43,7 +45,9 @@ def main() -> None:
     ap.add_argument("--prompts", default=str(ROOT / "benchmarks/results/calibration8.jsonl"))
     ap.add_argument("--out", default=str(ROOT / "lp_runner/tuning/data/acceptance.json"))
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--add", action="store_true", help="keep --out's samples and settings; record only the missing")
     args = ap.parse_args()
+    kept = json.loads(Path(args.out).read_text()) if args.add else None
 
     model, tokenizer, _ = load_model_and_tokenizer(resolve_model_path("embedded"), dtype=torch.float32)
     adapter = ModelAdapter(model)
@@ -53,15 +57,19 @@ def main() -> None:
     prompts = [encode(tokenizer, s) for s in specs]
 
     fast = LookaheadConfig(preset="off", lookahead_branch=False, verification_set_size=1, max_verify_rows=2)
-    samples = []
+    samples = kept["samples"] if kept else []
     engine = LookaheadEngine(adapter, fast, gen, eos)
     for spec, ids in zip(specs, prompts, strict=True):
+        if kept:
+            break
         out = engine.generate(ids).output_ids
         samples.append({"id": spec.id, "prompt_ids": ids, "output_ids": out})
         print(f"sample {spec.id}: {len(out)} tokens", file=sys.stderr)
 
-    recorded = []
+    recorded = kept["recorded"] if kept else []
     for name, (w, n, g) in WINDOW_SETTINGS.items():
+        if any(r["name"] == name for r in recorded):
+            continue
         la = LookaheadConfig(preset="off", window_size=w, ngram_size=n, verification_set_size=g)
         engine = LookaheadEngine(adapter, la, gen, eos)
         start, shapes = time.perf_counter(), []

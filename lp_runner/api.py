@@ -162,7 +162,9 @@ def generate(
             streamer.put(torch.tensor([list(tokens)], dtype=torch.long))  # [1, n]
 
     result = engine.generate(prompt, on_commit=on_commit)
-    policy.observe(prompt, result.output_ids)  # the next call may use a setting adapted to this output
+    policy.observe(
+        prompt, result.output_ids, result.stats.records, result.lookahead
+    )  # the next call may use a setting adapted to this output
     if streamer is not None:
         streamer.end()
     new = torch.tensor([result.output_ids], dtype=torch.long, device=input_ids.device)  # [1, new]

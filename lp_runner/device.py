@@ -200,6 +200,13 @@ def bind(placement: Placement) -> None:
         matmul.allow_tf32 = placement.tf32
 
 
+def rows_are_cheap(device: torch.device) -> bool:
+    """Whether a forward of many packed rows may cost about what one row costs on this device (a GPU: one row
+    leaves most of its compute idle), so calibration must measure far more rows (``calibrate.measurement_plan``).
+    On a CPU the cost rises within a few rows."""
+    return device.type == "cuda"
+
+
 def synchronizer(device: torch.device) -> Callable[[], None] | None:
     """What makes the host wait for ``device``'s queued work (None: a CPU, whose work is already done). Timing
     a CUDA forward without it measures kernel launches; syncing another GPU (the current one, when the argument is

@@ -1,14 +1,14 @@
 """``python -m lp_runner tune``: pick the lookahead settings (and P) that minimise time per token on this device.
 
-Calibration, then a search, both cheap and mostly deterministic:
+The thorough mode of the one search (``tuning/search.py``; the start-up auto preset is its quick mode):
 1. measure this device's forward-cost curve (``costmodel.measure_curve``) over the row counts the search can
-   produce;
+   produce, and the host time per round (``calibrate.measure_host``, as start-up calibration does);
 2. run each considered setting greedily on the calibration prompts and record every round's shape (greedy output,
    and so the shapes, depend only on the setting, not on timing noise);
 3. predict seconds per token = (forward cost of each round from the curve at its rows and K/V length + the
-   setting's measured host time + communication at P > 1) / tokens; ``costmodel.predict``;
-4. coordinate search, once per P: improve one knob at a time from the base config until a full pass changes
-   nothing (the searches share the calibration runs).
+   measured host time + communication at P > 1) / tokens (``search.price``);
+4. coordinate search over every knob of ``search.SPACE``, once per P: improve one knob at a time from the base
+   config until a full pass changes nothing (the searches share the calibration runs).
 
 The winner is written as a complete YAML config (the base config with the chosen keys) with the predicted
 figures in its header. ``--devices N`` searches at every P dividing N and prices every split D x P = N
@@ -34,7 +34,7 @@ from lp_runner.decoding.layout import max_round_rows
 from lp_runner.errors import InputError, LPError
 from lp_runner.logs import add_log_level, log, setup_logging
 from lp_runner.tuning.costmodel import CostCurve
-from lp_runner.tuning.search import DEFAULT_SPACE, Scored, TuneResult, describe, tune
+from lp_runner.tuning.search import MIN_GAIN, SPACE, Scored, TuneResult, describe, tune
 from lp_runner.tuning.split import ASSUMPTION, Split, highest_throughput, lowest_latency, split_table, splits_of
 
 
@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per curve point")
     p.add_argument("--passes", type=int, default=2, help="coordinate-search passes over all knobs (at most)")
     p.add_argument(
-        "--min-gain", type=float, default=0.02, help="smallest relative predicted gain that moves (default 2%%)"
+        "--min-gain",
+        type=float,
+        default=MIN_GAIN,
+        help=f"smallest relative predicted gain that moves (default {100 * MIN_GAIN:.0f}%%, as the auto preset)",
     )
     return p
 
@@ -166,6 +169,7 @@ def _run(args) -> int:
     from lp_runner.device import synchronizer
     from lp_runner.jobs.prompts import encode, read_prompts
     from lp_runner.jobs.worker import eos_token_ids, start_worker
+    from lp_runner.tuning.calibrate import measure_host
     from lp_runner.tuning.costmodel import measure_curve
 
     cfg = load_config(args.config, args.overrides)
@@ -190,13 +194,16 @@ def _run(args) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InputError(f"cannot read cost curve {args.curve}: {exc}") from None
     else:
-        rows = curve_rows(DEFAULT_SPACE, cfg.lookahead)
+        rows = curve_rows(SPACE, cfg.lookahead)
         kv = sorted({min(len(p) for p in prompts), max(len(p) for p in prompts) + args.max_new_tokens})
         say(f"measuring the forward-cost curve: rows {rows}, K/V lengths {kv}")
         sync = synchronizer(adapter.device)
         curve = measure_curve(adapter, kv, rows, reps=args.reps, sync=sync)
-        if args.save_curve:
-            Path(args.save_curve).write_text(json.dumps(curve.to_dict(), indent=2))
+    if curve.host is None:  # a saved curve from before host time was measured with it
+        curve = dataclasses.replace(curve, host=measure_host(adapter))
+    say(f"host time per round: {1e6 * curve.host.round_s:.0f} us + {1e6 * curve.host.row_s:.1f} us per row")
+    if args.save_curve and not args.curve:
+        Path(args.save_curve).write_text(json.dumps(curve.to_dict(), indent=2))
     say(f"calibrating on {len(prompts)} prompts x {args.max_new_tokens} tokens")
     result = tune(
         adapter,
@@ -240,7 +247,7 @@ def _run(args) -> int:
     if args.report:
         report = {
             "date": date.today().isoformat(),
-            "curve": curve.to_dict(),
+            "curve": curve.to_dict(),  # with the measured host time, priced as the auto preset prices it
             "threads": threads,
             "workers": workers,
             "allgather_2_rank_us": args.allgather_us,

@@ -102,7 +102,9 @@ def run_queued(
         i = job.tag
         if queue is not None:
             queue.post(make_record(worker, specs[i], prompt_ids[i], result))  # with the setting that ran
-        if policy.observe(prompt_ids[i], result.output_ids):  # the group's ranks see the same tokens
+        if policy.observe(
+            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead
+        ):  # the group's ranks see the same tokens
             engine.set_lookahead(policy.lookahead)
 
     try:

@@ -483,7 +483,9 @@ def run_prompts(
     def on_done(job: Job, result: GenerationResult) -> None:
         i = job.tag
         rec = make_record(worker, specs[i], prompt_ids[i], result) if worker.is_main else {}
-        if policy.observe(prompt_ids[i], result.output_ids):  # every rank observes the same tokens, in one order
+        if policy.observe(
+            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead
+        ):  # every rank observes the same tokens, in one order
             engine.set_lookahead(policy.lookahead)
         if worker.is_main:
             deliver(rec)

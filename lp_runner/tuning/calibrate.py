@@ -5,14 +5,18 @@ thread count and the model, and two CPUs of the same machine kind can disagree c
 at ~1.07x one row and 8 rows at 1.56x, another 2-3 rows at 1.6-1.9x and 8 rows at 1.35x). A setting tuned on
 one and shipped as a constant is wrong on the other; the curve measured where the job runs is not.
 
-The quick curve: the body cost (LM head on one row) at every row count of ``QUICK_ROWS`` and two K/V lengths,
+The quick curve: the body cost (LM head on one row) at every row count of the device's plan and two K/V lengths,
 plus the head on every row at the largest count (``costmodel.measure_curve(head_rows=...)``); repetitions
-interleaved, medians. About 90 forwards: a few seconds for a small model on a CPU, well under a second on a
-GPU. It is cached under the cache dir, keyed by everything that changes it (device model, threads, dtype,
-weights checksum, torch version, the kernels and the native library's build, and the grid through
-``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures again. A curve measured on a busy machine (its
-repetitions disagree: ``NOISY_SPREAD``) is used and cached, but the next run measures again and the quieter curve
-stays: a moment's load does not price every later run's choices.
+interleaved, medians. ``measurement_plan`` chooses the grid by device (``device.rows_are_cheap``): on a CPU
+``QUICK_ROWS`` to 48 rows (about 90 forwards; a round past that costs more than it earns there, so it is
+extrapolated), on a GPU ``GPU_ROWS`` to 512 rows at ``GPU_KV`` (120 forwards: the flat part of a GPU's curve is
+where the Jacobi window and wide verification pay, and where it ends only a measurement finds). Then
+``measure_host`` times the host part of the engine's own rounds (``costmodel.HostCost``), which every search
+prices, the start-up preset and ``lp_runner tune`` alike. The curve is cached under the cache dir, keyed by
+everything that changes it (device model, threads, dtype, weights checksum, torch version, the kernels and the
+native library's build, and the grid through ``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures
+again. A curve measured on a busy machine (its repetitions disagree: ``NOISY_SPREAD``) is used and cached, but
+the next run measures again and the quieter curve stays: a moment's load does not price every later run's choices.
 
 Under LP only rank 0 measures (the others wait, so the measurement has the machine to itself) and every rank
 uses rank 0's curve: the replicated coordinators must make identical choices.
@@ -20,6 +24,7 @@ uses rank 0's curve: the replicated coordinators must make identical choices.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import time
@@ -30,15 +35,27 @@ from pathlib import Path
 import torch
 
 from lp_runner.backends.cpu import native
-from lp_runner.device import synchronizer
-from lp_runner.tuning.costmodel import CostCurve, measure_curve
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.decoding.engine import LookaheadEngine
+from lp_runner.device import rows_are_cheap, synchronizer
+from lp_runner.tuning.costmodel import CostCurve, HostCost, measure_curve
 from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
 
-CALIBRATION_VERSION = 2  # bump when the measurement (or its grid) changes: older cache entries are then ignored
+CALIBRATION_VERSION = 3  # bump when the measurement (or its grid) changes: older cache entries are then ignored
 QUICK_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # rounds past 48 rows: extrapolated from 32-48
 QUICK_KV = (64, 512)
 QUICK_HEAD_ROWS = (48,)
 QUICK_REPS = 3  # + one warm-up sweep (medians of 3: one noisy forward moves no point)
+GPU_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+GPU_KV = (512, 2048)
+GPU_HEAD_ROWS = (512,)
+# Host time (``measure_host``): two settings whose rounds differ in rows (a few without the window, about 25
+# with a 4-4-4 window), a few rounds each on a fixed random prompt; the line through their medians.
+HOST_SETTINGS = (
+    LookaheadConfig(preset="off", lookahead_branch=False, verification_set_size=1),
+    LookaheadConfig(preset="off", window_size=4, ngram_size=4, verification_set_size=4),
+)
+HOST_TOKENS = 24
 # A coarser grid where the quick one would not fit the time the other LP ranks wait (their start-up collective
 # carries parallel.timeout_s): a large model on a CPU.
 COARSE_ROWS = (1, 2, 4, 8, 16, 32, 48)  # includes QUICK_HEAD_ROWS
@@ -121,24 +138,70 @@ def save(path: Path, key: dict, curve: CostCurve, seconds: float) -> None:
     write_keyed(path, key, curve=curve.to_dict(), measured_s=round(seconds, 3))
 
 
+@dataclass(frozen=True)
+class MeasurementPlan:
+    """What the quick calibration measures: row counts, K/V lengths, where the head runs on every row, sweeps."""
+
+    rows: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    head_rows: tuple[int, ...]
+    reps: int
+
+    @property
+    def forwards(self) -> int:
+        return (len(self.rows) + len(self.head_rows)) * len(self.kv_lens) * (self.reps + 1)
+
+
+def measurement_plan(cheap_rows: bool, coarse: bool = False, max_positions: int | None = None) -> MeasurementPlan:
+    """The grid for a device (``device.rows_are_cheap``): to 512 rows at K/V 512 and 2048 where rows are cheap (a
+    GPU), else the CPU grid to 48 rows; ``coarse``: the CPU's fallback where the quick grid would overrun the
+    time the other LP ranks wait. On a GPU, a model with fewer positions than K/V + rows gets its K/V lengths cut
+    to fit (the longer one to what is left after the most rows, the shorter to a quarter of that). A pure
+    function, so the plan is tested where no GPU exists."""
+    if cheap_rows:
+        kvs = GPU_KV
+        if max_positions is not None and max_positions < max(GPU_KV) + max(GPU_ROWS):
+            room = max(max_positions - max(GPU_ROWS), 4)
+            kvs = tuple(sorted({max(room // 4, 1), room}))
+        return MeasurementPlan(GPU_ROWS, kvs, GPU_HEAD_ROWS, QUICK_REPS)
+    if coarse:
+        return MeasurementPlan(COARSE_ROWS, COARSE_KV, QUICK_HEAD_ROWS, COARSE_REPS)
+    return MeasurementPlan(QUICK_ROWS, QUICK_KV, QUICK_HEAD_ROWS, QUICK_REPS)
+
+
 def measure_quick(adapter, budget_s: float | None = None) -> CostCurve:
-    """The quick curve; with ``budget_s``, the coarse grid when one probe forward says the quick grid would take
-    longer (about 2 x the probe's seconds per forward: most forwards have fewer rows than the probe's 64)."""
+    """The quick curve on the device's plan; with ``budget_s``, the coarse grid when one probe forward says the
+    plan would take longer (about 2 x the probe's seconds per forward: most forwards have fewer rows than the
+    probe's)."""
     sync = synchronizer(adapter.device)
-    rows, kvs, reps = QUICK_ROWS, QUICK_KV, QUICK_REPS
-    if budget_s is not None:
-        forwards = (len(QUICK_ROWS) + len(QUICK_HEAD_ROWS)) * len(QUICK_KV) * (QUICK_REPS + 1)
-        if probe_seconds(adapter, sync) * forwards / 2 > budget_s:
-            rows, kvs, reps = COARSE_ROWS, COARSE_KV, COARSE_REPS
-    return measure_curve(adapter, kvs, rows, reps=reps, sync=sync, head_rows=QUICK_HEAD_ROWS)
+    cheap = rows_are_cheap(adapter.device)
+    plan = measurement_plan(cheap, max_positions=getattr(adapter, "max_positions", None))
+    if budget_s is not None and not cheap and probe_seconds(adapter, sync, plan) * plan.forwards / 2 > budget_s:
+        plan = measurement_plan(cheap, coarse=True)
+    return measure_curve(adapter, plan.kv_lens, plan.rows, reps=plan.reps, sync=sync, head_rows=plan.head_rows)
 
 
-def probe_seconds(adapter, sync=None) -> float:
-    """Seconds of one 64-row forward on a 512-token cache (the quick grid's most expensive point)."""
+def measure_host(adapter, seed: int = 0) -> HostCost:
+    """Host seconds per round as the engine spends them (``RoundRecord.host_s``: a round's wall time less its
+    forward and collective), from ``HOST_TOKENS`` greedy tokens of each of ``HOST_SETTINGS`` on a fixed random
+    prompt, the prefill round left out; ``HostCost.through`` the two settings' medians. Shared by the start-up
+    preset (through the cached curve) and ``lp_runner tune``, so both price host time alike."""
+    gen = GenerationConfig(max_new_tokens=HOST_TOKENS)
+    ids = torch.randint(0, adapter.vocab_size, (32,), generator=torch.Generator().manual_seed(seed)).tolist()
+    groups = []
+    for la in HOST_SETTINGS:
+        records = LookaheadEngine(adapter, la, gen, []).generate(ids).stats.records[1:]
+        groups.append([(r.rows, r.host_s) for r in records])
+    return HostCost.through(groups)
+
+
+def probe_seconds(adapter, sync=None, plan: MeasurementPlan | None = None) -> float:
+    """Seconds of one forward at the plan's most expensive point (most rows, longest K/V)."""
     from lp_runner.backends.adapter import crop
 
+    plan = plan or measurement_plan(False)
     cache = adapter.new_cache()
-    kv, q = max(QUICK_KV), max(QUICK_ROWS)
+    kv, q = max(plan.kv_lens), max(plan.rows)
     ids = torch.zeros(kv + q, dtype=torch.long)
     adapter.forward(ids[:kv], torch.arange(kv), torch.ones(kv, kv, dtype=torch.bool).tril(), cache, torch.tensor([0]))
     (sync or (lambda: None))()
@@ -177,7 +240,7 @@ def calibrate(
             log(f"calibrating the forward-cost curve {what}; cached for next runs")
         else:
             log(f"the cached forward-cost curve {what} is noisy ({_spread_text(cached)}): measuring it again")
-    curve = measure_quick(adapter, budget_s)
+    curve = dataclasses.replace(measure_quick(adapter, budget_s), host=measure_host(adapter))
     seconds = time.perf_counter() - start
     if cached is not None and cached.spread <= curve.spread:  # the cached one is the quieter: it stays
         return Calibration(cached, key, "cache", seconds, str(path))

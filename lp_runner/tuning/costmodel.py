@@ -9,7 +9,8 @@ model has three measured inputs and no free parameters:
 * ``RoundShape``s: what each round of a real greedy run planned (candidate lengths, window depth, the winning
   candidate, tokens emitted). Greedy output does not depend on P (LP is exact and plans the same rounds), so one
   P = 1 run gives every rank's rows at any P through the real sharding functions.
-* the per-round communication (all_gather) cost and host overhead, measured elsewhere and passed in.
+* the per-round communication (all_gather) cost, measured elsewhere and passed in, and the host time per round
+  (``HostCost``: the engine's own rounds timed at calibration, a fixed part plus a part per packed row).
 
 ``predict`` turns these into seconds per token; ``benchmarks/scaling.py --simulate`` and ``lp_runner tune`` are
 its users. Every prediction carries the inputs it came from.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -38,13 +39,46 @@ class CurvePoint:
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """Host seconds of one round (plan, layout, verification, publication: everything but the forward and the
+    collective) as a fixed part plus a part per packed row, measured from the engine's own rounds
+    (``calibrate.measure_host``). Why measured: a fixed share of a forward is right for one device only; a fast
+    GPU forward makes the host a large share of every round, and the share grows with the rows a round plans.
+
+    ``through`` fits a line through two measured groups of rounds (their median rows and median host seconds),
+    so a few slow rounds of a busy machine move neither point. Example: rounds of 1 row at 0.3 ms and of 25 rows
+    at 0.9 ms -> row_s = 0.025 ms, round_s = 0.275 ms; seconds(9) = 0.5 ms."""
+
+    round_s: float = 0.0
+    row_s: float = 0.0
+
+    def seconds(self, rows: float) -> float:
+        return self.round_s + self.row_s * rows
+
+    @classmethod
+    def through(cls, groups: Sequence[Sequence[tuple[int, float]]]) -> HostCost:
+        """The line through each group's (median rows, median host seconds); a group is one setting's rounds."""
+        pts = sorted((_median([r for r, _ in g]), _median([h for _, h in g])) for g in groups if g)
+        if not pts:
+            return cls()
+        (r0, h0), (r1, h1) = pts[0], pts[-1]
+        row_s = max((h1 - h0) / (r1 - r0), 0.0) if r1 > r0 else 0.0
+        return cls(max(h0 - row_s * r0, 0.0), row_s)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class CostCurve:
-    """Forward seconds as a function of (rows, logit rows, K/V length); piecewise linear between measurements."""
+    """Forward seconds as a function of (rows, logit rows, K/V length); piecewise linear between measurements.
+    ``host``: the measured host time per round on the same device (None: not measured, priced as zero)."""
 
     points: tuple[CurvePoint, ...]
     # the measurement's noise (repetition_spread): 0.0 where unknown (one repetition, a synthetic curve, a cache
     # entry from before it was recorded)
     spread: float = 0.0
+    host: HostCost | None = None
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -93,11 +127,13 @@ class CostCurve:
         return self.seconds(rows, kv_len=kv_len) / self.seconds(1, kv_len=kv_len)
 
     def to_dict(self) -> dict:
-        return {"points": [asdict(p) for p in self.points], "spread": self.spread}
+        d = {"points": [asdict(p) for p in self.points], "spread": self.spread}
+        return d if self.host is None else {**d, "host": self.host.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostCurve:
-        return cls(tuple(CurvePoint(**p) for p in d["points"]), float(d.get("spread", 0.0)))
+        host = HostCost(**d["host"]) if d.get("host") is not None else None
+        return cls(tuple(CurvePoint(**p) for p in d["points"]), float(d.get("spread", 0.0)), host)
 
     @classmethod
     def linear(cls, one_row_s: float, per_row_s: float, max_rows: int = 512, kv_len: int = 0) -> CostCurve:
@@ -280,7 +316,8 @@ def batched_curve(curve: CostCurve, batch: int) -> CostCurve:
             rows = batch * q
             body = curve.seconds(rows, batch, kv) / batch
             points.append(CurvePoint(kv, q, body, max(curve.seconds(rows, rows, kv) / batch, body)))
-    return CostCurve(tuple(points), curve.spread)
+    host = curve.host and HostCost(curve.host.round_s / batch, curve.host.row_s)  # the round's fixed part is shared
+    return CostCurve(tuple(points), curve.spread, host)
 
 
 @dataclass(frozen=True)
@@ -364,14 +401,15 @@ def predict(
     curve: CostCurve,
     world_size: int = 1,
     allgather_2_s: float = 0.0,
-    host_s_per_round: float = 0.0,
+    host_s_per_round: float | HostCost = 0.0,
     skip_prefill: bool = True,
     row_plan: RowPlan | None = None,
 ) -> Prediction:
     """Seconds for the recorded rounds at P = ``world_size``: per round the slowest rank's forward (each rank
-    waits for it in the all_gather), plus communication and host time. The prefill round is left out by default:
-    it is the same for every method and only prompt-length dependent. With ``row_plan`` each rank's round costs
-    what the engine runs: its rows padded as the plan says (the same function the engine calls)."""
+    waits for it in the all_gather), plus communication and host time (a ``HostCost`` prices each round at the
+    busiest rank's own rows). The prefill round is left out by default: it is the same for every method and only
+    prompt-length dependent. With ``row_plan`` each rank's round costs what the engine runs: its rows padded as
+    the plan says (the same function the engine calls)."""
     per_round = rank_rows(shapes, world_size)
     first = 1 if skip_prefill and len(shapes) > 1 else 0
     fwd = 0.0
@@ -385,18 +423,20 @@ def predict(
         rows_max += max(q for q, _ in ranks)
     rounds = len(shapes) - first
     tokens = sum(s.emitted for s in shapes[first:])
+    host = host_s_per_round if isinstance(host_s_per_round, HostCost) else HostCost(host_s_per_round)
     return Prediction(
         world_size=world_size,
         rounds=rounds,
         tokens=tokens,
         forward_s=fwd,
         comm_s=rounds * comm_seconds(world_size, allgather_2_s),
-        host_s=rounds * host_s_per_round,
+        host_s=rounds * host.round_s + rows_max * host.row_s,
         mean_rows_max_rank=rows_max / rounds if rounds else 0.0,
         inputs={
             "allgather_2_rank_us": round(1e6 * allgather_2_s, 1),
             "comm_assumption": "ring all_gather: (P - 1) x the measured 2-rank latency",
-            "host_us_per_round": round(1e6 * host_s_per_round, 1),
+            "host_us_per_round": round(1e6 * host.round_s, 1),
+            "host_us_per_row": round(1e6 * host.row_s, 3),
             "curve_kv_lens": curve.kv_lens,
         },
     )
@@ -416,3 +456,17 @@ def shapes_from_records(records: Sequence, window_size: int) -> list[RoundShape]
         )
         for r in records
     ]
+
+
+def as_one_rank(shapes: Sequence[RoundShape], prompt_len: int) -> list[RoundShape]:
+    """A generation's shapes as P = 1 would have run them, from any rank's records: the plan, the winner and the
+    emitted tokens are the same at every P (LP is exact and plans the same rounds), but a rank's own K/V length
+    and ordinary rows are not (a rank that did not own the last winner re-feeds its tokens). Every rank of a job
+    turns its records into the same shapes, so choices priced on them agree (the auto preset's window rounds).
+    At P = 1: round 0 feeds the prompt from an empty cache; round i > 0 feeds the live key alone, after
+    prompt_len - 1 + the tokens emitted before it."""
+    out, kv = [], 0
+    for i, s in enumerate(shapes):
+        out.append(replace(s, kv_len=kv, ordinary=prompt_len if i == 0 else 1))
+        kv = (prompt_len - 1 if i == 0 else kv) + s.emitted
+    return out

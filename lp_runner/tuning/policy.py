@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lp_runner.config import Config, LookaheadConfig, internal_key
 from lp_runner.tuning.calibrate import Calibration, calibrate, shared_calibration
-from lp_runner.tuning.costmodel import RowPlan, batched_curve
+from lp_runner.tuning.costmodel import RowPlan, as_one_rank, batched_curve, shapes_from_records
 from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset
 from lp_runner.tuning.search import describe
 
@@ -69,9 +69,23 @@ class RoundPolicy:
             pinned = tuple(k for k in cfg.explicit if internal_key(k) in shape)
         return cls(auto.lookahead if auto else la, row_plan, cal, auto, pinned=pinned, batch=batch)
 
-    def observe(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> bool:
-        """After a generation: True when the next one uses another setting (the auto preset adapted)."""
-        if self.auto is None or not self.auto.observe(prompt_ids, output_ids):
+    def observe(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        records: Sequence = (),
+        ran: LookaheadConfig | None = None,
+    ) -> bool:
+        """After a generation: True when the next one uses another setting (the auto preset adapted).
+        ``records``: its rounds (``GenerationStats.records``) and ``ran`` the setting they ran (default: the
+        current one); a window setting's rounds are the job's own window statistics (``AutoPreset.observe``)."""
+        if self.auto is None:
+            return False
+        ran = ran or self.lookahead
+        own = ran == self.lookahead and ran.lookahead_branch and records
+        # as P = 1 ran them: every rank holds the same shapes, so every rank makes the same choice
+        shapes = as_one_rank(shapes_from_records(records, ran.window_size), len(prompt_ids)) if own else None
+        if not self.auto.observe(prompt_ids, output_ids, shapes):
             return False
         self.lookahead = self.auto.lookahead
         return True

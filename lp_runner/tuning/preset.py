@@ -1,25 +1,34 @@
 """``lookahead.preset: auto``: choose the round shape from this device's measured forward-cost curve.
 
-The tuner's model (``costmodel.predict``: recorded round shapes priced by a measured curve), made fast enough
-to run at start-up. Its expensive part, running every considered setting on the model to learn its round
-shapes, is replaced where it can be by a simulation that needs no model at all:
+The quick mode of the one search (``tuning/search.py``: the same knob space, pricing, host-time model and gain
+rule as ``lp_runner tune``), fast enough to run at start-up. Its expensive part, running every considered
+setting on the model to learn its round shapes, is replaced where it can be by a simulation that needs no model:
 
 * Greedy output does not depend on the setting (every setting is exact), and without the Jacobi window a
   round's plan depends only on the committed tokens (pool and context index are fed the committed text, the
   adaptive context lengths the verdicts). So given a prompt and the model's output, ``simulate`` replays the
   real ``Coordinator`` round by round, verifies each candidate against the known output (the longest common
   prefix is what the model would accept), and yields exactly the round shapes the engine would produce
-  (``tests/test_preset.py`` checks this against real runs). One setting over a few thousand tokens takes
+  (``tests/tuning/test_preset.py`` checks this against real runs). One setting over a few thousand tokens takes
   milliseconds, so a coordinate search over dozens of settings fits in a second or two.
-* Jacobi-window rounds depend on the model's own trajectory guesses: they cannot be simulated, so the package
-  ships the round shapes of a few window settings recorded once with the embedded model on the calibration
-  prompts (``lp_runner/tuning/data/acceptance.json``, made by ``benchmarks/record_acceptance.py``), priced by the
-  same live curve.
+* Jacobi-window rounds depend on the model's own trajectory guesses: they cannot be simulated. Where their
+  payoff comes from, and why: the job's own window rounds. The start-up choice prices the window settings the
+  package ships recorded (``lp_runner/tuning/data/acceptance.json``, made by ``benchmarks/record_acceptance.py``
+  with the embedded model: W-N-G up to 15-7-15); they only decide whether the job *tries* the window. A job that
+  runs a window records every round it runs (``observe(shapes=...)``), and each re-choice prices that window
+  setting from this job's own rounds, on this model and these prompts, against the window-off settings
+  simulated on the same job's outputs: a model whose window does not pay drops it after its first few hundred
+  tokens. This costs no forward the job does not run anyway; recording windows per model at first use would
+  cost every new model minutes of forwards before its first token on a CPU, where the window cannot pay, and it
+  needs prompts in the model's own tokenizer. What it cannot do: try the window for a model whose window pays
+  where the shipped recording says it does not (on a curve where rows are nearly free every recorded window
+  pays; on a CPU none does).
 
 The samples start as the shipped calibration outputs (SmolLM2-135M-Instruct on prompts kept apart from every
 benchmark prompt) and are replaced by this job's own outputs as they are generated (``AutoPreset.observe``):
 the search is re-run on what this model actually writes for this job. Every choice is a pure function of the
-curve and the committed tokens, so every LP rank makes the same one.
+curve (with its measured host time, rank 0's on every rank) and the committed tokens, so every LP rank makes the
+same one.
 """
 
 from __future__ import annotations
@@ -39,35 +48,26 @@ from lp_runner.config import LookaheadConfig, check_lookahead
 from lp_runner.decoding.coordinator import Coordinator
 from lp_runner.decoding.job_store import JobPool, StoreView, store_views
 from lp_runner.errors import ConfigError
-from lp_runner.tuning.costmodel import CostCurve, RoundShape, RowPlan, predict
+from lp_runner.tuning.costmodel import CostCurve, RoundShape, RowPlan
 from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
-from lp_runner.tuning.search import coordinate_search, describe
+from lp_runner.tuning.search import MIN_GAIN, QUICK_KNOBS, Scored, coordinate_search, describe, price, space_of
 
-# Knobs the start-up search moves (window off), in search order, with the values tried. The row cap is the
-# knob that meets the curve: with padding, a cap of (cheap row count - 1) makes long proposals free.
-AUTO_SPACE: dict[str, tuple] = {
-    "verification_set_size": (0, 1, 2, 3, 4),  # 0: plain decoding, where no proposal pays for its rows
-    "max_verify_rows": (0, 1, 2, 3, 4, 5, 7, 9, 11, 15, 23, 31),
-    "long_match_ngram": (0, 2, 3),
-    "long_match_rows": (0, 4, 7, 11, 15),
-    "context_tokens": (4, 6, 10, 16),
-}
+AUTO_SPACE: dict[str, tuple] = space_of(QUICK_KNOBS)  # the start-up search's share of the one knob space
 # The same knobs for generations that share their forwards (``run.batch`` > 1, priced on ``costmodel.batched_curve``),
 # the row cap first: there a speculative row costs a share of a forward of B x rows, and from the defaults (G=7,
 # no cap) a search that tries G first finds plain decoding (G=0) better than long uncapped candidates, after which
-# every proposal knob is inert and a short cap is never tried. On the 2-thread curve of this project's EPYC the
-# row cap first chose G=7 rows<=2 at batch 4 and rows<=1 at batch 8 (predicted 3.1x and 5.0x one prompt at a
-# time's tokens/s, against G=0's 2.5x and 4.4x); at batch 1 the two orders choose settings 0.1% apart.
-BATCH_AUTO_SPACE: dict[str, tuple] = {
-    k: AUTO_SPACE[k]
-    for k in ("max_verify_rows", "verification_set_size", "long_match_ngram", "long_match_rows", "context_tokens")
-}
+# every proposal knob is inert and a short cap is never tried.
+BATCH_AUTO_SPACE: dict[str, tuple] = space_of(
+    ("max_verify_rows", "verification_set_size", "long_match_ngram", "long_match_rows", "context_tokens")
+)
 # set in a config, they still leave every round-shape knob free (the job store's scope and bound are the job's,
 # whichever setting runs)
 NOT_ROUND_SHAPE = {"preset", "pad_rows", "pool_scope", "pool_max_tokens"}
-AUTO_MIN_GAIN = 0.01  # a knob moves only on a predicted gain above 1% (predictions carry noise of the curve)
-HOST_SHARE = 0.02  # host time per round as a share of a one-row forward (measured: ~2% in every configuration)
 ADAPT_AFTER_TOKENS = (256, 1024, 4096)  # re-choose from this job's outputs once this many tokens were written
+# a window running is re-judged from its own rounds once they cover this many output tokens: on fewer, one
+# prompt's kind decides (of the shipped samples the first two, code that repeats its prompt, favour the window
+# off on a flat curve, the other six the window)
+WINDOW_EVIDENCE_TOKENS = 1024
 MAX_SAMPLE_TOKENS = 4096  # the search reads at most this many recent output tokens (bounds its time)
 
 
@@ -196,19 +196,6 @@ class Choice:
         }
 
 
-def _price(
-    shapes: Sequence[Sequence[RoundShape]], curve: CostCurve, row_plan: RowPlan, host_s: float, world_size: int = 1
-) -> tuple[float, float]:
-    """(predicted ms per token, tokens per forward) of recorded or simulated rounds, prefill rounds excluded,
-    replayed at ``world_size`` ranks (communication left out: one small all_gather per round for every setting)."""
-    seconds = tokens = rounds = 0
-    for prompt in shapes:
-        p = predict(prompt, curve, world_size, 0.0, host_s, row_plan=row_plan)
-        seconds, tokens, rounds = seconds + p.seconds, tokens + p.tokens, rounds + p.rounds
-    ms = 1e3 * seconds / tokens if tokens else float("inf")
-    return ms, (tokens / rounds if rounds else 0.0)
-
-
 @collector_paused()
 def search(
     base: LookaheadConfig,
@@ -223,46 +210,21 @@ def search(
 ) -> Choice:
     """The setting with the lowest predicted time per token on ``samples`` under ``curve``.
 
-    Window-off settings: a coordinate search over ``AUTO_SPACE`` (knobs in ``pinned`` keep ``base``'s value),
-    priced by simulation. Window settings: each ``recorded`` one whose values agree with every pinned knob,
-    priced from its recorded shapes. The lowest prediction wins; with nothing admissible (the pins rule out every
-    candidate) ``base`` is returned as it is.
+    ``search.coordinate_search`` over ``space`` (knobs in ``pinned`` keep ``base``'s value) from ``base`` with
+    the window off, each setting priced by simulation; then each ``recorded`` window setting that agrees with
+    every pinned knob, priced from its recorded shapes, replaces the winner under the same gain rule
+    (``search.MIN_GAIN``). Priced by ``search.price`` at P = ``world_size`` with the curve's measured host time;
+    communication left out (one small all_gather per round for every setting). With nothing admissible (the pins
+    rule out every candidate) ``base`` is returned as it is.
     """
     space = AUTO_SPACE if space is None else space
     pinned = set(pinned) - NOT_ROUND_SHAPE
-    host_s = HOST_SHARE * curve.seconds(1, kv_len=curve.kv_lens[0])
-    priced: dict[tuple, tuple[float, float]] = {}
+    priced: dict[tuple, tuple[Scored, str]] = {}
     views: dict[int, list[StoreView] | None] = {}  # per store bound: one store for every setting, read in views
-
-    def evaluate(la: LookaheadConfig) -> tuple[float, int] | None:
-        key = dataclasses.astuple(la)
-        if key not in priced:
-            # under pool_scope: job the engine's store proposes too: the samples in order, each seeing the
-            # store of the samples before it
-            stores: list[JobPool | StoreView | None] = [None] * len(samples)
-            if la.pool_scope == "job":
-                if la.pool_max_tokens not in views:
-                    views[la.pool_max_tokens] = store_views(
-                        [(s.prompt_ids, s.output_ids) for s in samples], la.pool_max_tokens
-                    )
-                # where the samples fill the store it evicts: this setting's own store, grown sample by sample
-                stores = views[la.pool_max_tokens] or [JobPool(la.pool_max_tokens)] * len(samples)
-            shapes = [simulate(la, s, store) for s, store in zip(samples, stores, strict=True)]
-            priced[key] = _price(shapes, curve, row_plan, host_s, world_size)
-        return priced[key][0], 1
-
-    options: list[tuple[float, float, LookaheadConfig, str]] = []
-    if not base.lookahead_branch or "lookahead_branch" not in pinned:
-        start = dataclasses.replace(base, lookahead_branch=False, preset="off")
-        free = {k: v for k, v in space.items() if k not in pinned}
-        best, _ = coordinate_search(start, evaluate, free, max_passes=3, min_gain=AUTO_MIN_GAIN)
-        evaluate(best)
-        ms, tpf = priced[dataclasses.astuple(best)]
-        options.append((ms, tpf, best, "simulated"))
+    windows: dict[tuple, Recorded] = {}
     for rec in recorded:
         if any(getattr(rec.lookahead, k) != getattr(base, k) for k in pinned):
             continue
-        ms, tpf = _price(rec.shapes, curve, row_plan, host_s, world_size)
         adopted = dataclasses.replace(  # padding and the job store: the config's
             rec.lookahead,
             preset="off",
@@ -270,17 +232,56 @@ def search(
             pool_scope=base.pool_scope,
             pool_max_tokens=base.pool_max_tokens,
         )
-        options.append((ms, tpf, adopted, f"recorded {rec.name}"))
+        windows[dataclasses.astuple(adopted)] = dataclasses.replace(rec, lookahead=adopted)
+
+    def shapes_of(la: LookaheadConfig) -> tuple[Sequence[Sequence[RoundShape]], str]:
+        if la.lookahead_branch:
+            rec = windows[dataclasses.astuple(la)]
+            return rec.shapes, f"recorded {rec.name}"
+        # under pool_scope: job the engine's store proposes too: the samples in order, each seeing the store of
+        # the samples before it
+        stores: list[JobPool | StoreView | None] = [None] * len(samples)
+        if la.pool_scope == "job":
+            if la.pool_max_tokens not in views:
+                views[la.pool_max_tokens] = store_views(
+                    [(s.prompt_ids, s.output_ids) for s in samples], la.pool_max_tokens
+                )
+            # where the samples fill the store it evicts: this setting's own store, grown sample by sample
+            stores = views[la.pool_max_tokens] or [JobPool(la.pool_max_tokens)] * len(samples)
+        return [simulate(la, s, store) for s, store in zip(samples, stores, strict=True)], "simulated"
+
+    def evaluate(la: LookaheadConfig) -> tuple[float, int] | None:
+        key = dataclasses.astuple(la)
+        if key not in priced:
+            if la.lookahead_branch and key not in windows:
+                return None  # a window setting nobody recorded cannot be priced here
+            shapes, how = shapes_of(la)
+            priced[key] = (price(la, shapes, curve, world_size, 0.0, None, row_plan), how)
+        return priced[key][0].ms_per_token, 1
+
+    extra, off = [rec.lookahead for rec in windows.values()], None
+    if not base.lookahead_branch or "lookahead_branch" not in pinned:
+        start = dataclasses.replace(base, lookahead_branch=False, preset="off")
+        free = {k: v for k, v in space.items() if k not in pinned}
+        off, _ = coordinate_search(start, evaluate, free, max_passes=3, min_gain=MIN_GAIN)
+        best, _ = coordinate_search(off, evaluate, {}, min_gain=MIN_GAIN, extra=extra)  # the window: same rule
+    else:  # the window pinned on: only recorded window settings are admissible
+        best = min(extra, key=lambda la: evaluate(la)[0], default=None)
     curve_ms = {p.rows: 1e3 * p.body_s for p in curve.points if p.kv_len == curve.kv_lens[-1]}
-    if not options:
+    if best is None:
         return Choice(base, float("inf"), 0.0, sample_source, 0, "every candidate contradicts a pinned knob", curve_ms)
-    ms, tpf, la, how = min(options, key=lambda o: o[0])
-    check_lookahead(la)
-    runner_up = sorted(options, key=lambda o: o[0])[1:2]
+    evaluate(best)
+    check_lookahead(best)
+    chosen, how = priced[dataclasses.astuple(best)]
+    # the runner-up among the window-off search's winner and the window settings
+    options = [priced[dataclasses.astuple(off)]] if off is not None else []
+    options += [priced[k] for k in windows if k in priced]
+    others = sorted((v for v in options if v[0].lookahead != best), key=lambda v: v[0].ms_per_token)
     why = f"lowest predicted ms/token ({how})"
-    if runner_up:
-        why += f"; next: {describe(runner_up[0][2])} at {runner_up[0][0]:.1f} ms/token ({runner_up[0][3]})"
-    return Choice(la, ms, tpf, sample_source, len(priced) + len(recorded), why, curve_ms)
+    if others:
+        nxt, nxt_how = others[0]
+        why += f"; next: {describe(nxt.lookahead)} at {nxt.ms_per_token:.1f} ms/token ({nxt_how})"
+    return Choice(best, chosen.ms_per_token, chosen.tokens_per_forward, sample_source, len(priced), why, curve_ms)
 
 
 @lru_cache(maxsize=1)
@@ -333,7 +334,9 @@ class AutoPreset:
 
     ``observe`` after every generation; ``lookahead`` is the setting for the next one. Re-chosen when the job's
     output tokens first reach each of ``ADAPT_AFTER_TOKENS``, from the most recent ``MAX_SAMPLE_TOKENS``; a job
-    whose choice holds the Jacobi window keeps it (window rounds cannot be simulated from outputs).
+    whose choice holds the Jacobi window prices it from its own window rounds, once they cover
+    ``WINDOW_EVIDENCE_TOKENS``, and keeps it only where they beat the window-off settings simulated on the same
+    outputs (window rounds cannot be simulated).
 
     ``cache_root``: where the start-up choice is kept for the next job with the same inputs (``startup_key``).
     It is a pure function of them, and the search took 4.7 s of every start on a 2-core EPYC (Zen 3): 53
@@ -360,32 +363,47 @@ class AutoPreset:
         self.choice, self.from_cache = self._startup_choice(cache_root)
         self.history: list[Choice] = [self.choice]
         self._observed: list[Sample] = []
+        self._window_rounds: list[tuple[RoundShape, ...]] = []  # this job's rounds of the window setting running
+        self._window_tokens = 0  # the output tokens they made
         self._tokens = 0
 
     @property
     def lookahead(self) -> LookaheadConfig:
         return self.choice.lookahead
 
-    def observe(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> bool:
-        """Add a finished generation; returns True when the setting for the next one changed."""
+    def observe(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], shapes: Sequence[RoundShape] | None = None
+    ) -> bool:
+        """Add a finished generation; returns True when the setting for the next one changed. ``shapes``: the
+        rounds it ran (``costmodel.shapes_from_records``); those of a window setting are this job's own window
+        statistics, which price that setting at the next re-choice (see the module docstring)."""
         if not output_ids:
             return False
+        if self.lookahead.lookahead_branch and shapes:
+            self._window_rounds.append(tuple(shapes))
+            self._window_tokens += len(output_ids)
         before = self._tokens
         self._observed.append(Sample(tuple(prompt_ids), tuple(output_ids)))
         self._tokens += len(output_ids)
-        crossed = any(before < t <= self._tokens for t in ADAPT_AFTER_TOKENS)
-        if not crossed or self.lookahead.lookahead_branch:
+        if not any(before < t <= self._tokens for t in ADAPT_AFTER_TOKENS):
             return False
+        if self.lookahead.lookahead_branch and self._window_tokens < WINDOW_EVIDENCE_TOKENS:
+            return False  # too few of its own rounds (or none observed) to judge the window: it stays
         recent, count = [], 0
         for s in reversed(self._observed):
             if count >= MAX_SAMPLE_TOKENS:
                 break
             recent.append(s)
             count += len(s.output_ids)
-        choice = self._search(recent[::-1], (), "observed")
+        own: tuple[Recorded, ...] = ()
+        if self.lookahead.lookahead_branch:  # the window setting that ran, priced from its own rounds
+            own = (Recorded("this job's rounds", self.lookahead, tuple(self._window_rounds[-len(recent) :])),)
+        choice = self._search(recent[::-1], own, "observed")
         changed = choice.lookahead != self.choice.lookahead
         self.choice = choice
         self.history.append(choice)
+        if changed:
+            self._window_rounds, self._window_tokens = [], 0
         return changed
 
     def _startup_choice(self, cache_root: Path | None) -> tuple[Choice, bool]:

@@ -1,18 +1,22 @@
-"""The one search over lookahead settings: a coordinate search that improves one knob at a time.
+"""The one search over lookahead settings: one knob space, one coordinate search, one pricing, one gain rule.
 
-Two callers price its candidates two ways. ``lp_runner tune`` (``cli/tune.py``) runs each setting greedily on
-calibration prompts and prices the recorded round shapes on a measured cost curve (``tune``: thorough, minutes).
-The start-up preset (``tuning/preset.py``) prices settings without running the model, by simulating window-off
-rounds from outputs it already has (``preset.simulate``: seconds). Both use ``coordinate_search`` and price
-with ``costmodel.predict``; ``describe`` names a setting in one line for both.
+A setting is priced the same way everywhere: its rounds' shapes (``costmodel.RoundShape``) replayed at P ranks
+on this device's measured forward-cost curve, plus the measured host time per round (``costmodel.HostCost``,
+timed from the engine's own rounds by ``calibrate.measure_host``) and the all_gather at P > 1 (``price``). The
+search improves one knob at a time over ``SPACE`` and moves only on a predicted gain above ``MIN_GAIN``
+(``coordinate_search``). What differs between the two callers is only where a setting's round shapes come from,
+and so how much of the space each can afford:
 
-Steps of ``tune``:
-1. run each considered setting greedily on the calibration prompts and record every round's shape (greedy
-   output, and so the shapes, depend only on the setting, not on timing noise);
-2. predict seconds per token = (forward cost of each round from the curve at its rows and K/V length + the
-   setting's measured host time + communication at P > 1) / tokens;
-3. coordinate search, once per P: improve one knob at a time from the base setting until a full pass changes
-   nothing (the searches share the calibration runs).
+* quick, at start-up (``tuning/preset.py``, every job): a window-off setting's shapes are *simulated* from outputs
+  already known (the shipped samples, then the job's own; no model, milliseconds per setting), so the search
+  moves the proposal knobs of ``QUICK_KNOBS`` in seconds; window settings, whose rounds depend on the model's own
+  guesses, are priced from recorded rounds and offered to the same search as ``extra`` candidates. Quick because
+  every job pays for it before its first token.
+* thorough, offline (``lp_runner tune``, ``cli/tune.py``): every setting, the window's included, is *run* on the
+  model over calibration prompts (``calibrate_setting``: the real shapes, minutes), over every knob of ``SPACE``
+  and at every P asked for (the split, ``tuning/split.py``, is priced from the per-P winners). Running is what
+  makes it thorough: window settings of any W, N, G are measured, not taken from a recording, and the chosen
+  setting's shapes and host time were measured on the model, so the choice is validated by construction.
 """
 
 from __future__ import annotations
@@ -24,25 +28,42 @@ from dataclasses import dataclass, field
 
 from lp_runner.config import LookaheadConfig, check_lookahead, inert_knobs
 from lp_runner.errors import ConfigError
-from lp_runner.tuning.costmodel import CostCurve, RoundShape, RowPlan, predict, shapes_from_records
+from lp_runner.tuning.costmodel import CostCurve, HostCost, RoundShape, RowPlan, predict, shapes_from_records
 
-# Knobs in search order, each with the values tried. W only matters when the lookahead branch is on.
-DEFAULT_SPACE: dict[str, tuple] = {
+# The knob space: knobs in search order, each with the values tried. W only matters when the window is on; the
+# window reaches W = G = 15 and N = 7 (where rows are nearly free, as on a GPU, wide windows pay). The row cap
+# is the knob that meets the curve: with padding, a cap of (cheap row count - 1) makes long proposals free.
+SPACE: dict[str, tuple] = {
     "lookahead_branch": (False, True),
-    "verification_set_size": (0, 1, 2, 3, 4, 6),
-    "max_verify_rows": (0, 2, 3, 4, 6, 8),
+    "verification_set_size": (0, 1, 2, 3, 4, 6, 7, 10, 15),  # 0: plain decoding, where no proposal pays its rows
+    "max_verify_rows": (0, 1, 2, 3, 4, 5, 7, 9, 11, 15, 23, 31),
     "long_match_ngram": (0, 2, 3, 4),
-    "long_match_rows": (0, 4, 6, 8, 12),
-    "context_tokens": (2, 3, 4, 6, 8, 10, 14, 20),
+    "long_match_rows": (0, 4, 7, 11, 15),
+    "context_tokens": (2, 3, 4, 6, 8, 10, 14, 16, 20),
     "context_max_ngram": (1, 2, 3, 4),
     "context_min_ngram": (1, 2, 3),
-    "window_size": (2, 3, 4, 5, 7),
-    "ngram_size": (3, 4, 5),
+    "window_size": (2, 3, 4, 5, 7, 10, 15),
+    "ngram_size": (3, 4, 5, 6, 7),
     "pool_from_prompt": (False, True),
     "pool_from_output": (False, True),
     "candidate_policy": ("context_first", "pool_first"),
 }
 WINDOW_KNOBS = ("window_size",)  # N also sets the pool's suffix length, so it matters without the window
+# The knobs the quick (start-up) search moves, in its order: the proposal knobs that decide a window-off round's
+# rows. The window is offered to it as recorded settings (``preset``); the pool and context-length knobs are left
+# to ``lp_runner tune``: a start-up search of every knob would cost every job several times as long.
+QUICK_KNOBS = ("verification_set_size", "max_verify_rows", "long_match_ngram", "long_match_rows", "context_tokens")
+# A knob moves only on a predicted gain above this, in both modes: predictions carry the curve's noise, and
+# calibration samples are not the prompts a setting will serve. Why 1% and not 2%: the search is path
+# dependent, and a step of 1-2% can open the way to a larger gain (on two of four quiet curves of the embedded
+# model on a 2-core CPU, 2% stopped the start-up search 4% short of what 1% reached); ``lp_runner tune
+# --min-gain`` raises it where held-back prompts disagree (on SmolLM2 one predicted 1.9% gain measured -3%).
+MIN_GAIN = 0.01
+
+
+def space_of(knobs: Sequence[str]) -> dict[str, tuple]:
+    """``SPACE`` restricted to ``knobs``, in their order."""
+    return {k: SPACE[k] for k in knobs}
 
 
 @dataclass
@@ -79,18 +100,26 @@ class TuneResult:
     per_workers: dict[int, Scored] = field(default_factory=dict)  # the best setting found at each P
 
 
-def score(
-    cal: SettingRun, curve: CostCurve, workers: int, allgather_2_s: float, row_plan: RowPlan | None = None
+def price(
+    la: LookaheadConfig,
+    shapes: Sequence[Sequence[RoundShape]],
+    curve: CostCurve,
+    workers: int = 1,
+    allgather_2_s: float = 0.0,
+    host: HostCost | None = None,
+    row_plan: RowPlan | None = None,
 ) -> Scored:
-    """Predicted ms per token of a calibrated setting at P = ``workers`` (prefill rounds excluded); with
-    ``row_plan`` each round is priced at the row count the engine pads it to."""
-    preds = [predict(s, curve, workers, allgather_2_s, cal.host_s_per_round, row_plan=row_plan) for s in cal.shapes]
+    """Predicted ms per token of a setting's rounds (per prompt) at P = ``workers``, prefill rounds excluded; with
+    ``row_plan`` each round is priced at the row count the engine pads it to. ``host``: the measured host time
+    (default: the curve's own, ``calibrate.measure_host``)."""
+    host = host or curve.host or HostCost()
+    preds = [predict(s, curve, workers, allgather_2_s, host, row_plan=row_plan) for s in shapes]
     seconds = sum(p.seconds for p in preds)
     tokens = sum(p.tokens for p in preds)
     rounds = sum(p.rounds for p in preds)
     rows = sum(p.mean_rows_max_rank * p.rounds for p in preds)
     return Scored(
-        lookahead=cal.lookahead,
+        lookahead=la,
         workers=workers,
         ms_per_token=1e3 * seconds / tokens if tokens else float("inf"),
         tokens_per_forward=tokens / rounds if rounds else 0.0,
@@ -111,15 +140,17 @@ def coordinate_search(
     space: dict[str, Sequence] | None = None,
     max_passes: int = 3,
     min_gain: float = 0.0,
+    extra: Sequence[LookaheadConfig] = (),
 ) -> tuple[LookaheadConfig, dict[tuple, tuple[LookaheadConfig, float, int]]]:
     """Improve one knob at a time; ``evaluate`` returns (ms per token, workers) or None for an invalid setting.
 
     Returns the best setting and every evaluation (memoised by behaviour, so each distinct setting runs once).
-    The search moves only on a predicted gain larger than ``min_gain`` (relative): predictions carry measured
-    host time, and calibration prompts are not the prompts a config will serve. ``tune`` uses 2%: on SmolLM2 a
-    predicted 3.5% gain held on held-back prompts (+4% measured, twice) and a predicted 1.9% gain did not (-3%).
+    The search moves only on a predicted gain larger than ``min_gain`` (relative; both callers pass
+    ``MIN_GAIN``). ``extra``: whole settings tried after the passes under the same rule (the quick search's
+    recorded window settings, which it cannot reach one knob at a time); a knob the caller pins is simply left
+    out of ``space``, and an ``extra`` setting that contradicts a pin is the caller's to leave out.
     """
-    space = DEFAULT_SPACE if space is None else space
+    space = SPACE if space is None else space
     seen: dict[tuple, tuple[LookaheadConfig, float, int]] = {}
 
     def value(la: LookaheadConfig) -> float:
@@ -149,6 +180,10 @@ def coordinate_search(
                         best, best_v, changed = cand, cv, True
         if not changed:
             break
+    for cand in extra:
+        cv = value(cand)
+        if cv < best_v * (1.0 - min_gain):
+            best, best_v = cand, cv
     return best, seen
 
 
@@ -163,7 +198,8 @@ def _moves(best: LookaheadConfig, knob: str, v, space: dict[str, Sequence]) -> l
 
 
 def calibrate_setting(adapter, prompts: Sequence[Sequence[int]], la: LookaheadConfig, gen, eos_ids) -> SettingRun:
-    """Run one setting greedily on the calibration prompts (P = 1; shapes at other P are replayed)."""
+    """Run one setting greedily on the calibration prompts (P = 1; shapes at other P are replayed): the thorough
+    mode's source of shapes, and its measured host and forward time per round (logged beside the prediction)."""
     from lp_runner.decoding.engine import LookaheadEngine
 
     engine = LookaheadEngine(adapter, la, gen, eos_ids)
@@ -191,13 +227,16 @@ def tune(
     space: dict[str, Sequence] | None = None,
     log: Callable[[str], None] = lambda s: None,
     max_passes: int = 3,
-    min_gain: float = 0.02,
+    min_gain: float = MIN_GAIN,
+    host: HostCost | None = None,
 ) -> TuneResult:
-    """Search settings by predicted time per token on ``prompts``, once per P in ``workers``.
+    """The thorough search: settings run on ``prompts`` and priced by predicted time per token, once per P in
+    ``workers``.
 
     Each P gets its own coordinate search from ``base`` (the best setting at P = 4 may run a wider window than the
     best at P = 1); the searches share the calibration runs, so a setting two searches visit runs once and is
-    priced at every P. ``best`` is the fastest of the per-P winners (ties: the smaller P)."""
+    priced at every P. ``best`` is the fastest of the per-P winners (ties: the smaller P). ``host``: the measured
+    host time (``calibrate.measure_host``; default the curve's own), the same model the start-up preset prices."""
     scored: dict[tuple, list[Scored]] = {}  # per behaviour key: the setting priced at every P, in ``workers`` order
 
     def options(la: LookaheadConfig) -> list[Scored]:
@@ -206,12 +245,13 @@ def tune(
             start = time.perf_counter()
             cal = calibrate_setting(adapter, prompts, la, gen, eos_ids)
             row_plan = RowPlan.from_curve(curve) if la.pad_rows else None
-            scored[k] = [score(cal, curve, p, allgather_2_s, row_plan) for p in workers]
+            scored[k] = [price(la, cal.shapes, curve, p, allgather_2_s, host, row_plan) for p in workers]
             first = scored[k][0]
             priced = "  ".join(f"P={s.workers} {s.ms_per_token:7.2f}" for s in scored[k])
             log(
                 f"{describe(la):58s} tokens/forward {first.tokens_per_forward:5.2f}  rows {first.mean_rows:5.1f}  "
-                f"predicted {priced} ms/token  ({time.perf_counter() - start:.0f} s)"
+                f"predicted {priced} ms/token  (host measured {1e6 * cal.host_s_per_round:.0f} us/round; "
+                f"{time.perf_counter() - start:.0f} s)"
             )
         return scored[k]
 

@@ -263,6 +263,8 @@ def test_tune_command_writes_a_loadable_config(tmp_path):
     assert data["best"]["ms_per_token"] <= data["base"]["ms_per_token"]
     assert dataclasses.asdict(cfg.lookahead) == data["best"]["lookahead"]
     assert "predicted" in out.read_text().splitlines()[2]
+    host = data["curve"]["host"]  # measured on the model (the --curve file has none), as calibration measures it
+    assert host["round_s"] >= 0 and host["row_s"] >= 0 and "host time per round" in proc.stderr
 
 
 def test_tune_command_bad_input(tmp_path):
@@ -378,7 +380,7 @@ def test_declared_inert_knobs_change_no_round(base: LookaheadConfig) -> None:
     space gives the same round shapes. A wrong declaration would let the tuner skip a setting that differs."""
     from lp_runner.config import inert_knobs
     from lp_runner.tuning.preset import shipped_prior, simulate
-    from lp_runner.tuning.search import DEFAULT_SPACE
+    from lp_runner.tuning.search import SPACE
 
     samples = shipped_prior().samples[:3]
 
@@ -390,13 +392,13 @@ def test_declared_inert_knobs_change_no_round(base: LookaheadConfig) -> None:
     reference = shapes(base)
     tried = 0
     for knob in sorted(inert):
-        for value in DEFAULT_SPACE.get(knob, ()):
+        for value in SPACE.get(knob, ()):
             other = dataclasses.replace(base, **{knob: value})
             if knob in inert_knobs(other) or other == base:
                 tried += 1
                 assert shapes(other) == reference, (knob, value)
     assert tried > 0
-    active = [k for k in DEFAULT_SPACE if k not in inert and k not in ("lookahead_branch", "window_size")]
+    active = [k for k in SPACE if k not in inert and k not in ("lookahead_branch", "window_size")]
     assert any(  # and the check can tell: some knob it calls active does change the rounds
-        shapes(dataclasses.replace(base, **{k: v})) != reference for k in active for v in DEFAULT_SPACE[k]
+        shapes(dataclasses.replace(base, **{k: v})) != reference for k in active for v in SPACE[k]
     )
