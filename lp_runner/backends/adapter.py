@@ -46,7 +46,14 @@ from lp_runner.backends.attention import (
 from lp_runner.backends.cpu import native_layers as native_layer_path
 from lp_runner.backends.cpu.native_layers import NATIVE_LAYERS_SUFFIX, install_native_layers
 from lp_runner.backends.cpu.prepack import linear_kernels
-from lp_runner.backends.kv_cache import AppendBufferLayer, StaticBufferLayer, kv_head_shape, static_capacity
+from lp_runner.backends.kv_cache import (
+    AppendBufferLayer,
+    StaticBufferLayer,
+    allocate_arena,
+    kv_head_shape,
+    shared_arena,
+    static_capacity,
+)
 from lp_runner.errors import LPError
 
 if TYPE_CHECKING:
@@ -138,7 +145,7 @@ class ModelAdapter:
                 f"attention mask ({reason}); ALiBi models such as BLOOM and Falcon with alibi are not supported"
             ) from exc
 
-    def new_cache(self, capacity: int = 0) -> DynamicCache:
+    def new_cache(self, capacity: int = 0, *, fixed: bool = False) -> DynamicCache:
         """A DynamicCache whose attention layers keep every position (sliding ones too: their window is a mask) and
         append into a growing buffer (see ``AppendBufferLayer``; transformers' DynamicLayer without append_buffer),
         or, with ``static_cache``, hold a fixed buffer of at least ``capacity`` slots (``StaticBufferLayer``; the
@@ -146,15 +153,22 @@ class ModelAdapter:
 
         A rolling sliding-window layer would drop positions a later round still needs once a rejected tail is
         cropped, and cannot be cropped once full; a full layer has neither problem.
+
+        Static buffers are allocated here, in one arena (``kv_cache.allocate_arena``). ``fixed`` (a generation's
+        cache, sized by the engine): they are never reallocated, a round that would outrun them raises
+        ``KVCapacityError``; otherwise (scratch caches) they grow as before.
         """
         cache = DynamicCache(config=self.model.config)
         if self.static_cache:
-            full = lambda: StaticBufferLayer(static_capacity(capacity))  # noqa: E731
+            full = lambda: StaticBufferLayer(static_capacity(capacity), fixed=fixed)  # noqa: E731
         elif self.append_buffer:
             full = lambda: AppendBufferLayer(capacity)  # noqa: E731
         else:
             full = DynamicLayer
         cache.layers = [full() if _is_attention_layer(layer) else layer for layer in cache.layers]
+        static = _static_layers(cache)
+        if static:
+            allocate_arena(static, *self.kv_shape, self.dtype, self.device)
         return cache
 
     @torch.inference_mode()
@@ -425,14 +439,21 @@ def move_rows(cache: DynamicCache, src: Sequence[int], dst: Sequence[int]) -> No
     """Copy the K/V of cache positions ``src`` to ``dst`` (distinct) in every layer (sources are read before
     writing). A position moved onto itself is left alone: a round whose winning candidate's rows follow its
     ordinary rows (every no-window round's first candidate) moves nothing, where copying it cost about 0.75 ms
-    a round on the embedded model's 30 layers (2-core EPYC), 6% of a 12 ms round. The index tensors are made
-    once per device, not per layer."""
+    a round on the embedded model's 30 layers (2-core EPYC), 6% of a 12 ms round. A cache whose layers view one
+    arena (``kv_cache.allocate_arena``: every static generation cache) moves every layer's rows in one gather
+    and one scatter; others layer by layer, the index tensors made once per device, not per layer."""
     if len(src) != len(dst):
         raise ValueError("src and dst must have equal length")
     moves = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
     if not moves:
         return
     src, dst = zip(*moves, strict=True)
+    arena = shared_arena(cache.layers)
+    if arena is not None:  # every layer's K/V in one tensor: one gather and one scatter over all of them
+        index = torch.tensor((*src, *dst), device=arena.device)  # [2 * moves]: one host->device copy
+        src_t, dst_t = index[: len(src)], index[len(src) :]
+        arena.index_copy_(4, dst_t, arena.index_select(4, src_t))  # [L, 2, 1, H_kv, capacity, D], dim 4: slots
+        return
     indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in cache.layers:
         keys, values = layer.keys, layer.values  # (B, H, T, D)

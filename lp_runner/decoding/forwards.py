@@ -43,7 +43,7 @@ class OwnCacheForward:
         self.adapter = adapter
 
     def kv_for(self, need: int) -> CacheKV:
-        return CacheKV(self.adapter.new_cache(need))
+        return CacheKV(self.adapter.new_cache(need, fixed=True))  # allocated once: never moves mid-generation
 
     def run(self, layouts, kvs, past_lens) -> torch.Tensor:
         (layout,), (kv,) = layouts, kvs
