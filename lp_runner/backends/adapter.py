@@ -54,6 +54,7 @@ from lp_runner.backends.kv_cache import (
     shared_arena,
     static_capacity,
 )
+from lp_runner.backends.static_rounds import StaticRounds
 from lp_runner.errors import LPError
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class ModelAdapter:
         compile: bool = False,
         skip_guards: bool = True,
         native_layers: bool = True,
+        bucketed: bool | None = None,
     ) -> None:
         """``append_buffer`` / ``packed_gqa`` off: transformers' own DynamicLayer / sdpa path (benchmarks A/B them).
         ``static_cache``: static-shape rounds (``StaticBufferLayer``, a full-capacity mask), as compiled forwards
@@ -87,7 +89,8 @@ class ModelAdapter:
         checked on the first forward of every cache and skipped on its later rounds (see ``_guard_stance``).
         ``native_layers``: a model on native products whose decoder layers can run natively, all of them in one
         call (``native_layers.py``), runs its eager rounds and prefills that way, on static buffers (its compiled
-        rounds trace the original layers)."""
+        rounds trace the original layers). ``bucketed`` (None: on a CUDA device): every round at a row bucket on
+        fixed buffers, compiled with CUDA graphs when ``compile`` (``static_rounds.StaticRounds``)."""
         self.model = model
         self.append_buffer = append_buffer
         self.packed_gqa = packed_gqa
@@ -124,8 +127,9 @@ class ModelAdapter:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.kv_shape = kv_head_shape(model.config.get_text_config())  # (K/V heads, head dim): static buffers
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.rounds = self._static_rounds(bucketed, compile)
         self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation
-        if compile:
+        if compile and self.rounds is None:
             self._call = compiled_forward(model)
 
     def _check_takes_packed_masks(self) -> None:
@@ -158,6 +162,8 @@ class ModelAdapter:
         cache, sized by the engine): they are never reallocated, a round that would outrun them raises
         ``KVCapacityError``; otherwise (scratch caches) they grow as before.
         """
+        if self.rounds is not None:
+            return self.rounds.new_cache(capacity, fixed)
         cache = DynamicCache(config=self.model.config)
         if self.static_cache:
             full = lambda: StaticBufferLayer(static_capacity(capacity), fixed=fixed)  # noqa: E731
@@ -180,6 +186,8 @@ class ModelAdapter:
         cache: DynamicCache,
         logit_rows: torch.Tensor,  # [R]
     ) -> torch.Tensor:  # [R, vocab]
+        if self.rounds is not None:
+            return self.rounds.forward(input_ids, position_ids, visibility, cache, logit_rows)
         past = cache_length(cache)
         windowed = any(self.mask_windows.values())
         static = _static_layers(cache)
@@ -287,6 +295,27 @@ class ModelAdapter:
             return "its cache has layers that are not plain attention layers"
         return None
 
+    def _static_rounds(self, bucketed: bool | None, compile: bool) -> StaticRounds | None:
+        """The static-round runner where rounds run bucketed (see ``__init__``), else None."""
+        if not (self.device.type == "cuda" if bucketed is None else bucketed):
+            return None
+        return StaticRounds(
+            self.model,
+            self._cache_kw,
+            self.kv_shape,
+            self.dtype,
+            self.device,
+            self.mask_windows,
+            self.mask_per_type,
+            _is_attention_layer,
+            compile=compile,
+        )
+
+    def release_cache(self, cache: DynamicCache) -> None:
+        """``cache``'s generation is over: bucketed rounds hand its buffers to the next generation."""
+        if self.rounds is not None:
+            self.rounds.release(cache)
+
     def _one_row_as_two(self, input_ids, position_ids, cache: DynamicCache, logit_rows) -> torch.Tensor:
         """A one-row round of a compiled forward, run as two rows: the row, then a filler that sees only itself
         and is seen by nothing (``layout.pad_layout``'s filler; its K/V slot is past the cache's length, so the
@@ -303,6 +332,8 @@ class ModelAdapter:
         ``capacity`` slots, the shape class of every later round. Returns the seconds it took (0 when eager)."""
         if not self.compiled:
             return 0.0
+        if self.rounds is not None:
+            return self.rounds.warm_up(capacity)
         start = time.perf_counter()
         # three rows, two of them read: sizes that no later round's can be forced equal to (dynamo's duck sizing
         # would otherwise specialise the graph to rows == logit rows, and the first other round would recompile)

@@ -52,7 +52,7 @@ class OwnCacheForward:
         )
 
     def release(self, kv: CacheKV) -> None:
-        pass  # the cache goes with the generation
+        self.adapter.release_cache(kv.cache)  # bucketed rounds reuse its buffers; otherwise it goes with the generation
 
 
 class BatchedForward:
