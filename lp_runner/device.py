@@ -105,7 +105,9 @@ def resolve_dist_backend(dist_backend: str, device_spec: str, local_ranks: int, 
         return "nccl" if own_gpus else "gloo"
     if dist_backend == "nccl" and not own_gpus:
         if gpus == 0:
-            raise ConfigError("parallel.dist_backend=nccl needs CUDA devices, and this machine has none; use gloo")
+            raise ConfigError(
+                "parallel.dist_backend=nccl needs CUDA devices, and this machine has none; use gloo or auto"
+            )
         if device_spec == "cpu":
             raise ConfigError("parallel.dist_backend=nccl needs the model on GPUs (model.device=cpu); use gloo")
         raise ConfigError(

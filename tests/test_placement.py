@@ -173,6 +173,7 @@ class Node:
         mp.setattr(dist, "get_world_size", lambda group=None: 2)
         mp.setattr(dist, "all_gather_object", self._all_gather_object)
         mp.setattr(dist, "all_gather_into_tensor", self._all_gather_into_tensor)
+        mp.setattr(dist, "all_gather_single", self._all_gather_into_tensor, raising=False)
         for name, value in dict(RANK=rank, WORLD_SIZE=2, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=2).items():
             mp.setenv(name, str(value))
         mp.setenv("MASTER_ADDR", "127.0.0.1")
@@ -327,7 +328,8 @@ def test_bounded_wait_polls_a_real_stalled_gloo_peer(tmp_path: Path) -> None:
                 time.sleep(30)  # stalled: never joins
                 sys.exit(0)
             out = torch.empty(4, dtype=torch.long)
-            work = dist.all_gather_into_tensor(out, torch.zeros(2, dtype=torch.long), async_op=True)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            work = gather(out, torch.zeros(2, dtype=torch.long), async_op=True)
             start = time.monotonic()
             try:
                 wait_bounded(work, 1.5, host_blocks=False)

@@ -100,7 +100,7 @@ class TorchCommunicator:
         local = payload.to(self.device, non_blocking=True)  # [L]
         out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=self.device)  # [P * L]
         try:
-            work = dist.all_gather_into_tensor(out, local, group=self.group, async_op=True)
+            work = _all_gather_single()(out, local, group=self.group, async_op=True)
             wait_bounded(work, self.timeout_s, host_blocks=self.device.type == "cpu")
         except DistributedError:
             raise
@@ -116,6 +116,12 @@ class TorchCommunicator:
         except Exception as exc:
             raise DistributedError(peer_failure_message(exc)) from None
         return out
+
+
+def _all_gather_single():
+    """torch's gather of equal tensors into one output: ``all_gather_single`` (``all_gather_into_tensor``, its
+    name before torch 2.13, warns there as deprecated)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 POLL_S = 50e-6  # the first sleep of a bounded wait on the host; it doubles up to POLL_MAX_S

@@ -63,7 +63,7 @@ REPO_ROOT = REPO
         (["model.device=tpu"], "model.device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
         (["model.device=cuda:x"], "model.device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
         (["run.on_error=ignore"], "run.on_error must be one of stop, skip, got 'ignore'"),
-        # upper bounds: what no run can use (docs/design.md 9.5)
+        # upper bounds: what no run can use (docs/design.md 9.6)
         (["lookahead.window_size=100000"], "lookahead.window_size (W) must be <= 1024 (a round's rows grow with it"),
         (["lookahead.ngram_size=65"], "lookahead.ngram_size (N) must be <= 64 (a round's rows grow with it"),
         (["lookahead.verification_set_size=5000"], "lookahead.verification_set_size (G) must be <= 1024"),
@@ -679,9 +679,9 @@ def test_the_config_has_few_user_knobs_and_every_other_field_is_advanced() -> No
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("advanced.max_verify_rows=3", "'advanced.max_verify_rows' is an advanced setting: write it as "
+        ("lookahead.max_verify_rows=3", "'lookahead.max_verify_rows' is an advanced setting: write it as "
          "'advanced.max_verify_rows'"),
-        ("advanced.progress=false", "'advanced.progress' is an advanced setting: write it as 'advanced.progress'"),
+        ("run.progress=false", "'run.progress' is an advanced setting: write it as 'advanced.progress'"),
         ("advanced.window_size=5", "unknown config key 'advanced.window_size' (did you mean"),
         ("advanced.bogus=1", "unknown config key 'advanced.bogus'"),
     ],
@@ -709,7 +709,7 @@ def test_a_config_written_as_a_user_writes_it_reads_back_equal(tmp_path: Path) -
     assert {k: v for k, v in again.to_dict().items() if k != "explicit"} == {
         k: v for k, v in cfg.to_dict().items() if k != "explicit"
     }
-    assert "advanced.max_verify_rows" in again.explicit and "advanced.max_verify_rows" not in again.explicit
+    assert "advanced.max_verify_rows" in again.explicit and "lookahead.max_verify_rows" not in again.explicit
 
 
 def test_the_summary_names_the_keys_the_config_pinned() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from dist_helpers import LocalGroup
 from helpers import hf_greedy, random_prompt, shared_tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter
@@ -21,39 +22,6 @@ from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.errors import DistributedError
 from lp_runner.parallel.comm import SoloCommunicator
 from lp_runner.parallel.exchange import Entry, GatherExchange, SoloExchange, agree_batch, pack, pack_values, winner
-
-
-class LocalGroup:
-    """P communicators whose all_gather meets at a barrier (one slot per rank)."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.slots: list[torch.Tensor | None] = [None] * world_size
-        self.barrier = threading.Barrier(world_size, timeout=60)
-
-    def comm(self, rank: int) -> LocalCommunicator:
-        return LocalCommunicator(self, rank)
-
-
-class LocalCommunicator:
-    backend = "local"
-
-    def __init__(self, group: LocalGroup, rank: int) -> None:
-        self.group, self.rank, self.world_size, self.collectives = group, rank, group.world_size, 0
-
-    def host_payload(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long)
-
-    def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
-        self.group.slots[self.rank] = payload.clone()
-        self.group.barrier.wait()  # every slot written
-        out = torch.stack(self.group.slots)  # type: ignore[arg-type]
-        self.group.barrier.wait()  # every rank has read before the next round overwrites
-        self.collectives += 1
-        return out
-
-    def all_gather_strings(self, text: str) -> list[str]:
-        raise NotImplementedError("start-up only")
 
 
 def run_ranks(world_size: int, la: LookaheadConfig, prompt: Sequence[int], max_new_tokens: int, family="llama"):
