@@ -198,7 +198,9 @@ def decide(
     device = probs.device
     valid = torch.arange(z, device=device)[None, :] < tree.tested[:, None]  # [N, Z]
     total = probs.sum(-1).index_select(0, tree.rows)  # [N]
-    support = torch.count_nonzero(probs, dim=-1).index_select(0, tree.rows)  # [N]
+    # tokens with mass per node: ceil maps a probability in (0, 1] to 1 and 0 to 0, and a float64 sum of ones is
+    # exact; several times cheaper on a CPU than count_nonzero (which casts a [rows, V] bool tensor to int64)
+    support = probs.ceil().sum(-1).index_select(0, tree.rows).long()  # [N]
     mass = probs[tree.rows[:, None], tree.tokens.clamp(min=0)] * valid  # [N, Z]
     left = total[:, None] - (mass.cumsum(1) - mass)  # [N, Z]: the mass left before each test
     carried = (valid & (mass > 0)).long()
