@@ -121,21 +121,18 @@ def prompts(args: argparse.Namespace, tokenizer, vocab: int) -> list[list[int]]:
     return out
 
 
-def _no_eos(model):
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.pad_token_id = None, 0
-    return config
-
-
 @torch.inference_mode()
 def hf_greedy(model, ids: list[int], new: int, prompt_lookup: int = 0) -> list[int]:
-    """HF greedy ``generate``, the whole budget (no EOS): the oracle; with ``prompt_lookup``, HF's prompt lookup."""
+    """HF greedy ``generate``, the whole budget (no EOS): the oracle; with ``prompt_lookup``, HF's prompt lookup.
+    Every setting in one generation config (HF refuses a config and loose settings together in the future)."""
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.pad_token_id = None, 0
+    config.max_new_tokens = config.min_new_tokens = new
+    config.do_sample, config.num_beams = False, 1
+    if prompt_lookup:
+        config.prompt_lookup_num_tokens = prompt_lookup
     x = torch.tensor([ids], device=model.device)
-    kw = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
-    out = model.generate(
-        x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-        num_beams=1, generation_config=_no_eos(model), **kw,
-    )  # fmt: skip
+    out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
     return out[0, len(ids) :].tolist()
 
 
