@@ -142,7 +142,8 @@ run_py() { # NAME MAX_SECONDS ARGS...: a Python step, skipped when the environme
 }
 
 # ---- 6. rounds on the device (first: the issue's targets; GPU_CHECK_ONLY=rounds runs these alone) ------------
-export TORCHINDUCTOR_CACHE_DIR="$OUT/inductor" # the three steps' compilations share one on-disk cache
+# the three steps' compilations share one on-disk cache, outside OUT (thousands of files nobody reads)
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/gpu_check_inductor}"
 if [[ $ONLY == rest ]]; then
     for name in rounds-buckets rounds-speed rounds-identity; do skip "$name" "GPU_CHECK_ONLY=rest"; done
 else
