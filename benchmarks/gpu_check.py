@@ -393,6 +393,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
             if block:
                 md += [f"lp_runner summary, {name}:", "", "```", block, "```", ""]
         (out / "cli_summary.json").write_text(json.dumps(dict(runs), indent=2) + "\n")
+    md += rounds_sections(out)
     compare = out / "compare.md"
     if compare.is_file():
         md += ["## benchmarks/compare.py (embedded model)", "", compare.read_text().rstrip(), ""]
@@ -400,6 +401,58 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     (out / "gpu_check_summary.md").write_text(text)
     print(text)
     return 0
+
+
+def rounds_sections(out: Path) -> list[str]:
+    """The summary's sections from ``gpu_rounds.py``'s JSONs (step 6), each headed by its model, dtype and device
+    name; a JSON a step did not write leaves its section out."""
+    md: list[str] = []
+
+    def head(title: str, data: dict) -> list[str]:
+        return [title, "", f"{data.get('model')}, {data.get('dtype')} on {data.get('device_name')}", ""]
+
+    buckets = _read_json(out / "rounds_buckets.json")
+    if buckets:
+        md += head("## Rounds per row bucket: eager vs captured", buckets)
+        md += [
+            f"After {buckets.get('prefix')} cached positions, median of {buckets.get('reps')} rounds each; warm-up "
+            f"(compile and capture) {buckets.get('warm_up_s')} s.",
+            "",
+            "| rows | eager ms | captured ms | speed-up | capture s | argmax same |",
+            "|---|---|---|---|---|---|",
+        ]
+        for rows, r in buckets.get("buckets", {}).items():
+            md.append(
+                f"| {rows} | {r['eager_ms']} | {r['captured_ms']} | {r['speedup']} | {r['capture_s']} | "
+                f"{r['argmax_same']} |"
+            )
+        md.append("")
+    speed = _read_json(out / "rounds_speed.json")
+    if speed:
+        md += head("## Tokens/s against HF greedy", speed)
+        md += [
+            f"{speed.get('prompts')} prompts after a warm-up one, {speed.get('new_tokens')} new tokens each; "
+            f"capture warm-up {speed.get('warm_up_s')} s (not in the figures).",
+            "",
+            "| run | tokens/s | x HF greedy | same tokens as HF greedy |",
+            "|---|---|---|---|",
+        ]
+        for name, r in speed.get("runs", {}).items():
+            md.append(f"| {name} | {r['tokens_per_s']} | {r['vs_hf_greedy']} | {r['same_as_hf_greedy']} |")
+        md.append("")
+    identity = _read_json(out / "rounds_identity.json")
+    if identity:
+        md += head("## HF-greedy identity in fp32 (TF32 off)", identity)
+        for name in ("default-eager", "default-captured"):
+            r = identity.get(name)
+            if r:
+                differ = ", ".join(f"prompt {k} at token {i}" for k, i in r["first_difference"].items())
+                md.append(
+                    f"- {name}: identical to HF greedy on {r['identical']} of {identity.get('prompts')} prompts"
+                    f"{'; first difference: ' + differ if differ else ''}"
+                )
+        md.append("")
+    return md
 
 
 def main() -> int:

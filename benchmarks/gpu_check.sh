@@ -16,10 +16,18 @@
 #      configs/lookahead.yaml and a plain-greedy reference (no candidates, no padding); 4b. two ranks sharing
 #      the one GPU over gloo (model.device=cuda:0), with each rank's peak host memory at load
 #   5. benchmarks/compare.py, only where the embedded model exists and compare.py takes --device
+#   6. (run right after 1) rounds (benchmarks/gpu_rounds.py; the embedded model where it exists, else random
+#      weights in its shape):
+#      6a. eager vs captured (CUDA graph) rounds per row bucket, capture seconds, argmax agreement (bf16);
+#      6b. tokens/s of HF greedy, HF prompt lookup, the engine alone eager / captured and the default job eager /
+#      captured, each output compared with HF greedy's (bf16); 6c. HF-greedy identity in fp32, eager and captured
+#      (exit 1 on any difference). GPU_CHECK_ONLY=rounds runs steps 1 and 6 alone (one lent run fits them),
+#      GPU_CHECK_ONLY=rest steps 1 to 5.
 # Every step runs under `timeout` inside one overall budget (GPU_CHECK_BUDGET_S, default 540 s); a failed step is
 # logged and the next one runs; the exit status is 1 if any step failed.
 # Knobs: PYTHON (interpreter; default: the first of python3/python that imports torch), GPU_CHECK_BUDGET_S,
-# GPU_CHECK_MIN_TRANSFORMERS (default 5.17), GPU_CHECK_KEEP_MODEL=1 (keep the saved random model folder).
+# GPU_CHECK_MIN_TRANSFORMERS (default 5.17), GPU_CHECK_KEEP_MODEL=1 (keep the saved random model folder),
+# GPU_CHECK_ONLY=rounds | rest (steps 1 and 6 | 1 to 5), GPU_CHECK_PROMPTS (prompts JSONL for step 6 with the embedded model).
 
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -36,12 +44,19 @@ BUDGET=${GPU_CHECK_BUDGET_S:-540}
 RESERVE=25 # seconds kept back for the summary
 START=$SECONDS
 
+ONLY=${GPU_CHECK_ONLY:-all}
+EMBEDDED="${LP_RUNNER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lp_runner}/models/SmolLM2-135M-Instruct"
 if [[ $SMOKE == 1 ]]; then
     SIZE=tiny DEVICE=cpu ONE_DEVICE=cpu DTYPE=bfloat16 DIST=gloo THREADS=1 REPS=3 MAX_NEW=16
     ROWS="1 4 16" PREFIX="32" COMPILED_ROWS="1 4"
+    ROUNDS=(--device cpu --shape tiny --limit 1 --new 12 --prefix 32 --rows 2 4 --warm-rows 2 --reps 3)
 else
     SIZE=1b DEVICE=cuda ONE_DEVICE=cuda:0 DTYPE=bfloat16 DIST=nccl THREADS=4 REPS=21 MAX_NEW=128
     ROWS="1 2 4 8 16 32 64 128 256 512" PREFIX="512 2048" COMPILED_ROWS="1 8 64"
+    ROUNDS=(--device cuda --limit 4 --new 128 --prefix 512 --reps 21)
+    if [[ -f $EMBEDDED/lp_runner_model.json ]]; then # real weights and real prompts where the model exists
+        ROUNDS+=(--model-dir "$EMBEDDED" --prompts "${GPU_CHECK_PROMPTS:-benchmarks/results/calibration8.jsonl}")
+    fi
 fi
 
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
@@ -126,6 +141,26 @@ run_py() { # NAME MAX_SECONDS ARGS...: a Python step, skipped when the environme
     fi
 }
 
+# ---- 6. rounds on the device (first: the issue's targets; GPU_CHECK_ONLY=rounds runs these alone) ------------
+# the three steps' compilations share one on-disk cache, outside OUT (thousands of files nobody reads)
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/gpu_check_inductor}"
+if [[ $ONLY == rest ]]; then
+    for name in rounds-buckets rounds-speed rounds-identity; do skip "$name" "GPU_CHECK_ONLY=rest"; done
+else
+run_py rounds-buckets 200 "$PY" benchmarks/gpu_rounds.py buckets "${ROUNDS[@]}" --cache-dir "$OUT/cache" \
+    --dtype "$DTYPE" --out "$OUT/rounds_buckets.json"
+run_py rounds-speed 220 "$PY" benchmarks/gpu_rounds.py speed "${ROUNDS[@]}" --cache-dir "$OUT/cache" \
+    --dtype "$DTYPE" --out "$OUT/rounds_speed.json"
+run_py rounds-identity 200 "$PY" benchmarks/gpu_rounds.py identity "${ROUNDS[@]}" --cache-dir "$OUT/cache" \
+    --out "$OUT/rounds_identity.json"
+fi
+
+if [[ $ONLY == rounds ]]; then
+    for name in forward-cost forward-cost-compiled nccl-probe make-model cli-default cli-lookahead cli-greedy \
+        cli-two-ranks compare; do
+        skip "$name" "GPU_CHECK_ONLY=rounds"
+    done
+else
 # ---- 2. forward cost vs packed rows -------------------------------------------------------------------------
 # shellcheck disable=SC2086 # ROWS and PREFIX are word lists
 run_py forward-cost 240 "$PY" benchmarks/forward_cost.py --random-llama "$SIZE" --device "$DEVICE" \
@@ -180,7 +215,6 @@ else
 fi
 
 # ---- 5. compare.py on the embedded model (only where it exists and compare.py can use the GPU) ---------------
-EMBEDDED="${LP_RUNNER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lp_runner}/models/SmolLM2-135M-Instruct"
 if [[ ! -f $EMBEDDED/lp_runner_model.json ]]; then
     skip compare "no embedded model at $EMBEDDED (fetching needs network)"
 elif ((!ENV_OK)); then
@@ -191,6 +225,7 @@ else
     step compare 180 "$PY" benchmarks/compare.py --configs lean-g2,ctx-7-5-7,la-7-5-7 --limit 2 \
         --device "$DEVICE" --out "$OUT/compare"
 fi
+fi # GPU_CHECK_ONLY
 
 # ---- summary ------------------------------------------------------------------------------------------------
 SUM_ARGS=(--out "$OUT")

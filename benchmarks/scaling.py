@@ -3,6 +3,8 @@
     python benchmarks/scaling.py --out results/scaling          # (15,5,15), 8 HumanEval + 8 MT-bench, 128 tokens
     python benchmarks/scaling.py --simulate --skip-measured     # predicted P = 1..8 from the cost model only
     python benchmarks/scaling.py --from results/scaling.json    # re-render a stored report (adds the throughput view)
+    python benchmarks/scaling.py --simulate --skip-measured --curve gpu:benchmarks/results/gpu/rounds_buckets.json
+    python benchmarks/scaling.py --simulate --skip-measured --curve roofline:H100-SXM
 
 Setups (the CPU stand-in for one device per worker is one core per rank):
     D=1 x P=1, 1 thread  |  D=1 x P=1, 2 threads  |  D=1 x P=2 (torchrun, gloo), 1 thread per rank  |
@@ -19,6 +21,14 @@ of its prompts' seconds, which is the same job rate without model loading); ``--
 ``benchmarks/groups.py`` (another setting: table only). Simulated points are every split D x P <= --max-workers
 from the simulated per-token latency at P (``lp_runner.tuning.split.split_table``: D x one group's tokens/s, each device
 running its own forward at the 1-thread curve). Every point says which it is.
+
+On a GPU curve (``--curve``): the simulation prices the same rounds with a GPU's forward instead of this CPU's,
+from the GPU check's measured rounds (``gpu:`` ``rounds_buckets.json`` of ``benchmarks/gpu_rounds.py``: the
+embedded model's shape, captured rounds per bucket) when one exists, else from the roofline of a named GPU
+(``roofline:NAME``, ``GPUS``: its memory bandwidth and dense bf16 FLOP/s, stated in the report; no launch or host
+cost, so a lower bound on the forward). Round shapes and host time still come from the real P=1 run here (the
+window's acceptance is the model's, not the device's; host time is this CPU's, labelled). The report puts the
+Lookahead paper's reported LP figures beside it, as reported, not measured here.
 """
 
 from __future__ import annotations
@@ -110,6 +120,78 @@ def run_cli(
     }
 
 
+# Named GPUs for the roofline: (memory bandwidth B/s, dense bf16 FLOP/s), from their vendors' data sheets.
+GPUS: dict[str, tuple[float, float]] = {
+    "H100-SXM": (3.35e12, 989e12),
+    "H200": (4.8e12, 989e12),
+    "A100-80GB-SXM": (2.039e12, 312e12),
+}
+# What the Lookahead paper (Fu et al., 2024) reports for LP and lookahead on GPUs: its figures, not measured here.
+PAPER_LP = [
+    "Lookahead decoding on one GPU: 1.5-2.3x faster than greedy decoding (the paper's reported range)",
+    "Lookahead Parallelism: up to ~4x with 8 GPUs on code completion (the paper's reported figure)",
+]
+ROOFLINE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def roofline_curve(gpu: str, shape: dict, kv_lens: list[int], bytes_per_value: int = 2) -> tuple:
+    """(CostCurve, label): a forward of ``shape`` (a Llama config's sizes) on ``gpu`` at its memory and matmul
+    limits, max(bytes / bandwidth, FLOPs / peak) per (rows, K/V length): the weights and the cached K/V read once,
+    2 FLOPs per weight per row plus attention's 4 per cached position per row and layer; the LM head on one row
+    (``body_s``) or every row (``all_s``). No launch, sync or host cost: a lower bound on a real forward.
+
+    Example: on an H100-SXM the embedded model's shape costs the same (the weights' read) from 1 row up to the
+    rows where its matmuls take as long as that read."""
+    from lp_runner.tuning.costmodel import CostCurve, CurvePoint
+
+    bandwidth, peak = GPUS[gpu]
+    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    head_dim = shape.get("head_dim") or h // shape["num_attention_heads"]
+    kv_width = 2 * shape["num_key_value_heads"] * head_dim  # keys and values per position and layer
+    q_width = shape["num_attention_heads"] * head_dim
+    per_layer = h * q_width * 2 + h * kv_width + 3 * h * shape["intermediate_size"]  # q, o; k, v; gate, up, down
+    body_weights, head = layers * per_layer, h * vocab
+
+    def seconds(rows: int, kv: int, logit_rows: int) -> float:
+        read = bytes_per_value * (body_weights + head + layers * kv_width * (kv + rows))
+        flops = 2 * body_weights * rows + 4 * layers * q_width * rows * (kv + rows) + 2 * head * logit_rows
+        return max(read / bandwidth, flops / peak)
+
+    points = tuple(CurvePoint(kv, q, seconds(q, kv, 1), seconds(q, kv, q)) for kv in kv_lens for q in ROOFLINE_ROWS)
+    return CostCurve(points), (
+        f"roofline of {gpu} ({bandwidth / 1e12:.2f} TB/s, {peak / 1e12:.0f} dense bf16 TFLOP/s; memory and "
+        "matmul limits only, no launch or host cost: a lower bound on the forward)"
+    )
+
+
+def gpu_curve(path: Path) -> tuple:
+    """(CostCurve, label) from ``benchmarks/gpu_rounds.py buckets``' JSON: each bucket's captured round, its
+    logits on every row, at the measured K/V length (one length: the curve is flat in K/V length)."""
+    from lp_runner.tuning.costmodel import CostCurve, CurvePoint
+
+    data = json.loads(Path(path).read_text())
+    kv = int(data["prefix"])
+    points = tuple(
+        CurvePoint(kv, int(rows), r["captured_ms"] / 1e3, r["captured_ms"] / 1e3) for rows, r in data["buckets"].items()
+    )
+    return CostCurve(points), (
+        f"measured on {data['device_name']} ({data['model']}, {data['dtype']}, captured rounds after {kv} "
+        f"cached positions, benchmarks/gpu_rounds.py)"
+    )
+
+
+def curve_for(source: str, shape: dict, kv_lens: list[int]) -> tuple | None:
+    """``--curve``: None for this CPU's measured curve, else ``gpu:PATH`` or ``roofline:NAME``'s (curve, label)."""
+    if source == "cpu":
+        return None
+    kind, _, arg = source.partition(":")
+    if kind == "gpu":
+        return gpu_curve(Path(arg))
+    if kind == "roofline" and arg in GPUS:
+        return roofline_curve(arg, shape, kv_lens)
+    raise SystemExit(f"error: --curve {source!r}: use cpu, gpu:PATH (rounds_buckets.json) or roofline:NAME ({GPUS})")
+
+
 def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, args, measured: dict) -> dict:
     """Predicted per-token latency for P = 1..max_workers from measured inputs (see ``lp_runner/costmodel.py``):
     the forward-cost curve at one thread (one core = this CPU's stand-in for one device), the round shapes of a
@@ -138,7 +220,8 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
     top = max_round_rows(la) + 1
     rows = [q for q in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if q < top] + [top]
     kv = sorted({min(len(e) for e in encoded), max(len(e) for e in encoded) + args.max_new_tokens})
-    curve = measure_curve(adapter, kv, rows, reps=args.reps)
+    other = curve_for(args.curve, model.config.to_dict(), kv)
+    curve, curve_label = other if other else (measure_curve(adapter, kv, rows, reps=args.reps), "")
     allgather = measured.get("all_gather_us", 0.0) * 1e-6
     p1 = [predict(sh, curve, 1) for sh in shapes]
     p1_forward_per_round = sum(x.forward_s for x in p1) / sum(x.rounds for x in p1)
@@ -163,10 +246,12 @@ def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, arg
         "inputs": {
             "curve": curve.to_dict(),
             "curve_threads": 1,
+            "curve_source": curve_label or "this CPU, measured (1 thread)",
             "host_us_per_round": round(1e6 * cal.host_s_per_round, 1),
             "allgather_2_rank_us": measured.get("all_gather_us"),
             "comm_assumption": "ring all_gather: (P - 1) x the measured 2-rank latency",
             "shapes_from": f"a real P=1 run of the same job, {len(prompts)} prompts (greedy rounds do not depend on P)",
+            "host_from": "this CPU's P=1 run" + (" (a GPU's host may differ)" if curve_label else ""),
             "excluded": "prefill rounds (the same for every P)",
         },
         "validation": {
@@ -247,11 +332,19 @@ def throughput(report: dict, groups_report: dict | None = None) -> dict:
     return {
         "x_label": "devices D x P",
         "y_label": "job tokens/s",
-        "simulated_assumption": ASSUMPTION + "; 1-thread curve (one core = one device), prefill excluded",
+        "simulated_assumption": ASSUMPTION + "; " + _curve_assumption(report) + ", prefill excluded",
         "sources": sources,
         "points": points,
         "best_simulated": best,
     }
+
+
+def _curve_assumption(report: dict) -> str:
+    """The simulated forward's source, for the throughput view: this CPU's 1-thread curve or the GPU curve."""
+    source = report.get("simulation", {}).get("inputs", {}).get("curve_source", "")
+    if source and not source.startswith("this CPU"):
+        return f"each device's forward: {source}"
+    return "1-thread curve (one core = one device)"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -315,6 +408,10 @@ def main() -> None:
     ap.add_argument("--max-workers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions per cost-curve point")
     ap.add_argument("--skip-measured", action="store_true", help="only the collective bench and the simulation")
+    ap.add_argument(
+        "--curve", default="cpu", help="the simulation's forward: cpu (measured here), gpu:ROUNDS_BUCKETS_JSON or "
+        f"roofline:NAME ({', '.join(GPUS)})"
+    )  # fmt: skip
     ap.add_argument(
         "--groups-json", help="add benchmarks/groups.py's measured points (its JSON) to the throughput view"
     )
@@ -420,11 +517,12 @@ def markdown(report: dict) -> str:
     sim = report.get("simulation")
     if sim:
         inp = sim["inputs"]
+        source = inp.get("curve_source", f"this CPU, measured ({inp['curve_threads']} thread)")
         md += [
             "",
-            f"**Simulated** (cost model; inputs: forward-cost curve at {inp['curve_threads']} thread, round shapes of "
-            f"a real P=1 run, host {inp['host_us_per_round']} us/round, all_gather {inp['allgather_2_rank_us']} us "
-            f"at 2 ranks, {inp['comm_assumption']}; prefill excluded):",
+            f"**Simulated** (cost model; inputs: forward-cost curve: {source}; round shapes of a real P=1 run, host "
+            f"{inp['host_us_per_round']} us/round ({inp.get('host_from', 'measured')}), all_gather "
+            f"{inp['allgather_2_rank_us']} us at 2 ranks, {inp['comm_assumption']}; prefill excluded):",
             "",
         ]
         check = sim.get("validation")  # reports from before the check have none
@@ -444,6 +542,9 @@ def markdown(report: dict) -> str:
                 f"| {pt['workers']} | {pt['token_ms']:.1f} | {pt['token_ms'] / p1:.2f}x | {pt['round_ms']:.1f} | "
                 f"{pt['rows_max_rank']:.1f} | {pt['comm_ms_per_round']:.3f} |"
             )
+        if "curve_source" in inp and not inp["curve_source"].startswith("this CPU"):  # a GPU's curve: the paper's
+            md += ["", "Beside it, as the Lookahead paper reports them (not measured here):", ""]
+            md += [f"- {line}" for line in PAPER_LP]
     if report.get("throughput"):
         md += throughput_markdown(report["throughput"])
     return "\n".join(md) + "\n"

@@ -216,6 +216,12 @@ def synchronizer(device: torch.device) -> Callable[[], None] | None:
     return lambda: torch.cuda.synchronize(device)
 
 
+def pins_host_memory(device: torch.device) -> bool:
+    """Whether host tensors bound for ``device`` should be pinned (page-locked): only a CUDA device copies from
+    them asynchronously (a non-blocking copy from pageable memory is a synchronous one); a CPU has no copy."""
+    return device.type == "cuda"
+
+
 def peak_host_mib() -> float:
     """This process's peak resident memory so far, MiB (``getrusage``: kilobytes on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

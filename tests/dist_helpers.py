@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -236,6 +237,9 @@ class LocalCommunicator:
 
     def __init__(self, group: LocalGroup, rank: int) -> None:
         self.group, self.rank, self.world_size, self.collectives = group, rank, group.world_size, 0
+
+    def host_payload(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long)
 
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
         self.group.slots[self.rank] = payload.clone()

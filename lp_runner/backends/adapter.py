@@ -46,7 +46,15 @@ from lp_runner.backends.attention import (
 from lp_runner.backends.cpu import native_layers as native_layer_path
 from lp_runner.backends.cpu.native_layers import NATIVE_LAYERS_SUFFIX, install_native_layers
 from lp_runner.backends.cpu.prepack import linear_kernels
-from lp_runner.backends.kv_cache import AppendBufferLayer, StaticBufferLayer, kv_head_shape, static_capacity
+from lp_runner.backends.kv_cache import (
+    AppendBufferLayer,
+    StaticBufferLayer,
+    allocate_arena,
+    kv_head_shape,
+    shared_arena,
+    static_capacity,
+)
+from lp_runner.backends.static_rounds import StaticRounds
 from lp_runner.errors import LPError
 
 if TYPE_CHECKING:
@@ -72,6 +80,7 @@ class ModelAdapter:
         compile: bool = False,
         skip_guards: bool = True,
         native_layers: bool = True,
+        bucketed: bool | None = None,
     ) -> None:
         """``append_buffer`` / ``packed_gqa`` off: transformers' own DynamicLayer / sdpa path (benchmarks A/B them).
         ``static_cache``: static-shape rounds (``StaticBufferLayer``, a full-capacity mask), as compiled forwards
@@ -80,7 +89,8 @@ class ModelAdapter:
         checked on the first forward of every cache and skipped on its later rounds (see ``_guard_stance``).
         ``native_layers``: a model on native products whose decoder layers can run natively, all of them in one
         call (``native_layers.py``), runs its eager rounds and prefills that way, on static buffers (its compiled
-        rounds trace the original layers)."""
+        rounds trace the original layers). ``bucketed`` (None: on a CUDA device): every round at a row bucket on
+        fixed buffers, compiled with CUDA graphs when ``compile`` (``static_rounds.StaticRounds``)."""
         self.model = model
         self.append_buffer = append_buffer
         self.packed_gqa = packed_gqa
@@ -117,8 +127,9 @@ class ModelAdapter:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.kv_shape = kv_head_shape(model.config.get_text_config())  # (K/V heads, head dim): static buffers
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.rounds = self._static_rounds(bucketed, compile)
         self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation
-        if compile:
+        if compile and self.rounds is None:
             self._call = compiled_forward(model)
 
     def _check_takes_packed_masks(self) -> None:
@@ -138,7 +149,7 @@ class ModelAdapter:
                 f"attention mask ({reason}); ALiBi models such as BLOOM and Falcon with alibi are not supported"
             ) from exc
 
-    def new_cache(self, capacity: int = 0) -> DynamicCache:
+    def new_cache(self, capacity: int = 0, *, fixed: bool = False) -> DynamicCache:
         """A DynamicCache whose attention layers keep every position (sliding ones too: their window is a mask) and
         append into a growing buffer (see ``AppendBufferLayer``; transformers' DynamicLayer without append_buffer),
         or, with ``static_cache``, hold a fixed buffer of at least ``capacity`` slots (``StaticBufferLayer``; the
@@ -146,15 +157,24 @@ class ModelAdapter:
 
         A rolling sliding-window layer would drop positions a later round still needs once a rejected tail is
         cropped, and cannot be cropped once full; a full layer has neither problem.
+
+        Static buffers are allocated here, in one arena (``kv_cache.allocate_arena``). ``fixed`` (a generation's
+        cache, sized by the engine): they are never reallocated, a round that would outrun them raises
+        ``KVCapacityError``; otherwise (scratch caches) they grow as before.
         """
+        if self.rounds is not None:
+            return self.rounds.new_cache(capacity, fixed)
         cache = DynamicCache(config=self.model.config)
         if self.static_cache:
-            full = lambda: StaticBufferLayer(static_capacity(capacity))  # noqa: E731
+            full = lambda: StaticBufferLayer(static_capacity(capacity), fixed=fixed)  # noqa: E731
         elif self.append_buffer:
             full = lambda: AppendBufferLayer(capacity)  # noqa: E731
         else:
             full = DynamicLayer
         cache.layers = [full() if _is_attention_layer(layer) else layer for layer in cache.layers]
+        static = _static_layers(cache)
+        if static:
+            allocate_arena(static, *self.kv_shape, self.dtype, self.device)
         return cache
 
     @torch.inference_mode()
@@ -166,6 +186,8 @@ class ModelAdapter:
         cache: DynamicCache,
         logit_rows: torch.Tensor,  # [R]
     ) -> torch.Tensor:  # [R, vocab]
+        if self.rounds is not None:
+            return self.rounds.forward(input_ids, position_ids, visibility, cache, logit_rows)
         past = cache_length(cache)
         windowed = any(self.mask_windows.values())
         static = _static_layers(cache)
@@ -273,6 +295,27 @@ class ModelAdapter:
             return "its cache has layers that are not plain attention layers"
         return None
 
+    def _static_rounds(self, bucketed: bool | None, compile: bool) -> StaticRounds | None:
+        """The static-round runner where rounds run bucketed (see ``__init__``), else None."""
+        if not (self.device.type == "cuda" if bucketed is None else bucketed):
+            return None
+        return StaticRounds(
+            self.model,
+            self._cache_kw,
+            self.kv_shape,
+            self.dtype,
+            self.device,
+            self.mask_windows,
+            self.mask_per_type,
+            _is_attention_layer,
+            compile=compile,
+        )
+
+    def release_cache(self, cache: DynamicCache) -> None:
+        """``cache``'s generation is over: bucketed rounds hand its buffers to the next generation."""
+        if self.rounds is not None:
+            self.rounds.release(cache)
+
     def _one_row_as_two(self, input_ids, position_ids, cache: DynamicCache, logit_rows) -> torch.Tensor:
         """A one-row round of a compiled forward, run as two rows: the row, then a filler that sees only itself
         and is seen by nothing (``layout.pad_layout``'s filler; its K/V slot is past the cache's length, so the
@@ -289,6 +332,8 @@ class ModelAdapter:
         ``capacity`` slots, the shape class of every later round. Returns the seconds it took (0 when eager)."""
         if not self.compiled:
             return 0.0
+        if self.rounds is not None:
+            return self.rounds.warm_up(capacity)
         start = time.perf_counter()
         # three rows, two of them read: sizes that no later round's can be forced equal to (dynamo's duck sizing
         # would otherwise specialise the graph to rows == logit rows, and the first other round would recompile)
@@ -425,14 +470,21 @@ def move_rows(cache: DynamicCache, src: Sequence[int], dst: Sequence[int]) -> No
     """Copy the K/V of cache positions ``src`` to ``dst`` (distinct) in every layer (sources are read before
     writing). A position moved onto itself is left alone: a round whose winning candidate's rows follow its
     ordinary rows (every no-window round's first candidate) moves nothing, where copying it cost about 0.75 ms
-    a round on the embedded model's 30 layers (2-core EPYC), 6% of a 12 ms round. The index tensors are made
-    once per device, not per layer."""
+    a round on the embedded model's 30 layers (2-core EPYC), 6% of a 12 ms round. A cache whose layers view one
+    arena (``kv_cache.allocate_arena``: every static generation cache) moves every layer's rows in one gather
+    and one scatter; others layer by layer, the index tensors made once per device, not per layer."""
     if len(src) != len(dst):
         raise ValueError("src and dst must have equal length")
     moves = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
     if not moves:
         return
     src, dst = zip(*moves, strict=True)
+    arena = shared_arena(cache.layers)
+    if arena is not None:  # every layer's K/V in one tensor: one gather and one scatter over all of them
+        index = torch.tensor((*src, *dst), device=arena.device)  # [2 * moves]: one host->device copy
+        src_t, dst_t = index[: len(src)], index[len(src) :]
+        arena.index_copy_(4, dst_t, arena.index_select(4, src_t))  # [L, 2, 1, H_kv, capacity, D], dim 4: slots
+        return
     indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in cache.layers:
         keys, values = layer.keys, layer.values  # (B, H, T, D)

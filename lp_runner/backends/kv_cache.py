@@ -13,6 +13,13 @@ Two layouts of the same cached values:
 Both keep a rejected tail in place (``crop`` only shortens the length; the next round overwrites it) and let
 ``model.move_rows`` copy committed rows within the buffer. ``tests/test_model_adapter.py`` checks both against
 transformers' own DynamicCache, bit for bit, across growth, crops and row moves.
+
+A generation's static buffers are one tensor (``allocate_arena``: [layers, 2, 1, H_kv, capacity, D], every
+layer's keys and values are views of it), allocated once at the generation's capacity and never reallocated
+while it runs (``fixed``: a round that would outrun it is an error, not a new buffer). Two reasons: a captured
+graph reads the buffers at fixed addresses, so a reallocation would silently need every graph recorded again;
+and a commit's row moves are one gather and one scatter over every layer at once (``move_rows``) instead of
+two small kernels per layer and tensor.
 """
 
 from __future__ import annotations
@@ -98,21 +105,37 @@ def _static_buffer(buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
+class KVCapacityError(RuntimeError):
+    """A round would outrun a fixed K/V buffer: the caller sized the generation's capacity too small (a bug)."""
+
+
 class StaticBufferLayer(DynamicLayer):
     """K/V slots of a fixed capacity, written at ``write_slots``; ``update`` returns the whole buffer.
 
     The adapter sets ``write_slots`` (the round's slots, past_len .. past_len + Q - 1, on the device) before the
     forward and ``length`` after it, outside any compiled region, so traced code reads no Python length (a
     compiled forward would otherwise be specialised to every K/V length). Slots at or past ``length`` hold stale
-    or zero values that the mask hides. ``reserve`` grows the buffer between forwards should a generation
-    outrun its estimate (a new capacity: one more compiled shape, the same values).
+    or zero values that the mask hides. ``reserve`` grows the buffer between forwards should a scratch cache
+    (calibration, probes) outrun its estimate (a new capacity: one more compiled shape, the same values); a
+    ``fixed`` layer (a generation's, see the module doc) refuses to: its buffer's address is part of the round.
+    ``arena``: the tensor of every layer's buffers this layer's keys and values are views of (``allocate_arena``),
+    None once a growth gave it buffers of its own.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, fixed: bool = False) -> None:
         super().__init__()
         self.capacity = capacity
+        self.fixed = fixed
         self.length = 0  # cached positions (committed, plus the current round's rows until it is published)
         self.write_slots: torch.Tensor | None = None
+        self.arena: torch.Tensor | None = None
+
+    def bind(self, keys: torch.Tensor, values: torch.Tensor, arena: torch.Tensor | None = None) -> None:
+        """Hold ``keys`` / ``values`` ([1, H_kv, capacity, D] each, e.g. views of ``arena``) as the buffers."""
+        self.dtype, self.device = keys.dtype, keys.device
+        self.keys, self.values = _static_buffer(keys), _static_buffer(values)
+        self.arena = arena
+        self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -138,9 +161,14 @@ class StaticBufferLayer(DynamicLayer):
         return self.keys, self.values
 
     def reserve(self, needed: int) -> None:
-        """Make room for ``needed`` slots (a larger power-of-two buffer holding the current one at its start)."""
+        """Make room for ``needed`` slots (a larger power-of-two buffer holding the current one at its start); a
+        ``fixed`` layer raises ``KVCapacityError`` instead."""
         if needed <= self.capacity:
             return
+        if self.fixed:
+            raise KVCapacityError(
+                f"a round needs {needed} K/V slots, past the generation's fixed capacity of {self.capacity}"
+            )
         self.capacity = static_capacity(needed)
         if self.is_initialized:
             for name in ("keys", "values"):
@@ -148,6 +176,7 @@ class StaticBufferLayer(DynamicLayer):
                 new = old.new_zeros((*old.shape[:2], self.capacity, old.shape[-1]))
                 new[:, :, : old.shape[-2]] = old
                 setattr(self, name, _static_buffer(new))
+            self.arena = None  # its own buffers now: row moves go layer by layer
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.length
@@ -160,3 +189,29 @@ class StaticBufferLayer(DynamicLayer):
         Nothing is erased: the mask hides slots past ``length`` and the next round overwrites them."""
         keep = self.length + max_length if max_length < 0 else max_length
         self.length = max(0, min(self.length, keep))
+
+
+@torch.inference_mode()  # the buffers are inference tensors wherever they are made (a compiled graph guards on it)
+def allocate_arena(
+    layers: list[StaticBufferLayer], heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One zeroed tensor [len(layers), 2, 1, H_kv, capacity, D] holding every layer's keys ([i, 0]) and values
+    ([i, 1]), bound to the layers as views (each contiguous: the native layers and sdpa read them as before).
+    The layers must share one capacity."""
+    capacity = layers[0].capacity
+    if any(layer.capacity != capacity for layer in layers):
+        raise ValueError("the layers of one arena must have one capacity")
+    arena = torch.zeros(len(layers), 2, 1, heads, capacity, head_dim, dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        layer.bind(arena[i, 0], arena[i, 1], arena)
+    return arena
+
+
+def shared_arena(layers) -> torch.Tensor | None:
+    """The arena every one of ``layers`` still views (``allocate_arena``), or None (another kind of layer, a
+    layer that grew out of it, layers of two arenas)."""
+    arenas = {id(getattr(layer, "arena", None)) for layer in layers}
+    arena = getattr(layers[0], "arena", None) if layers else None
+    if arena is None or len(arenas) != 1 or arena.shape[0] != len(layers):
+        return None
+    return arena

@@ -43,7 +43,7 @@ class OwnCacheForward:
         self.adapter = adapter
 
     def kv_for(self, need: int) -> CacheKV:
-        return CacheKV(self.adapter.new_cache(need))
+        return CacheKV(self.adapter.new_cache(need, fixed=True))  # allocated once: never moves mid-generation
 
     def run(self, layouts, kvs, past_lens) -> torch.Tensor:
         (layout,), (kv,) = layouts, kvs
@@ -52,7 +52,7 @@ class OwnCacheForward:
         )
 
     def release(self, kv: CacheKV) -> None:
-        pass  # the cache goes with the generation
+        self.adapter.release_cache(kv.cache)  # bucketed rounds reuse its buffers; otherwise it goes with the generation
 
 
 class BatchedForward:

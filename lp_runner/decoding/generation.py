@@ -94,6 +94,12 @@ class Generation:
         self._layout = lay_out(state, self._plan, self.rank, row_plan)
         return self._layout
 
+    def verify_inputs(self) -> tuple[Sequence, Sequence, tuple[int | str, int]]:
+        """What this round's verification is built from before the forward (``Verifier.prepare``): the plan's
+        candidates (all ranks'), this rank's, and the round's key (names its sampling streams)."""
+        _, candidates = self._plan.for_rank(self.rank)
+        return self._plan.candidates, candidates, (self.generation_key, self.stats.rounds)
+
     def verdict(self, readback: ReadBack) -> Entry:
         """This rank's verdict from the round's read-back, as its entry in the round's exchange."""
         result = take_verdict(

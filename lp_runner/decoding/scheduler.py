@@ -88,7 +88,7 @@ class RoundLoop:
         self.forward: RoundForward = (
             OwnCacheForward(engine.adapter) if batch == 1 else BatchedForward(engine.adapter, batch)
         )
-        self.verifier = make_verifier(engine.gen)  # reads back every generation's logits at once (one kind a job)
+        self.verifier = make_verifier(engine.gen, engine.adapter.device)  # reads back every generation at once
         self.comm = engine.exchange_comm()
 
     def run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, GenerationResult], None]) -> None:
@@ -146,12 +146,13 @@ class RoundLoop:
         start = time.perf_counter()
         row_plan = self.engine.row_plan if len(gens) == 1 else None  # several generations: rows past the humps
         layouts = [gen.lay_out(row_plan) for gen in gens]
+        prepared = [self.verifier.prepare(*gen.verify_inputs()) for gen in gens]  # sampling: its trees, before
         past_lens = [gen.state.past_len for gen in gens]
         kvs = [gen.state.kv for gen in gens]
         t = time.perf_counter()
         try:
             logits = self.forward.run(layouts, kvs, past_lens)
-            readbacks = self.verifier.read_back_many(logits, layouts)  # the round's one device->host transfer
+            readbacks = self.verifier.read_back_many(logits, layouts, prepared)  # the round's one device->host read
         except BaseException:
             for kv, past in zip(kvs, past_lens, strict=True):
                 kv.crop(past)  # a failed round publishes nothing

@@ -332,16 +332,17 @@ def _device_label(device: torch.device) -> str:
 
 def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) -> CompileChoice:
     """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 decides, every rank of
-    the group follows; a compiled adapter replaces ``worker.adapter`` after compiling (timed). With ``on``, rank 0
-    records what compiling cost and saved on this device (when it has no record, or on ``--recalibrate``), which
-    is what ``auto`` decides from next time."""
+    the group follows; a compiled adapter replaces ``worker.adapter`` after compiling (timed). With ``on`` (or
+    ``auto`` capturing a CUDA device's first long job), rank 0 records what compiling cost and saved on this device
+    (when it has no record, or on ``--recalibrate``), which is what ``auto`` decides from next time; each row
+    bucket's capture seconds go to the job's records (``CompileChoice.capture_s``)."""
     mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
     if mode == "off":
         return CompileChoice(mode, False, "off")
     key = record_key(adapter.device, adapter.dtype, model_checksum(worker), adapter.kernels)
     path = record_file(cache_root, key)
     record = None if worker.cfg.run.recalibrate else load_record(path, key)
-    compiled, reason = decide(mode, record, job_tokens)
+    compiled, reason = decide(mode, record, job_tokens, adapter.device.type)
     if comm.world_size > 1:  # rank 0's choice: the ranks of a group run one forward
         compiled, reason = json.loads(comm.all_gather_strings(json.dumps([compiled, reason]))[0])
     if not compiled:
@@ -358,14 +359,15 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) 
         return CompileChoice(mode, False, reason)
     if say is not None:
         say(f"compiled in {compile_s:.1f} s")
-    if comm.rank == 0 and worker.group == 0 and mode == "on" and record is None:
+    if comm.rank == 0 and worker.group == 0 and record is None:  # on, or auto capturing to measure (CUDA)
         sync = synchronizer(adapter.device)
         try:
             save_record(path, key, measure_record(adapter, fast, compile_s, sync))
         except OSError as exc:  # a read-only cache costs the record, not the run
             log.warning("cannot save the compile record at %s: %s", path, exc.strerror or exc)
     worker.adapter = fast
-    return CompileChoice(mode, True, reason, round(compile_s, 3))
+    capture_s = {rows: round(s, 3) for rows, s in fast.rounds.capture_s.items()} if fast.rounds else None
+    return CompileChoice(mode, True, reason, round(compile_s, 3), capture_s)  # per bucket: in every record
 
 
 def run_info(worker: Worker) -> dict:

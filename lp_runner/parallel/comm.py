@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from lp_runner.device import pins_host_memory
 from lp_runner.errors import DistributedError, first_line
 
 DEFAULT_TIMEOUT_S = 120.0  # parallel.timeout_s's default
@@ -24,6 +26,11 @@ class Communicator(Protocol):
     world_size: int
     backend: str  # "none" without a process group, else gloo | nccl
     collectives: int  # collectives issued so far (telemetry)
+
+    def host_payload(self, values: Sequence[int]) -> torch.Tensor:
+        """``values`` as the [L] int64 host tensor ``all_gather`` takes, written once; pinned where the collective
+        runs on a GPU, so that its one copy to the device is asynchronous."""
+        ...
 
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
         """[L] int64 on every rank -> [P, L], row r from rank r."""
@@ -41,6 +48,9 @@ class SoloCommunicator:
 
     def __init__(self) -> None:
         self.collectives = 0
+
+    def host_payload(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long)
 
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
         return payload.unsqueeze(0)
@@ -81,8 +91,12 @@ class TorchCommunicator:
         self.timeout_s = timeout_s
         self.collectives = 0
 
+    def host_payload(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, pin_memory=pins_host_memory(self.device))  # [L]
+
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
-        """[L] int64 on the host -> [P, L] on the host: one copy in, one collective, one read-back."""
+        """[L] int64 on the host (``host_payload``) -> [P, L] on the host: one copy in (asynchronous from pinned
+        memory under NCCL), one collective, one read-back."""
         local = payload.to(self.device, non_blocking=True)  # [L]
         out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=self.device)  # [P * L]
         try:

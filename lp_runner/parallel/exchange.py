@@ -36,6 +36,27 @@ class RankReport:
     columns: dict[int, int]  # global column -> new trajectory token
 
 
+def pack_values(
+    hits: int,
+    emitted: Sequence[int],
+    plan_digest: int,
+    candidate: int,
+    columns: dict[int, int],
+    max_emit: int,
+    w: int,
+) -> list[int]:
+    """One rank's block of the payload (the module doc's layout) as host integers: the round's payload is built
+    from these blocks and written into a tensor once (``agree_batch``), not field by field.
+
+    Example: hits 1, emitted (7, 8), digest 5, candidate 0, columns {1: 9}, E = 3, W = 2 ->
+    [1, 2, 5, 0, 7, 8, -1, -1, 9]."""
+    block = [hits, len(emitted), plan_digest, candidate, *emitted, *[PAD] * (max_emit - len(emitted))]
+    cols = [PAD] * w
+    for col, tok in columns.items():
+        cols[col] = tok
+    return block + cols
+
+
 def pack(
     hits: int,
     emitted: Sequence[int],
@@ -45,12 +66,8 @@ def pack(
     max_emit: int,
     w: int,
 ) -> torch.Tensor:
-    payload = torch.full((HEADER + max_emit + w,), PAD, dtype=torch.long)  # [L]
-    payload[0], payload[1], payload[2], payload[3] = hits, len(emitted), plan_digest, candidate
-    payload[HEADER : HEADER + len(emitted)] = torch.tensor(list(emitted), dtype=torch.long)
-    for col, tok in columns.items():
-        payload[HEADER + max_emit + col] = tok
-    return payload
+    """``pack_values`` as a [L] int64 tensor."""
+    return torch.tensor(pack_values(hits, emitted, plan_digest, candidate, columns, max_emit, w), dtype=torch.long)
 
 
 def unpack(gathered: torch.Tensor, max_emit: int, w: int) -> list[RankReport]:
@@ -152,7 +169,8 @@ def agree_batch(comm, entries: Sequence[Entry]) -> list[Decision]:
     generation, each of ``pack``'s layout at the batch's longest emitted run and widest window (so its size is
     fixed for the round and the same on every rank, which run the same generations in the same order).
     ``comm`` None: one rank alone, each verdict is its decision (no collective). One entry is
-    ``GatherExchange``'s round exactly (the same payload).
+    ``GatherExchange``'s round exactly (the same payload). The payload is one host tensor written once
+    (``Communicator.host_payload``), copied to the collective's device once, and read back once.
 
     Example: two generations with E = 4, W = 3 and 6: blocks of 4 + 4 + 6 = 14, a payload of 28 int64."""
     if comm is None:
@@ -160,7 +178,10 @@ def agree_batch(comm, entries: Sequence[Entry]) -> list[Decision]:
     max_emit = max(e.max_emit for e in entries)
     w = max(e.window_size for e in entries)
     block = HEADER + max_emit + w
-    payload = torch.cat([pack(e.hits, e.emitted, e.plan_digest, e.candidate, e.columns, max_emit, w) for e in entries])
+    values = [
+        v for e in entries for v in pack_values(e.hits, e.emitted, e.plan_digest, e.candidate, e.columns, max_emit, w)
+    ]
+    payload = comm.host_payload(values)  # [n * block]: written once (pinned for a GPU's collective)
     t = time.perf_counter()
     rows = comm.all_gather(payload).tolist()  # [P][n * block]: the round's one host read-back of the exchange
     comm_s = time.perf_counter() - t

@@ -10,7 +10,10 @@ every round. Whether it pays is a measured question, per device:
 * ``auto`` reads that record and compiles when the job's rounds, each saving ``eager_s - compiled_s``, save more
   than the compilation costs; rounds are estimated as the job's token budget (a round commits at least one
   token, so this is an upper bound: it favours compiling only for jobs that are long anyway). Without a record,
-  ``auto`` runs eager and says how to get one;
+  ``auto`` runs eager and says how to get one, except on CUDA for a job of ``FIRST_CAPTURE_TOKENS`` or more:
+  there compiling captures a CUDA graph per row bucket (``backends.static_rounds``), the saving a small model's
+  launch-bound rounds are after, and the first long job makes the measurement (it records it as ``on`` does),
+  so every later job decides from this device's own figures;
 * ``off`` never compiles.
 
 The decision and its reason go to every record and the summary. Under LP, rank 0 decides and every rank follows
@@ -31,6 +34,10 @@ from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
 RECORD_ROWS = (2, 8)  # the rounds timed for the record: a short and a typical packed round
 RECORD_KV = 256
 RECORD_REPS = 5
+# On CUDA without a record, ``auto`` captures (and so measures) for a job of at least this many tokens: a first
+# capture is the measurement every later decision reads, paid once per device and weights, by a job long enough to
+# use its graphs for thousands of rounds. A rule, not a measured figure; the record replaces it after one job.
+FIRST_CAPTURE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class CompileChoice:
     compiled: bool
     reason: str
     compile_s: float = 0.0  # this run's compilation (0 when eager)
+    capture_s: dict[int, float] | None = None  # bucketed rounds (CUDA): each row bucket's compile and capture, s
 
     def describe(self) -> dict:
         return asdict(self)
@@ -69,16 +77,25 @@ def save_record(path: Path, key: dict, record: CompileRecord) -> None:
     write_keyed(path, key, record=asdict(record))
 
 
-def decide(mode: str, record: CompileRecord | None, job_tokens: int) -> tuple[bool, str]:
-    """(compile?, why) for ``mode`` given this device's record and the job's token budget (pure)."""
+def decide(mode: str, record: CompileRecord | None, job_tokens: int, device_type: str = "cpu") -> tuple[bool, str]:
+    """(compile?, why) for ``mode`` given this device's record, the job's token budget and the device's type
+    (``torch.device.type``: on "cuda" compiling captures CUDA graphs) (pure).
+
+    Examples: ("auto", None, 10_000, "cuda") -> captured, to measure; ("auto", None, 10_000, "cpu") -> eager;
+    ("auto", CompileRecord(60, 0.05, 0.04), 7000) -> compiled (70 s saved > 60 s)."""
     if mode == "off":
         return False, "off"
     if mode == "on":
         return True, "on"
-    if record is None:
-        return False, "auto: eager (no measurement of the compiled forward on this device; model.compile=on makes one)"
     if job_tokens <= 0:  # a Ray actor starts before it is handed prompts
         return False, "auto: eager (the job's length is not known to this worker; model.compile=on compiles)"
+    if record is None:
+        if device_type == "cuda" and job_tokens >= FIRST_CAPTURE_TOKENS:
+            return True, (
+                f"auto: captured (CUDA graphs; no measurement on this device yet: this job of {job_tokens} tokens "
+                f">= {FIRST_CAPTURE_TOKENS} records what capturing costs and saves, later jobs decide from it)"
+            )
+        return False, "auto: eager (no measurement of the compiled forward on this device; model.compile=on makes one)"
     saving = job_tokens * (record.eager_s - record.compiled_s)
     pays = saving > record.compile_s
     verdict = "compiled" if pays else "eager"
@@ -96,8 +113,8 @@ def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecor
     times: dict[int, list[float]] = {id(eager): [], id(compiled): []}
     caches = {}
     prefix = torch.arange(RECORD_KV) % 97
-    for adapter in (eager, compiled):
-        cache = adapter.new_cache(RECORD_KV + max(RECORD_ROWS))
+    for adapter in (eager, compiled):  # generation caches: bucketed rounds replay graphs on their pooled arena only
+        cache = adapter.new_cache(RECORD_KV + max(RECORD_ROWS), fixed=True)
         adapter.forward(prefix, torch.arange(RECORD_KV), causal(RECORD_KV), cache, torch.tensor([RECORD_KV - 1]))
         caches[id(adapter)] = cache
     for rows in RECORD_ROWS:
@@ -118,5 +135,7 @@ def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecor
                 crop(caches[id(adapter)], RECORD_KV)
         for k, v in per.items():
             times[k].append(sorted(v[1:])[len(v[1:]) // 2])
+    for adapter in (eager, compiled):
+        adapter.release_cache(caches[id(adapter)])
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     return CompileRecord(round(compile_s, 3), mean[id(eager)], mean[id(compiled)])

@@ -53,6 +53,37 @@ def test_decide() -> None:
     assert not compiled and "not known" in why
 
 
+def test_auto_on_cuda_captures_a_long_first_job_then_decides_from_its_record() -> None:
+    """On CUDA compiling is capturing (bucketed rounds): without a record a job of FIRST_CAPTURE_TOKENS or more
+    captures, which measures; a shorter one, or any on a CPU, stays eager; with a record the device type does not
+    matter, the record's pay test decides."""
+    from lp_runner.tuning.compile_choice import FIRST_CAPTURE_TOKENS
+
+    compiled, why = decide("auto", None, FIRST_CAPTURE_TOKENS, "cuda")
+    assert compiled and "captured" in why and "records" in why
+    assert not decide("auto", None, FIRST_CAPTURE_TOKENS - 1, "cuda")[0]
+    assert not decide("auto", None, 10**6, "cpu")[0]
+    assert not decide("auto", None, 0, "cuda")[0]  # the job's length unknown: never
+    record = CompileRecord(compile_s=30.0, eager_s=0.004, compiled_s=0.001)  # 3 ms saved per round
+    assert not decide("auto", record, 9000, "cuda")[0]  # 27 s < 30 s
+    assert decide("auto", record, 11000, "cuda")[0]  # 33 s > 30 s
+    assert decide("off", None, 10**6, "cuda") == (False, "off")
+
+
+def test_the_record_times_rounds_on_generation_caches() -> None:
+    """``measure_record`` times each adapter's rounds on a generation's cache: a bucketed adapter's pooled arena,
+    the only one whose rounds replay captured graphs (a scratch cache's run eager, which would time eager twice);
+    the arena is handed back after."""
+    from lp_runner.tuning.compile_choice import measure_record
+
+    model = tiny_model("llama", vocab_size=128)  # the record's prefix reads token ids up to 96
+    first, second = ModelAdapter(model, bucketed=True), ModelAdapter(model, bucketed=True)
+    record = measure_record(first, second, compile_s=1.0)
+    assert record.eager_s > 0 and record.compiled_s > 0
+    for adapter in (first, second):
+        assert adapter.rounds.pool_allocations == 1 and not adapter.rounds._busy()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_rounds_equal_eager_rounds_and_hf_greedy(tiny, family: str) -> None:

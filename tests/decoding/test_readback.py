@@ -70,6 +70,24 @@ def test_one_read_back_per_round(do_sample: bool) -> None:
         assert len(out) > rounds  # candidates were accepted: verification rows were read too
 
 
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_one_read_back_per_round_on_bucketed_rounds(do_sample: bool) -> None:
+    """The GPU's path (bucketed static rounds, run here on the CPU): padding to the bucket, the staged inputs and
+    the pooled arena add no read of the forward's output; sampling decides on the device all the same."""
+    gen = GenerationConfig(max_new_tokens=30, do_sample=do_sample, seed=11, temperature=0.9, top_k=20)
+    model = shared_tiny_model("llama")
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    prompt = random_prompt(12, 3) * 2
+    Tracked.reads = TaggingAdapter.forwards = 0
+    out = LookaheadEngine(TaggingAdapter(model, bucketed=True), la, gen, []).generate(prompt).output_ids
+    rounds = TaggingAdapter.forwards - 1
+    assert rounds >= 5 and Tracked.reads == rounds, f"{Tracked.reads} device->host reads in {rounds} rounds"
+    if do_sample:
+        assert out == LookaheadEngine(ModelAdapter(model, bucketed=True), la, gen, []).generate(prompt).output_ids
+    else:
+        assert out == hf_greedy(model, prompt, 30)
+
+
 def test_tracked_counts_every_kind_of_read() -> None:
     """The counter itself can fail: each conversion of a tagged tensor is one read."""
     Tracked.reads = 0

@@ -20,7 +20,8 @@ from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.errors import DistributedError
-from lp_runner.parallel.exchange import GatherExchange, SoloExchange, pack, winner
+from lp_runner.parallel.comm import SoloCommunicator
+from lp_runner.parallel.exchange import Entry, GatherExchange, SoloExchange, agree_batch, pack, pack_values, winner
 
 
 def run_ranks(world_size: int, la: LookaheadConfig, prompt: Sequence[int], max_new_tokens: int, family="llama"):
@@ -81,7 +82,7 @@ def test_solo_exchange_is_the_gather_exchange_of_one_rank() -> None:
     """P = 1 without a launcher skips the collective; its decision must be the one a one-rank gather makes."""
     args = (123, 2, (7, 8, 9), 4, {0: 11, 1: 12})
 
-    class One:
+    class One(SoloCommunicator):
         rank, world_size, collectives = 0, 1, 0
 
         def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,7 @@ def test_solo_exchange_is_the_gather_exchange_of_one_rank() -> None:
 
 
 def test_gather_exchange_refuses_replicas_that_planned_differently() -> None:
-    class Two:
+    class Two(SoloCommunicator):
         rank, world_size, collectives = 0, 2, 0
 
         def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
@@ -112,7 +113,7 @@ def test_gather_exchange_refuses_replicas_that_planned_differently() -> None:
 
 
 def test_gather_exchange_merges_columns_and_adopts_the_longest_hit() -> None:
-    class Two:
+    class Two(SoloCommunicator):
         rank, world_size, collectives = 0, 2, 0
 
         def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
@@ -122,3 +123,38 @@ def test_gather_exchange_merges_columns_and_adopts_the_longest_hit() -> None:
     d = GatherExchange(Two(), max_emit=5, window_size=3, choose=winner).agree(123, 1, (7, 8), 0, {0: 11, 1: 22})
     assert (d.rank, d.hits, d.emitted, d.candidate, d.won) == (1, 3, (4, 5, 6, 7), 2, False)
     assert d.columns == {0: 11, 1: 22, 2: 33}
+
+
+def test_pack_values_is_the_payload_layout() -> None:
+    """A block by hand (header, emitted padded to E, columns by position), and the tensor ``pack`` makes of it."""
+    values = pack_values(1, (7, 8), 5, 0, {1: 9}, 3, 2)
+    assert values == [1, 2, 5, 0, 7, 8, -1, -1, 9]
+    assert pack(1, (7, 8), 5, 0, {1: 9}, 3, 2).tolist() == values
+
+
+def test_a_round_payload_is_one_host_tensor_gathered_once() -> None:
+    """Every generation's block in one tensor, made by the communicator once (pinned there for a GPU) and passed
+    to the one all_gather as it is; the decisions come from the one read-back."""
+
+    class Spy(SoloCommunicator):
+        rank, world_size = 0, 2
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.made, self.gathered = [], []
+
+        def host_payload(self, values):
+            self.made.append(super().host_payload(values))
+            return self.made[-1]
+
+        def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
+            self.gathered.append(payload)
+            return torch.stack([payload, payload])
+
+    comm = Spy()
+    entries = [Entry(5, 1, (7, 8), 0, {0: 3}, 3, 2, winner), Entry(6, 0, (4,), -1, {1: 2}, 4, 3, winner)]
+    decisions = agree_batch(comm, entries)
+    assert len(comm.made) == len(comm.gathered) == 1 and comm.gathered[0] is comm.made[0]
+    blocks = pack_values(1, (7, 8), 5, 0, {0: 3}, 4, 3) + pack_values(0, (4,), 6, -1, {1: 2}, 4, 3)
+    assert comm.made[0].tolist() == blocks
+    assert [(d.hits, d.emitted, d.columns) for d in decisions] == [(1, (7, 8), {0: 3}), (0, (4,), {1: 2})]

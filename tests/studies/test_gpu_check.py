@@ -18,6 +18,9 @@ from benchmarks.gpu_check import agreement
 
 STEPS = (
     "env",
+    "rounds-buckets",
+    "rounds-speed",
+    "rounds-identity",
     "forward-cost",
     "forward-cost-compiled",
     "nccl-probe",
@@ -63,6 +66,16 @@ def test_smoke_mode_runs_every_step(tmp_path):
     summary = (out / "gpu_check_summary.md").read_text()
     for heading in ("## Forward cost vs packed rows", "## The same forward compiled", "## CLI runs"):
         assert heading in summary
+    for heading in ("## Rounds per row bucket: eager vs captured", "## Tokens/s against HF greedy", "## HF-greedy"):
+        assert heading in summary
+    buckets = json.loads((out / "rounds_buckets.json").read_text())["buckets"]
+    assert set(buckets) == {"2", "4"} and all(r["captured_ms"] > 0 and r["eager_ms"] > 0 for r in buckets.values())
+    speed = json.loads((out / "rounds_speed.json").read_text())["runs"]
+    assert set(speed) == {"hf-greedy", "hf-prompt-lookup", "engine-only-eager", "engine-only-captured",
+                          "default-eager", "default-captured"}  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 and r["same_as_hf_greedy"] in ("0/1", "1/1") for r in speed.values())  # bf16
+    identity = json.loads((out / "rounds_identity.json").read_text())
+    assert identity["ok"] and identity["default-captured"]["identical"] == identity["prompts"] == 2
     runs = json.loads((out / "cli_summary.json").read_text())
     assert set(runs) == {"default", "lookahead", "greedy", "two-ranks"}
     prompts = sum(1 for line in (out / "prompts.jsonl").read_text().splitlines() if line.strip())

@@ -293,3 +293,47 @@ def test_attention_kernels_times_a_baseline_build_beside_this_one():
     assert torch.equal(outputs["native"], outputs["native@base"])
     torch.testing.assert_close(outputs["native"], outputs["sdpa"], rtol=1e-4, atol=1e-5)
     assert native._ATTENTION is lib.lp_native_attention_f32
+
+
+def test_roofline_curve_is_flat_until_matmuls_outrun_the_weights_read() -> None:
+    """A named GPU's roofline for the embedded model's shape: 1 to 64 rows cost the weights' read (equal to
+    rounding), 512 rows cost more (the matmuls dominate); the label names the GPU and its two limits; a longer
+    K/V costs more; the LM head on every row costs more than on one."""
+    from benchmarks.gpu_rounds import EMBEDDED_SHAPE
+
+    curve, label = scaling.roofline_curve("H100-SXM", EMBEDDED_SHAPE, [256, 4096])
+    assert "H100-SXM" in label and "3.35 TB/s" in label and "989" in label and "lower bound" in label
+    one, sixty_four = curve.seconds(1, 1, 256), curve.seconds(64, 1, 256)
+    assert sixty_four < 1.02 * one and curve.seconds(512, 1, 256) > 1.5 * one
+    assert curve.seconds(1, 1, 4096) > one
+    assert curve.seconds(512, 512, 256) > curve.seconds(512, 1, 256)
+    values = one * 3.35e12 / 2  # one row reads bytes at the bandwidth; bf16: 2 bytes a value
+    assert 1.3e8 < values < 1.45e8  # the embedded model's ~135M weights and 256 positions of K/V
+
+
+def test_gpu_curve_reads_the_gpu_checks_captured_rounds(tmp_path) -> None:
+    """``--curve gpu:`` reads ``gpu_rounds.py buckets``' JSON: each bucket's captured round at its rows, the device
+    named in the label; a simulated report on it says so and puts the paper's reported figures beside it, and a
+    report on this CPU's curve does not."""
+    data = {
+        "device_name": "NVIDIA H200", "dtype": "torch.bfloat16", "model": "random weights, the embedded shape",
+        "prefix": 512, "buckets": {"2": {"captured_ms": 1.0}, "64": {"captured_ms": 1.1}, "512": {"captured_ms": 3.0}},
+    }  # fmt: skip
+    path = tmp_path / "rounds_buckets.json"
+    path.write_text(json.dumps(data))
+    curve, label = scaling.curve_for(f"gpu:{path}", {}, [512])
+    assert "NVIDIA H200" in label and "captured" in label
+    assert curve.seconds(2, 2, 512) == pytest.approx(1e-3) and curve.seconds(512, 512, 512) == pytest.approx(3e-3)
+    assert scaling.curve_for("cpu", {}, [512]) is None
+    with pytest.raises(SystemExit, match="roofline:NAME"):
+        scaling.curve_for("roofline:nonesuch", {}, [512])
+    points = [{"workers": p, "token_ms": 10.0 / p, "round_ms": 20.0, "rows_max_rank": 8.0, "comm_ms_per_round": 0.1}
+              for p in (1, 2)]  # fmt: skip
+    inputs = {"curve_threads": 1, "host_us_per_round": 50.0, "allgather_2_rank_us": 300.0, "comm_assumption": "ring"}
+    report = {"date": "d", "wng": [7, 5, 7], "prompts": 1, "max_new_tokens": 8, "collective": {"all_gather_us": 1},
+              "setups": {}}  # fmt: skip
+    on_gpu = scaling.markdown({**report, "simulation": {"inputs": {**inputs, "curve_source": label}, "points": points}})
+    assert f"forward-cost curve: {label}" in on_gpu and "as the Lookahead paper reports them" in on_gpu
+    assert "up to ~4x with 8 GPUs" in on_gpu
+    on_cpu = scaling.markdown({**report, "simulation": {"inputs": inputs, "points": points}})
+    assert "Lookahead paper" not in on_cpu and "this CPU, measured" in on_cpu

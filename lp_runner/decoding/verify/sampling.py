@@ -11,6 +11,9 @@ Two pieces, both pure and host-side:
 
 Randomness is injected (``draw`` returns uniforms in [0, 1)): nothing here touches a global RNG, so ranks that
 must agree can share one stream.
+
+The engine runs the same tests as one tensor program on the device (``sample_tree``); this host walk
+(``split_verify``, LP's split of it) is the reference that program is held to.
 """
 
 from __future__ import annotations
@@ -164,9 +167,36 @@ def sample_first(first_probs: torch.Tensor | np.ndarray, tokens: Sequence[int], 
     return _sample_host(residual, draw())
 
 
+def split_verify(
+    probs: torch.Tensor | np.ndarray,  # [1 + verify rows, V]: the live key's distribution, then each candidate row's
+    plan_first_tokens: Sequence[int],  # the first token of every candidate of the round (all ranks')
+    candidates: Sequence[Sequence[int]],  # this rank's candidates; their rows follow row 0 in order
+    shared: Draw,  # the stream every rank of the round shares
+    local: Draw,  # this rank's own stream
+) -> Verdict:
+    """One rank's exact sampling verdict, LP's split of ``sample_verify`` (see ``verifier.SamplingVerifier``):
+    the first token from ``sample_first`` over every rank's first tokens on the shared stream, then
+    ``sample_verify`` over this rank's candidates that start with it on the local one. The host walk, kept as
+    the reference the device's ``sample_tree.decide`` is held to (``test_sample_tree``)."""
+    probs = _host(probs)  # [1 + verify rows, V]
+    first = sample_first(probs[0], plan_first_tokens, shared)
+    survivors = [c for c, cand in enumerate(candidates) if cand[0] == first]
+    if not survivors:
+        return Verdict(NO_CANDIDATE, 0, (first,))
+    offsets = [1 + sum(len(candidates[k]) for k in range(c)) for c in survivors]  # row of each survivor's g[0]
+    cont = sample_verify(
+        probs[offsets[0]],  # the distribution after reading ``first`` (same on every survivor)
+        [candidates[c][1:] for c in survivors],
+        [probs[o + 1 : o + len(candidates[c])] for c, o in zip(survivors, offsets, strict=True)],
+        local,
+    )
+    winner_local = survivors[cont.candidate] if cont.candidate >= 0 else survivors[0]
+    return Verdict(winner_local, 1 + cont.hits, (first, *cont.emitted))
+
+
 def _host(probs: torch.Tensor | np.ndarray) -> np.ndarray:
-    """[..., vocab] probabilities as a float64 host array, a view when they already are one on the CPU (the
-    engine's verifier passes host arrays it read back once per round: ``verifier.SamplingVerifier.read_back``).
+    """[..., vocab] probabilities as a float64 host array, a view when they already are one on the CPU (the tests
+    and ``split_verify`` pass host arrays; the engine decides on the device, ``sample_tree``).
 
     The few scalar reads and the one cumulative sum per offset cost well under a microsecond each there, against
     several microseconds per torch call on a small tensor.

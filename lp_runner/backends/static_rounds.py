@@ -1,0 +1,331 @@
+"""Rounds at fixed shapes on fixed buffers: the adapter's forward on a GPU, one CUDA graph per bucket.
+
+On a GPU a small model's round is bound by kernel launches and host work, not by arithmetic: gpt-fast and vLLM
+replay each decode step as a CUDA graph, which needs every input at a fixed shape and a fixed address. A
+``StaticRounds`` gives the adapter's forward exactly that, one round at a time:
+
+* shapes: the round runs at its row bucket (``buckets.BucketLadder``: filler rows that see only themselves, seen
+  by no one, their K/V past the round, as ``layout.pad_layout``'s) and reads a power-of-two live K/V width;
+  its logit rows are padded to the bucket too (filler logits are dropped), so a (rows, width) pair is one shape;
+* addresses: the K/V of the generation that runs through it is one arena (``kv_cache.allocate_arena``) owned by
+  this object, allocated once per job at the largest capacity asked so far, marked static for the compiler
+  (``torch._dynamo.mark_static_address``, transformers' ``StaticCache`` does the same) and reused by the next
+  generation; its inputs are views of one staging buffer per bucket, also static;
+* one copy in: the round's ids, positions, logit rows, write slots, cached length and [B, B] visibility are
+  written into one host tensor (pinned on CUDA) and copied to the bucket's staging buffer with one non-blocking
+  copy; the mask is built from them inside the round (``round_mask``: once per round, every layer reads it, only
+  the live width);
+* compiled (``compile``): ``torch.compile(mode="reduce-overhead", dynamic=True)`` of the whole round. One
+  compilation serves every bucket (rows and width are symbols); inductor's CUDA graph trees record one graph per
+  distinct shape on its first calls and replay it after. On a CPU the same call compiles the same graph and
+  skips the capture (nothing to capture there): tests run this path on a CPU, minus the capture.
+
+Rounds that cannot replay a graph run the same round function eagerly on the same buffers: a round of more rows
+than the ladder's top (a long prompt's prefill), and any cache that is not the pooled one (a second cache alive
+at once: probes, scratch measurements). Eager stays the oracle: ``test_static_rounds`` holds compiled rounds to the
+eager ones (argmax, at every bucket boundary) and eager static rounds to the adapter's ordinary forward.
+
+The logits a compiled round returns live in the graph's memory: valid until the adapter's next forward (the
+engine reads each round's logits back before it runs the next).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from lp_runner.backends.attention import packed_gqa, supports_packed_gqa
+from lp_runner.backends.buckets import BucketLadder
+from lp_runner.backends.kv_cache import StaticBufferLayer, allocate_arena, static_capacity
+from lp_runner.backends.round_mask import register_round_attention, round_mask
+from lp_runner.device import pins_host_memory, synchronizer
+
+CAPTURE_CALLS = 3  # calls per bucket at warm-up: CUDA graph trees run a new shape once, record it, then replay
+_INT_FIELDS = 4  # int64 vectors of B in the staging buffer: input ids, positions, logit rows, write slots
+
+
+@dataclass(frozen=True)
+class StagedInputs:
+    """One bucket's device inputs: views of one staging buffer that a round's single copy fills.
+
+    Byte layout for B rows: int64 [ids (B) | positions (B) | logit rows (B) | write slots (B) | cached length
+    (1)], then the [B, B] visibility as bytes (bool). Example, B = 2: 8 x 9 = 72 bytes of integers, 4 of
+    visibility, 76 in all."""
+
+    buffer: torch.Tensor  # [nbytes] uint8
+    input_ids: torch.Tensor  # [B] int64
+    position_ids: torch.Tensor  # [B] int64
+    logit_rows: torch.Tensor  # [B] int64
+    write_slots: torch.Tensor  # [B] int64
+    past: torch.Tensor  # [1] int64
+    visibility: torch.Tensor  # [B, B] bool
+
+    @staticmethod
+    def nbytes(rows: int) -> int:
+        return 8 * (_INT_FIELDS * rows + 1) + rows * rows
+
+    @classmethod
+    def views(cls, buffer: torch.Tensor, rows: int) -> StagedInputs:
+        ints = buffer[: 8 * (_INT_FIELDS * rows + 1)].view(torch.int64)  # [4B + 1]
+        vis = buffer[8 * (_INT_FIELDS * rows + 1) :].view(torch.bool).view(rows, rows)  # [B, B]
+        fields = (ints[k * rows : (k + 1) * rows] for k in range(_INT_FIELDS))
+        return cls(buffer, *fields, ints[_INT_FIELDS * rows :], vis)
+
+
+def stage(
+    rows: int,
+    input_ids: torch.Tensor,  # [Q] int64, host
+    position_ids: torch.Tensor,  # [Q] int64, host
+    visibility: torch.Tensor,  # [Q, Q] bool, host
+    logit_rows: torch.Tensor,  # [R] int64, host
+    past: int,
+    pin: bool,
+) -> torch.Tensor:  # [StagedInputs.nbytes(rows)] uint8, host (pinned when ``pin``)
+    """The round's inputs padded to ``rows`` rows, written once into one host tensor (``StagedInputs``' layout).
+
+    Filler rows repeat the last row's token and position, see only themselves and are seen by no one (so every
+    real row computes what it would without them); their K/V goes to the slots after the round's, past
+    anything the round commits. Filler logit rows read row 0 and are dropped. A fresh host tensor per round:
+    torch's pinned-memory allocator keeps a block from reuse until the copy that reads it has run."""
+    q, r = len(input_ids), len(logit_rows)
+    host = torch.empty(StagedInputs.nbytes(rows), dtype=torch.uint8, pin_memory=pin)
+    raw = host.numpy()
+    ints = raw[: 8 * (_INT_FIELDS * rows + 1)].view(np.int64)  # [4B + 1]
+    ids, pos = _host(input_ids), _host(position_ids)
+    ints[:q], ints[q:rows] = ids, ids[-1]
+    ints[rows : rows + q], ints[rows + q : 2 * rows] = pos, pos[-1]
+    ints[2 * rows : 2 * rows + r], ints[2 * rows + r : 3 * rows] = _host(logit_rows), 0
+    ints[3 * rows : 4 * rows] = np.arange(past, past + rows)
+    ints[4 * rows] = past
+    vis = raw[8 * (_INT_FIELDS * rows + 1) :].reshape(rows, rows)  # [B, B]
+    vis[:] = 0
+    vis[:q, :q] = _host(visibility)
+    vis[np.arange(q, rows), np.arange(q, rows)] = 1  # a filler sees itself only
+    return host
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's values (the round's inputs are host tensors made by its layout)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+class StaticRounds:
+    """The adapter's forward at fixed shapes on fixed buffers, eager or compiled (see the module doc)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache_kw: str,
+        kv_shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        mask_windows: Mapping[str, int | None],
+        mask_per_type: bool,
+        attention_layer: Callable[[object], bool],
+        compile: bool = False,
+        ladder: BucketLadder | None = None,
+    ) -> None:
+        """``cache_kw``, ``kv_shape``, ``mask_windows`` / ``mask_per_type``: as the adapter resolved them;
+        ``attention_layer``: which of a fresh DynamicCache's layers hold K/V (the others are kept as they are).
+        ``compile``: rounds on the pooled buffers at a bucket run through ``torch.compile`` (CUDA graphs on a
+        GPU); otherwise eager, at the same shapes."""
+        self.model, self.cache_kw, self.kv_shape = model, cache_kw, kv_shape
+        self.dtype, self.device = dtype, device
+        self.mask_windows, self.mask_per_type = dict(mask_windows), mask_per_type
+        self.attention_layer = attention_layer
+        self.ladder = ladder or BucketLadder()
+        config = model.config.get_text_config()
+        # plain sdpa models attend through ``round_attention`` (live width, packed heads, the mask tiled once);
+        # others keep their own attention over the whole buffer with an untiled mask
+        self.live_width = supports_packed_gqa(model.config)
+        self.groups = config.num_attention_heads // kv_shape[0] if self.live_width else 1
+        self.attention = register_round_attention() if self.live_width else None
+        self.pin = pins_host_memory(device)
+        self.sync = synchronizer(device)
+        self.compiled = (
+            torch.compile(self._round, dynamic=True, mode="reduce-overhead", fullgraph=True) if compile else None
+        )
+        self.capture_s: dict[int, float] = {}  # per row bucket: the seconds of its warm-up calls (compile, capture)
+        self.pool_allocations = 0  # times the pooled arena was (re)allocated: each one means graphs re-recorded
+        self._arena: torch.Tensor | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per attention layer: the arena's (keys, values)
+        self._holder: weakref.ref | None = None  # the cache that holds the pooled arena now
+        self._staged: dict[int, StagedInputs] = {}  # per row bucket
+        self._key_slots: dict[int, torch.Tensor] = {}  # per K/V width: arange(width) on the device
+
+    # ------------------------------------------------------------------------------------------------- caches
+
+    def new_cache(self, capacity: int = 0, fixed: bool = False) -> DynamicCache:
+        """A cache of static layers. ``fixed`` (a generation's): the pooled arena, when no other cache holds it,
+        at ``capacity`` plus the ladder's top (a round padded to its bucket writes past its rows), allocated anew
+        only when it is smaller than that; else, or for a scratch cache, an arena of its own (grown if outrun
+        unless ``fixed``), whose rounds run eager."""
+        cache = DynamicCache(config=self.model.config)
+        if fixed and not self._busy():
+            need = static_capacity(capacity + self.ladder.max_rows)
+            if self._arena is None or self._arena.shape[4] < need:
+                self._allocate_pool(need)
+            size = self._arena.shape[4]
+            cache.layers = [StaticBufferLayer(size, fixed=True) if self.attention_layer(x) else x for x in cache.layers]
+            for layer, (keys, values) in zip(self._static(cache), self._views, strict=True):
+                layer.bind(keys, values, self._arena)
+            self._holder = weakref.ref(cache)
+            return cache
+        size = static_capacity(capacity)
+        cache.layers = [StaticBufferLayer(size, fixed) if self.attention_layer(x) else x for x in cache.layers]
+        allocate_arena(self._static(cache), *self.kv_shape, self.dtype, self.device)
+        return cache
+
+    def release(self, cache: DynamicCache) -> None:
+        """``cache``'s generation is over: the pooled arena (if it holds it) is free for the next one."""
+        if self._pooled(cache):
+            self._holder = None
+
+    def _busy(self) -> bool:
+        return self._holder is not None and self._holder() is not None
+
+    def _pooled(self, cache: DynamicCache) -> bool:
+        return self._holder is not None and self._holder() is cache
+
+    def _allocate_pool(self, capacity: int) -> None:
+        """The pooled arena at ``capacity`` slots, every layer's keys and values views of it made once, marked
+        static in address and shape (a graph reads them in place; a new arena means graphs recorded again)."""
+        layers = [StaticBufferLayer(capacity, fixed=True) for _ in self._static(DynamicCache(config=self.model.config))]
+        self._arena = allocate_arena(layers, *self.kv_shape, self.dtype, self.device)
+        self._views = [(layer.keys, layer.values) for layer in layers]
+        for tensor in (t for pair in self._views for t in pair):
+            torch._dynamo.mark_static_address(tensor)
+        self.pool_allocations += 1
+
+    def _static(self, cache: DynamicCache) -> list:
+        return [layer for layer in cache.layers if self.attention_layer(layer) or isinstance(layer, StaticBufferLayer)]
+
+    # ------------------------------------------------------------------------------------------------ rounds
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [Q]
+        position_ids: torch.Tensor,  # [Q]
+        visibility: torch.Tensor,  # [Q, Q] bool
+        cache: DynamicCache,
+        logit_rows: torch.Tensor,  # [R]
+    ) -> torch.Tensor:  # [R, vocab]
+        """One round: staged in one copy, run at its bucket (compiled when it can replay a graph), the cache's
+        length advanced by the real rows only."""
+        layers = [layer for layer in cache.layers if isinstance(layer, StaticBufferLayer)]
+        q, past = len(input_ids), layers[0].length
+        rows = self.ladder.rows_for(q)
+        for layer in layers:
+            layer.reserve(past + rows)  # a fixed layer raises: its generation's buffer never moves
+        capacity = layers[0].capacity
+        width = self.ladder.kv_width(past + rows, capacity) if self.live_width else capacity
+        host = stage(rows, input_ids, position_ids, visibility, logit_rows, past, self.pin)
+        staged = self._staging(rows)
+        staged.buffer.copy_(host, non_blocking=True)  # the round's one host->device copy
+        for layer in layers:
+            layer.write_slots = staged.write_slots
+        graph = self.compiled is not None and self.ladder.captured(rows) and self._pooled(cache)
+        if graph:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs may be overwritten now
+        call = self.compiled if graph else self._round
+        with packed_gqa(self.model.config, self.attention) if self.attention else nullcontext():
+            logits = call(
+                staged.input_ids,
+                staged.position_ids,
+                staged.logit_rows,
+                staged.past,
+                staged.visibility,
+                self._slots(width),
+                cache,
+            )
+        for layer in layers:
+            layer.length = past + q
+        return logits[: len(logit_rows)]
+
+    def _round(
+        self,
+        input_ids: torch.Tensor,  # [B]
+        position_ids: torch.Tensor,  # [B]
+        logit_rows: torch.Tensor,  # [B]
+        past: torch.Tensor,  # [1]
+        visibility: torch.Tensor,  # [B, B] bool
+        key_slots: torch.Tensor,  # [K]
+        cache: DynamicCache,
+    ) -> torch.Tensor:  # [B, vocab]
+        """The round itself, the function that is compiled: its masks (one per window, shared by every layer of
+        that window), then the model's forward."""
+        masks = {
+            window: round_mask(visibility, past, position_ids, key_slots, window, self.dtype, self.groups)
+            for window in set(self.mask_windows.values())
+        }
+        per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
+        mask = per_type if self.mask_per_type else next(iter(per_type.values()))
+        out = self.model(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=position_ids.unsqueeze(0),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logit_rows,
+            **{self.cache_kw: cache},
+        )
+        return out.logits[0]  # [B, vocab]
+
+    def _staging(self, rows: int) -> StagedInputs:
+        """The device staging buffer of a bucket (made once, static: a graph reads it in place), or a new one for
+        a round past the ladder."""
+        staged = self._staged.get(rows)
+        if staged is None:
+            with torch.inference_mode():
+                buffer = torch.empty(StagedInputs.nbytes(rows), dtype=torch.uint8, device=self.device)
+            staged = StagedInputs.views(buffer, rows)
+            if not self.ladder.captured(rows):
+                return staged
+            for field in (staged.input_ids, staged.position_ids, staged.logit_rows, staged.write_slots):
+                torch._dynamo.mark_static_address(field)
+            torch._dynamo.mark_static_address(staged.past)
+            torch._dynamo.mark_static_address(staged.visibility)
+            self._staged[rows] = staged
+        return staged
+
+    def _slots(self, width: int) -> torch.Tensor:
+        """[width] int64 0 .. width-1 on the device (made once per width, static)."""
+        slots = self._key_slots.get(width)
+        if slots is None:
+            with torch.inference_mode():
+                slots = torch.arange(width, device=self.device)
+            torch._dynamo.mark_static_address(slots)
+            self._key_slots[width] = slots
+        return slots
+
+    # ----------------------------------------------------------------------------------------------- warm-up
+
+    @torch.inference_mode()
+    def warm_up(self, capacity: int, max_rows: int | None = None) -> float:
+        """Compile, and on a GPU capture, every row bucket up to ``max_rows`` (default: the ladder's top) on the
+        pooled arena at ``capacity`` (at the smallest K/V width; the other widths are recorded at their first
+        rounds). Returns the seconds it took; ``capture_s`` holds each bucket's."""
+        cache = self.new_cache(capacity, fixed=True)
+        if not self._pooled(cache):
+            raise RuntimeError("warm_up needs the pooled arena, but another cache holds it")
+        start = time.perf_counter()
+        for rows in self.ladder.rows:
+            if max_rows is not None and rows > max(max_rows, self.ladder.rows[0]):
+                break
+            t = time.perf_counter()
+            causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+            for _ in range(CAPTURE_CALLS):
+                self.forward(torch.zeros(rows, dtype=torch.long), torch.arange(rows), causal, cache, torch.arange(rows))
+                for layer in self._static(cache):
+                    layer.length = 0
+            if self.sync is not None:
+                self.sync()
+            self.capture_s[rows] = time.perf_counter() - t
+        self.release(cache)
+        return time.perf_counter() - start

@@ -1,0 +1,362 @@
+"""Bucketed static rounds (``static_rounds.StaticRounds``): the GPU's round path, run here on the CPU minus the capture.
+
+Oracles: the adapter's ordinary eager forward for single rounds (the same logits to fp32 rounding, the same
+argmax), HF greedy ``generate`` for whole generations, ``attention.additive_mask`` and ``sliding_window_mask`` for
+the round mask slot by slot, and the compiled rounds against the eager static ones at every bucket boundary.
+What a CPU cannot show: the CUDA graphs themselves (inductor's graph trees skip the capture on a CPU and run the
+same compiled code); ``benchmarks/gpu_check.sh`` measures them where a GPU exists. The compiling tests are slow
+(one compilation of a tiny model: some 20 s on two cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AttentionInterface
+
+from lp_runner.backends import static_rounds
+from lp_runner.backends.adapter import ModelAdapter, causal, crop, move_rows
+from lp_runner.backends.attention import additive_mask, sliding_window_mask
+from lp_runner.backends.buckets import BucketLadder
+from lp_runner.backends.kv_cache import KVCapacityError, StaticBufferLayer
+from lp_runner.backends.round_mask import ROUND_ATTENTION, round_attention, round_mask
+from lp_runner.backends.static_rounds import StagedInputs, stage
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.decoding.engine import LookaheadEngine
+
+WINDOWED = ("mistral-sliding", "qwen2-hybrid")  # every layer slides; one sliding and one full layer (a dict mask)
+
+
+# ------------------------------------------------------------------------------------------------------ ladder
+
+
+@pytest.mark.parametrize(
+    "rows, expected",
+    [(1, 2), (2, 2), (3, 4), (4, 4), (5, 8), (33, 64), (512, 512), (513, 513), (4000, 4000)],
+)
+def test_rows_run_at_the_smallest_bucket_that_holds_them(rows: int, expected: int) -> None:
+    ladder = BucketLadder()
+    assert ladder.rows_for(rows) == expected
+    assert ladder.captured(expected) == (expected <= 512)  # past the top: its own count, not a captured shape
+
+
+@pytest.mark.parametrize(
+    "length, capacity, expected",
+    [(5, 2048, 256), (256, 2048, 256), (257, 2048, 512), (300, 2048, 512), (1500, 2048, 2048), (300, 256, 256)],
+)
+def test_kv_width_is_the_live_power_of_two(length: int, capacity: int, expected: int) -> None:
+    if length > capacity:
+        with pytest.raises(ValueError, match="do not fit"):
+            BucketLadder().kv_width(length, capacity)
+        return
+    assert BucketLadder().kv_width(length, capacity) == expected
+
+
+def test_kv_width_refuses_a_round_past_the_buffer() -> None:
+    with pytest.raises(ValueError, match="1500 live positions do not fit a buffer of 1024"):
+        BucketLadder().kv_width(1500, 1024)
+
+
+@pytest.mark.parametrize("rows", [(), (1, 2), (4, 2), (2, 2)])
+def test_a_ladder_must_increase_from_two(rows) -> None:
+    with pytest.raises(ValueError, match="increasing"):
+        BucketLadder(rows)
+
+
+# ------------------------------------------------------------------------------------------------ round mask
+
+
+@pytest.mark.parametrize("window", [None, 3, 8])
+@pytest.mark.parametrize("past, rows, width, capacity", [(0, 2, 8, 8), (5, 4, 16, 32), (20, 8, 32, 32), (3, 3, 8, 64)])
+def test_round_mask_is_the_eager_mask_cut_to_the_live_width(window, past, rows, width, capacity) -> None:
+    """Slot for slot the eager path's full-capacity mask (with its per-row sliding window), cut to ``width``."""
+    gen = torch.Generator().manual_seed(past * 100 + rows)
+    visibility = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
+    positions = past + torch.randint(0, 4, (rows,), generator=gen)  # siblings share positions
+    eager = additive_mask(visibility, past, torch.float32, width=capacity)  # [1, 1, Q, capacity]
+    if window is not None:
+        keys = torch.cat([torch.arange(past), positions, torch.arange(past + rows, capacity)])
+        eager = sliding_window_mask(eager, positions, keys, window)
+    got = round_mask(visibility, torch.tensor([past]), positions, torch.arange(width), window, torch.float32)
+    assert got.shape == (1, 1, rows, width)
+    assert torch.equal(got, eager[..., :width])
+    tiled = round_mask(visibility, torch.tensor([past]), positions, torch.arange(width), window, torch.float32, 3)
+    assert torch.equal(tiled[0, 0], eager[0, 0, :, :width].repeat(3, 1))  # packed row g * Q + i reads row i
+
+
+def test_round_attention_reads_the_live_width_only() -> None:
+    """Slots past the mask's width are not read: garbage there changes nothing; the result is sdpa's with K/V
+    heads repeated (transformers' reference)."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, rows, dim, width, capacity = 6, 2, 3, 8, 16, 64
+    query = torch.randn(1, heads, rows, dim, generator=gen)
+    key = torch.randn(1, kv_heads, capacity, dim, generator=gen)
+    value = torch.randn(1, kv_heads, capacity, dim, generator=gen)
+    visibility = torch.ones(rows, rows, dtype=torch.bool).tril()
+    mask = round_mask(visibility, torch.tensor([10]), torch.arange(10, 13), torch.arange(width), None, torch.float32, 3)
+    got, _ = round_attention(None, query, key, value, mask, scaling=dim**-0.5)
+    key[:, :, width:], value[:, :, width:] = float("nan"), float("nan")
+    again, _ = round_attention(None, query, key, value, mask, scaling=dim**-0.5)
+    assert torch.equal(got, again)
+    k, v = (t[:, :, :width].repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+    plain = mask[:, :, :rows]  # the untiled mask
+    ref = torch.softmax(query @ k.transpose(-1, -2) * dim**-0.5 + plain, dim=-1) @ v  # [1, H, Q, D]
+    torch.testing.assert_close(got, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------- staging
+
+
+def test_stage_writes_every_input_once_padded_to_the_bucket() -> None:
+    visibility = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    host = stage(4, torch.tensor([7, 8, 9]), torch.tensor([5, 6, 6]), visibility, torch.tensor([0, 2]), 5, False)
+    assert host.dtype == torch.uint8 and host.numel() == StagedInputs.nbytes(4) == 8 * 17 + 16
+    staged = StagedInputs.views(host.clone(), 4)
+    assert staged.input_ids.tolist() == [7, 8, 9, 9]  # the filler repeats the last row
+    assert staged.position_ids.tolist() == [5, 6, 6, 6]
+    assert staged.logit_rows.tolist() == [0, 2, 0, 0]  # filler logit rows read row 0 and are dropped
+    assert staged.write_slots.tolist() == [5, 6, 7, 8]
+    assert staged.past.tolist() == [5]
+    want = torch.zeros(4, 4, dtype=torch.bool)
+    want[:3, :3] = visibility
+    want[3, 3] = True  # the filler sees itself only, and no real row sees it
+    assert torch.equal(staged.visibility, want)
+
+
+# ---------------------------------------------------------------------------------------------- eager rounds
+
+
+def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, capacity: int = 128):
+    """Single rounds of each row count through ``static`` and the ordinary eager adapter on the same prefix,
+    cropped back after each: yields (rows, static logits, ordinary logits)."""
+    ref = ModelAdapter(model)
+    prefix = random_prompt(prefix_len, seed=5)
+    caches = {}
+    for adapter in (ref, static):
+        caches[id(adapter)] = adapter.new_cache(capacity, fixed=True)
+        adapter.forward(
+            torch.tensor(prefix), torch.arange(prefix_len), causal(prefix_len), caches[id(adapter)], torch.tensor([0])
+        )
+    for rows in rows_list:
+        ids = torch.tensor(random_prompt(rows, seed=rows))
+        positions = torch.arange(prefix_len, prefix_len + rows)
+        got, want = (
+            adapter.forward(ids, positions, causal(rows), caches[id(adapter)], torch.arange(rows))
+            for adapter in (static, ref)
+        )
+        yield rows, got, want
+        for adapter in (ref, static):
+            crop(caches[id(adapter)], prefix_len)
+
+
+BOUNDARIES = sorted({1, *(b for b in (2, 4, 8, 16, 32)), *(b + 1 for b in (2, 4, 8, 16, 32))})
+
+
+@pytest.mark.parametrize("family", FAMILIES + WINDOWED)
+def test_eager_static_rounds_equal_the_ordinary_forward(family: str) -> None:
+    """At every bucket boundary (rows = bucket and bucket + 1), padded and run on the pooled arena with the round
+    mask and the live width: the ordinary forward's logits to fp32 rounding, its argmax exactly."""
+    model = tiny_model(family)
+    static = ModelAdapter(model, bucketed=True)
+    assert static.rounds is not None and static.rounds.compiled is None
+    for rows, got, want in _round_pairs(model, static, BOUNDARIES):
+        assert got.shape == want.shape == (rows, model.config.vocab_size)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=f"{family}, {rows} rows")
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), (family, rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES + WINDOWED)
+def test_bucketed_engine_equals_hf_greedy(family: str) -> None:
+    """Whole generations (window, candidates, accepted rows moved) through bucketed eager rounds: HF greedy's
+    tokens. The rounds reuse one pooled arena generation after generation."""
+    model = tiny_model(family)
+    adapter = ModelAdapter(model, bucketed=True)
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=40), [])
+    for seed in (3, 4):
+        prompt = random_prompt(12, seed) * 2
+        result = engine.generate(prompt)
+        assert result.output_ids == hf_greedy(model, prompt, 40), (family, seed)
+        assert result.stats.forwards < 40  # candidates were accepted: multi-row rounds and row moves ran
+    assert adapter.rounds.pool_allocations == 1  # the second generation reused the first one's arena
+
+
+# --------------------------------------------------------------------------------------- the mask, the copy
+
+
+def test_the_mask_is_built_once_per_round_and_every_layer_reads_it(monkeypatch) -> None:
+    model = tiny_model("llama", num_hidden_layers=3)
+    adapter = ModelAdapter(model, bucketed=True)
+    built, seen = [], []
+
+    def counting_mask(*args, **kwargs):
+        built.append(round_mask(*args, **kwargs))
+        return built[-1]
+
+    def recording_attention(module, query, key, value, attention_mask, **kwargs):
+        seen.append((id(attention_mask), attention_mask.shape[-1], key.shape[-2]))
+        return round_attention(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(static_rounds, "round_mask", counting_mask)
+    AttentionInterface.register(ROUND_ATTENTION, recording_attention)
+    try:
+        rounds = list(_round_pairs(model, adapter, [1, 3, 5, 9], capacity=64))
+    finally:
+        AttentionInterface.register(ROUND_ATTENTION, round_attention)
+    assert len(rounds) == 4
+    assert len(built) == 5  # the prefill and four rounds: one mask each
+    assert len(seen) == 5 * 3  # every layer of every round attended through the round mask
+    for r in range(5):
+        layers = seen[3 * r : 3 * (r + 1)]
+        assert {entry[0] for entry in layers} == {id(built[r])}  # the one mask of that round, not a copy per layer
+    width, capacity = seen[-1][1:]
+    assert width == 256 and capacity == 1024  # the live width of the buffer is read, not its capacity
+
+
+class _Copies(TorchDispatchMode):
+    """Every copy into a given tensor's storage while active."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self.target, self.count = target.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() == self.target:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_round_inputs_arrive_in_one_copy(monkeypatch) -> None:
+    """The ids, positions, logit rows, write slots, cached length and visibility the round function reads are
+    views of one staging buffer, filled by exactly one copy per round."""
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model, bucketed=True)
+    cache = adapter.new_cache(64, fixed=True)
+    adapter.forward(torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
+    staging = adapter.rounds._staging(8)
+    received = []
+    real = adapter.rounds._round
+
+    def recording(*args):
+        received.extend(a for a in args if isinstance(a, torch.Tensor))
+        return real(*args)
+
+    monkeypatch.setattr(adapter.rounds, "_round", recording)
+    with _Copies(staging.buffer) as copies:
+        adapter.forward(torch.arange(5), torch.arange(10, 15), causal(5), cache, torch.arange(5))
+    assert copies.count == 1
+    storage = staging.buffer.untyped_storage().data_ptr()
+    inputs = [t for t in received if t.untyped_storage().data_ptr() == storage]
+    assert len(inputs) == 5  # ids, positions, logit rows, cached length, visibility (the key slots are fixed)
+    assert all(layer.write_slots.untyped_storage().data_ptr() == storage for layer in cache.layers)
+
+
+# ---------------------------------------------------------------------------------------- fixed addresses
+
+
+def test_a_generation_buffer_never_moves_and_cannot_be_outrun() -> None:
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model, bucketed=True)
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=30), [])
+    addresses = set()
+    real = adapter.rounds.forward
+
+    def recording(ids, positions, visibility, cache, logit_rows):
+        addresses.add(tuple(layer.keys.data_ptr() for layer in cache.layers))
+        return real(ids, positions, visibility, cache, logit_rows)
+
+    adapter.rounds.forward = recording
+    for seed in (1, 2):
+        engine.generate(random_prompt(12, seed) * 2)
+    assert len(addresses) == 1  # every round of both generations on the same buffers
+    cache = adapter.new_cache(10, fixed=True)
+    rows = cache.layers[0].capacity + 1
+    with pytest.raises(KVCapacityError, match="fixed capacity"):
+        adapter.forward(torch.zeros(rows, dtype=torch.long), torch.arange(rows), causal(rows), cache, torch.tensor([0]))
+
+
+def test_only_the_pooled_cache_is_fixed_in_address_a_second_one_runs_beside_it() -> None:
+    """A second cache alive at once (a probe, a scratch measurement) gets buffers of its own and the same results;
+    the pooled arena goes to the next generation once released."""
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model, bucketed=True)
+    first = adapter.new_cache(40, fixed=True)
+    second = adapter.new_cache(40, fixed=True)
+    assert adapter.rounds._pooled(first) and not adapter.rounds._pooled(second)
+    tokens = torch.tensor(random_prompt(9, seed=1))
+    a, b = (adapter.forward(tokens, torch.arange(9), causal(9), c, torch.arange(9)) for c in (first, second))
+    assert torch.equal(a, b)
+    adapter.release_cache(first)
+    third = adapter.new_cache(40, fixed=True)
+    assert adapter.rounds._pooled(third) and third.layers[0].keys.data_ptr() == first.layers[0].keys.data_ptr()
+    scratch = adapter.new_cache()  # not fixed: grows when outrun, like every scratch cache
+    adapter.forward(torch.zeros(300, dtype=torch.long), torch.arange(300), causal(300), scratch, torch.tensor([0]))
+    assert isinstance(scratch.layers[0], StaticBufferLayer) and scratch.layers[0].capacity == 512
+
+
+# ------------------------------------------------------------------------------------------- compiled rounds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2-hybrid"])
+def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: str) -> None:
+    """Compiled (torch.compile, mode reduce-overhead, as on a GPU minus the capture): after the warm-up every
+    bucket boundary at two K/V widths, two generations and a pooled arena grown between them run without a
+    recompilation (``error_on_recompile``), each round with the eager static round's argmax; whole generations
+    give HF greedy's tokens. The K/V arena and the staged inputs are marked static in address."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(family)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = ModelAdapter(model, bucketed=True, compile=True)
+    eager = ModelAdapter(model, bucketed=True)
+    assert compiled.warm_up(64) > 0
+    assert set(compiled.rounds.capture_s) == set(compiled.rounds.ladder.rows)
+    arena = compiled.rounds._arena
+    for keys, values in compiled.rounds._views:
+        assert keys._dynamo_static_input_type == values._dynamo_static_input_type == "unguarded"
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prefix_len in (40, 600):  # K/V widths 256 and 1024; the second on a larger arena
+            pairs = _pairs_compiled(model, compiled, eager, prefix_len)
+            for rows, got, want in pairs:
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=f"{rows} rows after {prefix_len}")
+                assert torch.equal(got.argmax(-1), want.argmax(-1)), (rows, prefix_len)
+        assert compiled.rounds._arena is not arena  # the second prefix needed a larger arena: no recompilation
+        la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+        engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=40), [])
+        for seed in (3, 4):
+            prompt = random_prompt(12, seed) * 2
+            assert engine.generate(prompt).output_ids == hf_greedy(model, prompt, 40), seed
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_len: int):
+    prefix = random_prompt(prefix_len, seed=5)
+    caches = {}
+    for adapter in (compiled, eager):
+        caches[id(adapter)] = adapter.new_cache(prefix_len + 40, fixed=True)
+        adapter.forward(
+            torch.tensor(prefix), torch.arange(prefix_len), causal(prefix_len), caches[id(adapter)], torch.tensor([0])
+        )
+    assert compiled.rounds._pooled(caches[id(compiled)])
+    out = []
+    for rows in BOUNDARIES:
+        ids = torch.tensor(random_prompt(rows, seed=rows))
+        positions = torch.arange(prefix_len, prefix_len + rows)
+        got, want = (
+            adapter.forward(ids, positions, causal(rows), caches[id(adapter)], torch.arange(rows)).clone()
+            for adapter in (compiled, eager)
+        )
+        out.append((rows, got, want))
+        if rows > 2:  # a commit's row move on the pooled arena between rounds
+            for adapter in (compiled, eager):
+                move_rows(caches[id(adapter)], [prefix_len + rows - 1], [prefix_len])
+        for adapter in (compiled, eager):
+            crop(caches[id(adapter)], prefix_len)
+    for adapter in (compiled, eager):
+        adapter.release_cache(caches[id(adapter)])
+    return out
