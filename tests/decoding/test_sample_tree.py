@@ -192,7 +192,8 @@ def test_edges_of_the_tests_and_draws(intent, dist, tokens, draws, token) -> Non
 def test_the_engine_decides_on_the_device_as_the_host_walk_would(monkeypatch) -> None:
     """The real engine's rounds (tiny Llama, sampling): every verdict its verifier decided with ``decide`` equals
     ``split_verify`` on the same round's warped rows, candidates and seeded streams; rounds that accepted
-    candidates are among them. The verifier is the engine's own, watched: it runs ``read_back_many`` unchanged."""
+    candidates are among them. The verifier is the engine's own, watched: it runs ``read_back_many`` unchanged,
+    made to decide on the device as it does where the logits are not on the host."""
     from helpers import random_prompt, shared_tiny_model
 
     from lp_runner.backends.adapter import ModelAdapter
@@ -223,10 +224,23 @@ def test_the_engine_decides_on_the_device_as_the_host_walk_would(monkeypatch) ->
             self.inputs = []
             return out
 
-    monkeypatch.setattr(scheduler, "make_verifier", lambda gen, device=None: Watched(gen, device))
+    monkeypatch.setattr(scheduler, "make_verifier", lambda gen, device=None: Watched(gen, device, on_device=True))
     gen = GenerationConfig(max_new_tokens=40, do_sample=True, seed=3, temperature=0.7, top_k=20)
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     engine = LookaheadEngine(ModelAdapter(shared_tiny_model("llama")), la, gen, [])
     for key in range(3):
         engine.generate(random_prompt(12, key) * 2, sample_key=key)
     assert checked["rounds"] >= 20 and checked["accepted"] >= 3, checked
+
+
+def test_the_verdict_is_decided_where_the_logits_are() -> None:
+    """A GPU's logits are decided by the tensor program (no distribution leaves the device); a CPU's by the host
+    walk, which visits only the nodes it reaches. Both give the same verdict on the same round (above)."""
+    from lp_runner.config import GenerationConfig
+    from lp_runner.decoding.verify.verifier import HostWalk, Prepared, SamplingVerifier
+
+    gen = GenerationConfig(do_sample=True, seed=1)
+    on_cpu, on_gpu = SamplingVerifier(gen, torch.device("cpu")), SamplingVerifier(gen, torch.device("meta"))
+    assert not on_cpu.on_device and on_gpu.on_device
+    assert isinstance(on_cpu.prepare([[A, B]], [[A, B]], (0, 1)), HostWalk)
+    assert isinstance(on_gpu.prepare([[A, B]], [[A, B]], (0, 1)), Prepared)
