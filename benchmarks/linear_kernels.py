@@ -8,7 +8,7 @@ floor of a forward is those bytes over the machine's bandwidth: ``benchmarks/mac
     python benchmarks/linear_kernels.py --out benchmarks/results/linear_kernels
     python benchmarks/linear_kernels.py --native --rows 1 2 3 4 6 8 --out benchmarks/results/linear_kernels_native
 
-``--native`` adds a third kernel, lp_runner's native product (``lp_runner/backends/cpu/native_gemm.c``, ``model.prepack:
+``--native`` adds a third kernel, lp_runner's native product (``lp_runner/backends/cpu/csrc/gemm.c``, ``model.prepack:
 native``), on its own packed copy.
 """
 

@@ -30,8 +30,8 @@ from lp_runner.tuning.costmodel import CostCurve, repetition_spread
 
 
 def test_each_build_of_the_native_kernels_has_its_own_curve(native_routing) -> None:
-    """A new version of native_gemm.c (or another compiler, or other flags) changes what a forward costs: its
-    curve is measured again, not read from a cache filled by other code. torch's kernels keep their key."""
+    """A new version of the native kernels' sources (or another compiler, or other flags) changes what a forward
+    costs: its curve is measured again, not read from a cache filled by other code. torch's kernels keep their key."""
     from lp_runner.backends.cpu.prepack import native_unavailable_reason
     from lp_runner.models.loading import default_cache_dir
 

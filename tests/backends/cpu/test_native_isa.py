@@ -1,4 +1,4 @@
-"""The native kernels as other CPUs build them (``native_gemm.c`` picks its register tile by instruction set).
+"""The native kernels as other CPUs build them (``csrc/`` picks its register tile by instruction set).
 
 An AVX-512 machine builds and runs the AVX2 tile (``-mno-avx512f``), and any x86-64 machine the SSE2 one
 (``-march=x86-64``: 4-float vectors, no FMA), through ``$LP_RUNNER_NATIVE_CFLAGS`` / ``native.library``.
@@ -191,8 +191,8 @@ HARNESS = Path(__file__).with_name("native_harness.c")
 
 def _harness_outputs(tmp_path: Path, name: str, compiler: list[str], runner: list[str]) -> list[str]:
     exe = tmp_path / name
-    source = f'-DNATIVE_SOURCE="{native.SOURCE}"'
-    cmd = [*compiler, "-O3", "-fopenmp", source, str(HARNESS), "-lm", "-o", str(exe)]
+    sources = [str(s) for s in native.SOURCES if s.suffix == ".c"]
+    cmd = [*compiler, "-O3", "-fopenmp", "-I", str(native.SOURCE_DIR), str(HARNESS), *sources, "-lm", "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     proc = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300, check=True)
     return proc.stdout.split()

@@ -236,11 +236,11 @@ def test_without_a_compiler_auto_keeps_onednn_and_says_why(tiny, tmp_path, monke
     """A machine without a working C compiler: the native build fails with the compiler's first line, ``native``
     refuses, and ``auto`` packs with oneDNN."""
     monkeypatch.setenv("CC", "false")
-    with pytest.raises(native.NativeUnavailable, match=r"false could not build native_gemm.c"):
+    with pytest.raises(native.NativeUnavailable, match=r"false could not build lp_runner's native kernels"):
         native.build(tmp_path)
     assert not list((tmp_path / "native").glob("*.so*"))  # no half-written library left behind
     model = copy.deepcopy(tiny("llama"))
-    with pytest.raises(ConfigError, match=r"model.prepack=native: native: false could not build native_gemm.c"):
+    with pytest.raises(ConfigError, match=r"model.prepack=native: native: false could not build lp_runner's native"):
         apply_prepack(model, "native", tmp_path)
     choice = apply_prepack(model, "auto", tmp_path)
     assert (choice.kernel, choice.reason) == ("onednn", "the one that works here")
@@ -251,6 +251,27 @@ def test_the_native_library_is_built_once_per_source_compiler_and_cpu(tmp_path) 
     stamp = first.stat().st_mtime_ns
     assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
     assert first.parent == tmp_path / "native" and first.name.startswith("lp_native_gemm-")
+
+
+def test_every_source_file_names_the_build(tmp_path) -> None:
+    """The kernels are one library built from every file of ``csrc`` (one C file per kernel and their header): a
+    copy of them names the same build, and a change to any one file, the header included, names another (so the
+    calibration key's build id moves with it)."""
+    copy_dir = tmp_path / "csrc"
+    copy_dir.mkdir()
+    for source in native.SOURCES:
+        (copy_dir / source.name).write_bytes(source.read_bytes())
+    assert {s.suffix for s in native.SOURCES} == {".c", ".h"} and len(native.SOURCES) >= 4
+    cc = native._compiler()
+    path = native._library_path(tmp_path, cc, (), native.sources_at(copy_dir))
+    assert path == native._library_path(tmp_path, cc, (), native.SOURCES)
+    names = {path.name}
+    for source in native.SOURCES:
+        edited = copy_dir / source.name
+        edited.write_bytes(source.read_bytes() + b"\n/* another version */\n")
+        names.add(native._library_path(tmp_path, cc, (), native.sources_at(copy_dir)).name)
+        edited.write_bytes(source.read_bytes())
+    assert len(names) == len(native.SOURCES) + 1
 
 
 def test_resume_may_change_the_kernels() -> None:
