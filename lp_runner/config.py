@@ -35,15 +35,17 @@ class ModelConfig:
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
     compile: str = "auto"  # off | on | auto: rounds through torch.compile (auto: when this device's record says
     # the job is long enough to pay for the compilation; see lp_runner/compile_choice.py)
-    prepack: str = "auto"  # off | on | auto | native | onednn | native-bf16: linear layers' weights packed once
-    # for a CPU kernel (auto: the faster of lp_runner's native product and oneDNN's where they work, measured; see
-    # prepack.py). native-bf16: the native product on the linear weights rounded to bfloat16 (half the bytes per
-    # forward; float32 arithmetic: exact for the model with those rounded weights, not for the original)
+    # auto | torch | native | native-bf16: the kernels the forward runs on (lp_runner.backends.select_backend).
+    # auto: lp_runner's CPU kernels on a CPU where they work, transformers' layers on a GPU; torch: transformers'
+    # layers; native: lp_runner's native CPU kernels, or a one-line error where they cannot run; native-bf16: those
+    # on the linear weights rounded to bfloat16 (half the bytes per forward; float32 arithmetic: exact for the model
+    # with those rounded weights, not for the original)
+    backend: str = "auto"
+    # the CPU kernels' options (lp_runner/backends/cpu):
     huge_pages: bool = False  # the native products' packed weights in transparent huge pages: each forward faster
-    # (1-row: 1.04-1.19x measured), but start-up slower where fresh huge pages are dear to fault in (a VM: +3 s for
-    # the embedded model); for long jobs (lp_runner/arena.py)
+    # but start-up slower where fresh huge pages are dear to fault in (a VM); for long jobs (backends/cpu/arena.py)
     native_layers: bool = True  # on native products, Llama-family decoder layers run natively, all in one call, in
-    # eager rounds and prefills (lp_runner/native_layers.py); false: transformers' layer code on the same products
+    # eager rounds and prefills (backends/cpu/native_layers.py); false: transformers' layer code on the same products
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 
 
@@ -212,7 +214,7 @@ _SECTION_TYPES: dict[str, type] = {
 # written ``advanced.<name>`` (one ``advanced:`` section in a YAML file), is kept in its own section, is recorded
 # like any setting, and pins the auto preset like any lookahead key the user writes.
 USER_KEYS: dict[str, tuple[str, ...]] = {
-    "model": ("path", "dtype", "device", "threads", "compile", "prepack"),
+    "model": ("path", "dtype", "device", "threads", "compile", "backend"),
     "lookahead": ("window_size", "ngram_size", "verification_set_size", "preset", "pool_scope"),
     "generation": ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed"),
     "parallel": ("backend", "workers", "groups", "dist_backend", "timeout_s", "ray_address"),
@@ -250,7 +252,7 @@ def internal_key(key: str) -> str:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.compile": ("off", "on", "auto"),
-    "model.prepack": ("off", "on", "auto", "native", "onednn", "native-bf16"),
+    "model.backend": ("auto", "torch", "native", "native-bf16"),
     "lookahead.preset": ("auto", "off"),
     "lookahead.candidate_policy": ("context_first", "pool_first"),
     "lookahead.pool_scope": ("prompt", "job"),
@@ -266,10 +268,17 @@ def _known_keys() -> list[str]:
     return users + [f"{ADVANCED}.{name}" for name in ADVANCED_KEYS]
 
 
+# keys that were renamed: the error names the new key and its values
+_RENAMED = {"model.prepack": "model.backend"}
+
+
 def _unknown(key: str) -> ConfigError:
     section, _, name = key.partition(".")
     if section in _SECTION_TYPES and ADVANCED_KEYS.get(name) == key:
         return ConfigError(f"'{key}' is an advanced setting: write it as '{ADVANCED}.{name}'")
+    if key in _RENAMED:
+        new = _RENAMED[key]
+        return ConfigError(f"'{key}' is now '{new}' (one of {', '.join(_CHOICES[new])})")
     close = difflib.get_close_matches(key, _known_keys(), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")

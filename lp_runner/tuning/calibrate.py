@@ -9,7 +9,7 @@ The quick curve: the body cost (LM head on one row) at every row count of ``QUIC
 plus the head on every row at the largest count (``costmodel.measure_curve(head_rows=...)``); repetitions
 interleaved, medians. About 90 forwards: a few seconds for a small model on a CPU, well under a second on a
 GPU. It is cached under the cache dir, keyed by everything that changes it (device model, threads, dtype,
-weights checksum, torch version, the kernels and the native library's build, and the grid through
+weights checksum, torch version, the backend's key fields (its kernels and their build), and the grid through
 ``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures again. A curve measured on a busy machine (its
 repetitions disagree: ``NOISY_SPREAD``) is used and cached, but the next run measures again and the quieter curve
 stays: a moment's load does not price every later run's choices.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from lp_runner.backends.cpu import native
+from lp_runner.backends.torch_backend import TORCH_KEY
 from lp_runner.device import synchronizer
 from lp_runner.tuning.costmodel import CostCurve, measure_curve
 from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
@@ -91,13 +91,14 @@ def device_name(device: torch.device) -> str:
 
 
 def calibration_key(
-    device: torch.device, dtype: torch.dtype, weights_checksum: str, compiled: bool = False, kernels: str = "torch"
+    device: torch.device, dtype: torch.dtype, weights_checksum: str, compiled: bool = False, backend: dict | None = None
 ) -> dict:
-    """Everything the curve depends on; a change of any field means a new measurement."""
+    """Everything the curve depends on; a change of any field means a new measurement. ``backend``: the forward's
+    backend's key fields (``ForwardBackend.key``: its kernels, and the build of any code it compiled; default:
+    torch's kernels), as a forward on other kernels has another curve."""
     return {
         "compiled": compiled,  # a compiled forward has its own curve
-        "kernels": kernels,  # and so do prepacked linears (lp_runner/prepack.py)
-        "build": native.build_id() if kernels.startswith("native") else "",  # and each build of the native code
+        **(TORCH_KEY if backend is None else backend),  # and so does each backend's forward
         "version": CALIBRATION_VERSION,
         "device": device_name(device),
         "device_type": device.type,
@@ -163,7 +164,7 @@ def calibrate(
     """The curve for this adapter on this device: from the cache, or measured (and cached). ``budget_s``: the
     longest a measurement may take (LP: the other ranks wait for it within their collective timeout)."""
     key = calibration_key(
-        adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.kernels
+        adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.backend.key()
     )
     path = cache_file(cache_root, key)
     start = time.perf_counter()

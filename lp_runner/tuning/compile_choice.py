@@ -57,8 +57,9 @@ def record_file(cache_root: Path, key: dict) -> Path:
     return keyed_path(cache_root, "compile", "record", key)
 
 
-def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, kernels: str = "torch") -> dict:
-    return calibration_key(device, dtype, weights_checksum, kernels=kernels)
+def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, backend: dict | None = None) -> dict:
+    """``backend``: the eager forward's backend's key fields (``ForwardBackend.key``; default torch's)."""
+    return calibration_key(device, dtype, weights_checksum, backend=backend)
 
 
 def load_record(path: Path, key: dict) -> CompileRecord | None:
