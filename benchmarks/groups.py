@@ -1,4 +1,4 @@
-"""Job throughput with D LP groups (issue 15): bench16 as ONE job through the real CLI, three ways to use 2 cores.
+"""Job throughput with D LP groups: bench16 as ONE job through the real CLI, three ways to use 2 cores.
 
     python benchmarks/groups.py --out results/groups               # bench16, 128 tokens, configs/default.yaml
     python benchmarks/groups.py --limit 2 --max-new-tokens 8       # a check that it runs (no timing meaning)

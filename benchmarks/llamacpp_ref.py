@@ -3,7 +3,7 @@
 lp_runner's embedded weights are the shipped Q4_1 GGUF dequantized to float32 (``lp_runner.models.fetch``). The same
 dequantization written back as an F32 GGUF (the shipped file's metadata and tokenizer, every tensor as float32)
 gives llama.cpp the very same numbers, so its greedy tokens are comparable with HF greedy token by token and its
-speed shows the distance between this project's forward and a native runtime on the same CPU (issue 17).
+speed shows the distance between this project's forward and a native runtime on the same CPU.
 
 Optional: ``pip install llama-cpp-python`` (no wheel for this platform on PyPI: it builds llama.cpp from source
 with cmake, several minutes on two cores). ``compare.py --baselines greedy,llamacpp`` adds the row when it is

@@ -7,7 +7,7 @@ floating-point operations. Its cost cannot fall below
     compute limit  = 2 * parameters * Q / matmul rate  (rate: a large square matmul in the model's dtype)
 
 whichever is larger. ``forward_cost.py`` prints every measured forward's distance to that bound, so a table
-says how far the software is from the hardware, per row count (issue 17). Both rates are measured here, at run
+says how far the software is from the hardware, per row count. Both rates are measured here, at run
 time, with the process's thread count: nothing is assumed about the CPU or GPU.
 """
 
@@ -65,7 +65,7 @@ def matmul_size(device: torch.device, dtype: torch.dtype, largest: int, budget_s
     take over ``budget_s``: from 256, the side doubles (up to ``largest``) while 8x the last timed matmul (the
     doubled side's work) fits the budget.
 
-    Why: a CPU without bfloat16 instructions (an AVX2-only EPYC of this machine kind) multiplies bf16 matrices at
+    Why: a CPU without bfloat16 instructions (an AVX2-only x86 CPU) multiplies bf16 matrices at
     about 1.3 GFLOP/s in this torch against 100+ in float32, so a 2048-square bf16 matmul took 14 s there, and
     ``gpu_check.sh``'s CPU smoke run of ``forward_cost.py --dtype bfloat16`` ran out of its 240 s in the limits
     alone. A GPU keeps ``largest`` (a smaller matmul is bound by its launch)."""

@@ -8,7 +8,8 @@ job's). Each pair runs one child process per variant, in alternating order: this
 the baseline's (exported with ``git archive``). A child loads the embedded model (a job's heap, which Python's
 garbage collector walks), then, per curve, times ``AutoPreset``'s start-up search over the shipped samples and
 its re-choices, the shipped samples replayed six times as the job's outputs. Curves: this machine's newest
-calibration curve (when the cache holds one) and the synthetic curve of issue 13 (``tests/test_padding.py``).
+calibration curve (when the cache holds one) and a synthetic curve where 2-3 rows cost more than 8
+(``tests/helpers.py``).
 
 Reported per search: each variant's median seconds and the median of the pairs' ratios (baseline / this); a
 two-core machine's speed drifts between minutes, so only ratios taken side by side count. Both variants must
@@ -32,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# the synthetic curve of issue 13 (tests/test_padding.py): ms per forward at K/V 300; 2-3 rows cost more than 8
+# a synthetic curve (tests/helpers.py): ms per forward at K/V 300; 2-3 rows cost more than 8
 ISSUE13_MS = {1: 60.0, 2: 114.0, 3: 114.0, 4: 81.0, 8: 81.0, 16: 120.0, 32: 200.0}
 REPLAYS = 6  # the shipped samples, replayed this many times as one job's outputs (past the last re-choice)
 
@@ -93,7 +94,7 @@ def curves() -> dict[str, dict]:
     if cached:
         out["this machine's calibration"] = json.loads(cached[-1].read_text())["curve"]
     points = [{"kv_len": 300, "rows": q, "body_s": ms / 1e3, "all_s": ms / 1e3} for q, ms in ISSUE13_MS.items()]
-    out["issue 13 (synthetic)"] = {"points": points}
+    out["synthetic"] = {"points": points}
     return out
 
 

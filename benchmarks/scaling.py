@@ -13,7 +13,7 @@ the pure cost of one round's all_gather measured alone (``--collective-bench``, 
 Outputs of every setup are compared token by token. ``--simulate`` adds predictions for P = 1..8 from the cost
 model (``lp_runner/costmodel.py``), each labelled simulated with its inputs; writes .json, .md and .png.
 
-Throughput view (issue 15): job tokens/s against the devices D x P. Measured points are the setups above (the
+Throughput view: job tokens/s against the devices D x P. Measured points are the setups above (the
 job's tokens/s from its summary line; a stored report without one gives, for one group, its tokens over the sum
 of its prompts' seconds, which is the same job rate without model loading); ``--groups-json`` adds the points of
 ``benchmarks/groups.py`` (another setting: table only). Simulated points are every split D x P <= --max-workers

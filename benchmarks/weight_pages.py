@@ -7,7 +7,7 @@ in), and times their forwards interleaved (row counts and layouts alternating wi
 compared bit for bit.
 
 Where a model is loaded in the process matters by itself on this project's VM: of two identical models in 4 KB
-pages, the one loaded second ran up to 1.2x faster (scratch, 2026-12-03). So each comparison runs twice, in a
+pages, the one loaded second ran up to 1.2x faster in a scratch run. So each comparison runs twice, in a
 fresh process per load order (huge first, then plain first), and the table keeps both: a layout's gain is what
 holds in both orders.
 

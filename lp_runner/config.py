@@ -465,7 +465,7 @@ _ROWS = f" (a round's rows grow with it, and a round computes at most {MAX_ROUND
 _WEEK_S = 7 * 24 * 3600.0  # a wait longer than this is a hang, not a timeout
 
 # Every setting's bounds, in one table; checks that relate two keys or constrain a value further are written out in
-# ``check_lookahead`` and ``validate``. What each bound means for the round and the machine: docs/design.md 9.5.
+# ``check_lookahead`` and ``validate``. What each bound means for the round and the machine: docs/design.md 9.6.
 _BOUNDS: dict[str, Bound] = {
     "lookahead.ngram_size": Bound(
         ">=", 3, " (N)", why=": N-1 trajectory levels need at least one level above the base stripe",

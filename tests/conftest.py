@@ -22,7 +22,7 @@ from transformers import PreTrainedModel  # noqa: E402
 # The machine is shared (2 cores): one intra-op thread keeps tiny-model tests fast and predictable.
 torch.set_num_threads(1)
 
-# The files that took longest (durations of the whole suite in one process on a 2-core AMD EPYC, Zen 3: 59 min),
+# The files that took longest (durations of the whole suite in one process),
 # long first. Under pytest-xdist (README: -n 2 --dist loadfile --no-loadscope-reorder) a worker that runs low takes
 # the next whole file in collection order: the long ones go first and the short ones fill the end, so the workers
 # finish together instead of one idling while the other runs a long file it picked up last. Files that launch
@@ -84,3 +84,11 @@ def native_routing(monkeypatch):
     for name in (*names, "_LAYERS", "_LAYERS_SEGMENTS", "_ATTENTION_SEGMENTS"):
         monkeypatch.setattr(native, name, getattr(native, name))
     return native
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Llama saved as a folder the CLI loads (the embedded tokenizer, seed 3), shared by every job test."""
+    from dist_helpers import make_tiny_folder
+
+    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)

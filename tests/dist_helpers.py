@@ -1,4 +1,5 @@
-"""Helpers for multi-process tests: tiny model folders the CLI can load, and real launches.
+"""Helpers for tests that run real jobs: tiny model folders the CLI can load, the one way every test launches the
+CLI (one process, under torchrun, or ranks started by hand), the oracle on a saved folder, and process tools.
 
 Tiny models use the embedded SmolLM2 tokenizer (so prompts JSONL and chat templates work unchanged) with a
 random 2-layer body; random tiny models repeat themselves, which makes lookahead candidates hit often.
@@ -7,6 +8,7 @@ random 2-layer body; random tiny models repeat themselves, which makes lookahead
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -56,6 +58,64 @@ def env_with_repo(**extra: str) -> dict[str, str]:
     return env
 
 
+def lp_runner_cmd(*args: str) -> list[str]:
+    """``python -m lp_runner ARGS``."""
+    return [sys.executable, "-m", "lp_runner", *args]
+
+
+def job_args(model: Path | str, prompts: Path, out: Path, *extra: str, max_new_tokens: int = 24) -> list[str]:
+    """The ``run`` arguments every job test starts from: the model, one thread per rank, the budget, no progress bar
+    (the test reads stderr); ``extra`` comes last, so it overrides."""
+    return [
+        "--prompts", str(prompts), "--output", str(out), "--set", f"model.path={model}", "--set", "model.threads=1",
+        "--set", f"generation.max_new_tokens={max_new_tokens}", "--set", "advanced.progress=false", *extra,
+    ]  # fmt: skip
+
+
+def job_cmd(args: list[str], torchrun: int = 0) -> list[str]:
+    """The CLI with ``args``: one process, or under torchrun with ``torchrun`` ranks."""
+    return torchrun_cmd(torchrun, *args) if torchrun else lp_runner_cmd(*args)
+
+
+def run_job(
+    args: list[str], *, torchrun: int = 0, timeout: float = 300, check: bool = True, **env: str
+) -> subprocess.CompletedProcess:
+    """Run the CLI to its end (text output); ``check``: it must succeed (its stderr's tail in the failure)."""
+    proc = subprocess.run(job_cmd(args, torchrun), env=env_with_repo(**env), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def start_job(args: list[str], *, torchrun: int = 0, **env: str) -> subprocess.Popen:
+    """Start the CLI (bytes output) for a test that signals or kills it while it runs."""
+    return subprocess.Popen(
+        job_cmd(args, torchrun),
+        env=env_with_repo(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=default_sigint,  # a SIGINT test must not inherit a background shell's "ignore"
+    )
+
+
+@functools.cache
+def _folder_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy_of(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle (``helpers.hf_greedy``) on the model a job loaded from ``model_dir``, stopping at the model's own
+    EOS as lp_runner does."""
+    from helpers import hf_greedy
+
+    model = _folder_model(Path(model_dir))
+    eos = model.generation_config.eos_token_id
+    return hf_greedy(model, prompt_ids, max_new_tokens, eos_ids=[eos] if isinstance(eos, int) else list(eos or []))
+
+
 def torchrun_cmd(nproc: int, *args: str) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -82,6 +142,54 @@ def launch_ranks(world: int, args_per_rank: list[list[str]]) -> list[subprocess.
         cmd = [sys.executable, "-m", "lp_runner", *args_per_rank[rank]]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
+
+
+def complete_lines(path: Path) -> int:
+    """Complete JSONL lines (records) in ``path`` so far."""
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    """Until ``predicate()``, while ``proc`` runs (its stderr in the failure), at most ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(entry.path, "stat").read_text()
+                fields = stat[stat.rfind(")") + 2 :].split()
+                if fields[0] != "Z":
+                    children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (not zombies)."""
+    left = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":
+                left.add(pid)
+    return left
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
 
 
 def wait_for_file_lines(path: Path, lines: int, timeout: float) -> bool:

@@ -285,7 +285,7 @@ def curve_from_ms(ms: dict[int, float], kv_len: int = 512) -> CostCurve:
     return CostCurve(tuple(CurvePoint(kv_len, q, t / 1e3, t / 1e3) for q, t in ms.items()))
 
 
-# A curve measured on one 2-core AMD EPYC (ms, K/V 300): 2-3 rows cost more than 8 (the case padding is for).
+# A curve measured on a 2-core CPU (ms, K/V 300): 2-3 rows cost more than 8 (the case padding is for).
 AMD_MS = {1: 56, 2: 89, 3: 108, 4: 85, 8: 76, 16: 88}
 
 

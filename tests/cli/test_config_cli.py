@@ -63,7 +63,7 @@ REPO_ROOT = REPO
         (["model.device=tpu"], "model.device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
         (["model.device=cuda:x"], "model.device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
         (["run.on_error=ignore"], "run.on_error must be one of stop, skip, got 'ignore'"),
-        # upper bounds: what no run can use (docs/design.md 9.5)
+        # upper bounds: what no run can use (docs/design.md 9.6)
         (["lookahead.window_size=100000"], "lookahead.window_size (W) must be <= 1024 (a round's rows grow with it"),
         (["lookahead.ngram_size=65"], "lookahead.ngram_size (N) must be <= 64 (a round's rows grow with it"),
         (["lookahead.verification_set_size=5000"], "lookahead.verification_set_size (G) must be <= 1024"),

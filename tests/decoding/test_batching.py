@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import copy
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import LocalGroup, env_with_repo, make_tiny_folder, read_jsonl, torchrun_cmd, write_prompts
+from dist_helpers import (
+    LocalGroup,
+    complete_lines,
+    hf_greedy_of,
+    job_args,
+    read_jsonl,
+    run_job,
+    start_job,
+    stop,
+    wait_for,
+    write_prompts,
+)
 from helpers import hf_greedy, random_prompt, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter, causal
@@ -443,17 +452,8 @@ def test_samples_of_a_prompt_do_not_depend_on_its_batch_neighbours() -> None:
 # ---------------------------------------------------------------- real processes: LP, D groups, kill and resume
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
-
-
 def cli_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--prompts", str(prompts), "--output", str(out), "--set", f"model.path={model}", "--set", "model.threads=1",
-        "--set", "generation.max_new_tokens=24", "--set", "advanced.progress=false", "--set", "parallel.timeout_s=60",
-        *extra,
-    ]  # fmt: skip
+    return job_args(model, prompts, out, "--set", "parallel.timeout_s=60", *extra, max_new_tokens=24)
 
 
 def by_id(path: Path) -> dict[str, list[int]]:
@@ -464,22 +464,15 @@ def by_id(path: Path) -> dict[str, list[int]]:
 def test_lp_two_ranks_batch_three_under_torchrun(tiny_dir: Path, tmp_path: Path) -> None:
     """P = 2 ranks (gloo) with three generations in flight equal one process one prompt at a time, and HF greedy."""
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"Item {i}: the list"} for i in range(6)])
-    single = [sys.executable, "-m", "lp_runner", *cli_args(tiny_dir, prompts, tmp_path / "one.jsonl")]
-    proc = subprocess.run(single, env=env_with_repo(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lp = torchrun_cmd(2, *cli_args(tiny_dir, prompts, tmp_path / "lp.jsonl", "--set", "run.batch=3"))
-    proc = subprocess.run(lp, env=env_with_repo(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_job(cli_args(tiny_dir, prompts, tmp_path / "one.jsonl"), timeout=600)
+    proc = run_job(cli_args(tiny_dir, prompts, tmp_path / "lp.jsonl", "--set", "run.batch=3"), torchrun=2, timeout=600)
     assert by_id(tmp_path / "lp.jsonl") == by_id(tmp_path / "one.jsonl")
     records = read_jsonl(tmp_path / "lp.jsonl")
     assert all(r["workers"] == 2 and r["stats"]["collectives"] == r["stats"]["rounds"] for r in records)
     assert max(r["stats"]["rounds"] / r["stats"]["forward_share"] for r in records) > 1.5  # forwards were shared
     assert "batch 3: " in proc.stderr
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     for r in records:
-        assert r["output_ids"] == hf_greedy(model, r["prompt_ids"], 24, eos_ids=[2]), r["id"]
+        assert r["output_ids"] == hf_greedy_of(tiny_dir, r["prompt_ids"], 24), r["id"]
 
 
 @pytest.mark.slow
@@ -487,13 +480,9 @@ def test_groups_batch_their_own_generations(tiny_dir: Path, tmp_path: Path) -> N
     """D = 2 groups of P = 1, each with two generations in flight from the job's queue: the outputs of one
     process one prompt at a time."""
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"Item {i}: and"} for i in range(7)])
-    single = [sys.executable, "-m", "lp_runner", *cli_args(tiny_dir, prompts, tmp_path / "one.jsonl")]
-    proc = subprocess.run(single, env=env_with_repo(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_job(cli_args(tiny_dir, prompts, tmp_path / "one.jsonl"), timeout=600)
     extra = ("--set", "parallel.groups=2", "--set", "run.batch=2")
-    groups = torchrun_cmd(2, *cli_args(tiny_dir, prompts, tmp_path / "d2.jsonl", *extra))
-    proc = subprocess.run(groups, env=env_with_repo(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_job(cli_args(tiny_dir, prompts, tmp_path / "d2.jsonl", *extra), torchrun=2, timeout=600)
     assert by_id(tmp_path / "d2.jsonl") == by_id(tmp_path / "one.jsonl")
     records = read_jsonl(tmp_path / "d2.jsonl")
     assert {r["group"] for r in records} == {0, 1}
@@ -508,31 +497,20 @@ def test_killed_batched_job_resumes_to_the_uninterrupted_output(tiny_dir: Path, 
         tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"Item {i}: the list goes on and"} for i in range(40)]
     )
     batch = ("--set", "run.batch=4")
-    reference = [sys.executable, "-m", "lp_runner", *cli_args(tiny_dir, prompts, tmp_path / "ref.jsonl", *batch)]
-    proc = subprocess.run(reference, env=env_with_repo(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one = [sys.executable, "-m", "lp_runner", *cli_args(tiny_dir, prompts, tmp_path / "one.jsonl")]
-    assert subprocess.run(one, env=env_with_repo(), capture_output=True, timeout=600).returncode == 0
+    run_job(cli_args(tiny_dir, prompts, tmp_path / "ref.jsonl", *batch), timeout=600)
+    run_job(cli_args(tiny_dir, prompts, tmp_path / "one.jsonl"), timeout=600)
     out = tmp_path / "o.jsonl"
-    cmd = [sys.executable, "-m", "lp_runner", *cli_args(tiny_dir, prompts, out, *batch)]
-    run = subprocess.Popen(cmd, env=env_with_repo(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    args = cli_args(tiny_dir, prompts, out, *batch)
+    run = start_job(args)
     try:
-        deadline = 300
-        import time
-
-        end = time.monotonic() + deadline
-        while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
-            assert run.poll() is None and time.monotonic() < end, "the job ended or stalled before two records"
-            time.sleep(0.05)
+        wait_for(lambda: complete_lines(out) >= 2, 300, run)  # the job under way: two records written
         run.send_signal(signal.SIGKILL)
         run.wait(60)
     finally:
-        if run.poll() is None:
-            run.kill()
-    kept = out.read_bytes().count(b"\n")
+        stop(run)
+    kept = complete_lines(out)
     assert 1 <= kept < 40
-    resumed = subprocess.run(cmd + ["--resume"], env=env_with_repo(), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_job([*args, "--resume"], timeout=600)
     assert f"skipped: {kept} already in the output (--resume)" in resumed.stderr
     records = read_jsonl(out)
     assert len(records) == 40 and len({r["id"] for r in records}) == 40

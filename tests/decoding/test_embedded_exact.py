@@ -5,7 +5,7 @@ generation config (as the runner does). Real code prompts repeat identifiers and
 candidates are accepted; each case checks that they were. The lookahead settings other than W, N, G are the
 runner's defaults (context lookup and pool repair on).
 
-Threads: 1 by default (``LP_TEST_THREADS`` overrides it). Measured on the shared 2-core dev machine while another
+Threads: 1 by default (``LP_TEST_THREADS`` overrides it). Measured on a shared 2-core machine while another
 job was running: one case took 50 s with 1 thread and 400 s with 2 (OpenMP threads spin against the other load);
 on a dedicated machine ``LP_TEST_THREADS=2`` may be faster (not measured here).
 """

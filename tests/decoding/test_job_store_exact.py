@@ -4,7 +4,7 @@ while the store (``lookahead.pool_scope: job``) grows from the earlier ones."""
 from __future__ import annotations
 
 import pytest
-from dist_helpers import REPO
+from dist_helpers import run_job
 from helpers import hf_greedy, humaneval_prompts, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter
@@ -52,14 +52,7 @@ def test_embedded_job_matches_hf_greedy(embedded):
 
 
 def _cli(*args: str, timeout: float = 600):
-    import os
-    import subprocess
-    import sys
-
-    repo = REPO
-    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "lp_runner", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=repo)
+    return run_job(list(args), timeout=timeout, check=False, HF_HUB_OFFLINE="1")
 
 
 def test_cli_pool_files_need_job_scope(tmp_path):

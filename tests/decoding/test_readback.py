@@ -1,4 +1,4 @@
-"""A round moves its results from the device to the host once (issue 17), greedy and sampling alike.
+"""A round moves its results from the device to the host once, greedy and sampling alike.
 
 Every value the host reads from the forward's logits passes through a conversion (``tolist``, ``item``,
 ``numpy``, ``cpu``, ``bool``/``int``/``float``/``index``, ``to`` a CPU device). The test tags the real forward's

@@ -1,4 +1,4 @@
-"""Jobs that lose nothing: real processes killed, interrupted and raced, then resumed (issue 14).
+"""Jobs that lose nothing: real processes killed, interrupted and raced, then resumed.
 
 Every case runs the real CLI on a tiny random model folder (the embedded tokenizer, a 2-layer body) and compares
 the final output file with an uninterrupted run's, record by record by id (order aside). Timing and telemetry
@@ -7,7 +7,6 @@ fields are left out of the comparison: they measure a run, not what it generated
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -18,7 +17,21 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_helpers import default_sigint, env_with_repo, make_tiny_folder, read_jsonl, torchrun_cmd, write_prompts
+from dist_helpers import (
+    alive,
+    complete_lines,
+    descendants,
+    env_with_repo,
+    job_args,
+    make_tiny_folder,
+    read_jsonl,
+    run_job,
+    start_job,
+    stop,
+    torchrun_cmd,
+    wait_for,
+    write_prompts,
+)
 
 PROMPTS = 40  # enough that a kill after the first record lands mid-run
 MAX_NEW = 16
@@ -29,11 +42,6 @@ RUN_FIELDS = {"seconds", "tokens_per_s", "stats", "workers", "dist_backend", "re
 RUN_FIELDS |= {"tokens_per_forward", "policy", "window_size", "ngram_size", "verification_set_size", "pool_from_prompt"}
 RUN_FIELDS |= {"run"}  # the whole config, versions and device of the run that wrote the record (workers differ)
 LAUNCHERS = {"single": [], "torchrun-self": ["--set", "parallel.workers=2"]}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -52,80 +60,22 @@ def reference(tiny_dir, prompts, tmp_path_factory) -> dict[str, dict]:
 
 
 def args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(out),
-        "--set", f"model.path={model}", "--set", "model.threads=1", "--set", f"generation.max_new_tokens={MAX_NEW}",
-        "--set", "advanced.progress=false", "--set", "parallel.timeout_s=30", *extra,
-    ]  # fmt: skip
+    """This file's job: the shared arguments, a 30 s peer timeout (the stalled-peer cases wait for it)."""
+    return job_args(model, prompts, out, "--set", "parallel.timeout_s=30", *extra, max_new_tokens=MAX_NEW)
 
 
 def cli(model: Path, prompts: Path, out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        args(model, prompts, out, *extra), env=env_with_repo(), capture_output=True, text=True, timeout=timeout
-    )
+    return run_job(args(model, prompts, out, *extra), timeout=timeout, check=False)
 
 
 def start(model: Path, prompts: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        args(model, prompts, out, *extra),
-        env=env_with_repo(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        preexec_fn=default_sigint,  # the SIGINT tests must not inherit a background shell's "ignore"
-    )
+    return start_job(args(model, prompts, out, *extra))
 
 
 def by_id(records: list[dict]) -> dict[str, dict]:
     out = {r["id"]: {k: v for k, v in r.items() if k not in RUN_FIELDS} for r in records}
     assert len(out) == len(records), "an id appears twice in the output"
     return out
-
-
-def complete_lines(path: Path) -> int:
-    if not path.exists():
-        return 0
-    return path.read_bytes().count(b"\n")
-
-
-def wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(entry.path, "stat").read_text()
-                fields = stat[stat.rfind(")") + 2 :].split()
-                if fields[0] != "Z":
-                    children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def alive(pids: set[int]) -> set[int]:
-    left = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":
-                left.add(pid)
-    return left
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
 
 
 # ---------------------------------------------------------------- refusals (no model is loaded)
@@ -338,7 +288,7 @@ def test_second_writer_fails_at_once_naming_the_holder(tiny_dir, prompts, tmp_pa
     out = tmp_path / "o.jsonl"
     if launcher == "torchrun":
         first = subprocess.Popen(
-            torchrun_cmd(2, *args(tiny_dir, prompts, out)[3:]), env=env_with_repo(), stderr=subprocess.PIPE
+            torchrun_cmd(2, *args(tiny_dir, prompts, out)), env=env_with_repo(), stderr=subprocess.PIPE
         )
     else:
         first = start(tiny_dir, prompts, out, *LAUNCHERS[launcher])

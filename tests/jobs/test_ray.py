@@ -10,7 +10,6 @@ the job (or the driver's py_modules) ships, as on a remote cluster.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 import re
@@ -30,17 +29,18 @@ import pytest
 if importlib.util.find_spec("ray") is None:  # not imported here: the cluster fixture sets Ray's auth env first
     pytest.skip("ray is not installed: pip install 'lp_runner[ray]'", allow_module_level=True)
 
-import torch  # noqa: E402
-from dist_helpers import (  # noqa: E402
+from dist_helpers import (
     REPO,
     default_sigint,
     env_with_repo,
     free_port,
-    make_tiny_folder,
+    hf_greedy_of,
+    job_args,
+    lp_runner_cmd,  # noqa: E402
     read_jsonl,
+    run_job,
     write_prompts,
 )
-from helpers import hf_greedy
 
 from lp_runner.config import load_config  # noqa: E402
 from lp_runner.jobs.ray import parse_resources, placeable, shortfall, worker_bundle  # noqa: E402
@@ -67,11 +67,6 @@ RAY_PORT_FLAGS = (
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -150,11 +145,7 @@ AS_WRITTEN = "lookahead.preset=off"
 
 
 def _args(model: Path | str, prompts: Path, out: Path, max_new: int = 48, *extra: str) -> list[str]:
-    return [
-        "--prompts", str(prompts), "--output", str(out), "--set", f"model.path={model}", "--set", "model.threads=1",
-        "--set", f"generation.max_new_tokens={max_new}", "--set", "advanced.progress=false",
-        "--set", AS_WRITTEN, *extra,
-    ]  # fmt: skip
+    return job_args(model, prompts, out, "--set", AS_WRITTEN, *extra, max_new_tokens=max_new)
 
 
 def _ray_args(workers: int) -> list[str]:
@@ -162,8 +153,7 @@ def _ray_args(workers: int) -> list[str]:
 
 
 def _cli(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "lp_runner", *args]
-    return subprocess.run(cmd, env=env_with_repo(**env), capture_output=True, text=True, timeout=timeout)
+    return run_job(args, timeout=timeout, check=False, **env)
 
 
 def _submit(cluster, args: list[str], timeout: float = 240) -> str:
@@ -179,20 +169,6 @@ def _submit(cluster, args: list[str], timeout: float = 240) -> str:
     logs = cluster.client.get_job_logs(job)
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
     return logs
-
-
-@functools.cache
-def _hf_model(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The shared oracle (helpers.hf_greedy), stopping at the model's own EOS as lp_runner does."""
-    model = _hf_model(model_dir)
-    eos = model.generation_config.eos_token_id
-    return hf_greedy(model, prompt_ids, max_new_tokens, eos_ids=[eos] if isinstance(eos, int) else list(eos or []))
 
 
 def _same_generation(a: list[dict], b: list[dict], ignore: frozenset[str] = frozenset()) -> None:
@@ -300,10 +276,10 @@ def test_resume_from_committed_prefix_gives_the_same_record(tiny_dir):
 
 
 @pytest.mark.slow
-def test_job_p2_matches_single_worker_and_hf_greedy(cluster, tiny_dir, tmp_path):
+def test_job_p2_matches_single_worker_andhf_greedy_of(cluster, tiny_dir, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
     single = subprocess.Popen(  # the single worker without Ray, while the job runs
-        [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "single.jsonl")],
+        lp_runner_cmd(*_args(tiny_dir, prompts, tmp_path / "single.jsonl")),
         env=env_with_repo(),
         stderr=subprocess.PIPE,
         text=True,
@@ -322,7 +298,7 @@ def test_job_p2_matches_single_worker_and_hf_greedy(cluster, tiny_dir, tmp_path)
     for ray_rec, single_rec in zip(ray_records, single_records, strict=True):
         assert ray_rec["forwards"] == single_rec["forwards"]  # LP: same tokens per forward as one worker
         assert ray_rec["stats"]["collectives"] == ray_rec["stats"]["rounds"]  # a real 2-rank group
-        assert ray_rec["output_ids"] == _hf_greedy(tiny_dir, ray_rec["prompt_ids"], 48), ray_rec["id"]
+        assert ray_rec["output_ids"] == hf_greedy_of(tiny_dir, ray_rec["prompt_ids"], 48), ray_rec["id"]
     assert sum(r["stats"]["accepted_tokens"] for r in ray_records) > 0  # candidates were verified and accepted
     assert logs.count("  new tokens ") == 1 and "workers=2" in logs  # rank 0's summary, printed once
     from ray.util.state import list_actors
@@ -332,7 +308,7 @@ def test_job_p2_matches_single_worker_and_hf_greedy(cluster, tiny_dir, tmp_path)
 
 
 @pytest.mark.slow
-def test_job_embedded_model_matches_hf_greedy(cluster, tmp_path):
+def test_job_embedded_model_matcheshf_greedy_of(cluster, tmp_path):
     from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model
 
     fetch_embedded_model()
@@ -348,7 +324,7 @@ def test_job_embedded_model_matches_hf_greedy(cluster, tmp_path):
     _submit(cluster, _args("embedded", prompts, tmp_path / "o.jsonl", 24, *extra))
     records = read_jsonl(tmp_path / "o.jsonl")
     for rec in records:
-        assert rec["output_ids"] == _hf_greedy(embedded_model_dir(), rec["prompt_ids"], 24), rec["id"]
+        assert rec["output_ids"] == hf_greedy_of(embedded_model_dir(), rec["prompt_ids"], 24), rec["id"]
 
 
 def _run_and_kill_rank1(
@@ -358,7 +334,7 @@ def _run_and_kill_rank1(
     (SIGKILL: as an OOM kill or a lost node would; SIGSTOP: a stalled worker). Returns (exit code, stderr)."""
     from ray.util.state import list_actors
 
-    cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2), *extra)]
+    cmd = lp_runner_cmd(*_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2), *extra))
     proc = subprocess.Popen(
         cmd, env=env_with_repo(RAY_ADDRESS=cluster.gcs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -450,7 +426,7 @@ def _run_two_groups_and_kill_group1(cluster, tiny_dir: Path, prompts: Path, out:
 
     args = _args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(1), "--set", "parallel.groups=2", *extra)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lp_runner", *args],
+        lp_runner_cmd(*args),
         env=env_with_repo(RAY_ADDRESS=cluster.gcs),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -475,7 +451,7 @@ def _run_two_groups_and_kill_group1(cluster, tiny_dir: Path, prompts: Path, out:
 
 @pytest.mark.slow
 def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, tiny_dir, tmp_path):
-    """parallel.groups=2 x workers=1 (issue 15): two placement groups, prompts to whichever group is free. The
+    """parallel.groups=2 x workers=1: two placement groups, prompts to whichever group is free. The
     group-1 actor is SIGKILLed mid-job: group 1 alone is rebuilt and resumes its prompt from the committed prefix,
     group 0 runs on untouched; every record equals the uninterrupted single worker's and HF greedy."""
     from ray.util.state import list_actors
@@ -496,7 +472,7 @@ def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, ti
     for rec in records:
         _same_generation([rec], [expected[rec["id"]]], ignore)
     for rec in records[::8] + hit:  # the single worker is HF greedy (tests above); a direct look at some
-        assert rec["output_ids"] == _hf_greedy(tiny_dir, rec["prompt_ids"], MANY_TOKENS), rec["id"]
+        assert rec["output_ids"] == hf_greedy_of(tiny_dir, rec["prompt_ids"], MANY_TOKENS), rec["id"]
     # group 0 was never rebuilt: its first actor is its only one
     ours = [a.name for a in list_actors(address=cluster.url, limit=1000) if run_id in (a.name or "")]
     assert [n for n in ours if "-d0-" in n] == [f"lp_runner-{run_id}-d0-g0-rank0"], ours
@@ -520,7 +496,7 @@ def test_two_groups_share_the_cores_a_finished_group_frees(cluster, tiny_dir, tm
     records = read_jsonl(out)
     assert sorted(r["id"] for r in records) == ["0", "1", "2"] and {r["group"] for r in records} == {0, 1}
     assert records[0]["new_tokens"] > 1000  # guard: long generations, not an early EOS
-    want = _hf_greedy(tiny_dir, records[0]["prompt_ids"], long)
+    want = hf_greedy_of(tiny_dir, records[0]["prompt_ids"], long)
     assert all(r["output_ids"] == want for r in records)
 
 
@@ -577,7 +553,7 @@ def test_interrupted_driver_cleans_up_and_resumes(cluster, tiny_dir, tmp_path, s
     from ray.util.state import list_actors
 
     prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
-    cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2))]
+    cmd = lp_runner_cmd(*_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2)))
     env = env_with_repo(RAY_ADDRESS=cluster.gcs)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
@@ -629,7 +605,7 @@ def test_missing_auth_token_is_named(cluster, tiny_dir, tmp_path):
     env = env_with_repo(RAY_ADDRESS=cluster.gcs)
     for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "o.jsonl", 8, *_ray_args(1))]
+    cmd = lp_runner_cmd(*_args(tiny_dir, prompts, tmp_path / "o.jsonl", 8, *_ray_args(1)))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
@@ -646,7 +622,7 @@ def test_local_instance_declares_the_real_cores(tiny_dir, tmp_path):
     cpus = ("--set", f"advanced.cpus_per_worker={cores + 1}")
     env = env_with_repo()
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "o.jsonl", 8, *_ray_args(1), *cpus)]
+    cmd = lp_runner_cmd(*_args(tiny_dir, prompts, tmp_path / "o.jsonl", 8, *_ray_args(1), *cpus))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (
@@ -664,7 +640,7 @@ def test_single_prompt_streams_on_a_local_instance(tiny_dir, tmp_path):
     ]  # fmt: skip
     env = env_with_repo()
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "lp_runner", *args]
+    cmd = lp_runner_cmd(*args)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (record,) = read_jsonl(tmp_path / "o.jsonl")

@@ -1,4 +1,4 @@
-"""``parallel.groups = D``: D LP groups of P ranks in one job, fed by one work queue (issue 15).
+"""``parallel.groups = D``: D LP groups of P ranks in one job, fed by one work queue.
 
 Groups change how many prompts run at once, not what any prompt generates: every record must equal the D = 1
 run's (output ids and forwards) and HF greedy. The queue itself is tested in-process on a real TCPStore; the
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -19,9 +18,11 @@ import torch
 import torch.distributed as dist
 from dist_helpers import (
     env_with_repo,
+    hf_greedy_of,
+    job_args,
     launch_ranks,
-    make_tiny_folder,
     read_jsonl,
+    run_job,
     stop_all,
     torchrun_cmd,
     wait_for_file_lines,
@@ -227,35 +228,16 @@ def test_core_share_takes_the_threads_a_leaving_rank_gives_up(store_env):
 # ---------------------------------------------------------------- real jobs (gloo)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
-
-
 def _args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--prompts", str(prompts), "--output", str(out),
-        "--set", f"model.path={model}", "--set", "model.threads=1",
+    return job_args(
+        model, prompts, out,
         "--set", "lookahead.window_size=7", "--set", "lookahead.ngram_size=5",
-        "--set", "lookahead.verification_set_size=7", "--set", f"generation.max_new_tokens={MAX_NEW}",
+        "--set", "lookahead.verification_set_size=7",
         "--set", "lookahead.preset=off",  # this W/N/G as written, in every group alike
         # per-prompt pool: with the job store a group's proposals depend on the prompts it ran, so forwards differ
         "--set", "lookahead.pool_scope=prompt",
-        "--set", "advanced.progress=false", *extra,
-    ]  # fmt: skip
-
-
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=env_with_repo(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def _hf_greedy(model_dir: Path, prompt_ids: list[int]) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return hf_greedy(model, prompt_ids, MAX_NEW, eos_ids=[2])  # 2: the EOS lp_runner stops at
+        *extra, max_new_tokens=MAX_NEW,
+    )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -263,16 +245,16 @@ def test_groups_match_one_group_and_hf_greedy(tmp_path, tiny_dir):
     """D=1 (one plain process), D=2 x P=1 (self-launched: ``--set parallel.groups=2`` starts the ranks) and
     D=1 x P=2 (torchrun): the same output ids and forwards for every prompt; D=2 records name both groups."""
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
-    _run([sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "d1.jsonl")])
+    run_job(_args(tiny_dir, prompts, tmp_path / "d1.jsonl"))
     one = read_jsonl(tmp_path / "d1.jsonl")
     d2_args = _args(tiny_dir, prompts, tmp_path / "d2.jsonl", "--set", "parallel.groups=2")
-    d2 = _run([sys.executable, "-m", "lp_runner", *d2_args])
+    d2 = run_job(d2_args)
     two = read_jsonl(tmp_path / "d2.jsonl")
-    _run(torchrun_cmd(2, *_args(tiny_dir, prompts, tmp_path / "p2.jsonl")))
+    run_job(_args(tiny_dir, prompts, tmp_path / "p2.jsonl"), torchrun=2)
     lp = read_jsonl(tmp_path / "p2.jsonl")
     by_id = {r["id"]: r for r in one}
     for rec in one:
-        assert rec["output_ids"] == _hf_greedy(tiny_dir, rec["prompt_ids"]), rec["id"]
+        assert rec["output_ids"] == hf_greedy_of(tiny_dir, rec["prompt_ids"], MAX_NEW), rec["id"]
         assert rec["group"] == 0
     for records, workers in ((two, 1), (lp, 2)):
         assert sorted(r["id"] for r in records) == sorted(by_id)  # every prompt once
@@ -297,7 +279,7 @@ def test_a_lone_prompt_takes_the_idle_groups_core_and_keeps_its_tokens(tmp_path,
         out = tmp_path / f"{share}.jsonl"
         args = _args(tiny_dir, prompts, out, "--set", "parallel.groups=2", "--set", f"advanced.share_cores={share}")
         args[args.index(f"generation.max_new_tokens={MAX_NEW}")] = "generation.max_new_tokens=2000"  # > PERIOD_S
-        runs[share] = (_run([sys.executable, "-m", "lp_runner", *args]).stderr, read_jsonl(out)[0])
+        runs[share] = (run_job(args).stderr, read_jsonl(out)[0])
     (shared_err, shared), (alone_err, alone) = runs["true"], runs["false"]
     busy = shared["group"]  # whichever group claimed the prompt first; the other is idle from the start
     assert f"local rank {busy}: 1 of 2 ranks on this node have no more work; 2 threads" in shared_err
@@ -314,10 +296,10 @@ def test_a_lone_prompt_takes_the_idle_groups_core_and_keeps_its_tokens(tmp_path,
 def test_two_groups_of_two_and_resume_across_groups(tmp_path, tiny_dir):
     """D=2 x P=2 under torchrun (4 ranks on gloo), then ``--resume`` of a file cut to two records."""
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
-    _run([sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "d1.jsonl")])
+    run_job(_args(tiny_dir, prompts, tmp_path / "d1.jsonl"))
     by_id = {r["id"]: r for r in read_jsonl(tmp_path / "d1.jsonl")}
     out = tmp_path / "d2p2.jsonl"
-    _run(torchrun_cmd(4, *_args(tiny_dir, prompts, out, "--set", "parallel.groups=2", "--set", "parallel.workers=2")))
+    run_job(_args(tiny_dir, prompts, out, "--set", "parallel.groups=2", "--set", "parallel.workers=2"), torchrun=4)
     records = read_jsonl(out)
     assert sorted(r["id"] for r in records) == sorted(by_id)
     for rec in records:
@@ -326,7 +308,7 @@ def test_two_groups_of_two_and_resume_across_groups(tmp_path, tiny_dir):
         assert rec["stats"]["collectives"] == rec["stats"]["rounds"]  # one collective per round, in its group
     kept = out.read_text().splitlines()[:2]
     out.write_text("".join(line + "\n" for line in kept))
-    _run([sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, out, "--resume", "--set", "parallel.groups=2")])
+    run_job(_args(tiny_dir, prompts, out, "--resume", "--set", "parallel.groups=2"))
     resumed = read_jsonl(out)
     assert [r["id"] for r in resumed[:2]] == [r["id"] for r in records[:2]]  # kept as they were
     assert sorted(r["id"] for r in resumed) == sorted(by_id)  # the rest once each
@@ -380,9 +362,9 @@ def test_two_groups_sample_as_one_and_write_error_records_once(tmp_path, tiny_di
     group, and no group generates it."""
     prompts = write_prompts(tmp_path / "p.jsonl", [*PROMPTS, {"id": "long", "prompt": "word " * 5000}])
     sampling = ("--set", "generation.do_sample=true", "--set", "generation.seed=5", "--set", "run.on_error=skip")
-    _run([sys.executable, "-m", "lp_runner", *_args(tiny_dir, prompts, tmp_path / "d1.jsonl", *sampling)])
+    run_job(_args(tiny_dir, prompts, tmp_path / "d1.jsonl", *sampling))
     args = _args(tiny_dir, prompts, tmp_path / "d2.jsonl", *sampling, "--set", "parallel.groups=2")
-    proc = _run([sys.executable, "-m", "lp_runner", *args])
+    proc = run_job(args)
     one = {r["id"]: r for r in read_jsonl(tmp_path / "d1.jsonl")}
     two = read_jsonl(tmp_path / "d2.jsonl")
     assert sorted(r["id"] for r in two) == sorted(one)

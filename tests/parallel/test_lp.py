@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from itertools import combinations
 from pathlib import Path
@@ -19,15 +18,18 @@ import pytest
 import torch
 from dist_helpers import (
     env_with_repo,
+    hf_greedy_of,
+    job_args,
     launch_ranks,
+    lp_runner_cmd,
     make_tiny_folder,
     read_jsonl,
+    run_job,
     stop_all,
     torchrun_cmd,
     wait_for_file_lines,
     write_prompts,
 )
-from helpers import hf_greedy
 
 from lp_runner.parallel.exchange import pack, unpack, winner
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
@@ -157,39 +159,20 @@ def test_exchange_roundtrip_and_winner_ties_to_lowest_rank():
 # ---------------------------------------------------------------- real torchrun runs
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=3)
-
-
 def _run_torchrun(nproc: int, model: Path, prompts: Path, out: Path, wng, extra=(), timeout=300):
     w, n, g = wng
-    args = [
-        "--prompts", str(prompts), "--output", str(out),
-        "--set", f"model.path={model}", "--set", "model.threads=1",
+    wng_args = (
         "--set", f"lookahead.window_size={w}", "--set", f"lookahead.ngram_size={n}",
-        "--set", f"lookahead.verification_set_size={g}", "--set", "generation.max_new_tokens=48",
+        "--set", f"lookahead.verification_set_size={g}",
         "--set", "lookahead.preset=off",  # this W/N/G with its window, not what the device's curve would choose
-        "--set", "advanced.progress=false", *extra,
-    ]  # fmt: skip
-    proc = subprocess.run(
-        torchrun_cmd(nproc, *args), env=env_with_repo(), capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    )  # fmt: skip
+    proc = run_job(job_args(model, prompts, out, *wng_args, *extra, max_new_tokens=48), torchrun=nproc, timeout=timeout)
     return read_jsonl(out), proc
-
-
-def _hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The shared oracle (helpers.hf_greedy) on a model loaded from the folder the CLI ran."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return hf_greedy(model, prompt_ids, max_new_tokens, eos_ids=[2])  # 2: the EOS lp_runner stops at
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wng", [(7, 5, 7), (2, 4, 3), (5, 3, 0)], ids=["W7N5G7", "W2N4G3-W<P", "W5N3G0"])
-def test_lp_matches_single_worker_and_hf_greedy(tmp_path, tiny_dir, wng):
+def test_lp_matches_single_worker_andhf_greedy_of(tmp_path, tiny_dir, wng):
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
     results = {}
     for nproc in (1, 2, 3):
@@ -203,7 +186,7 @@ def test_lp_matches_single_worker_and_hf_greedy(tmp_path, tiny_dir, wng):
         assert "tokens/forward" in proc.stderr  # the summary is printed (by rank 0 only)
         assert proc.stderr.count("tokens/forward") == 1
     for rec in results[1]:
-        assert rec["output_ids"] == _hf_greedy(tiny_dir, rec["prompt_ids"], 48), rec["id"]
+        assert rec["output_ids"] == hf_greedy_of(tiny_dir, rec["prompt_ids"], 48), rec["id"]
     for nproc in (2, 3):
         for single, multi in zip(results[1], results[nproc], strict=True):
             assert multi["output_ids"] == single["output_ids"], (nproc, single["id"])
@@ -219,7 +202,7 @@ def test_lp_matches_single_worker_and_hf_greedy(tmp_path, tiny_dir, wng):
 
 
 @pytest.mark.slow
-def test_lp_embedded_model_matches_hf_greedy(tmp_path):
+def test_lp_embedded_model_matcheshf_greedy_of(tmp_path):
     from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model
 
     fetch_embedded_model()
@@ -232,7 +215,7 @@ def test_lp_embedded_model_matches_hf_greedy(tmp_path):
     )
     records, _ = _run_torchrun(2, Path("embedded"), prompts, tmp_path / "o.jsonl", (15, 5, 15))
     for rec in records:
-        assert rec["output_ids"] == _hf_greedy(embedded_model_dir(), rec["prompt_ids"], 48), rec["id"]
+        assert rec["output_ids"] == hf_greedy_of(embedded_model_dir(), rec["prompt_ids"], 48), rec["id"]
     assert sum(r["stats"]["accepted_tokens"] for r in records) > 0
 
 
@@ -337,7 +320,7 @@ def test_weights_mismatch_between_ranks_is_detected(tmp_path, tiny_dir):
         procs_args.append([*base, "--set", "model.path=model"])
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "lp_runner", *args],
+            lp_runner_cmd(*args),
             cwd=tmp_path / f"rank{r}",
             env=env,
             stdout=subprocess.PIPE,
