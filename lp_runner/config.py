@@ -35,17 +35,12 @@ class ModelConfig:
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
     compile: str = "auto"  # off | on | auto: rounds through torch.compile (auto: when this device's record says
     # the job is long enough to pay for the compilation; see lp_runner/compile_choice.py)
-    # auto | torch | native | native-bf16: the kernels the forward runs on (lp_runner.backends.select_backend).
-    # auto: lp_runner's CPU kernels on a CPU where they work, transformers' layers on a GPU; torch: transformers'
-    # layers; native: lp_runner's native CPU kernels, or a one-line error where they cannot run; native-bf16: those
-    # on the linear weights rounded to bfloat16 (half the bytes per forward; float32 arithmetic: exact for the model
-    # with those rounded weights, not for the original)
+    # the kernels the forward runs on, chosen once at load (lp_runner.backends.BACKENDS names and explains each
+    # value); auto: lp_runner's CPU kernels on a CPU where they work, transformers' layers elsewhere
     backend: str = "auto"
-    # the CPU kernels' options (lp_runner/backends/cpu):
-    huge_pages: bool = False  # the native products' packed weights in transparent huge pages: each forward faster
-    # but start-up slower where fresh huge pages are dear to fault in (a VM); for long jobs (backends/cpu/arena.py)
-    native_layers: bool = True  # on native products, Llama-family decoder layers run natively, all in one call, in
-    # eager rounds and prefills (backends/cpu/native_layers.py); false: transformers' layer code on the same products
+    # the CPU plug-in's options (advanced.*; lp_runner/backends/cpu says what each does and costs):
+    huge_pages: bool = False  # its packed weights in transparent huge pages: faster forwards, a slower start-up
+    native_layers: bool = True  # its Llama-family decoder layers in one call (false: transformers' layer code)
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 
 
@@ -210,7 +205,7 @@ _SECTION_TYPES: dict[str, type] = {
 }
 # What a user configures, section by section. Every other field is an internal of the run's plan (the knobs the
 # auto preset and the tuner turn: row caps, context-lookup lengths, the proposal order, padding) or an experiment
-# (the CPU kernels' huge pages and native layers, core sharing) or a per-invocation flag (--pool-in): each is
+# (the CPU plug-in's options, core sharing) or a per-invocation flag (--pool-in): each is
 # written ``advanced.<name>`` (one ``advanced:`` section in a YAML file), is kept in its own section, is recorded
 # like any setting, and pins the auto preset like any lookahead key the user writes.
 USER_KEYS: dict[str, tuple[str, ...]] = {
@@ -268,8 +263,7 @@ def _known_keys() -> list[str]:
     return users + [f"{ADVANCED}.{name}" for name in ADVANCED_KEYS]
 
 
-# keys that were renamed: the error names the new key and its values
-_RENAMED = {"model.prepack": "model.backend"}
+_RENAMED = {"model.prepack": "model.backend"}  # keys that were renamed: the error names the new key and its values
 
 
 def _unknown(key: str) -> ConfigError:

@@ -5,14 +5,17 @@ and compiled rounds, the attention mask), and the kernels its forward runs on, c
 loading, before the adapter exists): transformers' layers (``torch_backend``) on a GPU or where asked, lp_runner's
 CPU kernels (the ``backends.cpu`` plug-in) on a CPU where they work. ``detect_backend`` finds the backend of a model
 already prepared (what ``ModelAdapter(model)`` runs when given none: the tests, ``lp_runner.generate``). The
-plug-in is imported only for a model on a CPU, so a GPU job never loads it; this module itself imports no backend
-at import time, so the records' settings (``weights_rounding``) cost the CLI no torch import.
+plug-in is imported only by ``select_backend`` for a model on a CPU that may run it, so a GPU job (or
+``model.backend: torch``) never loads it. ``BACKENDS`` is the registry of ``model.backend``'s values; with
+``record_settings`` (what the records' digest sees of them) it imports no backend, so the CLI pays no torch import.
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lp_runner.backends.base import ForwardBackend
 from lp_runner.errors import ConfigError
@@ -24,27 +27,70 @@ if TYPE_CHECKING:
 
     from lp_runner.config import ModelConfig
 
-# model.backend's values that run lp_runner's CPU kernels and nothing else: refused for a model on another device
-_CPU_ONLY = ("native", "native-bf16")
-# model.backend's values that change the model itself, not only how it runs: the records' settings name the change
-# (so --resume across it is refused), the other values run the same model (their tokens differ at most at fp32
-# rounding) and are left out of the records' digest
-_ROUNDS_WEIGHTS = {"native-bf16": "bfloat16"}
 
-__all__ = ["ForwardBackend", "check_backend", "detect_backend", "select_backend", "weights_rounding"]
+@dataclass(frozen=True)
+class BackendValue:
+    """One value of ``model.backend``: what the config accepts, where it runs, what it does to the model."""
+
+    name: str
+    runs: str  # what it runs, for messages and docs
+    devices: tuple[str, ...] = ()  # the device types it runs on; (): any (``check_backend``)
+    # the dtype it rounds the linear weights to: it runs another model (its tokens are that model's), so the
+    # records' settings name it (``record_settings``) and a --resume across it is refused; None: the same model
+    weights: str | None = None
+
+
+# The registry of model.backend's values (the config's choices are these, ``test_architecture`` checks).
+BACKENDS = (
+    BackendValue("auto", "lp_runner's CPU kernels on a CPU where they work, transformers' layers elsewhere"),
+    BackendValue("torch", "transformers' layers on torch's kernels"),
+    BackendValue("native", "lp_runner's CPU kernels (native products, attention and decoder layers)", ("cpu",)),
+    BackendValue(
+        "native-bf16", "lp_runner's CPU kernels on the linear weights rounded to bfloat16", ("cpu",), "bfloat16"
+    ),
+)
+NAMES = tuple(value.name for value in BACKENDS)
+_BY_NAME = {value.name: value for value in BACKENDS}
+# The config fields (``advanced.*``) the CPU plug-in reads: how the model runs, not which tokens it gives
+PLUGIN_OPTIONS = ("huge_pages", "native_layers")
+
+__all__ = [
+    "BACKENDS",
+    "NAMES",
+    "ForwardBackend",
+    "check_backend",
+    "detect_backend",
+    "record_settings",
+    "select_backend",
+    "weights_rounding",
+]
 
 
 def weights_rounding(name: str) -> str | None:
     """The dtype ``model.backend=name`` rounds the linear weights to (another model's tokens), else None."""
-    return _ROUNDS_WEIGHTS.get(name)
+    return _BY_NAME[name].weights
+
+
+def record_settings(model: dict[str, Any]) -> dict[str, Any]:
+    """The model section as the records' settings (and their digest) carry it: ``model.backend`` and the plug-in's
+    options left out, as they run the same model (tokens that differ at most at fp32 rounding) and a --resume may
+    change them; a backend that rounds the weights named instead (``model.linear_weights``, absent otherwise, so
+    files written before it keep their digest)."""
+    out = {k: v for k, v in model.items() if k != "backend" and k not in PLUGIN_OPTIONS}
+    rounded = weights_rounding(model.get("backend", "auto"))
+    if rounded is not None:
+        out["linear_weights"] = rounded
+    return out
 
 
 def check_backend(name: str, device: torch.device) -> None:
     """Refuse, before the model is loaded, a backend that cannot run on ``device`` (one line)."""
-    if name in _CPU_ONLY and device.type != "cpu":
+    value = _BY_NAME.get(name)
+    if value is None:
+        raise ConfigError(f"model.backend must be one of {', '.join(NAMES)}, got {name!r}")
+    if value.devices and device.type not in value.devices:
         raise ConfigError(
-            f"model.backend={name} runs lp_runner's CPU kernels, but the model goes to {device}; "
-            "use model.backend=auto or torch"
+            f"model.backend={name} runs {value.runs}, but the model goes to {device}; use model.backend=auto or torch"
         )
 
 
@@ -78,11 +124,12 @@ def select_backend(
 
 def detect_backend(model: torch.nn.Module) -> ForwardBackend:
     """The backend of a model already prepared (or never): the CPU kernels' where its linear layers are packed,
-    transformers' layers otherwise (and always off a CPU)."""
+    transformers' layers otherwise. It imports the plug-in only where it is loaded already: a model holds packed
+    layers only where their module was imported (``select_backend``, a test or benchmark packing them itself)."""
     from lp_runner.backends.torch_backend import TorchBackend
 
-    if next(model.parameters()).device.type != "cpu":
+    if "lp_runner.backends.cpu.prepack" not in sys.modules or next(model.parameters()).device.type != "cpu":
         return TorchBackend()
-    from lp_runner.backends.cpu import backend as cpu  # the plug-in: imported for a model on a CPU only
+    from lp_runner.backends.cpu import backend as cpu  # loaded already: this import costs nothing
 
     return cpu.detect(model) or TorchBackend()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lp_runner.backends import weights_rounding
+from lp_runner.backends import record_settings
 from lp_runner.config import Config, user_key
 from lp_runner.errors import InputError, LPError
 
@@ -42,9 +42,9 @@ NEW_SUFFIX = ".new"
 # Set by the self-launching parent for its torchrun ranks: the pid that holds the output's lock on their behalf.
 LOCK_HOLDER_ENV = "LP_RUNNER_OUTPUT_LOCK_HOLDER"
 # Settings that do not change a single generated token: left out of the digest, so a resume may change them.
-# how the model is run, not which tokens it gives: threads and the forward's backend (and its options) differ at
-# most at fp32 rounding ...
-_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle", "backend", "native_layers", "huge_pages")}
+# How the model is run, not which tokens it gives: threads (the forward's backend leaves or names itself:
+# ``backends.record_settings``).
+_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle")}
 _DIGEST_SECTIONS = ("model", "lookahead", "generation")
 
 
@@ -59,12 +59,7 @@ def output_settings(cfg: Config) -> dict[str, dict[str, Any]]:
         section: {k: v for k, v in data[section].items() if k not in _NOT_IN_DIGEST.get(section, ())}
         for section in _DIGEST_SECTIONS
     }
-    # ... except a backend that rounds the weights: it runs another model (model.linear_weights in the settings, so
-    # a resume between it and any other backend is refused by name; absent otherwise, so earlier files keep their
-    # digest)
-    rounded = weights_rounding(cfg.model.backend)
-    if rounded is not None:
-        settings["model"]["linear_weights"] = rounded
+    settings["model"] = record_settings(settings["model"])
     return settings
 
 

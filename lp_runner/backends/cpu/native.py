@@ -23,6 +23,7 @@ Without a compiler, or on a build or probe failure, the kernel is unavailable an
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -31,7 +32,9 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -179,62 +182,83 @@ def open_library(path: Path):
     return lib
 
 
-_FN = None  # the loaded product (``load``); every process loads the library once
-_ATTENTION = None  # the loaded attention, checked as the product is
-_LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
-_FN_BF16 = None  # the product and the layer on weights stored as bfloat16 (None: unavailable, _BF16_REASON says why)
-_LAYER_BF16 = None
-_LAYERS = None  # a model's decoder layers in one call (None: a build of an older source; ``LayerStack`` loops)
-_LAYERS_SEGMENTS = None  # the same over a batched round's segments (None: an older source; no native batches)
-_ATTENTION_SEGMENTS = None  # the attention over segments (its tests)
 NOT_LOADED = "the native kernel was not loaded (lp_runner.backends.cpu.native.load)"
-_BF16_REASON = NOT_LOADED
 
 
-_BUILD = ""  # the routed library's file name: a hash of its sources, compiler, CPU and flags (build_id)
+@dataclass(frozen=True)
+class Routed:
+    """The entry points every native call goes to: one loaded library's (``route``), or none (``UNLOADED``)."""
+
+    fn: Any = None  # the product (``load``)
+    attention: Any = None  # the attention, checked as the product is
+    layer: Any = None  # one decoder layer: the probed product and attention composed (tests: vs transformers')
+    layers: Any = None  # a model's decoder layers in one call (None: a build of an older source; ``LayerStack`` loops)
+    layers_segments: Any = None  # the same over a batched round's segments (None: an older source; no native batches)
+    attention_segments: Any = None  # the attention over segments (its tests)
+    fn_bf16: Any = None  # the product and the layer on weights stored as bfloat16 (None: ``bf16_reason`` says why)
+    layer_bf16: Any = None
+    bf16_reason: str = NOT_LOADED
+    build: str = ""  # the library's file name: a hash of its sources, compiler, CPU and flags (``build_id``)
+
+    @classmethod
+    def of(cls, lib) -> Routed:
+        fn_bf16 = getattr(lib, "lp_native_gemm_bf16w", None)
+        layer_bf16 = getattr(lib, "lp_native_llama_layer_bf16w", None)
+        has_bf16 = fn_bf16 is not None and layer_bf16 is not None
+        return cls(
+            fn=lib.lp_native_gemm_f32,
+            attention=lib.lp_native_attention_f32,
+            layer=lib.lp_native_llama_layer,
+            layers=getattr(lib, "lp_native_llama_layers", None),
+            layers_segments=getattr(lib, "lp_native_llama_layers_segments", None),
+            attention_segments=getattr(lib, "lp_native_attention_segments_f32", None),
+            fn_bf16=fn_bf16,
+            layer_bf16=layer_bf16,
+            bf16_reason="" if has_bf16 else "this build of the native kernel has no product on bfloat16 weights",
+            build=Path(lib._name).stem,
+        )
+
+
+UNLOADED = Routed()
+# The process's one piece of state here: which loaded library (``library``, cached per build) the calls go to. A
+# library is loaded into a process once and stays (ctypes cannot unload it); routing to it is what ``load`` does.
+_ROUTED = UNLOADED
+
+
+def routed() -> Routed:
+    """The entry points native calls go to now (``UNLOADED``'s None before ``load``)."""
+    return _ROUTED
 
 
 def route(lib) -> None:
     """Send every native call to ``lib`` (``load``; benchmarks swapping builds of the kernels in one process)."""
-    global _FN, _ATTENTION, _LAYER, _LAYERS, _FN_BF16, _LAYER_BF16, _BF16_REASON, _BUILD
-    global _LAYERS_SEGMENTS, _ATTENTION_SEGMENTS
-    _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
-    _LAYERS = getattr(lib, "lp_native_llama_layers", None)
-    _LAYERS_SEGMENTS = getattr(lib, "lp_native_llama_layers_segments", None)
-    _ATTENTION_SEGMENTS = getattr(lib, "lp_native_attention_segments_f32", None)
-    _FN_BF16 = getattr(lib, "lp_native_gemm_bf16w", None)
-    _LAYER_BF16 = getattr(lib, "lp_native_llama_layer_bf16w", None)
-    has_bf16 = _FN_BF16 is not None and _LAYER_BF16 is not None
-    _BF16_REASON = "" if has_bf16 else "this build of the native kernel has no product on bfloat16 weights"
-    _BUILD = Path(lib._name).stem
+    global _ROUTED
+    _ROUTED = Routed.of(lib)
 
 
 def _unroute() -> None:
     """No native calls (a build that failed its probe)."""
-    global _FN, _ATTENTION, _LAYER, _LAYERS, _BUILD, _LAYERS_SEGMENTS, _ATTENTION_SEGMENTS
-    _FN = _ATTENTION = _LAYER = _LAYERS = _LAYERS_SEGMENTS = _ATTENTION_SEGMENTS = None
-    _BUILD = ""
-    _no_bf16("the native kernel failed its probe")
+    global _ROUTED
+    _ROUTED = dataclasses.replace(UNLOADED, bf16_reason="the native kernel failed its probe")
 
 
 def _no_bf16(reason: str) -> None:
     """No native calls on bfloat16 weights, for ``reason`` (the float32 ones may stay)."""
-    global _FN_BF16, _LAYER_BF16, _BF16_REASON
-    _FN_BF16 = _LAYER_BF16 = None
-    _BF16_REASON = reason
+    global _ROUTED
+    _ROUTED = dataclasses.replace(_ROUTED, fn_bf16=None, layer_bf16=None, bf16_reason=reason)
 
 
 def bf16_unavailable_reason() -> str | None:
     """Why the loaded kernel cannot multiply by weights stored as bfloat16 (``model.prepack=native-bf16``), or
     None when it can."""
-    return _BF16_REASON or None
+    return _ROUTED.bf16_reason or None
 
 
 def build_id() -> str:
     """Which build of the kernels runs (empty before ``load``): part of the calibration key, so a new version of
     the kernels' sources (``csrc``), another compiler or other flags measure their own cost curve instead of reusing one
     measured on other code."""
-    return _BUILD
+    return _ROUTED.build
 
 
 def load(cache_root: Path) -> None:
@@ -263,7 +287,7 @@ def load(cache_root: Path) -> None:
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
         _unroute()
         raise NativeUnavailable(f"{LIBRARY}' attention disagrees with torch's sdpa on a probe")
-    if _FN_BF16 is not None:  # bfloat16 storage: the float32 product on the rounded weights, bit for bit
+    if _ROUTED.fn_bf16 is not None:  # bfloat16 storage: the float32 product on the rounded weights, bit for bit
         with torch.inference_mode():
             got = product(x, pack(weight, torch.bfloat16), bias, 40)
             expected = product(x, pack(weight.to(torch.bfloat16)), bias, 40)
@@ -321,9 +345,10 @@ def _pack_blocks(rows: torch.Tensor, dest: torch.Tensor, storage: torch.dtype) -
 def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """[R, in] x the packed weight (+ bias) -> [R, out] float32, on torch's current thread count; the packed
     weight's dtype says how ``pack`` stored it."""
-    fn = _FN_BF16 if packed.dtype == torch.bfloat16 else _FN
+    lib = _ROUTED
+    fn = lib.fn_bf16 if packed.dtype == torch.bfloat16 else lib.fn
     if fn is None:
-        raise NativeUnavailable(NOT_LOADED if _FN is None else _BF16_REASON)
+        raise NativeUnavailable(NOT_LOADED if lib.fn is None else lib.bf16_reason)
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0] == 0:
@@ -360,7 +385,7 @@ def attention(
     Why: torch's CPU sdpa (flash) costs 40-130 us per layer for a one- or two-row round over a few hundred keys,
     ~15% of a compiled one-row forward of the embedded model, while the arithmetic is a few microseconds; this
     loop skips the hidden keys (a static cache's unused slots among them) instead of scoring them."""
-    if _ATTENTION is None:
+    if _ROUTED.attention is None:
         raise NativeUnavailable(NOT_LOADED)
     query, mask = query.contiguous(), mask.contiguous()
     key, value = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (key, value))  # slots in place
@@ -375,7 +400,7 @@ def attention(
     if any(t.dtype != torch.float32 for t in args):
         raise ValueError("native attention takes float32 tensors")
     sizes = (heads, rows, mask.shape[0], key.shape[1], dim, key.stride(0), value.stride(0))
-    status = _ATTENTION(*(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads())
+    status = _ROUTED.attention(*(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads())
     if status == -2:
         raise MemoryError(f"native attention could not allocate {key.shape[1]} scores per thread")
     if status:
@@ -393,8 +418,10 @@ def attention_segments(
 ) -> torch.Tensor:  # [H, M, D] float32
     """``attention`` over a batched round's segments: each round row attends to its own segment's keys only,
     with the value a call of its segment alone gives, bit for bit (``csrc/attention.c``)."""
-    if _ATTENTION_SEGMENTS is None:
-        raise NativeUnavailable(NOT_LOADED if _ATTENTION is None else "this build has no attention over segments")
+    if _ROUTED.attention_segments is None:
+        raise NativeUnavailable(
+            NOT_LOADED if _ROUTED.attention is None else "this build has no attention over segments"
+        )
     query, mask = query.contiguous(), mask.contiguous()
     key, value = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (key, value))
     heads, rows, dim = query.shape
@@ -406,7 +433,7 @@ def attention_segments(
     if any(t.dtype != torch.float32 for t in args):
         raise ValueError("native attention takes float32 tensors")
     sizes = (heads, rows, q_rows, key.shape[1], dim, key.stride(0), value.stride(0))
-    status = _ATTENTION_SEGMENTS(
+    status = _ROUTED.attention_segments(
         *(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads(), *segments.pointers()
     )
     if status == -2:
@@ -431,9 +458,9 @@ def llama_layer(
 ) -> None:
     """One Llama-family decoder layer on ``hidden`` in a single C call (``lp_native_llama_layer``, or its
     ``_bf16w`` twin where the packed weights are stored as bfloat16: all four are, one kernel packs a model)."""
-    layer = _LAYER_BF16 if weights[3].dtype == torch.bfloat16 else _LAYER
+    layer = _ROUTED.layer_bf16 if weights[3].dtype == torch.bfloat16 else _ROUTED.layer
     if layer is None:
-        raise NativeUnavailable(NOT_LOADED if _LAYER is None else _BF16_REASON)
+        raise NativeUnavailable(NOT_LOADED if _ROUTED.layer is None else _ROUTED.bf16_reason)
     rows, embed = hidden.shape
     kv_heads, capacity, dim = keys.shape
     if (
@@ -550,12 +577,12 @@ class LayerStack:
         if segments is not None:
             self._run_segments(hidden, cos, sin, slots, masks, segments)
             return
-        if _LAYERS is None:
+        if _ROUTED.layers is None:
             for args, mask, k, v in zip(layers, masks, self.keys, self.values, strict=True):
                 llama_layer(hidden, args, cos, sin, slots, mask, k, v, self.heads, self.intermediate, self.scale)
             return
-        if self.bf16 and _LAYER_BF16 is None:
-            raise NativeUnavailable(_BF16_REASON)
+        if self.bf16 and _ROUTED.layer_bf16 is None:
+            raise NativeUnavailable(_ROUTED.bf16_reason)
         rows, embed = hidden.shape
         unique = {id(m): m for m in masks}
         if (
@@ -575,7 +602,7 @@ class LayerStack:
                 f"{self.embed} and K/V {[self.kv_heads, self.capacity, self.dim]} (float32, contiguous)"
             )
         addresses = {key: m.data_ptr() for key, m in unique.items()}
-        status = _LAYERS(
+        status = _ROUTED.layers(
             hidden.data_ptr(),
             len(layers),
             self._table,
@@ -613,10 +640,10 @@ class LayerStack:
         masks: list[torch.Tensor],  # per layer, [mask_size] flat
         segments: Segments,
     ) -> None:
-        if _LAYERS_SEGMENTS is None:
-            raise NativeUnavailable(NOT_LOADED if _LAYERS is None else "this build has no layers over segments")
-        if self.bf16 and _LAYER_BF16 is None:
-            raise NativeUnavailable(_BF16_REASON)
+        if _ROUTED.layers_segments is None:
+            raise NativeUnavailable(NOT_LOADED if _ROUTED.layers is None else "this build has no layers over segments")
+        if self.bf16 and _ROUTED.layer_bf16 is None:
+            raise NativeUnavailable(_ROUTED.bf16_reason)
         rows, embed = hidden.shape
         unique = {id(m): m for m in masks}
         if (
@@ -637,7 +664,7 @@ class LayerStack:
                 f"{int(segments.start[-1])} rows ({segments.mask_size} mask floats)"
             )
         addresses = {key: m.data_ptr() for key, m in unique.items()}
-        status = _LAYERS_SEGMENTS(
+        status = _ROUTED.layers_segments(
             hidden.data_ptr(),
             len(self.layers),
             self._table,

@@ -251,7 +251,7 @@ def native_layer_weights(model: torch.nn.Module) -> tuple[LayerWeights, ...] | s
     layers = _decoder_layers(model)
     if layers is None:
         return "no decoder layer list (model.model.layers)"
-    if native._LAYER is None:
+    if native.routed().layer is None:
         return "the native kernel is not loaded"
     weights, sizes = [], set()
     for layer in layers:

@@ -10,6 +10,7 @@ where it must not (``generate`` on the same model object, an adapter on transfor
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import helpers
 import pytest
@@ -208,7 +209,8 @@ def test_the_stacked_call_is_the_layer_by_layer_calls_bit_for_bit(family: str, k
     prepack_linears(model, kernel=KERNELS[kernel])
     stacked = _native_rounds(model)
     assert set(calls) == {248, 1, 2, 3, 8}, "the prefills and rounds did not run the native layers"
-    monkeypatch.setattr(native, "_LAYERS", None)  # a build without the stacked entry: llama_layer per layer
+    # a build without the stacked entry: llama_layer per layer
+    monkeypatch.setattr(native, "_ROUTED", dataclasses.replace(native.routed(), layers=None))
     per_layer = _native_rounds(model)
     assert len(stacked) == len(per_layer)
     for got, want in zip(stacked, per_layer, strict=True):

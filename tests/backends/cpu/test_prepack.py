@@ -401,7 +401,10 @@ def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path:
     torch_proc, plain = _run_cli(tmp_path, folder, "torch", "plain.jsonl")
     pre = packed["policy"]["backend"]
     chosen = next(k for k in KERNELS.values() if k.label == pre["label"])  # auto: the faster, measured
-    assert pre["name"] == "cpu" and pre["kernels"] == chosen.fused_name and pre["reason"].startswith("measured: ")
+    assert (
+        pre["name"] == "cpu" and pre["linear_kernels"] == chosen.fused_name and pre["reason"].startswith("measured: ")
+    )
+    assert pre["kernels"] == chosen.fused_name + ("-layers" if pre["native_layers"] else "")  # the forward's
     assert 0 < pre["products"] < pre["layers"]
     assert f"forward: linear layers {pre['label']} (" in packed_proc.stderr and pre["summary"] in packed_proc.stderr
     line = "forward: torch's linear layers, transformers' decoder layers; model.backend=torch"
@@ -413,6 +416,7 @@ def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path:
     layers_proc, layers = _run_cli(tmp_path, folder, "native", "layers.jsonl")
     _, unlayered = _run_cli(tmp_path, folder, "native", "unlayered.jsonl", "--set", "advanced.native_layers=false")
     assert layers["policy"]["backend"]["native_layers"] == 2 and unlayered["policy"]["backend"]["native_layers"] == 0
+    assert layers["policy"]["backend"]["kernels"] == unlayered["policy"]["backend"]["kernels"] + "-layers"
     assert ", decoder layers native (2, one call a round); model.backend=native" in layers_proc.stderr
     assert layers["output_ids"] == unlayered["output_ids"] == plain["output_ids"]
     # the checkpoint's checksum either way: a --resume may change model.backend
