@@ -11,6 +11,8 @@ attention a packed round runs, the whole-layer forward, the key fields of the co
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from lp_runner.backends.attention import PACKED_GQA, packed_gqa_sdpa
@@ -38,6 +40,7 @@ class CpuBackend:
         self.layer_weights = layer_weights
         self.layers_note = layers_note
         self.whole_layers = len(layer_weights)
+        self.stacks: native_layers.Stacks = weakref.WeakKeyDictionary()  # the layers bound to each live cache
         self.native = KERNELS[choice.kernel] in NATIVE_KERNELS
         self.kernels = choice.kernels + (NATIVE_LAYERS_SUFFIX if layer_weights else "")  # each forward: its curve
         self.attention = NATIVE_GQA if self.native else PACKED_GQA
@@ -61,7 +64,7 @@ class CpuBackend:
         if not self.layer_weights:
             return None
         return native_layers.forward_model(
-            model, self.layer_weights, input_ids, position_ids, mask, cache, logit_rows, segments
+            model, self.layer_weights, self.stacks, input_ids, position_ids, mask, cache, logit_rows, segments
         )
 
     def transformers_layers(self) -> CpuBackend:

@@ -150,6 +150,7 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights | str:
 def forward_model(
     model: torch.nn.Module,
     layer_weights: tuple[LayerWeights, ...],  # per decoder layer (``native_layer_weights``)
+    stacks: Stacks,  # the caller's stacks of bound layers, per cache (``_stack``)
     input_ids: torch.Tensor,  # [R]
     position_ids: torch.Tensor,  # [R]
     mask,  # [1, 1, R, C] additive, or {layer type: such a mask}
@@ -207,24 +208,25 @@ def forward_model(
         t.reshape(rows, t.shape[-1]).to(torch.float32).contiguous() for t in base.rotary_emb(hidden, position_ids[None])
     )
     h = hidden[0].contiguous()
-    stack = _stack(cache, weights)
+    stack = _stack(stacks, cache, weights)
     stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_], segments)
     h = base.norm(h[None])[0]
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
 
 
-# cache -> (the native.LayerStack of its buffers, the LayerWeights and the K/V buffer tensors it was built on)
-_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# cache -> (the native.LayerStack of its buffers, the LayerWeights and the K/V buffer tensors it was built on): held
+# by the backend whose layers they are (``backend.CpuBackend``), not by this module
+Stacks = weakref.WeakKeyDictionary
 
 
-def _stack(cache, weights: list[LayerWeights]) -> native.LayerStack:
+def _stack(stacks: Stacks, cache, weights: list[LayerWeights]) -> native.LayerStack:
     """The layers bound to ``cache``'s buffers: the stack built for this cache while it
     still holds these very buffer tensors and the same layers' weights, else a new one (a grown cache has new
     tensors; another model, other weights). Identity is enough: the stack keeps the tensors it was built on alive,
     so no other tensor can take their ids. Kept beside the cache, not on it (a copied cache must not inherit the
     original's addresses), and only as long as the cache lives: a finished generation's buffers are freed with it.
     """
-    entry = _STACKS.get(cache)
+    entry = stacks.get(cache)
     cached = cache.layers
     buffers = [t for c in cached for t in (c.keys, c.values)]
     if entry is not None:
@@ -237,7 +239,7 @@ def _stack(cache, weights: list[LayerWeights]) -> native.LayerStack:
     keys, values = [c.keys[0] for c in cached], [c.values[0] for c in cached]
     args = [w.as_args() for w in weights]
     stack = native.LayerStack(args, keys, values, first.heads, first.intermediate, first.scale)
-    _STACKS[cache] = (stack, list(weights), buffers)
+    stacks[cache] = (stack, list(weights), buffers)
     return stack
 
 
