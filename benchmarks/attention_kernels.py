@@ -8,8 +8,9 @@ packed rows, sdpa on the same rows with the mask tiled per query head) and alter
 quartile of each is printed, with the largest difference between their outputs.
 
     python benchmarks/attention_kernels.py --out benchmarks/results/attention_kernels
-    git show REV:lp_runner/backends/cpu/native_gemm.c > /tmp/old.c
-    python benchmarks/attention_kernels.py --baseline /tmp/old.c --out ...   # adds "native@base", bits compared
+    git archive REV lp_runner/backends/cpu/csrc | tar -x -C /tmp/old
+    python benchmarks/attention_kernels.py --baseline /tmp/old/lp_runner/backends/cpu/csrc --out ...   # "native@base"
+    # (a revision before the kernels were split by file: git show REV:lp_runner/backends/cpu/native_gemm.c > /tmp/old.c)
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="round rows (x 3 packed)")
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--baseline", default="", help="another version of native_gemm.c, timed as native@base")
+    ap.add_argument(
+        "--baseline", default="", help="another version of the kernels (csrc or native_gemm.c), as native@base"
+    )
     ap.add_argument("--out", default="", help="write OUT.json and OUT.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -22,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
+from lp_runner.backends import detect_backend  # noqa: E402
 from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
-from lp_runner.backends.attention import NATIVE_GQA, PACKED_GQA  # noqa: E402
+from lp_runner.backends.attention import PACKED_GQA  # noqa: E402
+from lp_runner.backends.cpu.attention import NATIVE_GQA  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     for compiled in (False, True):
         for attention in (PACKED_GQA, NATIVE_GQA):
             # eager: transformers' layers (a native decoder layer always attends with the native loop)
-            adapter = ModelAdapter(model, compile=compiled, native_layers=False)
+            adapter = ModelAdapter(model, compile=compiled, backend=detect_backend(model).transformers_layers())
             adapter.attention = attention
             name = f"{'compiled' if compiled else 'eager'} {'native' if attention == NATIVE_GQA else 'sdpa'}"
             if compiled:

@@ -215,13 +215,13 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--prepack", default="auto", choices=("auto", "native", "onednn", "off"),
-        help="lp_runner's linear layers as the runner runs them (model.prepack, default auto: the faster packed "
+        help="lp_runner's linear layers as the runner runs them (model.backend, default auto: the faster packed "
         "kernel on a CPU, measured); the HF and llama.cpp baselines always run the stock model",
     )  # fmt: skip
     ap.add_argument(
         "--torch-linear", default="", metavar="NAMES",
         help="comma-separated CONFIGS names (or config-file names) also run with torch's own linear layers "
-        "(model.prepack: off), as '<name> torch-linear': the prepacking's gain side by side",
+        "(model.backend: torch), as '<name> torch-linear': the prepacking's gain side by side",
     )  # fmt: skip
     ap.add_argument(
         "--unfused", default="", metavar="NAMES",
@@ -231,12 +231,12 @@ def main() -> None:
     ap.add_argument(
         "--onednn", default="", metavar="NAMES",
         help="comma-separated CONFIGS names (or config-file names) also run on oneDNN's prepacked products "
-        "(model.prepack: onednn), as '<name> onednn': the native product's gain side by side",
+        "(apply_prepack onednn), as '<name> onednn': the native product's gain side by side",
     )  # fmt: skip
     ap.add_argument(
         "--bf16-weights", default="", metavar="NAMES",
         help="comma-separated CONFIGS names (or config-file names) also run on native products with the linear "
-        "weights rounded to bfloat16 (model.prepack: native-bf16), as '<name> bf16-weights'; their exactness is "
+        "weights rounded to bfloat16 (model.backend: native-bf16), as '<name> bf16-weights'; their exactness is "
         "against HF greedy on the model with those rounded weights, run as 'hf-greedy bf16-rounded'",
     )  # fmt: skip
     ap.add_argument(
@@ -294,7 +294,7 @@ def main() -> None:
         engine = LookaheadEngine(adapter, policy.lookahead, gen, [eos], None, policy.row_plan)
         runners[name] = _engine_runner(engine, policy)
         policies[name] = policy
-    # the same configs on other forwards, side by side: torch's own linear (model.prepack: off), prepacked without
+    # the same configs on other forwards, side by side: torch's own linear (model.backend: torch), prepacked without
     # sibling fusion (what the default ran before it), and compiled (model.compile: on)
     variants = [("torch-linear", args.torch_linear, stock_adapter)]
     if args.unfused:
@@ -409,7 +409,7 @@ def summarize(methods: dict[str, list[dict]], args, folder) -> dict:
         "order": "interleaved: every method on prompt 1, then every method on prompt 2, ... (LP runs after)",
         "torch": torch.__version__,
         "decoding": "sampling (temperature 1, no top-k / top-p)" if args.sample else "greedy",
-        "lp_runner_linear": args.prepack_kernels,  # model.prepack of the lp_runner rows (baselines: stock)
+        "lp_runner_linear": args.prepack_kernels,  # model.backend of the lp_runner rows (baselines: stock)
         "native_build": native.build_id(),  # the native kernels' library (source, compiler, CPU, flags hash)
         "native_cflags": " ".join(native.extra_flags()),  # $LP_RUNNER_NATIVE_CFLAGS: e.g. the AVX2 tile here
         "methods": {},

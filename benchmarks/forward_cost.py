@@ -122,8 +122,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--compile", action="store_true", help="the compiled static-shape forward (model.compile: on)")
     ap.add_argument(
-        "--prepack", default="off", choices=("off", "auto", "on", "native", "onednn", "native-bf16"),
-        help="the linear layers as model.prepack runs them (auto/on: the faster packed kernel on a CPU, measured; "
+        "--prepack", default="off", choices=("off", "auto", "native", "onednn", "native-bf16"),
+        help="the linear layers as model.backend runs them (auto: the faster packed kernel on a CPU, measured; "
         "native-bf16: the memory limit counts the linear weights' bfloat16 bytes)",
     )  # fmt: skip
     ap.add_argument("--out", default="results/forward_cost")
@@ -199,7 +199,7 @@ def main() -> None:
         "threads": args.threads,
         "cpu": cpu_description(),
         "compiled": args.compile,
-        "linear": adapter.kernels,
+        "linear": adapter.backend.kernels,
         "compile_s": round(compile_s, 1),
         "copy_gb_s": round(limits.copy_gb_s, 2),
         "matmul_gflop_s": round(limits.matmul_gflop_s, 1),

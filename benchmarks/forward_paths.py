@@ -9,9 +9,9 @@ Variants of ``ModelAdapter`` on one model, each with its own cache holding the s
 * ``prepacked-unfused``: that, with every linear layer prepacked for oneDNN on its own (``backends.cpu.prepack``,
   a copy of the model);
 * ``prepacked``: that, with sibling projections (q/k/v, gate/up) fused into one product each (another copy):
-  oneDNN's products, as ``model.prepack: onednn`` runs them;
+  oneDNN's products, as ``apply_prepack(model, "onednn")`` packs them;
 * ``native``: the same fused layers on lp_runner's native product (``lp_runner.backends.cpu.native``; another copy), as
-  ``model.prepack: native`` runs them (``auto`` takes whichever of the two it measures faster);
+  ``model.backend: native`` runs them (``auto`` takes whichever of the two it measures faster);
 * ``prepacked compiled`` and ``native compiled`` (with ``--compiled``): those forwards through ``model.compile:
   on`` (torch.compile with dynamic shapes on a static cache; compiled once before timing, the compile time
   printed).

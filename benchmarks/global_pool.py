@@ -269,7 +269,7 @@ def lookup_cost(rows: list[dict], target: int = 1_000_000, lookups: int = 2000) 
 def engine_check(rows: list[dict], n: int, setting: str, threads: int, wall: bool, prepack: str = "auto") -> dict:
     """The real engine on the first ``n`` prompts of each set, as one job per scope: outputs must equal HF
     greedy (the cached outputs) and tokens per forward the simulation's. ``prepack``: the linear layers as
-    ``model.prepack`` runs them (the runner's default, auto)."""
+    ``model.backend`` runs them (the runner's default, auto)."""
     torch.set_num_threads(threads)
     model, tok, _ = load_model_and_tokenizer(embedded_model_dir())
     apply_prepack(model, prepack)  # the HF greedy outputs it is checked against came from the stock model

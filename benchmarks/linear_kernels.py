@@ -1,4 +1,4 @@
-"""The model's linear layers alone: torch's ``linear`` against oneDNN-prepacked products (``model.prepack``).
+"""The model's linear layers alone: torch's ``linear`` against oneDNN-prepacked products (``model.backend``).
 
 Every ``nn.Linear`` of the model, in forward order (weights far larger than the caches, as in a real forward),
 run at each row count with torch's ``linear`` on the original weights and with ``PackedLinear`` on a prepacked
@@ -8,7 +8,7 @@ floor of a forward is those bytes over the machine's bandwidth: ``benchmarks/mac
     python benchmarks/linear_kernels.py --out benchmarks/results/linear_kernels
     python benchmarks/linear_kernels.py --native --rows 1 2 3 4 6 8 --out benchmarks/results/linear_kernels_native
 
-``--native`` adds a third kernel, lp_runner's native product (``lp_runner/backends/cpu/native_gemm.c``, ``model.prepack:
+``--native`` adds a third kernel, lp_runner's native product (``lp_runner/backends/cpu/csrc/gemm.c``, ``model.backend:
 native``), on its own packed copy.
 """
 

@@ -166,7 +166,7 @@ def paired_ratios(
 def forward_bytes(model: torch.nn.Module, kv_len: int, linear_weight_size: int = 0) -> int:
     """Bytes a one-token forward must read: every parameter once, and the K/V of ``kv_len`` cached positions
     (2 tensors x layers x K/V heads x head dim, in the model's dtype). ``linear_weight_size``: bytes per linear
-    layer weight where the kernels store them in another dtype than the model's (2: ``model.prepack=native-bf16``)."""
+    layer weight where the kernels store them in another dtype than the model's (2: ``model.backend=native-bf16``)."""
     linear = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear}
     weights = sum(
         p.numel() * (linear_weight_size if linear_weight_size and id(p) in linear else p.element_size())

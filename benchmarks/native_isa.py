@@ -1,6 +1,6 @@
 """The native kernels built for other instruction sets, on this CPU, side by side: does the speed travel?
 
-``lp_runner/backends/cpu/native_gemm.c`` picks its register tile by instruction set (AVX-512, AVX2, 4-float vectors). An
+``lp_runner/backends/cpu/csrc/`` picks its register tile by instruction set (AVX-512, AVX2, 4-float vectors). An
 AVX-512 machine can build and run the other two (``-mno-avx512f``; ``-march=x86-64``: SSE2, no FMA), so the
 tiles every user's CPU gets are measured here, against the build this CPU takes by default, in one process:
 each build's library is loaded next to the others and swapped in round by round (rotating order).
@@ -13,8 +13,9 @@ each build's library is loaded next to the others and swapped in round by round 
   (bit for bit for the builds with FMA).
 
     python benchmarks/native_isa.py --out benchmarks/results/native_isa
-    git show REV:lp_runner/backends/cpu/native_gemm.c > /tmp/old.c
-    python benchmarks/native_isa.py --baseline /tmp/old.c --out ...   # adds each build of that source, "NAME@base"
+    git archive REV lp_runner/backends/cpu/csrc | tar -x -C /tmp/old   # a revision before the split:
+    #   git show REV:lp_runner/backends/cpu/native_gemm.c > /tmp/old.c, and --baseline /tmp/old.c
+    python benchmarks/native_isa.py --baseline /tmp/old/lp_runner/backends/cpu/csrc --out ...   # "NAME@base" builds
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from lp_runner.models.loading import default_cache_dir  # noqa: E402
 
 
 def compile_source(source: Path, flags: tuple[str, ...]):
-    """Another version of the kernels' source (``--baseline``), built as lp_runner builds its own, loaded."""
-    return native.open_library(native.build(Path(tempfile.mkdtemp(prefix="lp_isa_")), flags, source))
+    """Another version of the kernels' sources (``--baseline``: a ``csrc`` folder, or the single C file of a revision
+    before the split), built as lp_runner builds its own, loaded."""
+    root = Path(tempfile.mkdtemp(prefix="lp_isa_"))
+    return native.open_library(native.build(root, flags, native.sources_at(source)))
 
 
 def time_products(libs: dict, shapes: list[tuple[int, int]], rows: list[int], reps: int, threads: int) -> list[dict]:
@@ -168,7 +171,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before each round (0: prefills)")
     ap.add_argument("--builds", nargs="+", help="a subset of default, avx2, x86-64 (default: those this CPU can run)")
-    ap.add_argument("--baseline", type=Path, help="another native_gemm.c: each build of it too, as NAME@base")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="another version of the kernels (a csrc folder or an old native_gemm.c), NAME@base",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     model = native_embedded_model(args.threads)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
+from lp_runner.backends import detect_backend  # noqa: E402
 from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 
 
@@ -73,11 +74,12 @@ def main() -> None:
     args = ap.parse_args()
     model = native_embedded_model(args.threads)
     capacity = args.prefix + max(args.rows) + 64
+    layered = detect_backend(model)
     adapters = {
-        "eager, transformers' layers": ModelAdapter(model, native_layers=False, static_cache=True),
+        "eager, transformers' layers": ModelAdapter(model, static_cache=True, backend=layered.transformers_layers()),
         "eager, native layers": ModelAdapter(model),
     }
-    if not adapters["eager, native layers"].native_layers:
+    if not adapters["eager, native layers"].backend.whole_layers:
         raise SystemExit("the embedded model's layers did not take the native path")
     compile_s = None
     if args.prefill:

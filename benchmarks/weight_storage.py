@@ -1,6 +1,6 @@
 """The native forward on float32 weights against the same forward on bfloat16-stored weights, side by side.
 
-``model.prepack=native-bf16`` stores the linear weights as bfloat16 and multiplies in float32 (the model with
+``model.backend=native-bf16`` stores the linear weights as bfloat16 and multiplies in float32 (the model with
 its linear weights rounded, exactly). A one-row forward is bound by streaming the weights, so half the bytes
 should make it up to about twice as fast; a forward of many rows is bound by arithmetic, which is unchanged,
 plus one integer op per weight vector to widen. This measures both, per row count, in one process: the two
@@ -56,7 +56,7 @@ def main() -> None:
         model = copy.deepcopy(stock)
         prepack_linears(model, kernel=KERNELS[kernel])
         adapters[name] = ModelAdapter(model)
-        print(f"{name}: {adapters[name].kernels}", file=sys.stderr, flush=True)
+        print(f"{name}: {adapters[name].backend.kernels}", file=sys.stderr, flush=True)
     rows = sorted({1, *args.rows})
     kv = args.prefix
     caches = prefilled_caches(adapters, kv, kv + max(rows), torch.Generator().manual_seed(0))
@@ -113,7 +113,7 @@ def main() -> None:
         "prefix": kv,
         "reps": args.reps,
         "weights_mb": {name: round(forward_bytes(stock, 0, size) / 1e6, 1) for name, (_, size) in STORAGES.items()},
-        "kernels": {name: adapter.kernels for name, adapter in adapters.items()},
+        "kernels": {name: adapter.backend.kernels for name, adapter in adapters.items()},
         "native_build": native.build_id(),  # the library's hashed name (source, compiler, CPU, flags)
         "native_flags": " ".join(native.extra_flags()),  # $LP_RUNNER_NATIVE_CFLAGS: another ISA's tile
         "rows": table,

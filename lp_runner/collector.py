@@ -6,7 +6,7 @@ tracked object. A process with torch, transformers, a tokenizer and a model load
 places paid for them without need, neither making reference cycles worth collecting:
 
 * the auto preset's search (millions of short-lived tuples, freed by reference counting): ``collector_paused``;
-* a worker's start-up (loading, prepacking, calibration): the README's main command made 7 full collections, the
+* a worker's start-up (loading, the backend, calibration): the README's main command made 7 full collections, the
   last of them, owed by the start-up's objects, inside the first prompt's generation (0.18-0.21 s of a 2.2-2.6 s
   generation of 256 tokens). ``worker_start_up`` pauses the collector while a process's worker starts, then
   freezes what is alive (``gc.freeze``: never scanned again, still freed by reference counting) and lets

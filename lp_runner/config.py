@@ -35,15 +35,12 @@ class ModelConfig:
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
     compile: str = "auto"  # off | on | auto: rounds through torch.compile (auto: when this device's record says
     # the job is long enough to pay for the compilation; see lp_runner/compile_choice.py)
-    prepack: str = "auto"  # off | on | auto | native | onednn | native-bf16: linear layers' weights packed once
-    # for a CPU kernel (auto: the faster of lp_runner's native product and oneDNN's where they work, measured; see
-    # prepack.py). native-bf16: the native product on the linear weights rounded to bfloat16 (half the bytes per
-    # forward; float32 arithmetic: exact for the model with those rounded weights, not for the original)
-    huge_pages: bool = False  # the native products' packed weights in transparent huge pages: each forward faster
-    # (1-row: 1.04-1.19x measured), but start-up slower where fresh huge pages are dear to fault in (a VM: +3 s for
-    # the embedded model); for long jobs (lp_runner/arena.py)
-    native_layers: bool = True  # on native products, Llama-family decoder layers run natively, all in one call, in
-    # eager rounds and prefills (lp_runner/native_layers.py); false: transformers' layer code on the same products
+    # the kernels the forward runs on, chosen once at load (lp_runner.backends.BACKENDS names and explains each
+    # value); auto: lp_runner's CPU kernels on a CPU where they work, transformers' layers elsewhere
+    backend: str = "auto"
+    # the CPU plug-in's options (advanced.*; lp_runner/backends/cpu says what each does and costs):
+    huge_pages: bool = False  # its packed weights in transparent huge pages: faster forwards, a slower start-up
+    native_layers: bool = True  # its Llama-family decoder layers in one call (false: transformers' layer code)
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
 
 
@@ -208,11 +205,11 @@ _SECTION_TYPES: dict[str, type] = {
 }
 # What a user configures, section by section. Every other field is an internal of the run's plan (the knobs the
 # auto preset and the tuner turn: row caps, context-lookup lengths, the proposal order, padding) or an experiment
-# (the CPU kernels' huge pages and native layers, core sharing) or a per-invocation flag (--pool-in): each is
+# (the CPU plug-in's options, core sharing) or a per-invocation flag (--pool-in): each is
 # written ``advanced.<name>`` (one ``advanced:`` section in a YAML file), is kept in its own section, is recorded
 # like any setting, and pins the auto preset like any lookahead key the user writes.
 USER_KEYS: dict[str, tuple[str, ...]] = {
-    "model": ("path", "dtype", "device", "threads", "compile", "prepack"),
+    "model": ("path", "dtype", "device", "threads", "compile", "backend"),
     "lookahead": ("window_size", "ngram_size", "verification_set_size", "preset", "pool_scope"),
     "generation": ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed"),
     "parallel": ("backend", "workers", "groups", "dist_backend", "timeout_s", "ray_address"),
@@ -250,7 +247,7 @@ def internal_key(key: str) -> str:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.compile": ("off", "on", "auto"),
-    "model.prepack": ("off", "on", "auto", "native", "onednn", "native-bf16"),
+    "model.backend": ("auto", "torch", "native", "native-bf16"),
     "lookahead.preset": ("auto", "off"),
     "lookahead.candidate_policy": ("context_first", "pool_first"),
     "lookahead.pool_scope": ("prompt", "job"),
@@ -266,10 +263,16 @@ def _known_keys() -> list[str]:
     return users + [f"{ADVANCED}.{name}" for name in ADVANCED_KEYS]
 
 
+_RENAMED = {"model.prepack": "model.backend"}  # keys that were renamed: the error names the new key and its values
+
+
 def _unknown(key: str) -> ConfigError:
     section, _, name = key.partition(".")
     if section in _SECTION_TYPES and ADVANCED_KEYS.get(name) == key:
         return ConfigError(f"'{key}' is an advanced setting: write it as '{ADVANCED}.{name}'")
+    if key in _RENAMED:
+        new = _RENAMED[key]
+        return ConfigError(f"'{key}' is now '{new}' (one of {', '.join(_CHOICES[new])})")
     close = difflib.get_close_matches(key, _known_keys(), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")

@@ -80,9 +80,7 @@ def native_routing(monkeypatch):
     ``native.route`` another build."""
     from lp_runner.backends.cpu import native
 
-    names = ("_FN", "_ATTENTION", "_LAYER", "_FN_BF16", "_LAYER_BF16", "_BF16_REASON", "_BUILD")
-    for name in (*names, "_LAYERS", "_LAYERS_SEGMENTS", "_ATTENTION_SEGMENTS"):
-        monkeypatch.setattr(native, name, getattr(native, name))
+    monkeypatch.setattr(native, "_ROUTED", native.routed())
     return native
 
 

@@ -8,6 +8,7 @@ backend's plug-in.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from dist_helpers import REPO
@@ -115,3 +116,94 @@ def test_a_package_does_not_import_its_sibling_layer() -> None:
         f"{m} -> {t}" for m, ts in graph.items() for t in ts if {_unit(m), _unit(t)} == {"parallel", "backends"}
     ]
     assert crossing == []
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The lp_runner modules ``path`` imports at module level (run when it is imported)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lp_runner."):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lp_runner.")}
+    return found
+
+
+def test_only_the_backends_package_imports_the_cpu_plug_in_and_only_lazily() -> None:
+    """Nothing outside ``lp_runner.backends.cpu`` imports it but ``lp_runner.backends`` (``select_backend``), and
+    that import stands in a function: a GPU job, or ``model.backend: torch``, never runs it."""
+    plug_in = "lp_runner.backends.cpu"
+    importers = sorted(
+        module
+        for module, imported in _graph().items()
+        if not (module + ".").startswith(plug_in + ".") and any((t + ".").startswith(plug_in + ".") for t in imported)
+    )
+    assert importers == ["lp_runner.backends"]
+    eager = [
+        str(path.relative_to(REPO))
+        for path in PACKAGE.rglob("*.py")
+        if not path.is_relative_to(PACKAGE / "backends" / "cpu")
+        and any((t + ".").startswith(plug_in + ".") for t in _top_level_imports(path))
+    ]
+    assert eager == []
+
+
+# The CPU plug-in's vocabulary: its kernels, their modules and their options, as its code names them. Outside
+# lp_runner/backends/ none may appear (code, comments or docstrings): nothing above the backends knows which
+# kernels run. Case-sensitive where a word is also ordinary English ("native" alone is not matched).
+KERNEL_WORDS = re.compile(
+    r"(?i:prepack|onednn|mkldnn|huge.pages|\barena\b|csrc|lp_native|native_gemm|native_layers|native\.py"
+    r"|\bnative[- ](?:bf16|packed|kernels?|products?|layers?|attention|library|loop|code)\b|backends[./]cpu)"
+    r"|\bNATIVE|PackedLinear|SharedInputProduct|ProductSlice|build_id|[\"']native[\"']"
+)
+# The lines that must name them (by their start): the config's user-facing values of model.backend and the
+# plug-in's advanced options, and the hint for the renamed key.
+ALLOWED = {
+    "lp_runner/config.py": (
+        '"model.backend": ("auto", "torch", "native", "native-bf16"),',
+        "huge_pages: bool = False  #",
+        "native_layers: bool = True  #",
+        '_RENAMED = {"model.prepack": "model.backend"}',
+        "# the CPU plug-in's options (advanced.*; lp_runner/backends/cpu",
+    ),
+}
+
+
+def test_no_kernel_name_outside_the_backends() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.is_relative_to(PACKAGE / "backends"):
+            continue
+        rel = str(path.relative_to(REPO))
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if KERNEL_WORDS.search(line) and not line.strip().startswith(ALLOWED.get(rel, ())):
+                found.append(f"{rel}:{number}: {line.strip()}")
+    assert found == []
+
+
+def test_the_grep_finds_what_it_is_for() -> None:
+    """The pattern matches each kernel name the plug-in uses, and not the ordinary word."""
+    for hit in (
+        "model.prepack",
+        "oneDNN's product",
+        "advanced.huge_pages",
+        "native-bf16",
+        "the native kernel",
+        "NATIVE_GQA",
+        "lp_native_llama_layers",
+        "from lp_runner.backends.cpu import native",
+        "'native'",
+    ):
+        assert KERNEL_WORDS.search(hit), hit
+    for ordinary in ("a native int32 reduction runs at memory speed", "natively", "alternative"):
+        assert not KERNEL_WORDS.search(ordinary), ordinary
+
+
+def test_the_config_takes_the_backends_registry_values() -> None:
+    """``model.backend``'s choices in the config are the backends' registry (the config sits below the backends
+    and cannot import it)."""
+    from lp_runner import backends, config
+
+    assert config._CHOICES["model.backend"] == backends.NAMES
+    assert set(backends.PLUGIN_OPTIONS) <= set(config.ADVANCED_KEYS)

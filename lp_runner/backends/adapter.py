@@ -11,6 +11,10 @@ cache appends into a growing buffer instead of concatenating (``AppendBufferLaye
 grouped-query attention over a packed round reads K/V heads in place instead of repeating them
 (``lp_runner.backends.attention``; the same kernel and dot products, equal to fp32 rounding).
 
+The kernels under the forward are its backend's (``backends.base.ForwardBackend``, chosen once at load by
+``backends.select_backend``): the adapter asks it which attention a packed round runs and whether it runs whole
+decoder layers itself, and never tests a kernel's name.
+
 Sliding-window layers (Mistral, Qwen2 with sliding layers, Gemma 2/3 local layers) keep every position here, like
 full layers, and see their window through the mask instead: each packed row masks the keys more than ``window - 1``
 positions before its own (``sliding_window_mask``), so the window is per row, as in one-row decoding, at any
@@ -31,21 +35,16 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from lp_runner.backends import detect_backend
 from lp_runner.backends.attention import (
     BATCHED,
-    NATIVE_GQA,
-    PACKED_GQA,
     SegmentedRound,
     additive_mask,
-    native_gqa_attention,
     packed_gqa,
-    packed_gqa_sdpa,
     sliding_window_mask,
     supports_packed_gqa,
 )
-from lp_runner.backends.cpu import native_layers as native_layer_path
-from lp_runner.backends.cpu.native_layers import NATIVE_LAYERS_SUFFIX, install_native_layers
-from lp_runner.backends.cpu.prepack import linear_kernels
+from lp_runner.backends.base import ForwardBackend
 from lp_runner.backends.kv_cache import (
     AppendBufferLayer,
     StaticBufferLayer,
@@ -79,7 +78,7 @@ class ModelAdapter:
         static_cache: bool = False,
         compile: bool = False,
         skip_guards: bool = True,
-        native_layers: bool = True,
+        backend: ForwardBackend | None = None,
         bucketed: bool | None = None,
     ) -> None:
         """``append_buffer`` / ``packed_gqa`` off: transformers' own DynamicLayer / sdpa path (benchmarks A/B them).
@@ -87,10 +86,11 @@ class ModelAdapter:
         need them. ``compile``: static-shape rounds through ``torch.compile`` (see ``compiled_forward``); eager
         stays the fallback and the oracle. ``skip_guards`` (compiled, after ``warm_up``): dynamo's guards are
         checked on the first forward of every cache and skipped on its later rounds (see ``_guard_stance``).
-        ``native_layers``: a model on native products whose decoder layers can run natively, all of them in one
-        call (``native_layers.py``), runs its eager rounds and prefills that way, on static buffers (its compiled
-        rounds trace the original layers). ``bucketed`` (None: on a CUDA device): every round at a row bucket on
-        fixed buffers, compiled with CUDA graphs when ``compile`` (``static_rounds.StaticRounds``)."""
+        ``backend``: the kernels the forward runs on, chosen at load (``backends.select_backend``); default: the
+        model's own (``backends.detect_backend``). A backend that runs whole decoder layers runs the eager rounds
+        and prefills through them, on static buffers; compiled rounds trace transformers' layers on its kernels.
+        ``bucketed`` (None: on a CUDA device): every round at a row bucket on fixed buffers, compiled with CUDA
+        graphs when ``compile`` (``static_rounds.StaticRounds``)."""
         self.model = model
         self.append_buffer = append_buffer
         self.packed_gqa = packed_gqa
@@ -115,15 +115,11 @@ class ModelAdapter:
             raise UnsupportedModelError(f"{type(model).__name__} cannot run under lp_runner: {exc}") from None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.kernels = linear_kernels(model)  # torch's linear, oneDNN's or the native product (``model.prepack``)
-        self.native_layers = 0  # decoder layers run natively, in one call (eager rounds and prefills)
-        if native_layers and self.kernels.startswith("native") and not compile:
-            self.native_layers = install_native_layers(model)
-        if self.native_layers:
-            self.static_cache = True  # the native layer writes K/V at the adapter's slots
-            self.kernels += NATIVE_LAYERS_SUFFIX  # another forward: its own cost curve
-        # a model on the native product (its library built and probed) attends with its native loop too
-        self.attention = NATIVE_GQA if self.kernels.startswith("native") else PACKED_GQA
+        backend = detect_backend(model) if backend is None else backend
+        self.backend = backend.transformers_layers() if compile else backend
+        if self.backend.whole_layers:
+            self.static_cache = True  # whole layers write K/V at the adapter's slots
+        self.attention = self.backend.attention  # what packed rounds attend with on transformers' layers
         self.vocab_size = model.config.get_text_config().vocab_size
         self.kv_shape = kv_head_shape(model.config.get_text_config())  # (K/V heads, head dim): static buffers
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -236,8 +232,8 @@ class ModelAdapter:
     @torch.inference_mode()
     def forward_batch(self, batch: BatchRound, cache: DynamicCache) -> torch.Tensor:  # [L, vocab]
         """One forward over several generations (``batch_forward.py``): every row writes its K/V at its slot of
-        ``cache`` (a ``slot_cache.SlotCache``'s buffers) and attends to its own generation's keys only. The native
-        layers where the model has them (one C call over the segments); transformers' layers otherwise, with
+        ``cache`` (a ``slot_cache.SlotCache``'s buffers) and attends to its own generation's keys only. The
+        backend's whole layers where it has them (one call over the segments); transformers' layers otherwise, with
         ``attention.batched_attention`` (one attention call per segment). Eager in either case: a compiled forward
         is traced for one sequence. Check ``decoding.forwards.batch_support`` first."""
         device = self.device
@@ -245,11 +241,11 @@ class ModelAdapter:
         for layer in cache.layers:
             layer.write_slots = slots
         ids, positions, logit_rows = (t.to(device) for t in (batch.input_ids, batch.position_ids, batch.logit_rows))
-        if self.native_layers:
+        if self.backend.whole_layers:
             masks = {window: m.to(device) for window, m in batch.masks.items()}
             per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
             mask = per_type if self.mask_per_type else next(iter(per_type.values()))
-            logits = native_layer_path.forward_model(
+            logits = self.backend.forward_model(
                 self.model, ids, positions, mask, cache, logit_rows, segments=batch.segments
             )
             if logits is not None:
@@ -266,7 +262,7 @@ class ModelAdapter:
             keys=tuple((b, b + w) for b, w in zip(bases, widths, strict=True)),
             masks=masks,
             layer_windows=tuple(self.mask_windows[t if self.mask_per_type else ""] for t in layer_types),
-            inner=native_gqa_attention if self.attention == NATIVE_GQA else packed_gqa_sdpa,
+            inner=self.backend.segment_attention,
         )
         # no layer may use it: a mask of no keys broadcasts to none (one of width 1 would broadcast to every slot),
         # so an attention that is not ``batched_attention`` fails instead of reading other generations' keys
@@ -285,11 +281,11 @@ class ModelAdapter:
         return out.logits[0]  # [L, vocab]
 
     def batch_structure(self) -> str | None:
-        """Why this model's layers cannot take a batched round (one line), or None where they may: the native
-        layers, or transformers' sdpa layers that hand the forward's keywords down to their attention over plain
+        """Why this model's layers cannot take a batched round (one line), or None where they may: the backend's
+        whole layers, or transformers' sdpa layers that hand the forward's keywords down to their attention over plain
         attention cache layers. Whether they then compute it exactly is the decoding side's probe
         (``decoding.forwards.batch_support``)."""
-        if not (self.native_layers or supports_packed_gqa(self.model.config)):
+        if not (self.backend.whole_layers or supports_packed_gqa(self.model.config)):
             return f"{type(self.model).__name__} runs {self.model.config._attn_implementation} attention"
         if not all(_is_attention_layer(layer) for layer in DynamicCache(config=self.model.config).layers):
             return "its cache has layers that are not plain attention layers"
@@ -350,8 +346,8 @@ class ModelAdapter:
             return self._run(input_ids, position_ids, mask, cache, logit_rows.repeat(2))[:1]
         if self.compiled:  # one kind of tensor in every call: dynamo guards on it, a change would recompile
             input_ids, position_ids, logit_rows = (_inference_tensor(t) for t in (input_ids, position_ids, logit_rows))
-        if self.native_layers and mask is not None:  # the whole round natively, where the model and round allow
-            logits = native_layer_path.forward_model(
+        if self.backend.whole_layers and mask is not None:  # the whole round in the backend's layers, where it can
+            logits = self.backend.forward_model(
                 self.model, input_ids.to(self.device), position_ids.to(self.device), mask, cache, logit_rows
             )
             if logits is not None:

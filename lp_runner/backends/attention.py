@@ -25,25 +25,22 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lp_runner.backends.cpu import native
-from lp_runner.backends.cpu.ops import define_op
-
 PACKED_GQA = "lp_runner_packed_gqa_sdpa"
 
 
-def _special(kwargs: dict) -> bool:
+def special_attention(kwargs: dict) -> bool:
     """Attention with a softcap or a position bias: transformers' own function only."""
     return kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
 
 
-def _pack_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def pack_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, H, Q, D] -> [B, H_kv, groups * Q, D]: head h = kv * groups + g becomes row g*Q + i of its K/V head, so
     packed row r reads the mask of query row r % Q."""
     batch, heads, rows, dim = query.shape
     return query.reshape(batch, kv_heads, heads // kv_heads * rows, dim)
 
 
-def _unpack_heads(out: torch.Tensor, query_shape: torch.Size) -> torch.Tensor:
+def unpack_heads(out: torch.Tensor, query_shape: torch.Size) -> torch.Tensor:
     """The packed rows' outputs back in transformers' layout: [B, Q, H, D], contiguous."""
     return out.reshape(query_shape).transpose(1, 2).contiguous()
 
@@ -62,91 +59,15 @@ def packed_gqa_sdpa(
     """transformers' sdpa attention, minus the K/V repeat for a masked multi-row query (see the module doc)."""
     groups = query.shape[1] // key.shape[1]  # query heads per K/V head, read from the tensors themselves
     rows = query.shape[2]
-    if groups == 1 or rows == 1 or attention_mask is None or attention_mask.shape[1] != 1 or _special(kwargs):
+    if groups == 1 or rows == 1 or attention_mask is None or attention_mask.shape[1] != 1 or special_attention(kwargs):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     packed_mask = attention_mask.repeat(1, 1, groups, 1)  # row g*Q + i reads the mask of query row i
     out = torch.nn.functional.scaled_dot_product_attention(
-        _pack_heads(query, key.shape[1]), key, value, attn_mask=packed_mask, dropout_p=dropout, scale=scaling
+        pack_heads(query, key.shape[1]), key, value, attn_mask=packed_mask, dropout_p=dropout, scale=scaling
     )  # [B, H_kv, groups * Q, D]
-    return _unpack_heads(out, query.shape), None
-
-
-# packed rows (query heads per K/V head x round rows) up to which the native loop runs. Call by call against torch's
-# sdpa on the embedded model's heads (benchmarks/attention_kernels.py; AMD EPYC, 2 threads) the loop took 0.42-0.87x
-# sdpa's time up to 24 packed rows with 300 and with 1,000 keys, 0.90x and 0.99x at 48, 1.08x at 96 with 1,000 keys;
-# a whole compiled forward of 16 rows (48 packed) took 41.4 ms with it against 42.4 ms with sdpa inlined in the
-# graph, while sdpa through the op (what rounds beyond the bound run) took 45.2 ms (docs/results.md, "Faster native
-# attention").
-NATIVE_MAX_ROWS = 48
-
-
-def packed_attention(
-    query: torch.Tensor,  # [H_kv, M, D]: M = groups x Q packed rows per K/V head (``_pack_heads``)
-    key: torch.Tensor,  # [H_kv, K, D]
-    value: torch.Tensor,  # [H_kv, K, D]
-    mask: torch.Tensor,  # [Q, K] additive; packed row r reads row r % Q
-    scale: float,
-) -> torch.Tensor:  # [H_kv, M, D]
-    """The packed rows' attention, its kernel chosen by their number when it runs: the native loop up to
-    ``NATIVE_MAX_ROWS`` packed rows, torch's sdpa beyond, on the same inputs ``packed_gqa_sdpa`` gives it (the
-    mask tiled per query head). The choice lives here, not in the model's code, so that a compiled graph has no
-    branch on the row count: one graph serves every round (a branch in the graph compiled a second one at the
-    first round on the other side of the bound, 40 s into the job)."""
-    if query.shape[1] <= NATIVE_MAX_ROWS:
-        return native.attention(query, key, value, mask, scale)
-    tiled = mask.repeat(query.shape[1] // mask.shape[0], 1)  # [M, K]
-    return torch.nn.functional.scaled_dot_product_attention(
-        query[None], key[None], value[None], attn_mask=tiled[None, None], scale=scale
-    )[0]
-
-
-packed_attention_op = define_op(  # the graph holds the call, not the choice
-    "packed_attention",
-    "(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor",
-    packed_attention,
-    lambda query, key, value, mask, scale: torch.empty_like(query),
-)
-
-
-def native_gqa_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [B, H, Q, D]
-    key: torch.Tensor,  # [B, H_kv, K, D]
-    value: torch.Tensor,  # [B, H_kv, K, D]
-    attention_mask: torch.Tensor | None,  # [B or 1, 1, Q, K]
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:  # ([B, Q, H, D], no weights)
-    """``packed_gqa_sdpa`` with lp_runner's native attention (``native.attention``) for rounds of a few rows: the
-    same packing, the same mask, softmax over the visible keys only. Models whose products are native use it
-    (``ModelAdapter``: the library is then built and probed). Rounds of more than ``NATIVE_MAX_ROWS`` packed rows
-    run torch's sdpa (``packed_attention`` chooses); batches, other dtypes and special attention (softcap,
-    position bias) keep ``packed_gqa_sdpa``."""
-    batch, _, _, dim = query.shape
-    if (
-        batch != 1
-        or attention_mask is None
-        or attention_mask.dim() != 4
-        or attention_mask.shape[:2] != (1, 1)
-        or _special(kwargs)
-        or dropout
-        or query.dtype != torch.float32
-        or query.device.type != "cpu"
-    ):
-        return packed_gqa_sdpa(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    scale = scaling if scaling is not None else dim**-0.5
-    op = packed_attention_op if torch.compiler.is_compiling() else packed_attention
-    out = op(_pack_heads(query, key.shape[1])[0], key[0], value[0], attention_mask[0, 0], scale)
-    return _unpack_heads(out, query.shape), None
-
-
-NATIVE_GQA = "lp_runner_native_gqa"
+    return unpack_heads(out, query.shape), None
 
 
 @dataclass(frozen=True)
@@ -158,7 +79,7 @@ class SegmentedRound:
     keys: tuple[tuple[int, int], ...]  # per segment: [base, base + width) buffer slots
     masks: Mapping[int | None, tuple[torch.Tensor, ...]]  # window -> per segment [1, 1, rows, width] additive
     layer_windows: tuple[int | None, ...]  # per decoder layer (``layer_idx``): the window its mask has
-    inner: Callable  # one segment's attention: ``packed_gqa_sdpa`` or ``native_gqa_attention``
+    inner: Callable  # one segment's attention: the backend's (``ForwardBackend.segment_attention``)
 
 
 def batched_attention(
@@ -199,11 +120,17 @@ def batched_attention(
 
 
 BATCHED = "lp_runner_batched"
-AttentionInterface.register(PACKED_GQA, packed_gqa_sdpa)
-AttentionInterface.register(NATIVE_GQA, native_gqa_attention)
-AttentionInterface.register(BATCHED, batched_attention)
-for _name in (PACKED_GQA, NATIVE_GQA, BATCHED):
-    AttentionMaskInterface.register(_name, sdpa_mask)  # the same masks as sdpa, should one ever be built
+
+
+def register(name: str, attention: Callable) -> None:
+    """``attention`` as transformers' attention implementation ``name`` (what ``packed_gqa`` switches a model
+    to), with sdpa's masks, should one ever be built: how a backend adds its own attention."""
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+register(PACKED_GQA, packed_gqa_sdpa)
+register(BATCHED, batched_attention)
 
 
 def supports_packed_gqa(config) -> bool:
@@ -213,7 +140,7 @@ def supports_packed_gqa(config) -> bool:
 
 @contextmanager
 def packed_gqa(config, implementation: str = PACKED_GQA) -> Iterator[None]:
-    """Run the model with ``implementation`` (``packed_gqa_sdpa``, or ``native_gqa_attention``: ``NATIVE_GQA``)
+    """Run the model with ``implementation`` (``PACKED_GQA``, ``BATCHED``, or a backend's own: ``register``)
     inside the block; transformers' sdpa is restored on exit."""
     config._attn_implementation = implementation
     try:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lp_runner.backends import record_settings
 from lp_runner.config import Config, user_key
 from lp_runner.errors import InputError, LPError
 
@@ -41,12 +42,10 @@ NEW_SUFFIX = ".new"
 # Set by the self-launching parent for its torchrun ranks: the pid that holds the output's lock on their behalf.
 LOCK_HOLDER_ENV = "LP_RUNNER_OUTPUT_LOCK_HOLDER"
 # Settings that do not change a single generated token: left out of the digest, so a resume may change them.
-# how the model is run, not which tokens it gives: threads and prepacked kernels differ at most at fp32 rounding
-_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle", "prepack", "native_layers", "huge_pages")}
+# How the model is run, not which tokens it gives: threads (the forward's backend leaves or names itself:
+# ``backends.record_settings``).
+_NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle")}
 _DIGEST_SECTIONS = ("model", "lookahead", "generation")
-# ... except a prepack that rounds the weights: it runs another model (model.linear_weights in the settings, so a
-# resume between it and any other prepack is refused by name; absent otherwise, so earlier files keep their digest)
-_WEIGHTS_ROUNDED_BY = {"native-bf16": "bfloat16"}
 
 
 class OutputError(LPError):
@@ -60,8 +59,7 @@ def output_settings(cfg: Config) -> dict[str, dict[str, Any]]:
         section: {k: v for k, v in data[section].items() if k not in _NOT_IN_DIGEST.get(section, ())}
         for section in _DIGEST_SECTIONS
     }
-    if cfg.model.prepack in _WEIGHTS_ROUNDED_BY:
-        settings["model"]["linear_weights"] = _WEIGHTS_ROUNDED_BY[cfg.model.prepack]
+    settings["model"] = record_settings(settings["model"])
     return settings
 
 

@@ -77,7 +77,7 @@ def batch_lines(summary: dict, policy: dict | None) -> list[str]:
 
 def policy_lines(policy: dict | None) -> list[str]:
     """How the setting was chosen (auto preset) and what the device's curve said, in two short lines."""
-    lines = prepack_lines(policy) + compile_lines(policy)
+    lines = backend_lines(policy) + compile_lines(policy)
     if not policy or policy.get("preset") != "auto" or "choice" not in policy:
         return lines
     choice, cal = policy["choice"], policy.get("calibration", {})
@@ -109,25 +109,12 @@ def _noise_text(cal: dict) -> str:
     return f", noisy: {100 * cal['spread']:.0f}% spread" if cal.get("noisy") else ""
 
 
-def prepack_lines(policy: dict | None) -> list[str]:
-    """The linear kernels (``model.prepack``), e.g.
-    ``linear layers: oneDNN-prepacked (211 in 121 products; model.prepack=auto)`` or
-    ``linear layers: torch (model.prepack=auto: float16 weights ...)``; nothing when off."""
-    pre = (policy or {}).get("prepack")
-    if not pre or pre["mode"] == "off":
-        return []
-    if pre["layers"]:
-        products = pre.get("products") or pre["layers"]  # records before sibling fusion have no "products"
-        label = pre.get("label", "oneDNN-prepacked")  # records before the native kernel have no label
-        line = f"linear layers: {label} ({pre['layers']} in {products} products; model.prepack={pre['mode']})"
-        if pre.get("native_layers"):
-            line += f"; decoder layers: native ({pre['native_layers']}, one call a round)"
-        if pre.get("huge_pages"):
-            line += "; weights in huge pages"
-        elif pre.get("huge_pages_note"):
-            line += f"; huge pages asked, not granted ({pre['huge_pages_note']})"
-        return [line]
-    return [f"linear layers: torch (model.prepack={pre['mode']}: {pre['reason']})"]
+def backend_lines(policy: dict | None) -> list[str]:
+    """The forward's backend (``model.backend``) in its own words (``ForwardBackend.summary``), e.g.
+    ``forward: torch's linear layers, transformers' decoder layers; model.backend=auto: the model is on cuda:0``;
+    nothing for a record without one."""
+    summary = ((policy or {}).get("backend") or {}).get("summary")
+    return [summary] if summary else []
 
 
 def compile_lines(policy: dict | None) -> list[str]:

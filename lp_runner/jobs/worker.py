@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from lp_runner.backends import check_backend, select_backend
 from lp_runner.backends.adapter import ModelAdapter
-from lp_runner.backends.cpu.prepack import PrepackChoice, apply_prepack
 from lp_runner.config import Config
 from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
 from lp_runner.decoding.job_store import JobPool, tokenizer_fingerprint
@@ -90,7 +90,7 @@ class Worker:
 
 
 def _rank0_timings(comm: Communicator, ms: dict[str, float]) -> dict[str, float]:
-    """The kernel timings rank 0 of this LP group measured: its ranks pack with the same kernel."""
+    """What rank 0 of this LP group measured when choosing the backend's kernels: its ranks choose alike."""
     return json.loads(comm.all_gather_strings(json.dumps(ms))[0])
 
 
@@ -121,11 +121,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     if layout is None and world > 1 and par.workers not in (1, world):
         raise ConfigError(f"parallel.workers={par.workers} but the launcher started {world} workers")
     placement = place(cfg.model.device, cfg.model.dtype)  # before anything touches a GPU
-    if placement.device.type != "cpu" and cfg.model.prepack not in ("auto", "off"):
-        raise ConfigError(
-            f"model.prepack={cfg.model.prepack} packs weights for CPU kernels, but the model goes to "
-            f"{placement.device}; use model.prepack=auto or off"
-        )
+    check_backend(cfg.model.backend, placement.device)  # before the weights are loaded
     bind(placement)
     torch.set_num_threads(resolve_threads(cfg.model.threads))  # LOCAL_WORLD_SIZE counts all D x P local ranks
     comm, control, heartbeat = join_groups(cfg, placement, layout, launched or world > 1)
@@ -135,19 +131,18 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         path, dtype=placement.dtype, device=placement.device, allow_pickle=cfg.model.allow_pickle
     )
     load_peak_mib = peak_host_mib()  # the weights went straight to the device: what loading cost the host
-    _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before prepacking reorders them
+    _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before a backend repacks them
     cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
-    prepack = PrepackChoice(cfg.model.prepack, 0, "CPU kernels; the model is on a GPU")
-    if placement.device.type == "cpu":  # the packed kernels are CPU code: on a GPU nothing to agree on
-        prepack = apply_prepack(
-            model,
-            cfg.model.prepack,
-            cache_root,
-            agree=lambda ms: _rank0_timings(comm, ms),
-            huge_pages=cfg.model.huge_pages,
-        )
+    backend = select_backend(  # once, at load: nothing after this knows which kernels run
+        cfg.model.backend,
+        model,
+        placement.device,
+        config=cfg.model,
+        cache_root=cache_root,
+        agree=lambda ms: _rank0_timings(comm, ms),
+    )
     load_s = time.perf_counter() - start
-    adapter = ModelAdapter(model, native_layers=cfg.model.native_layers)
+    adapter = ModelAdapter(model, backend=backend)
     check_model_fits(cfg.lookahead, cfg.generation, adapter.max_positions)  # the loaded model's own context
     worker = Worker(cfg, comm, adapter, tokenizer, folder, placement.device, load_s)
     worker.placement, worker.load_peak_mib = placement, load_peak_mib
@@ -177,7 +172,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         batch=batch,
     )
     worker.policy.compile = compile_choice.describe()
-    worker.policy.prepack = {**prepack.describe(), "native_layers": worker.adapter.native_layers}
+    worker.policy.backend = worker.adapter.backend.describe()  # the compiled adapter's where it compiled
     return worker
 
 
@@ -339,7 +334,7 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) 
     mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
     if mode == "off":
         return CompileChoice(mode, False, "off")
-    key = record_key(adapter.device, adapter.dtype, model_checksum(worker), adapter.kernels)
+    key = record_key(adapter.device, adapter.dtype, model_checksum(worker), adapter.backend.key())
     path = record_file(cache_root, key)
     record = None if worker.cfg.run.recalibrate else load_record(path, key)
     compiled, reason = decide(mode, record, job_tokens, adapter.device.type)
@@ -350,7 +345,7 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))  # reused by the next run
     if say is not None:
         say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
-    fast = ModelAdapter(adapter.model, compile=True)
+    fast = ModelAdapter(adapter.model, compile=True, backend=adapter.backend)
     try:
         compile_s = fast.warm_up(RECORD_KV + 64)
     except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback

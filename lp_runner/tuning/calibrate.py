@@ -13,10 +13,11 @@ extrapolated), on a GPU ``GPU_ROWS`` to 512 rows at ``GPU_KV`` (120 forwards: th
 where the Jacobi window and wide verification pay, and where it ends only a measurement finds). Then
 ``measure_host`` times the host part of the engine's own rounds (``costmodel.HostCost``), which every search
 prices, the start-up preset and ``lp_runner tune`` alike. The curve is cached under the cache dir, keyed by
-everything that changes it (device model, threads, dtype, weights checksum, torch version, the kernels and the
-native library's build, and the grid through ``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures
-again. A curve measured on a busy machine (its repetitions disagree: ``NOISY_SPREAD``) is used and cached, but
-the next run measures again and the quieter curve stays: a moment's load does not price every later run's choices.
+everything that changes it (device model, threads, dtype, weights checksum, torch version, the backend's key
+fields (its kernels and their build), and the grid through ``CALIBRATION_VERSION``), and reused;
+``--recalibrate`` measures again. A curve measured on a busy machine (its repetitions disagree: ``NOISY_SPREAD``)
+is used and cached, but the next run measures again and the quieter curve stays: a moment's load does not price
+every later run's choices.
 
 Under LP only rank 0 measures (the others wait, so the measurement has the machine to itself) and every rank
 uses rank 0's curve: the replicated coordinators must make identical choices.
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from lp_runner.backends.cpu import native
+from lp_runner.backends.torch_backend import TORCH_KEY
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.device import rows_are_cheap, synchronizer
@@ -108,13 +109,14 @@ def device_name(device: torch.device) -> str:
 
 
 def calibration_key(
-    device: torch.device, dtype: torch.dtype, weights_checksum: str, compiled: bool = False, kernels: str = "torch"
+    device: torch.device, dtype: torch.dtype, weights_checksum: str, compiled: bool = False, backend: dict | None = None
 ) -> dict:
-    """Everything the curve depends on; a change of any field means a new measurement."""
+    """Everything the curve depends on; a change of any field means a new measurement. ``backend``: the forward's
+    backend's key fields (``ForwardBackend.key``: its kernels, and the build of any code it compiled; default:
+    torch's kernels), as a forward on other kernels has another curve."""
     return {
         "compiled": compiled,  # a compiled forward has its own curve
-        "kernels": kernels,  # and so do prepacked linears (lp_runner/prepack.py)
-        "build": native.build_id() if kernels.startswith("native") else "",  # and each build of the native code
+        **(TORCH_KEY if backend is None else backend),  # and so does each backend's forward
         "version": CALIBRATION_VERSION,
         "device": device_name(device),
         "device_type": device.type,
@@ -226,7 +228,7 @@ def calibrate(
     """The curve for this adapter on this device: from the cache, or measured (and cached). ``budget_s``: the
     longest a measurement may take (LP: the other ranks wait for it within their collective timeout)."""
     key = calibration_key(
-        adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.kernels
+        adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.backend.key()
     )
     path = cache_file(cache_root, key)
     start = time.perf_counter()

@@ -65,8 +65,9 @@ def record_file(cache_root: Path, key: dict) -> Path:
     return keyed_path(cache_root, "compile", "record", key)
 
 
-def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, kernels: str = "torch") -> dict:
-    return calibration_key(device, dtype, weights_checksum, kernels=kernels)
+def record_key(device: torch.device, dtype: torch.dtype, weights_checksum: str, backend: dict | None = None) -> dict:
+    """``backend``: the eager forward's backend's key fields (``ForwardBackend.key``; default torch's)."""
+    return calibration_key(device, dtype, weights_checksum, backend=backend)
 
 
 def load_record(path: Path, key: dict) -> CompileRecord | None:
@@ -113,7 +114,7 @@ def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecor
     times: dict[int, list[float]] = {id(eager): [], id(compiled): []}
     caches = {}
     prefix = torch.arange(RECORD_KV) % 97
-    for adapter in (eager, compiled):  # generation caches: bucketed rounds replay graphs on their pooled arena only
+    for adapter in (eager, compiled):  # generation caches: bucketed rounds replay graphs on their pooled K/V only
         cache = adapter.new_cache(RECORD_KV + max(RECORD_ROWS), fixed=True)
         adapter.forward(prefix, torch.arange(RECORD_KV), causal(RECORD_KV), cache, torch.tensor([RECORD_KV - 1]))
         caches[id(adapter)] = cache

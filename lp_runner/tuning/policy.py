@@ -28,7 +28,7 @@ class RoundPolicy:
     calibration: Calibration | None
     auto: AutoPreset | None
     compile: dict | None = None  # the job's forward: eager or compiled and why (``compile_choice.CompileChoice``)
-    prepack: dict | None = None  # its linear kernels and why (``prepack.PrepackChoice``)
+    backend: dict | None = None  # the kernels it runs on and why (``ForwardBackend.describe``)
     pinned: tuple[str, ...] = ()  # the keys the config wrote that the auto preset keeps, as they were written
     batch: int = 1  # generations sharing each forward (``run.batch``, where the model can batch)
 
@@ -103,8 +103,8 @@ class RoundPolicy:
             out["calibration"] = self.calibration.summary()
         if self.compile is not None:
             out["compile"] = self.compile
-        if self.prepack is not None:
-            out["prepack"] = self.prepack
+        if self.backend is not None:
+            out["backend"] = self.backend
         if self.row_plan is not None:
             k = -1  # the longest measured K/V length: what most rounds of a long generation see
             padded = {q: t for q, t in enumerate(self.row_plan.targets[k], start=1) if t != q}

@@ -18,11 +18,11 @@ from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.backends.attention import (
     PACKED_GQA,
     additive_mask,
-    native_gqa_attention,
     packed_gqa_sdpa,
     sliding_window_mask,
     supports_packed_gqa,
 )
+from lp_runner.backends.cpu.attention import native_gqa_attention
 from lp_runner.backends.cpu.prepack import native_unavailable_reason
 from lp_runner.models.loading import default_cache_dir
 

@@ -22,7 +22,7 @@ from dist_helpers import REPO, make_tiny_folder, write_prompts
 from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter, causal, crop
-from lp_runner.backends.attention import NATIVE_GQA, NATIVE_MAX_ROWS
+from lp_runner.backends.cpu.attention import NATIVE_GQA, NATIVE_MAX_ROWS
 from lp_runner.backends.cpu.prepack import apply_prepack, native_unavailable_reason
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine

@@ -39,7 +39,7 @@ class _Ops(TorchDispatchMode):
 def _static_cache(layers: int, capacity: int = 16):
     """A DynamicCache-shaped object of ``layers`` arena-backed static layers holding random K/V."""
     model = tiny_model("llama", num_hidden_layers=layers)
-    adapter = ModelAdapter(model, static_cache=True, native_layers=False)
+    adapter = ModelAdapter(model, static_cache=True)
     cache = adapter.new_cache(capacity)
     gen = torch.Generator().manual_seed(layers)
     with torch.inference_mode():
@@ -105,7 +105,7 @@ def test_engine_generation_caches_are_fixed_and_never_move() -> None:
     model = copy.deepcopy(stock)
     apply_prepack(model, "native")
     adapter = ModelAdapter(model)
-    assert adapter.native_layers and adapter.static_cache
+    assert adapter.backend.whole_layers and adapter.static_cache
     seen = []
     real = adapter.forward
 
@@ -124,7 +124,7 @@ def test_engine_generation_caches_are_fixed_and_never_move() -> None:
 def test_static_cache_with_moves_equals_the_ordinary_one() -> None:
     """Arena moves inside rounds against the AppendBuffer path's: the same logits round after round."""
     model = tiny_model("qwen2")
-    ours, ref = ModelAdapter(model, static_cache=True, native_layers=False), ModelAdapter(model)
+    ours, ref = ModelAdapter(model, static_cache=True), ModelAdapter(model)
     caches = {id(a): a.new_cache(64, fixed=a is ours) for a in (ours, ref)}
     tokens = torch.tensor(random_prompt(20, seed=2))
     for a in (ours, ref):

@@ -292,7 +292,7 @@ def test_attention_kernels_times_a_baseline_build_beside_this_one():
     assert set(quartile) == {"native", "native@base", "sdpa"} and all(t > 0 for t in quartile.values())
     assert torch.equal(outputs["native"], outputs["native@base"])
     torch.testing.assert_close(outputs["native"], outputs["sdpa"], rtol=1e-4, atol=1e-5)
-    assert native._ATTENTION is lib.lp_native_attention_f32
+    assert native.routed().attention is lib.lp_native_attention_f32
 
 
 def test_roofline_curve_is_flat_until_matmuls_outrun_the_weights_read() -> None:

@@ -30,22 +30,28 @@ from lp_runner.tuning.costmodel import CostCurve, repetition_spread
 
 
 def test_each_build_of_the_native_kernels_has_its_own_curve(native_routing) -> None:
-    """A new version of native_gemm.c (or another compiler, or other flags) changes what a forward costs: its
-    curve is measured again, not read from a cache filled by other code. torch's kernels keep their key."""
-    from lp_runner.backends.cpu.prepack import native_unavailable_reason
+    """A new version of the native kernels' sources (or another compiler, or other flags) changes what a forward
+    costs: its curve is measured again, not read from a cache filled by other code. torch's kernels keep their key."""
+    from lp_runner.backends.cpu.backend import CpuBackend
+    from lp_runner.backends.cpu.prepack import PrepackChoice, native_unavailable_reason
+    from lp_runner.backends.torch_backend import TorchBackend
     from lp_runner.models.loading import default_cache_dir
 
     native = native_routing
     if native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir()) is not None:
         pytest.skip("no native kernel here")
-    cpu, kernels = torch.device("cpu"), "native-packed-fused-layers"
+    cpu = torch.device("cpu")
     native.load(default_cache_dir())
-    key, torch_key = (calibration_key(cpu, torch.float32, "abc", kernels=k) for k in (kernels, "torch"))
+    backend = CpuBackend(PrepackChoice("native", 2, "as set", 1, "native"))  # the key reads the routed build
+    key = calibration_key(cpu, torch.float32, "abc", backend=backend.key())
+    torch_key = calibration_key(cpu, torch.float32, "abc", backend=TorchBackend().key())
+    assert key["kernels"] == "native-packed-fused" and torch_key["kernels"] == "torch"
     assert key["build"] == native.build_id() != "" and torch_key["build"] == ""
+    assert calibration_key(cpu, torch.float32, "abc") == torch_key  # no backend: torch's kernels
     native.route(native.library(str(default_cache_dir()), ("-DLP_RUNNER_ANOTHER_BUILD",)))
     assert native.build_id() != key["build"]
-    assert calibration_key(cpu, torch.float32, "abc", kernels=kernels) != key
-    assert calibration_key(cpu, torch.float32, "abc", kernels="torch") == torch_key
+    assert calibration_key(cpu, torch.float32, "abc", backend=backend.key()) != key
+    assert calibration_key(cpu, torch.float32, "abc", backend=TorchBackend().key()) == torch_key
 
 
 @pytest.fixture
@@ -121,14 +127,14 @@ def test_lp_ranks_use_rank0_curve(tmp_path) -> None:
     """Two real ranks whose caches hold opposite curves: rank 1 must use rank 0's (else the auto preset makes two
     different plans and the plan digest stops the run), and the record shows rank 0's choice."""
     folder = make_tiny_folder(tmp_path / "tiny")
-    from lp_runner.backends.cpu.prepack import apply_prepack
+    from lp_runner.backends import select_backend
     from lp_runner.models.loading import load_model_and_tokenizer
 
     model, _, _ = load_model_and_tokenizer(folder)
-    checksum = weights_checksum(model)  # the checkpoint's, taken before prepacking as the runner does
-    apply_prepack(model, "auto")  # the runner's default model.prepack
-    kernels = ModelAdapter(model).kernels  # what the runner's adapter runs (native decoder layers included)
-    key = calibration_key(torch.device("cpu"), torch.float32, checksum, kernels=kernels)
+    checksum = weights_checksum(model)  # the checkpoint's, taken before the backend repacks it, as the runner does
+    cpu = torch.device("cpu")
+    backend = select_backend("auto", model, cpu)  # the runner's default model.backend
+    key = calibration_key(cpu, torch.float32, checksum, backend=ModelAdapter(model, backend=backend).backend.key())
     key["threads"] = 1
     dear = {q: 50.0 + 30.0 * (q - 1) for q in QUICK_ROWS}  # no window, few rows
     free = {q: 50.0 for q in QUICK_ROWS}  # rows cost nothing: the window
@@ -209,7 +215,7 @@ def test_a_noisy_curve_is_measured_again_and_the_quieter_kept(tiny, tmp_path, ji
     assert kept.source == "cache" and kept.curve == again.curve
 
     # a cached noisy curve stays where the new measurement is noisier still
-    key = calibration_key(quiet.device, quiet.dtype, "v", False, quiet.kernels)
+    key = calibration_key(quiet.device, quiet.dtype, "v", False, quiet.backend.key())
     planted = CostCurve(again.curve.points, NOISY_SPREAD + 0.01)
     save(cache_file(tmp_path, key), key, planted, 1.0)
     busy = calibrate(BusyMachine(quiet, seed=1), tmp_path, "v")

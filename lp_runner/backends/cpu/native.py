@@ -1,4 +1,5 @@
-"""lp_runner's native fp32 product (``native_gemm.c``): built on first use with the machine's C compiler.
+"""lp_runner's native CPU kernels (``csrc/``: the product, the attention, whole decoder layers): built on first use
+with the machine's C compiler, as one library.
 
 Why: a CPU forward of a few rows is bound by reading the weights, and neither torch's linear (MKL re-packs the
 weight on every call) nor oneDNN's prepacked inner product reads them at the machine's bandwidth at 1-8 rows:
@@ -8,19 +9,21 @@ blocks of 32 output columns each stored as one contiguous run over the input dim
 weights serve several rows from registers (8 with AVX-512, 3 with AVX2, 2 with 4-float vectors: the source's
 register tile per instruction set).
 
-Build: ``cc -O3 -march=native -fopenmp -shared -fPIC`` into the cache folder (``~/.cache/lp_runner/native``),
-named by a hash of the source, the compiler's version, the CPU's flags and any extra flags, so a shared home
+Build: ``cc -O3 -march=native -fopenmp -shared -fPIC csrc/*.c`` into the cache folder (``~/.cache/lp_runner/native``),
+named by a hash of every source (``csrc/*.c`` and its header), the compiler's version, the CPU's flags and any extra
+flags, so a shared home
 directory across different CPUs keeps one library per kind of CPU. ``$LP_RUNNER_NATIVE_CFLAGS`` adds flags
 after those (``-mno-avx512f`` builds the AVX2 register tile on an AVX-512 machine): how this project tests and
 measures the instruction sets it does not run on (``tests/test_native_isa.py``, ``benchmarks/native_isa.py``).
 A process builds into a private temporary name and renames it into place (ranks of one node may build at once).
-Without a compiler, or on a build or probe failure, the kernel is unavailable and ``model.prepack`` says why
-(``auto`` falls back to oneDNN's products).
+Without a compiler, or on a build or probe failure, the kernel is unavailable and the CPU backend says why
+(``model.backend: auto`` falls back to oneDNN's products).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -29,7 +32,9 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +42,9 @@ from lp_runner.backends.batch import Segments
 from lp_runner.backends.cpu.ops import define_op
 from lp_runner.errors import first_line
 
-SOURCE = Path(__file__).with_name("native_gemm.c")
+SOURCE_DIR = Path(__file__).with_name("csrc")  # the kernels' sources: one C file per kernel and their header
+SOURCES = tuple(sorted(SOURCE_DIR.glob("*.[ch]")))
+LIBRARY = "lp_runner's native kernels"  # how messages name the library
 BLOCK = 32  # output columns per packed block (NB in the source)
 BUILD_TIMEOUT_S = 120.0
 EXTRA_FLAGS_ENV = "LP_RUNNER_NATIVE_CFLAGS"  # extra compiler flags, appended (tests and benchmarks: other ISAs)
@@ -84,31 +91,40 @@ def stand_in_builds() -> dict[str, tuple[tuple[str, ...], bool]]:
     return builds
 
 
-def _library_path(cache_root: Path, cc: str, flags: tuple[str, ...], source: Path) -> Path:
+def sources_at(path: Path) -> tuple[Path, ...]:
+    """The sources of a version of the kernels at ``path``: a folder's ``*.c`` and ``*.h`` (a ``csrc`` checked out
+    from another revision), or one C file (a revision from before the kernels were split by file)."""
+    return tuple(sorted(path.glob("*.[ch]"))) if path.is_dir() else (path,)
+
+
+def _library_path(cache_root: Path, cc: str, flags: tuple[str, ...], sources: tuple[Path, ...]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    ident = source.read_bytes() + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()
+    code = b"".join(s.name.encode() + b"\0" + s.read_bytes() for s in sources)  # every file, by name and content
+    ident = code + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()
     return cache_root / "native" / f"lp_native_gemm-{hashlib.sha256(ident).hexdigest()[:16]}.so"
 
 
-def build(cache_root: Path, flags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Path:
-    """The compiled library for this source, compiler, CPU and extra ``flags`` (default: ``extra_flags()``):
-    from the cache, else built now. ``source``: another version of ``native_gemm.c`` (a benchmark's baseline)."""
+def build(cache_root: Path, flags: tuple[str, ...] | None = None, sources: tuple[Path, ...] = SOURCES) -> Path:
+    """The compiled library for these sources, compiler, CPU and extra ``flags`` (default: ``extra_flags()``):
+    from the cache, else built now. ``sources``: another version of the kernels (``sources_at``: a benchmark's
+    baseline); its C files are compiled into one library, its headers found beside them."""
     cc = _compiler()
     flags = extra_flags() if flags is None else flags
-    target = _library_path(cache_root, cc, flags, source)
+    target = _library_path(cache_root, cc, flags, sources)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-lm", "-o", tmp]
+    files = [str(s) for s in sources if s.suffix == ".c"]
+    cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", *files, "-lm", "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
-            raise NativeUnavailable(f"{Path(cc).name} could not build {source.name}: {first_line(proc.stderr)}")
+            raise NativeUnavailable(f"{Path(cc).name} could not build {LIBRARY}: {first_line(proc.stderr)}")
         os.replace(tmp, target)
     except subprocess.TimeoutExpired:
-        raise NativeUnavailable(f"building {source.name} took over {BUILD_TIMEOUT_S:g} s") from None
+        raise NativeUnavailable(f"building {LIBRARY} took over {BUILD_TIMEOUT_S:g} s") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -122,7 +138,7 @@ def library(cache_root: str, flags: tuple[str, ...] = ()):
 
 
 def open_library(path: Path):
-    """A built copy of ``native_gemm.c`` (this one, or another version a benchmark builds), loaded and typed."""
+    """A built copy of the kernels (these, or another version a benchmark builds), loaded and typed."""
     lib = ctypes.CDLL(str(path))
     lib.lp_native_gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.lp_native_gemm_f32.restype = ctypes.c_int
@@ -166,62 +182,83 @@ def open_library(path: Path):
     return lib
 
 
-_FN = None  # the loaded product (``load``); every process loads the library once
-_ATTENTION = None  # the loaded attention, checked as the product is
-_LAYER = None  # the loaded decoder layer: the probed product and attention composed (tests: vs transformers' layers)
-_FN_BF16 = None  # the product and the layer on weights stored as bfloat16 (None: unavailable, _BF16_REASON says why)
-_LAYER_BF16 = None
-_LAYERS = None  # a model's decoder layers in one call (None: a build of an older source; ``LayerStack`` loops)
-_LAYERS_SEGMENTS = None  # the same over a batched round's segments (None: an older source; no native batches)
-_ATTENTION_SEGMENTS = None  # the attention over segments (its tests)
 NOT_LOADED = "the native kernel was not loaded (lp_runner.backends.cpu.native.load)"
-_BF16_REASON = NOT_LOADED
 
 
-_BUILD = ""  # the routed library's file name: a hash of its source, compiler, CPU and flags (build_id)
+@dataclass(frozen=True)
+class Routed:
+    """The entry points every native call goes to: one loaded library's (``route``), or none (``UNLOADED``)."""
+
+    fn: Any = None  # the product (``load``)
+    attention: Any = None  # the attention, checked as the product is
+    layer: Any = None  # one decoder layer: the probed product and attention composed (tests: vs transformers')
+    layers: Any = None  # a model's decoder layers in one call (None: a build of an older source; ``LayerStack`` loops)
+    layers_segments: Any = None  # the same over a batched round's segments (None: an older source; no native batches)
+    attention_segments: Any = None  # the attention over segments (its tests)
+    fn_bf16: Any = None  # the product and the layer on weights stored as bfloat16 (None: ``bf16_reason`` says why)
+    layer_bf16: Any = None
+    bf16_reason: str = NOT_LOADED
+    build: str = ""  # the library's file name: a hash of its sources, compiler, CPU and flags (``build_id``)
+
+    @classmethod
+    def of(cls, lib) -> Routed:
+        fn_bf16 = getattr(lib, "lp_native_gemm_bf16w", None)
+        layer_bf16 = getattr(lib, "lp_native_llama_layer_bf16w", None)
+        has_bf16 = fn_bf16 is not None and layer_bf16 is not None
+        return cls(
+            fn=lib.lp_native_gemm_f32,
+            attention=lib.lp_native_attention_f32,
+            layer=lib.lp_native_llama_layer,
+            layers=getattr(lib, "lp_native_llama_layers", None),
+            layers_segments=getattr(lib, "lp_native_llama_layers_segments", None),
+            attention_segments=getattr(lib, "lp_native_attention_segments_f32", None),
+            fn_bf16=fn_bf16,
+            layer_bf16=layer_bf16,
+            bf16_reason="" if has_bf16 else "this build of the native kernel has no product on bfloat16 weights",
+            build=Path(lib._name).stem,
+        )
+
+
+UNLOADED = Routed()
+# The process's one piece of state here: which loaded library (``library``, cached per build) the calls go to. A
+# library is loaded into a process once and stays (ctypes cannot unload it); routing to it is what ``load`` does.
+_ROUTED = UNLOADED
+
+
+def routed() -> Routed:
+    """The entry points native calls go to now (``UNLOADED``'s None before ``load``)."""
+    return _ROUTED
 
 
 def route(lib) -> None:
     """Send every native call to ``lib`` (``load``; benchmarks swapping builds of the kernels in one process)."""
-    global _FN, _ATTENTION, _LAYER, _LAYERS, _FN_BF16, _LAYER_BF16, _BF16_REASON, _BUILD
-    global _LAYERS_SEGMENTS, _ATTENTION_SEGMENTS
-    _FN, _ATTENTION, _LAYER = lib.lp_native_gemm_f32, lib.lp_native_attention_f32, lib.lp_native_llama_layer
-    _LAYERS = getattr(lib, "lp_native_llama_layers", None)
-    _LAYERS_SEGMENTS = getattr(lib, "lp_native_llama_layers_segments", None)
-    _ATTENTION_SEGMENTS = getattr(lib, "lp_native_attention_segments_f32", None)
-    _FN_BF16 = getattr(lib, "lp_native_gemm_bf16w", None)
-    _LAYER_BF16 = getattr(lib, "lp_native_llama_layer_bf16w", None)
-    has_bf16 = _FN_BF16 is not None and _LAYER_BF16 is not None
-    _BF16_REASON = "" if has_bf16 else "this build of the native kernel has no product on bfloat16 weights"
-    _BUILD = Path(lib._name).stem
+    global _ROUTED
+    _ROUTED = Routed.of(lib)
 
 
 def _unroute() -> None:
     """No native calls (a build that failed its probe)."""
-    global _FN, _ATTENTION, _LAYER, _LAYERS, _BUILD, _LAYERS_SEGMENTS, _ATTENTION_SEGMENTS
-    _FN = _ATTENTION = _LAYER = _LAYERS = _LAYERS_SEGMENTS = _ATTENTION_SEGMENTS = None
-    _BUILD = ""
-    _no_bf16("the native kernel failed its probe")
+    global _ROUTED
+    _ROUTED = dataclasses.replace(UNLOADED, bf16_reason="the native kernel failed its probe")
 
 
 def _no_bf16(reason: str) -> None:
     """No native calls on bfloat16 weights, for ``reason`` (the float32 ones may stay)."""
-    global _FN_BF16, _LAYER_BF16, _BF16_REASON
-    _FN_BF16 = _LAYER_BF16 = None
-    _BF16_REASON = reason
+    global _ROUTED
+    _ROUTED = dataclasses.replace(_ROUTED, fn_bf16=None, layer_bf16=None, bf16_reason=reason)
 
 
 def bf16_unavailable_reason() -> str | None:
     """Why the loaded kernel cannot multiply by weights stored as bfloat16 (``model.prepack=native-bf16``), or
     None when it can."""
-    return _BF16_REASON or None
+    return _ROUTED.bf16_reason or None
 
 
 def build_id() -> str:
     """Which build of the kernels runs (empty before ``load``): part of the calibration key, so a new version of
-    ``native_gemm.c``, another compiler or other flags measure their own cost curve instead of reusing one
+    the kernels' sources (``csrc``), another compiler or other flags measure their own cost curve instead of reusing one
     measured on other code."""
-    return _BUILD
+    return _ROUTED.build
 
 
 def load(cache_root: Path) -> None:
@@ -230,7 +267,7 @@ def load(cache_root: Path) -> None:
     try:
         route(library(str(cache_root), extra_flags()))
     except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeUnavailable(f"cannot build or load {SOURCE.name} ({first_line(exc)})") from None
+        raise NativeUnavailable(f"cannot build or load {LIBRARY} ({first_line(exc)})") from None
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 70, generator=generator)  # a partial last block and a K that is no multiple of 16
     bias = torch.randn(40, generator=generator)
@@ -240,7 +277,7 @@ def load(cache_root: Path) -> None:
         expected = torch.nn.functional.linear(x, weight, bias)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
         _unroute()
-        raise NativeUnavailable(f"{SOURCE.name} disagrees with torch's linear on a probe")
+        raise NativeUnavailable(f"{LIBRARY}' product disagrees with torch's linear on a probe")
     q, k, v = (torch.randn(2, n, 24, generator=generator) for n in (6, 9, 9))  # 2 heads, 3 rows x 2 groups
     mask = torch.zeros(3, 9).masked_fill(torch.rand(3, 9, generator=generator) < 0.4, torch.finfo(torch.float32).min)
     mask[:, 0] = 0.0  # every row sees a key
@@ -249,13 +286,13 @@ def load(cache_root: Path) -> None:
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(2, 1), scale=0.3)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
         _unroute()
-        raise NativeUnavailable(f"{SOURCE.name}'s attention disagrees with torch's sdpa on a probe")
-    if _FN_BF16 is not None:  # bfloat16 storage: the float32 product on the rounded weights, bit for bit
+        raise NativeUnavailable(f"{LIBRARY}' attention disagrees with torch's sdpa on a probe")
+    if _ROUTED.fn_bf16 is not None:  # bfloat16 storage: the float32 product on the rounded weights, bit for bit
         with torch.inference_mode():
             got = product(x, pack(weight, torch.bfloat16), bias, 40)
             expected = product(x, pack(weight.to(torch.bfloat16)), bias, 40)
         if not torch.equal(got, expected):  # the float32 product stays: it passed its own probe
-            _no_bf16(f"{SOURCE.name}'s product on bfloat16 weights differs from its float32 product on a probe")
+            _no_bf16(f"{LIBRARY}' product on bfloat16 weights differs from its float32 one on a probe")
 
 
 STORAGE = (torch.float32, torch.bfloat16)  # how ``pack`` can store the weights
@@ -271,7 +308,7 @@ def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32, out: torch.
 
     float32: p[block, k, c] = w[block * BLOCK + c, k]. bfloat16 (the weight rounded to nearest even, as
     ``Tensor.to`` rounds): each block's row of 32 holds columns c and c + 16 side by side in one 32-bit word, so
-    the kernel widens them with a single integer op each (see ``native_gemm.c``); ``product`` then gives the
+    the kernel widens them with a single integer op each (see ``csrc/gemm.c``); ``product`` then gives the
     float32 product on the rounded weight, bit for bit. ``out``: written in place (a slot of the model's arena,
     ``arena.py``) and returned; the whole blocks are copied straight from the weight, so packing holds no copy of
     it besides (the LM head's is 113 MB in the embedded model)."""
@@ -308,9 +345,10 @@ def _pack_blocks(rows: torch.Tensor, dest: torch.Tensor, storage: torch.dtype) -
 def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """[R, in] x the packed weight (+ bias) -> [R, out] float32, on torch's current thread count; the packed
     weight's dtype says how ``pack`` stored it."""
-    fn = _FN_BF16 if packed.dtype == torch.bfloat16 else _FN
+    lib = _ROUTED
+    fn = lib.fn_bf16 if packed.dtype == torch.bfloat16 else lib.fn
     if fn is None:
-        raise NativeUnavailable(NOT_LOADED if _FN is None else _BF16_REASON)
+        raise NativeUnavailable(NOT_LOADED if lib.fn is None else lib.bf16_reason)
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0] == 0:
@@ -347,7 +385,7 @@ def attention(
     Why: torch's CPU sdpa (flash) costs 40-130 us per layer for a one- or two-row round over a few hundred keys,
     ~15% of a compiled one-row forward of the embedded model, while the arithmetic is a few microseconds; this
     loop skips the hidden keys (a static cache's unused slots among them) instead of scoring them."""
-    if _ATTENTION is None:
+    if _ROUTED.attention is None:
         raise NativeUnavailable(NOT_LOADED)
     query, mask = query.contiguous(), mask.contiguous()
     key, value = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (key, value))  # slots in place
@@ -362,7 +400,7 @@ def attention(
     if any(t.dtype != torch.float32 for t in args):
         raise ValueError("native attention takes float32 tensors")
     sizes = (heads, rows, mask.shape[0], key.shape[1], dim, key.stride(0), value.stride(0))
-    status = _ATTENTION(*(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads())
+    status = _ROUTED.attention(*(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads())
     if status == -2:
         raise MemoryError(f"native attention could not allocate {key.shape[1]} scores per thread")
     if status:
@@ -379,9 +417,11 @@ def attention_segments(
     segments: Segments,
 ) -> torch.Tensor:  # [H, M, D] float32
     """``attention`` over a batched round's segments: each round row attends to its own segment's keys only,
-    with the value a call of its segment alone gives, bit for bit (``native_gemm.c``)."""
-    if _ATTENTION_SEGMENTS is None:
-        raise NativeUnavailable(NOT_LOADED if _ATTENTION is None else "this build has no attention over segments")
+    with the value a call of its segment alone gives, bit for bit (``csrc/attention.c``)."""
+    if _ROUTED.attention_segments is None:
+        raise NativeUnavailable(
+            NOT_LOADED if _ROUTED.attention is None else "this build has no attention over segments"
+        )
     query, mask = query.contiguous(), mask.contiguous()
     key, value = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (key, value))
     heads, rows, dim = query.shape
@@ -393,7 +433,7 @@ def attention_segments(
     if any(t.dtype != torch.float32 for t in args):
         raise ValueError("native attention takes float32 tensors")
     sizes = (heads, rows, q_rows, key.shape[1], dim, key.stride(0), value.stride(0))
-    status = _ATTENTION_SEGMENTS(
+    status = _ROUTED.attention_segments(
         *(t.data_ptr() for t in args), *sizes, float(scale), torch.get_num_threads(), *segments.pointers()
     )
     if status == -2:
@@ -418,9 +458,9 @@ def llama_layer(
 ) -> None:
     """One Llama-family decoder layer on ``hidden`` in a single C call (``lp_native_llama_layer``, or its
     ``_bf16w`` twin where the packed weights are stored as bfloat16: all four are, one kernel packs a model)."""
-    layer = _LAYER_BF16 if weights[3].dtype == torch.bfloat16 else _LAYER
+    layer = _ROUTED.layer_bf16 if weights[3].dtype == torch.bfloat16 else _ROUTED.layer
     if layer is None:
-        raise NativeUnavailable(NOT_LOADED if _LAYER is None else _BF16_REASON)
+        raise NativeUnavailable(NOT_LOADED if _ROUTED.layer is None else _ROUTED.bf16_reason)
     rows, embed = hidden.shape
     kv_heads, capacity, dim = keys.shape
     if (
@@ -473,7 +513,7 @@ class LayerStack:
     single C call, with the table of its weights' and buffers' addresses built once here instead of once a forward.
 
     Why: called layer by layer from Python, a forward of the embedded model lost 35-39 us between two layers (1.0-1.1
-    ms of a 15-24 ms forward on a 2-core CPU; ``native_gemm.c`` says why), and the per-layer checks and address
+    ms of a 15-24 ms forward on a 2-core CPU; ``csrc/layers.c`` says why), and the per-layer checks and address
     look-ups cost about 0.2 ms more. The stack keeps the tensors whose addresses it holds alive; whoever keeps it
     (``native_layers``) builds a new one for other buffers (a grown cache gets new ones).
 
@@ -481,7 +521,7 @@ class LayerStack:
     views of its buffers (slots contiguous; one size for all). A build of an older source without the stacked entry
     (a benchmark's ``--baseline``) runs ``llama_layer`` per layer on the same arguments."""
 
-    POINTERS = 12  # per layer (LAYER_PTRS in native_gemm.c)
+    POINTERS = 12  # per layer (LAYER_PTRS in csrc/layers.c)
 
     def __init__(
         self,
@@ -537,12 +577,12 @@ class LayerStack:
         if segments is not None:
             self._run_segments(hidden, cos, sin, slots, masks, segments)
             return
-        if _LAYERS is None:
+        if _ROUTED.layers is None:
             for args, mask, k, v in zip(layers, masks, self.keys, self.values, strict=True):
                 llama_layer(hidden, args, cos, sin, slots, mask, k, v, self.heads, self.intermediate, self.scale)
             return
-        if self.bf16 and _LAYER_BF16 is None:
-            raise NativeUnavailable(_BF16_REASON)
+        if self.bf16 and _ROUTED.layer_bf16 is None:
+            raise NativeUnavailable(_ROUTED.bf16_reason)
         rows, embed = hidden.shape
         unique = {id(m): m for m in masks}
         if (
@@ -562,7 +602,7 @@ class LayerStack:
                 f"{self.embed} and K/V {[self.kv_heads, self.capacity, self.dim]} (float32, contiguous)"
             )
         addresses = {key: m.data_ptr() for key, m in unique.items()}
-        status = _LAYERS(
+        status = _ROUTED.layers(
             hidden.data_ptr(),
             len(layers),
             self._table,
@@ -600,10 +640,10 @@ class LayerStack:
         masks: list[torch.Tensor],  # per layer, [mask_size] flat
         segments: Segments,
     ) -> None:
-        if _LAYERS_SEGMENTS is None:
-            raise NativeUnavailable(NOT_LOADED if _LAYERS is None else "this build has no layers over segments")
-        if self.bf16 and _LAYER_BF16 is None:
-            raise NativeUnavailable(_BF16_REASON)
+        if _ROUTED.layers_segments is None:
+            raise NativeUnavailable(NOT_LOADED if _ROUTED.layers is None else "this build has no layers over segments")
+        if self.bf16 and _ROUTED.layer_bf16 is None:
+            raise NativeUnavailable(_ROUTED.bf16_reason)
         rows, embed = hidden.shape
         unique = {id(m): m for m in masks}
         if (
@@ -624,7 +664,7 @@ class LayerStack:
                 f"{int(segments.start[-1])} rows ({segments.mask_size} mask floats)"
             )
         addresses = {key: m.data_ptr() for key, m in unique.items()}
-        status = _LAYERS_SEGMENTS(
+        status = _ROUTED.layers_segments(
             hidden.data_ptr(),
             len(self.layers),
             self._table,

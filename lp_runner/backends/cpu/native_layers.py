@@ -1,9 +1,9 @@
 """Native decoder layers: a Llama-family model's decoder layers as one C call (``lp_native_llama_layers``) for
 eager CPU rounds.
 
-Why: with the products native (``model.prepack``), a forward of a few rows is the weights' bytes over the memory
-bandwidth plus what it costs to reach them. An eager transformers layer reaches them through some twenty Python-
-level ops (norms, projections, rotary, the cache write, attention, the MLP's activation and the residual adds);
+Why: with the products native (the CPU backend's native kernel), a forward of a few rows is the weights' bytes over
+the memory bandwidth plus what it costs to reach them. An eager transformers layer reaches them through some twenty
+Python-level ops (norms, projections, rotary, the cache write, attention, the MLP's activation and the residual adds);
 even compiled, the 30 layers of the embedded model cost about 6 ms of Python and dispatch per forward on a 2-core
 CPU, against about 15 ms of products (a profile of the compiled one-row forward). The C layer takes the same
 steps on the same packed weights and the same K/V buffer, so what is left is the products themselves; all the
@@ -15,13 +15,13 @@ convention, grouped-query attention, SiLU-gated MLP, optional q/k/v biases) whos
 native ``SharedInputProduct``s and whose o/down products are native ``PackedLinear``s. Anything else keeps its
 own forward.
 
-When: the adapter's own rounds (``forward_model``, which also replaces transformers' model loop around the
-layers) at batch 1 on a static K/V buffer (``StaticBufferLayer``, whose slots the adapter sets) with the
+When: the adapter's own rounds (``forward_model``, the CPU backend's, which also replaces transformers' model loop
+around the layers) at batch 1 on a static K/V buffer (``StaticBufferLayer``, whose slots the adapter sets) with the
 adapter's additive mask, of any number of rows: the prompt's prefill too, which ran 1.2-1.7x faster natively
 than through transformers' layers on the same products (16-1200 rows of the embedded model, 2 threads; torch's
 sdpa there attends over the whole buffer, the native loop only up to each row's last visible key). The model
-itself is not changed, so every other caller (``generate``, a compiled trace, an adapter with
-``native_layers=False``) runs transformers' layers.
+itself is not changed (the layers' weights are held by the backend, not stored on the modules), so every other
+caller (``generate``, a compiled trace, the backend's ``transformers_layers``) runs transformers' layers.
 
 Exactness: each element is the expression transformers' eager layer evaluates, on the same products; only the
 order of float sums (the norms' mean) and the exponential's implementation differ, at fp32 rounding level, as
@@ -47,7 +47,7 @@ from lp_runner.backends.kv_cache import StaticBufferLayer
 LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 MODEL_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # see ``forward_model``
-NATIVE_LAYERS_SUFFIX = "-layers"  # appended to the adapter's kernels name (calibration keys, summaries)
+NATIVE_LAYERS_SUFFIX = "-layers"  # appended to the backend's kernels name (another forward: its own cost curve)
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights | str:
     gate_up = _shared([getattr(mlp, n, None) for n in ("gate_proj", "up_proj")], 2)
     o, down = getattr(attn, "o_proj", None), getattr(mlp, "down_proj", None)
     if qkv is None or gate_up is None:
-        return "q/k/v or gate/up are not one native product each (model.prepack=native, fused)"
+        return "q/k/v or gate/up are not one native product each (the native kernel, siblings fused)"
     if not all(isinstance(m, PackedLinear) and m.kernel is qkv.kernel for m in (o, down)) or (
         gate_up.kernel is not qkv.kernel
     ):  # one C call multiplies all four with one storage of the weights
@@ -149,6 +149,8 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights | str:
 @torch.inference_mode()
 def forward_model(
     model: torch.nn.Module,
+    layer_weights: tuple[LayerWeights, ...],  # per decoder layer (``native_layer_weights``)
+    stacks: Stacks,  # the caller's stacks of bound layers, per cache (``_stack``)
     input_ids: torch.Tensor,  # [R]
     position_ids: torch.Tensor,  # [R]
     mask,  # [1, 1, R, C] additive, or {layer type: such a mask}
@@ -163,8 +165,8 @@ def forward_model(
     Why: around the layers' C calls, transformers' model and layer code cost about 3.4 ms of Python per forward
     of the embedded model on a 2-core CPU (module calls, keyword plumbing, the mask mapping), a sixth of a
     one-row round. For a causal LM of ``MODEL_CLASSES`` (whose forward is exactly these steps: no embedding
-    scale, no logit soft-cap) every layer of which took ``install_native_layers``; None otherwise, and for
-    rounds it does not serve (another cache or mask), which the model's own forward runs.
+    scale, no logit soft-cap) whose layers are ``layer_weights`` (``native_layer_weights``); None otherwise, and
+    for rounds it does not serve (another cache or mask), which the model's own forward runs.
 
     ``segments``: a batched round of several generations (``batch_forward.py``); each mask is then flat
     ([mask_size]: every segment's rows over its own keys) and the C call attends per segment."""
@@ -172,9 +174,9 @@ def forward_model(
         return None
     base = model.model
     layers = _decoder_layers(model)
-    weights = [getattr(layer, "_lp_native_weights", None) for layer in layers]
+    weights = list(layer_weights)
     rows = input_ids.shape[0]
-    if None in weights or len(layers) != len(cache.layers):
+    if layers is None or not weights or len(weights) != len(layers) or len(layers) != len(cache.layers):
         return None
     cached = cache.layers
     if not all(isinstance(c, StaticBufferLayer) and c.is_initialized and c.write_slots is not None for c in cached):
@@ -206,24 +208,25 @@ def forward_model(
         t.reshape(rows, t.shape[-1]).to(torch.float32).contiguous() for t in base.rotary_emb(hidden, position_ids[None])
     )
     h = hidden[0].contiguous()
-    stack = _stack(cache, weights)
+    stack = _stack(stacks, cache, weights)
     stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_], segments)
     h = base.norm(h[None])[0]
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
 
 
-# cache -> (the native.LayerStack of its buffers, the LayerWeights and the K/V buffer tensors it was built on)
-_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# cache -> (the native.LayerStack of its buffers, the LayerWeights and the K/V buffer tensors it was built on): held
+# by the backend whose layers they are (``backend.CpuBackend``), not by this module
+Stacks = weakref.WeakKeyDictionary
 
 
-def _stack(cache, weights: list[LayerWeights]) -> native.LayerStack:
+def _stack(stacks: Stacks, cache, weights: list[LayerWeights]) -> native.LayerStack:
     """The layers bound to ``cache``'s buffers: the stack built for this cache while it
     still holds these very buffer tensors and the same layers' weights, else a new one (a grown cache has new
     tensors; another model, other weights). Identity is enough: the stack keeps the tensors it was built on alive,
     so no other tensor can take their ids. Kept beside the cache, not on it (a copied cache must not inherit the
     original's addresses), and only as long as the cache lives: a finished generation's buffers are freed with it.
     """
-    entry = _STACKS.get(cache)
+    entry = stacks.get(cache)
     cached = cache.layers
     buffers = [t for c in cached for t in (c.keys, c.values)]
     if entry is not None:
@@ -236,45 +239,32 @@ def _stack(cache, weights: list[LayerWeights]) -> native.LayerStack:
     keys, values = [c.keys[0] for c in cached], [c.values[0] for c in cached]
     args = [w.as_args() for w in weights]
     stack = native.LayerStack(args, keys, values, first.heads, first.intermediate, first.scale)
-    _STACKS[cache] = (stack, list(weights), buffers)
+    stacks[cache] = (stack, list(weights), buffers)
     return stack
 
 
-def native_layers_reason(model: torch.nn.Module) -> str | None:
-    """Why ``model``'s decoder layers cannot run natively (one line), or None when every one can."""
+def native_layer_weights(model: torch.nn.Module) -> tuple[LayerWeights, ...] | str:
+    """Every decoder layer's ``LayerWeights`` (what ``forward_model`` reads) when all of them can take the native
+    layer (else none: a model runs one kind of layer), or why they cannot (one line).
+
+    The model is untouched (the backend holds these, no attribute is stored on a module), so the module tree, the
+    state dict and with them the weights checksum are the checkpoint's, and the model's own forward is
+    transformers' for every other caller."""
     layers = _decoder_layers(model)
     if layers is None:
         return "no decoder layer list (model.model.layers)"
-    if all(hasattr(layer, "_lp_native_weights") for layer in layers):
-        return None
-    if native._LAYER is None:
+    if native.routed().layer is None:
         return "the native kernel is not loaded"
-    sizes = set()
+    weights, sizes = [], set()
     for layer in layers:
-        weights = layer_weights(layer)
-        if isinstance(weights, str):
-            return weights
-        sizes.add((weights.heads, weights.intermediate, weights.scale, tuple(weights.qkv.sizes)))
+        found = layer_weights(layer)
+        if isinstance(found, str):
+            return found
+        weights.append(found)
+        sizes.add((found.heads, found.intermediate, found.scale, tuple(found.qkv.sizes)))
     if len(sizes) > 1:  # lp_native_llama_layers runs them all in one call, on one set of sizes
         return "the decoder layers differ in size (heads, MLP width or attention scale)"
-    return None
-
-
-def install_native_layers(model: torch.nn.Module) -> int:
-    """Give every decoder layer of ``model`` its ``LayerWeights`` (what ``forward_model`` reads) when all of them
-    can take the native layer (else none: a model runs one kind of layer); returns how many layers have them.
-    Idempotent.
-
-    The layers themselves are untouched (the weights' reference is a plain attribute), so the module tree, the
-    state dict and with them the weights checksum are the checkpoint's, and the model's own forward is
-    transformers' for every other caller."""
-    if native_layers_reason(model) is not None:
-        return 0
-    layers = _decoder_layers(model)
-    for layer in layers:
-        if not hasattr(layer, "_lp_native_weights"):
-            layer._lp_native_weights = layer_weights(layer)
-    return len(layers)
+    return tuple(weights)
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:

@@ -1,5 +1,5 @@
-"""Packed linear layers for CPU forwards (``model.prepack``): oneDNN's inner product, or lp_runner's native
-product (``native.py``), on weights packed once; ``auto`` measures both and takes the faster.
+"""Packed linear layers for CPU forwards (the CPU backend, ``model.backend``): oneDNN's inner product, or lp_runner's
+native product (``native.py``), on weights packed once; ``auto`` measures both and takes the faster.
 
 Why: on a CPU a forward of this project's models is a string of matrix products against weights far larger than
 the caches, so its floor is the weights' bytes over the memory bandwidth. ``torch.nn.functional.linear`` falls
@@ -48,7 +48,7 @@ PREPACKED = "onednn-prepacked"  # the kernels' name in records, summaries and ca
 PREPACKED_FUSED = "onednn-prepacked-fused"  # ... with sibling projections fused (another forward: its own curve)
 NATIVE = "native-packed"  # lp_runner's own product (native.py), float32
 NATIVE_FUSED = "native-packed-fused"
-NATIVE_BF16 = "native-packed-bf16"  # ... on the weights rounded to and stored as bfloat16 (model.prepack=native-bf16)
+NATIVE_BF16 = "native-packed-bf16"  # ... on the weights rounded to and stored as bfloat16 (model.backend=native-bf16)
 NATIVE_BF16_FUSED = "native-packed-bf16-fused"
 HUGE_PAGES_SUFFIX = "-huge-pages"  # ... their weights in transparent huge pages (advanced.huge_pages; arena.py)
 # Sibling linears of one module that HF's Llama, Mistral and Qwen2 forwards call on the same input tensor.
@@ -77,7 +77,7 @@ Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int], tor
 class LinearKernel:
     """A way to multiply by a weight packed once: oneDNN's inner product, or lp_runner's native product."""
 
-    key: str  # model.prepack's name for it
+    key: str  # ``apply_prepack``'s mode for it (``model.backend``'s, for native and native-bf16)
     label: str  # the summary's
     name: str  # the kernels' name (records, calibration key)
     fused_name: str  # ... with sibling projections fused
@@ -113,7 +113,7 @@ NATIVE_KERNEL = LinearKernel(
 )
 # The native product on weights rounded to bfloat16 and stored so (half the bytes a forward streams), multiplied in
 # float32: the product of the float32 model whose linear weights are rounded to bfloat16, bit for bit. It changes
-# the model, so only ``model.prepack=native-bf16`` asks for it, never ``auto``.
+# the model, so only ``model.backend=native-bf16`` asks for it, never ``auto``.
 NATIVE_BF16_KERNEL = LinearKernel(
     "native-bf16",
     "native, bfloat16 weights",
@@ -133,7 +133,7 @@ KERNELS = {kernel.key: kernel for kernel in (ONEDNN, *NATIVE_KERNELS)}
 
 def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose every ``nn.Linear`` weight is rounded to bfloat16 and held in the model's dtype
-    (biases, norms and the embedding kept): the model ``model.prepack=native-bf16`` computes, so HF ``generate`` on
+    (biases, norms and the embedding kept): the model ``model.backend=native-bf16`` computes, so HF ``generate`` on
     it is that mode's exactness oracle. A tied output layer gets its own rounded weight, as a packed one leaves
     the embedding's lookups on the original."""
     rounded = copy.deepcopy(model)
@@ -259,14 +259,14 @@ class ProductSlice(torch.nn.Module):
 
 @dataclass(frozen=True)
 class PrepackChoice:
-    """What ``model.prepack`` did, for the summary and every record: ``layers`` packed, or why none were."""
+    """What packing did, for the summary and every record: ``layers`` packed, or why none were."""
 
-    mode: str  # off | on | auto | onednn | native | native-bf16
+    mode: str  # auto | native | native-bf16 (``model.backend``) | onednn | "" (a model packed before, ``of_model``)
     layers: int
     reason: str
     products: int = 0  # products per forward the packed layers make (siblings fused: fewer than ``layers``)
     kernel: str = "onednn"  # KERNELS key of the packed layers' kernel
-    measured_ms: dict[str, float] = field(default_factory=dict)  # auto/on with several kernels: what each took
+    measured_ms: dict[str, float] = field(default_factory=dict)  # auto with several kernels: what each took
     huge_pages: bool = False  # the packed weights in transparent huge pages (advanced.huge_pages, granted)
     huge_pages_note: str = ""  # advanced.huge_pages asked and not granted: why
 
@@ -407,6 +407,9 @@ def _products(
     return sorted(products, key=lambda product: position[id(product[2][0])])
 
 
+MODES = ("auto", "native", "native-bf16", "onednn")  # apply_prepack's: model.backend's three and oneDNN's alone
+
+
 def apply_prepack(
     model: torch.nn.Module,
     mode: str,
@@ -414,16 +417,17 @@ def apply_prepack(
     agree: Callable[[dict[str, float]], dict[str, float]] | None = None,
     huge_pages: bool = False,
 ) -> PrepackChoice:
-    """``model.prepack``: ``onednn``, ``native`` or ``native-bf16`` packs with that kernel or fails with the
-    reason; ``auto`` packs with the faster of the kernels that work here and keep the model's weights (timed on
-    the model's largest linear when both do), else leaves torch's linear; ``on`` is ``auto`` that fails instead;
-    ``off`` leaves torch's linear. ``native-bf16`` rounds the linear weights to bfloat16: asked for, never chosen.
+    """Pack ``model``'s linear layers for ``mode``: ``native``, ``native-bf16`` or ``onednn`` packs with that
+    kernel or fails with the reason (one line); ``auto`` packs with the faster of the kernels that work here and
+    keep the model's weights (timed on the model's largest linear when both do), else leaves torch's linear and
+    says why. ``native-bf16`` rounds the linear weights to bfloat16: asked for, never chosen. ``onednn`` is no
+    ``model.backend`` value (``auto`` takes it where it is faster): the tests' and benchmarks' way to it.
     ``cache_root``: where the native kernel is built (default: lp_runner's cache folder). ``agree`` (ranks of one
-    LP group): called exactly once in ``auto``/``on`` by every rank with its timings, returns the timings to
-    decide by (rank 0's), so a group's ranks pack with the same kernel and price one cost curve. ``huge_pages``
+    LP group): called exactly once in ``auto`` by every rank with its timings, returns the timings to decide by
+    (rank 0's), so a group's ranks pack with the same kernel and price one cost curve. ``huge_pages``
     (``advanced.huge_pages``): the native kernels' weights asked for transparent huge pages (arena.py)."""
-    if mode == "off":
-        return PrepackChoice(mode, 0, "off")
+    if mode not in MODES:
+        raise ValueError(f"no packing mode {mode!r} (one of {', '.join(MODES)})")
     if cache_root is None:
         from lp_runner.models.loading import default_cache_dir
 
@@ -431,34 +435,34 @@ def apply_prepack(
     dtype = next(model.parameters()).dtype
     if mode == "native-bf16" and dtype != torch.float32:
         raise ConfigError(
-            f"model.prepack=native-bf16 stores a float32 model's linear weights as bfloat16 and multiplies in "
-            f"float32; this model is {str(dtype).replace('torch.', '')}: set model.dtype=float32, or another prepack"
+            f"model.backend=native-bf16 stores a float32 model's linear weights as bfloat16 and multiplies in "
+            f"float32; this model is {str(dtype).replace('torch.', '')}: set model.dtype=float32, or another backend"
         )
     reasons = {}
-    if mode in ("auto", "on", "native"):
+    if mode in ("auto", "native"):
         reasons["native"] = native_unavailable_reason(model, cache_root)
     if mode == "native-bf16":
         reasons["native-bf16"] = native_unavailable_reason(model, cache_root, torch.bfloat16)
-    if mode in ("auto", "on", "onednn"):
+    if mode in ("auto", "onednn"):
         reasons["onednn"] = unavailable_reason(model)
     usable = [KERNELS[key] for key, reason in reasons.items() if reason is None]
     ms: dict[str, float] = {}
     if len(usable) > 1:
         ms = {key: round(value, 2) for key, value in time_kernels(model, usable).items()}
-    if agree is not None and mode in ("auto", "on"):
+    if agree is not None and mode == "auto":
         ms = agree(ms)  # a collective: every rank calls it, whatever it could measure or use
     if not usable:
         why = "; ".join(f"{KERNELS[key].label}: {reason}" for key, reason in reasons.items())
         if mode == "auto":
             return PrepackChoice(mode, 0, why)
-        raise ConfigError(f"model.prepack={mode}: {why}; use model.prepack=auto or off")
+        raise ConfigError(f"model.backend={mode}: {why}; use model.backend=auto or torch")
     measured = [k for k in usable if k.key in ms]
     if len(measured) > 1:
         kernel = min(measured, key=lambda k: ms[k.key])
         why = "measured: " + " vs ".join(f"{k.label} {ms[k.key]:.1f} ms" for k in measured)
         why += " (largest linear, 1+8 rows" + (", rank 0's)" if agree is not None else ")")
     else:
-        kernel, why = usable[0], "the one that works here" if mode in ("auto", "on") else "as set"
+        kernel, why = usable[0], "the one that works here" if mode == "auto" else "as set"
     layers, products = prepack_linears(model, kernel=kernel, huge_pages=huge_pages)
     granted = linear_kernels(model).endswith(HUGE_PAGES_SUFFIX)
     note = ""
@@ -475,6 +479,17 @@ def linear_kernels(model: torch.nn.Module) -> str:
         return "torch"
     fused = any(isinstance(m, SharedInputProduct) for m in packed)
     return kernels_name(packed[0].kernel, fused, packed[0].huge_pages)
+
+
+def packed_choice(model: torch.nn.Module) -> PrepackChoice | None:
+    """What a model packed before holds (``prepack_linears`` called directly: tests, benchmarks), as
+    ``apply_prepack`` describes it; None for a model with no packed layer."""
+    packed = [m for m in model.modules() if isinstance(m, (PackedLinear, SharedInputProduct))]
+    if not packed:
+        return None
+    layers = sum(isinstance(m, (PackedLinear, ProductSlice)) for m in model.modules())
+    kernel, huge = packed[0].kernel, packed[0].huge_pages
+    return PrepackChoice("", layers, "packed before the adapter was built", len(packed), kernel.key, huge_pages=huge)
 
 
 def kernels_name(kernel: LinearKernel, fused: bool, huge_pages: bool) -> str:

@@ -3,7 +3,8 @@
    printed as a hex float, so builds for different instruction sets or machines can be compared bit for bit. */
 #include <stdio.h>
 #include <stdint.h>
-#include NATIVE_SOURCE /* -DNATIVE_SOURCE='"path/to/native_gemm.c"' */
+#include <stdlib.h>
+#include "lp_native.h" /* -I lp_runner/backends/cpu/csrc, built with its *.c files */
 static uint32_t st = 12345;
 static float rnd(void) { st = st * 1664525u + 1013904223u; return ((st >> 8) / 16777216.0f) * 2.f - 1.f; }
 static void fill(float *x, long n) { for (long i = 0; i < n; i++) x[i] = rnd(); }

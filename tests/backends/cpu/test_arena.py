@@ -18,6 +18,7 @@ from helpers import FAMILIES
 
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.arena import ALIGN_BYTES, HUGE_PAGE_BYTES, Arena, thp_mode
+from lp_runner.backends.cpu.backend import CpuBackend
 from lp_runner.backends.cpu.prepack import (
     HUGE_PAGES_SUFFIX,
     KERNELS,
@@ -28,7 +29,7 @@ from lp_runner.backends.cpu.prepack import (
     native_unavailable_reason,
     prepack_linears,
 )
-from lp_runner.jobs.report import prepack_lines
+from lp_runner.jobs.report import backend_lines
 from lp_runner.models.loading import default_cache_dir
 
 THP_MODE = thp_mode()
@@ -109,16 +110,16 @@ def test_huge_pages_are_off_unless_asked_and_named_where_granted(tiny) -> None:
     compile records' key) and the summary say so, or say why not (oneDNN's opaque weights, a THP mode of never)."""
     default = apply_prepack(copy.deepcopy(tiny("llama")), "native")
     assert not default.huge_pages and not default.kernels.endswith(HUGE_PAGES_SUFFIX)
-    assert "huge pages" not in prepack_lines({"prepack": default.describe()})[0]
+    assert "huge pages" not in backend_lines({"backend": CpuBackend(default).describe()})[0]
     model = copy.deepcopy(tiny("llama"))
     asked = apply_prepack(model, "native", huge_pages=True)
     assert asked.huge_pages == GRANTED and asked.kernels.endswith(HUGE_PAGES_SUFFIX) == GRANTED
     assert linear_kernels(model) == asked.kernels
-    line = prepack_lines({"prepack": asked.describe()})[0]
+    line = backend_lines({"backend": CpuBackend(asked).describe()})[0]
     assert line.endswith("; weights in huge pages" if GRANTED else f"(THP: {THP_MODE})")
     opaque = apply_prepack(copy.deepcopy(tiny("llama")), "onednn", huge_pages=True)
     assert not opaque.huge_pages and opaque.huge_pages_note == "oneDNN-prepacked's weights are opaque tensors"
-    assert prepack_lines({"prepack": opaque.describe()})[0].endswith(
+    assert backend_lines({"backend": CpuBackend(opaque).describe()})[0].endswith(
         "; huge pages asked, not granted (oneDNN-prepacked's weights are opaque tensors)"
     )
 

@@ -1,4 +1,4 @@
-"""The native product on bfloat16-stored weights (``model.prepack=native-bf16``).
+"""The native product on bfloat16-stored weights (``model.backend=native-bf16``).
 
 Its definition: the float32 product on the weights rounded to bfloat16. Oracles: the float32 native product of
 the same build on those rounded weights, bit for bit (every instruction set this CPU builds); the layout's
@@ -52,7 +52,7 @@ def _bf16_model(stock: torch.nn.Module) -> torch.nn.Module:
 
 def test_the_bf16_product_runs_wherever_the_float32_one_does() -> None:
     """The kernel's load probe finds the bfloat16 product equal to the float32 one on rounded weights (else it
-    disables it, and ``model.prepack=native-bf16`` would be refused with that reason)."""
+    disables it, and ``model.backend=native-bf16`` would be refused with that reason)."""
     assert native.bf16_unavailable_reason() is None
     assert native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir(), torch.bfloat16) is None
 
@@ -121,7 +121,8 @@ def test_packing_halves_the_weights_and_names_its_own_kernels(tiny) -> None:
     packed = [m for m in model.modules() if isinstance(m, (PackedLinear, SharedInputProduct))]
     assert packed and all(m.packed_weight.dtype == torch.bfloat16 for m in packed)
     adapter = ModelAdapter(model)
-    assert adapter.kernels == NATIVE_BF16_FUSED + "-layers" and adapter.native_layers == stock.config.num_hidden_layers
+    assert adapter.backend.kernels == NATIVE_BF16_FUSED + "-layers"
+    assert adapter.backend.whole_layers == stock.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -133,7 +134,7 @@ def test_rounds_are_the_float32_rounds_of_the_rounded_model(tiny, family: str) -
     floats_model = bf16_rounded_linears(stock)
     prepack_linears(floats_model, kernel=KERNELS["native"])
     floats = ModelAdapter(floats_model)
-    assert halves.native_layers == floats.native_layers == stock.config.num_hidden_layers
+    assert halves.backend.whole_layers == floats.backend.whole_layers == stock.config.num_hidden_layers
     caches = [a.new_cache(64) for a in (halves, floats)]
     prefix = torch.tensor(random_prompt(40, seed=1))
     logits = [
@@ -164,7 +165,7 @@ def test_engine_equals_hf_greedy_on_the_rounded_model(tiny, family: str) -> None
     those weights rounded, token for token (window on and off)."""
     stock = tiny(family)
     model, oracle = _bf16_model(stock), bf16_rounded_linears(stock)
-    assert ModelAdapter(model).native_layers == stock.config.num_hidden_layers
+    assert ModelAdapter(model).backend.whole_layers == stock.config.num_hidden_layers
     for seed in range(3):
         prompt = random_prompt(24, seed=seed)
         expected = hf_greedy(oracle, prompt, 40)
@@ -172,8 +173,8 @@ def test_engine_equals_hf_greedy_on_the_rounded_model(tiny, family: str) -> None
         assert run_lookahead(model, prompt, W=1, N=4, G=3, lookahead_branch=False).output_ids == expected
 
 
-def test_prepack_asks_for_it_and_auto_never_chooses_it(tiny) -> None:
-    """``model.prepack=native-bf16`` packs with it; ``auto`` keeps the model's weights (never rounds them); a model
+def test_backend_asks_for_it_and_auto_never_chooses_it(tiny) -> None:
+    """``model.backend=native-bf16`` packs with it; ``auto`` keeps the model's weights (never rounds them); a model
     that is not float32 is refused with a reason naming the dtype; the config takes the value."""
     choice = apply_prepack(copy.deepcopy(tiny("llama")), "native-bf16")
     assert choice.kernel == "native-bf16" and choice.kernels == NATIVE_BF16_FUSED and choice.layers
@@ -183,9 +184,9 @@ def test_prepack_asks_for_it_and_auto_never_chooses_it(tiny) -> None:
         ConfigError, match="native-bf16 stores a float32 model.*this model is bfloat16: set model.dtype=float32"
     ):
         apply_prepack(copy.deepcopy(tiny("llama")).to(torch.bfloat16), "native-bf16")
-    assert load_config(None, ["model.prepack=native-bf16"]).model.prepack == "native-bf16"
-    with pytest.raises(ConfigError, match="model.prepack"):
-        load_config(None, ["model.prepack=native-fp16"])
+    assert load_config(None, ["model.backend=native-bf16"]).model.backend == "native-bf16"
+    with pytest.raises(ConfigError, match="model.backend"):
+        load_config(None, ["model.backend=native-fp16"])
 
 
 @pytest.mark.slow
@@ -204,7 +205,7 @@ def test_embedded_model_equals_hf_greedy_on_its_rounded_weights(embedded, humane
 
 @pytest.mark.slow
 def test_cli_runs_the_rounded_model_and_refuses_to_resume_across_it(tmp_path: Path) -> None:
-    """``--set model.prepack=native-bf16`` through the CLI: HF greedy on the tiny checkpoint with its linear
+    """``--set model.backend=native-bf16`` through the CLI: HF greedy on the tiny checkpoint with its linear
     weights rounded, the summary and record naming the kernels and the rounding; a ``--resume`` of that file
     on the float32 weights is refused by name (its tokens came from another model)."""
     folder = make_tiny_folder(tmp_path / "model", "llama", seed=3)
@@ -222,15 +223,15 @@ def test_cli_runs_the_rounded_model_and_refuses_to_resume_across_it(tmp_path: Pa
             timeout=600,
         )
 
-    proc = cli("--set", "model.prepack=native-bf16")
+    proc = cli("--set", "model.backend=native-bf16")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "linear layers: native, bfloat16 weights (" in proc.stderr
+    assert "forward: linear layers native, bfloat16 weights (" in proc.stderr
     record = json.loads(out.read_text().splitlines()[0])
-    assert record["policy"]["prepack"]["kernels"] == NATIVE_BF16_FUSED
+    assert record["policy"]["backend"]["linear_kernels"] == NATIVE_BF16_FUSED
     assert record["config"]["model"]["linear_weights"] == "bfloat16"
     stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert record["output_ids"] == hf_greedy(bf16_rounded_linears(stock), record["prompt_ids"], 24)
-    resumed = cli("--resume", "--set", "model.prepack=auto")
+    resumed = cli("--resume", "--set", "model.backend=auto")
     assert resumed.returncode == 2
     assert "model.linear_weights: 'bfloat16' in the file, '(unset)' now" in resumed.stderr
 
@@ -241,7 +242,7 @@ def test_compiled_rounds_equal_hf_greedy_on_the_rounded_model(tiny) -> None:
     the compiled graph too."""
     stock = tiny("llama")
     compiled = ModelAdapter(_bf16_model(stock), compile=True)
-    assert compiled.kernels == NATIVE_BF16_FUSED and compiled.warm_up(64) > 0
+    assert compiled.backend.kernels == NATIVE_BF16_FUSED and compiled.warm_up(64) > 0
     oracle = bf16_rounded_linears(stock)
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=32), [])

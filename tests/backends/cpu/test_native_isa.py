@@ -1,4 +1,4 @@
-"""The native kernels as other CPUs build them (``native_gemm.c`` picks its register tile by instruction set).
+"""The native kernels as other CPUs build them (``csrc/`` picks its register tile by instruction set).
 
 An AVX-512 machine builds and runs the AVX2 tile (``-mno-avx512f``), and any x86-64 machine the SSE2 one
 (``-march=x86-64``: 4-float vectors, no FMA), through ``$LP_RUNNER_NATIVE_CFLAGS`` / ``native.library``.
@@ -122,7 +122,7 @@ def test_rounds_on_each_build(tiny, build: str, routed_to) -> None:
     model = copy.deepcopy(tiny("llama"))
     prepack_linears(model, kernel=KERNELS["native"])
     adapter = ModelAdapter(model)
-    assert adapter.native_layers == model.config.num_hidden_layers
+    assert adapter.backend.whole_layers == model.config.num_hidden_layers
     prefix = torch.tensor(random_prompt(30, seed=3))
     logits: dict[str, list[torch.Tensor]] = {}
     for name in ("default", build):
@@ -170,7 +170,7 @@ def test_cli_builds_from_the_flags_in_the_environment(tmp_path: Path) -> None:
         out = tmp_path / f"{label}.jsonl"
         proc = subprocess.run(
             [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(out)]
-            + ["--set", f"model.path={folder}", "--set", "model.prepack=native", "--set", "model.threads=1"]
+            + ["--set", f"model.path={folder}", "--set", "model.backend=native", "--set", "model.threads=1"]
             + ["--set", "generation.max_new_tokens=16", "--set", "model.compile=off"],
             cwd=REPO,
             env={**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache"), native.EXTRA_FLAGS_ENV: env_flags},
@@ -179,7 +179,7 @@ def test_cli_builds_from_the_flags_in_the_environment(tmp_path: Path) -> None:
             timeout=600,
         )
         assert proc.returncode == 0, proc.stderr
-        assert "decoder layers: native" in proc.stderr
+        assert "decoder layers native (" in proc.stderr
         records[label] = json.loads(out.read_text().splitlines()[0])
     assert records[name]["output_ids"] == records["default"]["output_ids"]
     assert len(list((tmp_path / "cache" / "native").glob("lp_native_gemm-*.so"))) == 2  # one per flags
@@ -191,8 +191,8 @@ HARNESS = Path(__file__).with_name("native_harness.c")
 
 def _harness_outputs(tmp_path: Path, name: str, compiler: list[str], runner: list[str]) -> list[str]:
     exe = tmp_path / name
-    source = f'-DNATIVE_SOURCE="{native.SOURCE}"'
-    cmd = [*compiler, "-O3", "-fopenmp", source, str(HARNESS), "-lm", "-o", str(exe)]
+    sources = [str(s) for s in native.SOURCES if s.suffix == ".c"]
+    cmd = [*compiler, "-O3", "-fopenmp", "-I", str(native.SOURCE_DIR), str(HARNESS), *sources, "-lm", "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     proc = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300, check=True)
     return proc.stdout.split()

@@ -1,21 +1,23 @@
-"""Native decoder layers (``native_layers.py``): one C call per Llama-family layer in eager rounds.
+"""Native decoder layers (``native_layers.py``): one C call for a Llama-family model's layers in eager rounds.
 
 Oracles: the same packed model's original layers (transformers' own layer code on the same native products), on
 the same static cache, for logits and the K/V written (equal to fp32 rounding, every argmax the same); HF greedy
 ``generate`` on the *unpacked* model for whole generations (the three tiny families, window on and off, and the
 embedded model). A counter on the C call proves the native path ran where a test says it does, and did not
-where it must not (``generate`` on the same model object, a prefill, an adapter that declined it).
+where it must not (``generate`` on the same model object, an adapter on transformers' layers).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import helpers
 import pytest
 import torch
 from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead, tiny_model
 
+from lp_runner.backends import detect_backend
 from lp_runner.backends.adapter import ModelAdapter, causal, crop
 from lp_runner.backends.cpu import native, native_layers
 from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, prepack_linears
@@ -51,10 +53,11 @@ def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> No
     layers give them (same products, same static cache), to fp32 rounding, with every argmax the same."""
     model = _native_model(tiny(family))
     layers = model.config.num_hidden_layers
-    reference = ModelAdapter(model, native_layers=False, static_cache=True)
+    reference = ModelAdapter(model, backend=detect_backend(model).transformers_layers(), static_cache=True)
     fast = ModelAdapter(model)
-    assert fast.native_layers == layers and fast.kernels.endswith(native_layers.NATIVE_LAYERS_SUFFIX)
-    assert reference.native_layers == 0 and not reference.kernels.endswith(native_layers.NATIVE_LAYERS_SUFFIX)
+    assert fast.backend.whole_layers == layers and fast.backend.kernels.endswith(native_layers.NATIVE_LAYERS_SUFFIX)
+    assert reference.backend.whole_layers == 0
+    assert not reference.backend.kernels.endswith(native_layers.NATIVE_LAYERS_SUFFIX)
     calls.clear()  # the adapters' own two-row probe ran natively
     prefix = torch.tensor(random_prompt(40, seed=1))
     caches = [a.new_cache(64) for a in (reference, fast)]
@@ -101,13 +104,15 @@ def test_native_layer_engine_equals_hf_greedy_on_the_unpacked_model(tiny, family
 
 
 def test_outside_the_adapter_the_model_is_what_it_was(tiny, calls) -> None:
-    """``generate`` on the same model object, after an adapter installed native layers, runs the original
-    layers (no native call) and gives the tokens it gave before; the state dict (and so the weights checksum,
-    what ``--resume`` compares) is unchanged."""
+    """``generate`` on the same model object, after an adapter ran native layers, runs the original layers (no
+    native call) and gives the tokens it gave before; the state dict (and so the weights checksum, what
+    ``--resume`` compares) is unchanged, and no module carries anything of the backend's."""
     model = _native_model(tiny("llama"))
     prompt = random_prompt(16, seed=4)
     before, checksum, keys = hf_greedy(model, prompt, 12), weights_checksum(model), list(model.state_dict())
-    assert ModelAdapter(model).native_layers == model.config.num_hidden_layers
+    attributes = [set(vars(module)) for module in model.modules()]
+    assert ModelAdapter(model).backend.whole_layers == model.config.num_hidden_layers
+    assert [set(vars(module)) for module in model.modules()] == attributes
     assert calls == [2] * model.config.num_hidden_layers  # the adapter's own probe: inside the adapter
     calls.clear()
     assert hf_greedy(model, prompt, 12) == before and calls == []
@@ -123,10 +128,8 @@ def test_layers_that_cannot_take_it_keep_their_forward(tiny) -> None:
         (_unfused(tiny("llama")), "not one native product"),
         (_gelu(tiny("llama")), "not SiLU"),
     ):
-        assert reason in native_layers.native_layers_reason(model)
-        assert native_layers.install_native_layers(model) == 0
-        assert ModelAdapter(model).native_layers == 0
-        assert not any(hasattr(layer, "_lp_native_weights") for layer in model.model.layers)
+        assert reason in native_layers.native_layer_weights(model)
+        assert ModelAdapter(model).backend.whole_layers == 0
 
 
 def _onednn(stock):
@@ -206,7 +209,8 @@ def test_the_stacked_call_is_the_layer_by_layer_calls_bit_for_bit(family: str, k
     prepack_linears(model, kernel=KERNELS[kernel])
     stacked = _native_rounds(model)
     assert set(calls) == {248, 1, 2, 3, 8}, "the prefills and rounds did not run the native layers"
-    monkeypatch.setattr(native, "_LAYERS", None)  # a build without the stacked entry: llama_layer per layer
+    # a build without the stacked entry: llama_layer per layer
+    monkeypatch.setattr(native, "_ROUTED", dataclasses.replace(native.routed(), layers=None))
     per_layer = _native_rounds(model)
     assert len(stacked) == len(per_layer)
     for got, want in zip(stacked, per_layer, strict=True):
@@ -259,7 +263,7 @@ def test_each_layer_of_a_stack_reads_its_own_mask_and_buffers() -> None:
     caches = [adapter.new_cache(64) for _ in range(2)]
     for cache in caches:
         adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
-    weights = [decoder._lp_native_weights for decoder in model.model.layers]
+    weights = list(adapter.backend.layer_weights)
     first = weights[0]
     capacity, dim = caches[0].layers[0].keys.shape[2:]
     gen = torch.Generator().manual_seed(6)
@@ -297,8 +301,8 @@ def test_a_slot_outside_the_buffer_is_refused_before_any_write(tiny) -> None:
     adapter = ModelAdapter(model)
     cache = adapter.new_cache(64)
     adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
-    layer, weights = cache.layers[0], model.model.layers[0]._lp_native_weights
-    all_weights = [decoder._lp_native_weights for decoder in model.model.layers]
+    layer, weights = cache.layers[0], adapter.backend.layer_weights[0]
+    all_weights = list(adapter.backend.layer_weights)
     stack = native.LayerStack(
         [w.as_args() for w in all_weights], [c.keys[0] for c in cache.layers], [c.values[0] for c in cache.layers],
         weights.heads, weights.intermediate, weights.scale,

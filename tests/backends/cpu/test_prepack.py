@@ -1,5 +1,5 @@
-"""Packed linear layers (``model.prepack``: oneDNN's inner product or lp_runner's native product): the same
-products, the same tokens, and the choice.
+"""Packed linear layers (the CPU backend, ``model.backend``: oneDNN's inner product or lp_runner's native product):
+the same products, the same tokens, and the choice.
 
 Oracles: ``torch.nn.functional.linear`` on the original weights (equal to fp32 rounding) and the packed product of
 each row computed alone (bit for bit: a row's product does not depend on the rows beside it); HF greedy
@@ -22,6 +22,7 @@ import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
 from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead
 
+from lp_runner.backends import detect_backend, select_backend
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.backends.cpu import native, prepack
 from lp_runner.backends.cpu.native_layers import NATIVE_LAYERS_SUFFIX
@@ -116,7 +117,7 @@ def test_prepack_replaces_every_linear_and_leaves_the_rest(tiny, family: str, ke
     assert choice.layers == linears > 0 and _count_linears(model) == 0
     assert choice.kernels == linear_kernels(model) == kernel.fused_name
     layers = NATIVE_LAYERS_SUFFIX if kernel.key == "native" else ""  # its decoder layers run natively too
-    assert ModelAdapter(model).kernels == kernel.fused_name + layers
+    assert ModelAdapter(model).backend.kernels == kernel.fused_name + layers
     assert torch.equal(model.get_input_embeddings().weight, embedding)  # a tied embedding keeps its weights
     layers = model.config.num_hidden_layers
     products = linears - 3 * layers  # per decoder layer q/k/v -> 1 product, gate/up -> 1
@@ -130,7 +131,7 @@ def test_prepack_replaces_every_linear_and_leaves_the_rest(tiny, family: str, ke
     }
     assert choice.describe() == described
     assert sum(isinstance(m, SharedInputProduct) for m in model.modules()) == 2 * layers
-    assert ModelAdapter(tiny(family)).kernels == "torch"
+    assert ModelAdapter(tiny(family)).backend.kernels == "torch"
 
 
 def test_auto_times_the_kernels_that_work_and_takes_the_faster(tiny) -> None:
@@ -204,23 +205,32 @@ def test_shared_product_recomputes_for_another_or_a_changed_input(kernel) -> Non
         torch.testing.assert_close(second(x), b(x))  # asked twice: computed again, not a stale slice
 
 
-def test_modes_off_on_and_what_cannot_be_packed(tiny) -> None:
+def test_backends_torch_auto_native_and_what_cannot_be_packed(tiny) -> None:
+    """``model.backend``: ``torch`` leaves the model alone; ``auto`` on a model no CPU kernel takes runs torch's
+    kernels and says why; ``native`` fails in one line with the reason."""
+    cpu = torch.device("cpu")
     model = copy.deepcopy(tiny("llama"))
-    off = apply_prepack(model, "off")
-    assert (off.layers, off.kernels, off.reason) == (0, "torch", "off") and _count_linears(model) > 0
+    plain = select_backend("torch", model, cpu)
+    assert (plain.name, plain.kernels, plain.whole_layers) == ("torch", "torch", 0) and _count_linears(model) > 0
+    assert plain.summary() == "forward: torch's linear layers, transformers' decoder layers; model.backend=torch"
     half = copy.deepcopy(tiny("llama")).to(torch.float16)
     auto = apply_prepack(half, "auto")
     assert auto.layers == 0 and auto.kernels == "torch"
     assert "native: float16 weights (the native product: float32)" in auto.reason
     assert "oneDNN-prepacked: float16 weights" in auto.reason
     assert _count_linears(half) > 0  # left as it was
+    fallback = select_backend("auto", half, cpu)
+    assert (fallback.name, fallback.kernels) == ("torch", "torch") and _count_linears(half) > 0
+    assert fallback.summary().endswith(
+        f"model.backend=auto: lp_runner's CPU kernels cannot run it here ({auto.reason})"
+    )
     with pytest.raises(
-        ConfigError, match=r"model.prepack=on: native: float16 weights .* use model.prepack=auto or off"
+        ConfigError, match=r"^model.backend=native: native: float16 weights .* use model.backend=auto or torch$"
     ):
-        apply_prepack(half, "on")
+        select_backend("native", half, cpu)
     bf16 = copy.deepcopy(tiny("llama")).to(torch.bfloat16)
     with pytest.raises(
-        ConfigError, match=r"model.prepack=native: native: bfloat16 weights \(the native product: float32\)"
+        ConfigError, match=r"model.backend=native: native: bfloat16 weights \(the native product: float32\)"
     ):
         apply_prepack(bf16, "native")
     auto = apply_prepack(bf16, "auto")
@@ -236,11 +246,11 @@ def test_without_a_compiler_auto_keeps_onednn_and_says_why(tiny, tmp_path, monke
     """A machine without a working C compiler: the native build fails with the compiler's first line, ``native``
     refuses, and ``auto`` packs with oneDNN."""
     monkeypatch.setenv("CC", "false")
-    with pytest.raises(native.NativeUnavailable, match=r"false could not build native_gemm.c"):
+    with pytest.raises(native.NativeUnavailable, match=r"false could not build lp_runner's native kernels"):
         native.build(tmp_path)
     assert not list((tmp_path / "native").glob("*.so*"))  # no half-written library left behind
     model = copy.deepcopy(tiny("llama"))
-    with pytest.raises(ConfigError, match=r"model.prepack=native: native: false could not build native_gemm.c"):
+    with pytest.raises(ConfigError, match=r"model.backend=native: native: false could not build lp_runner's native"):
         apply_prepack(model, "native", tmp_path)
     choice = apply_prepack(model, "auto", tmp_path)
     assert (choice.kernel, choice.reason) == ("onednn", "the one that works here")
@@ -253,30 +263,64 @@ def test_the_native_library_is_built_once_per_source_compiler_and_cpu(tmp_path) 
     assert first.parent == tmp_path / "native" and first.name.startswith("lp_native_gemm-")
 
 
+def test_every_source_file_names_the_build(tmp_path) -> None:
+    """The kernels are one library built from every file of ``csrc`` (one C file per kernel and their header): a
+    copy of them names the same build, and a change to any one file, the header included, names another (so the
+    calibration key's build id moves with it)."""
+    copy_dir = tmp_path / "csrc"
+    copy_dir.mkdir()
+    for source in native.SOURCES:
+        (copy_dir / source.name).write_bytes(source.read_bytes())
+    assert {s.suffix for s in native.SOURCES} == {".c", ".h"} and len(native.SOURCES) >= 4
+    cc = native._compiler()
+    path = native._library_path(tmp_path, cc, (), native.sources_at(copy_dir))
+    assert path == native._library_path(tmp_path, cc, (), native.SOURCES)
+    names = {path.name}
+    for source in native.SOURCES:
+        edited = copy_dir / source.name
+        edited.write_bytes(source.read_bytes() + b"\n/* another version */\n")
+        names.add(native._library_path(tmp_path, cc, (), native.sources_at(copy_dir)).name)
+        edited.write_bytes(source.read_bytes())
+    assert len(names) == len(native.SOURCES) + 1
+
+
 def test_resume_may_change_the_kernels() -> None:
-    """``model.prepack`` is how the model runs, not which tokens it gives: the records' digest leaves it out (as it
-    leaves out threads), so a job started prepacked resumes with ``off`` and the reverse; the dtype stays in, and
-    so does the rounding of ``native-bf16``."""
+    """``model.backend`` is how the model runs, not which tokens it gives: the records' digest leaves it out (as it
+    leaves out threads), so a job started on the CPU kernels resumes on ``torch`` and the reverse; the dtype stays
+    in, and so does the rounding of ``native-bf16``."""
     from lp_runner.config import load_config
     from lp_runner.jobs.output import output_digest, output_settings, settings_diff
 
-    packed, plain = load_config(None, []), load_config(None, ["model.prepack=off"])
+    packed, plain = load_config(None, []), load_config(None, ["model.backend=torch"])
     assert output_digest(packed) == output_digest(plain)
+    assert output_digest(packed) == output_digest(load_config(None, ["model.backend=native"]))
     assert output_digest(packed) != output_digest(load_config(None, ["model.dtype=bfloat16"]))
     # native-bf16 rounds the linear weights: another model's tokens, so a resume across it is refused by name
-    rounded = load_config(None, ["model.prepack=native-bf16"])
+    rounded = load_config(None, ["model.backend=native-bf16"])
     assert output_digest(rounded) != output_digest(packed)
     assert settings_diff(output_settings(packed), output_settings(rounded)) == [
         "model.linear_weights: '(unset)' in the file, 'bfloat16' now"
     ]
 
 
-def test_calibration_and_compile_records_are_per_kernel() -> None:
-    """A prepacked forward has its own cost curve: its calibration (and compile record) key differs."""
+def test_calibration_and_compile_records_are_per_kernel(tiny) -> None:
+    """A prepacked forward has its own cost curve: its calibration (and compile record) key, which takes the
+    backend's key fields, differs from torch's and from the other kernels'."""
+    from lp_runner.tuning.compile_choice import record_key
+
     cpu = torch.device("cpu")
-    torch_key = calibration_key(cpu, torch.float32, "abc", kernels="torch")
-    assert torch_key != calibration_key(cpu, torch.float32, "abc", kernels="onednn-prepacked")
-    assert torch_key == calibration_key(cpu, torch.float32, "abc")  # the default: torch's linear
+    torch_key = calibration_key(cpu, torch.float32, "abc", backend=select_backend("torch", tiny("llama"), cpu).key())
+    assert torch_key == calibration_key(cpu, torch.float32, "abc")  # the default: torch's kernels
+    keys = {}
+    for mode in ("onednn", "native"):
+        model = copy.deepcopy(tiny("llama"))
+        apply_prepack(model, mode)
+        keys[mode] = calibration_key(cpu, torch.float32, "abc", backend=detect_backend(model).key())
+        assert record_key(cpu, torch.float32, "abc", detect_backend(model).key()) == keys[mode]
+    assert keys["onednn"]["kernels"] == ONEDNN.fused_name and keys["onednn"]["build"] == ""
+    assert keys["native"]["kernels"] == KERNELS["native"].fused_name + NATIVE_LAYERS_SUFFIX
+    assert keys["native"]["build"] == native.build_id() != ""
+    assert len({json.dumps(k, sort_keys=True) for k in (torch_key, *keys.values())}) == 3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -338,7 +382,7 @@ def _run_cli(
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def add(a, b):"}])
     proc = subprocess.run(
         [sys.executable, "-m", "lp_runner", "--prompts", str(prompts), "--output", str(tmp_path / out)]
-        + ["--set", f"model.path={folder}", "--set", f"model.prepack={mode}", "--set", "model.threads=1"]
+        + ["--set", f"model.path={folder}", "--set", f"model.backend={mode}", "--set", "model.threads=1"]
         + ["--set", "generation.max_new_tokens=12", "--set", "model.compile=off", *extra],
         cwd=REPO,
         env={**os.environ, "LP_RUNNER_CACHE": str(tmp_path / "cache")},
@@ -354,30 +398,28 @@ def _run_cli(
 def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path: Path) -> None:
     folder = make_tiny_folder(tmp_path / "model")
     packed_proc, packed = _run_cli(tmp_path, folder, "auto", "packed.jsonl")
-    torch_proc, plain = _run_cli(tmp_path, folder, "off", "plain.jsonl")
-    pre = packed["policy"]["prepack"]
+    torch_proc, plain = _run_cli(tmp_path, folder, "torch", "plain.jsonl")
+    pre = packed["policy"]["backend"]
     chosen = next(k for k in KERNELS.values() if k.label == pre["label"])  # auto: the faster, measured
-    assert pre["kernels"] == chosen.fused_name and pre["reason"].startswith("measured: ")
-    assert 0 < packed["policy"]["prepack"]["products"] < packed["policy"]["prepack"]["layers"]
-    assert f"linear layers: {packed['policy']['prepack']['label']} (" in packed_proc.stderr
-    assert plain["policy"]["prepack"] == {
-        "mode": "off",
-        "kernels": "torch",
-        "label": "torch",
-        "layers": 0,
-        "products": 0,
-        "reason": "off",
-        "native_layers": 0,
-    }
-    assert "linear layers:" not in torch_proc.stderr
+    assert (
+        pre["name"] == "cpu" and pre["linear_kernels"] == chosen.fused_name and pre["reason"].startswith("measured: ")
+    )
+    assert pre["kernels"] == chosen.fused_name + ("-layers" if pre["native_layers"] else "")  # the forward's
+    assert 0 < pre["products"] < pre["layers"]
+    assert f"forward: linear layers {pre['label']} (" in packed_proc.stderr and pre["summary"] in packed_proc.stderr
+    line = "forward: torch's linear layers, transformers' decoder layers; model.backend=torch"
+    assert plain["policy"]["backend"] == {"name": "torch", "mode": "torch", "kernels": "torch", "reason": "",
+                                          "summary": line}  # fmt: skip
+    assert line in torch_proc.stderr and "linear layers torch" not in torch_proc.stderr
     assert packed["output_ids"] == plain["output_ids"]
     # native products: decoder layers native by default, transformers' layers with advanced.native_layers=false
     layers_proc, layers = _run_cli(tmp_path, folder, "native", "layers.jsonl")
     _, unlayered = _run_cli(tmp_path, folder, "native", "unlayered.jsonl", "--set", "advanced.native_layers=false")
-    assert layers["policy"]["prepack"]["native_layers"] == 2 and unlayered["policy"]["prepack"]["native_layers"] == 0
-    assert "; decoder layers: native (2, one call a round)" in layers_proc.stderr
+    assert layers["policy"]["backend"]["native_layers"] == 2 and unlayered["policy"]["backend"]["native_layers"] == 0
+    assert layers["policy"]["backend"]["kernels"] == unlayered["policy"]["backend"]["kernels"] + "-layers"
+    assert ", decoder layers native (2, one call a round); model.backend=native" in layers_proc.stderr
     assert layers["output_ids"] == unlayered["output_ids"] == plain["output_ids"]
-    # the checkpoint's checksum either way: a --resume may change model.prepack
+    # the checkpoint's checksum either way: a --resume may change model.backend
     from transformers import AutoModelForCausalLM
 
     assert packed["weights_checksum"] == plain["weights_checksum"]

@@ -1,0 +1,63 @@
+"""What a forward backend is: the kernels a model's forward runs on, chosen once at load (``backends.select_backend``).
+
+The adapter (``backends.adapter.ModelAdapter``) asks its backend, and nothing else, which attention a packed round
+runs, whether the backend runs the decoder layers itself, and what names its forwards in cache keys and records;
+it never tests a kernel's name. Two backends exist: transformers' own layers (``torch_backend.TorchBackend``: what
+a GPU and ``model.backend: torch`` run) and lp_runner's CPU kernels (the ``backends.cpu`` plug-in, imported only
+when a model on a CPU is given to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from lp_runner.backends.batch import Segments
+
+
+class ForwardBackend(Protocol):
+    """A model's forward kernels, as the adapter and the records need them."""
+
+    name: str  # the backend in records: "torch" or "cpu"
+    kernels: str  # the forward's kernels, as cache keys and records name them (e.g. "torch")
+    # the attention a packed round runs on transformers' layers: a name registered with transformers'
+    # ``AttentionInterface`` (``attention.PACKED_GQA`` or the plug-in's own)
+    attention: str
+    # one segment's attention in a batched round on transformers' layers (``attention.batched_attention``'s inner)
+    segment_attention: Callable
+    # decoder layers the backend runs whole, in one call, on static K/V buffers (``forward_model``); 0: none
+    whole_layers: int
+
+    def key(self) -> dict[str, str]:
+        """The fields the calibration curve and the compile record are keyed by (each forward has its own curve):
+        ``{"kernels": ..., "build": ...}``, the build naming the compiled code where the backend has any."""
+        ...
+
+    def forward_model(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,  # [R]
+        position_ids: torch.Tensor,  # [R]
+        mask,  # [1, 1, R, C] additive, or {layer type: such a mask}; flat per segment with ``segments``
+        cache,  # the adapter's DynamicCache of static buffers, write slots set
+        logit_rows: torch.Tensor,  # [L]
+        segments: Segments | None = None,
+    ) -> torch.Tensor | None:
+        """A whole round through the backend's own layers: logits [L, vocab], or None where it does not serve this
+        round (no whole layers, another cache or mask), and transformers' layers run it."""
+        ...
+
+    def transformers_layers(self) -> ForwardBackend:
+        """The same kernels under transformers' decoder layers (no whole layers): what a compiled adapter traces."""
+        ...
+
+    def describe(self) -> dict:
+        """What the records carry (``policy.backend``), ``summary`` included."""
+        ...
+
+    def summary(self) -> str:
+        """The backend's one line in the job's summary."""
+        ...
