@@ -2,7 +2,7 @@
 
 The collector runs when allocations outnumber deallocations by a threshold, and a full collection walks every
 tracked object. A process with torch, transformers, a tokenizer and a model loaded tracks some 370,000 of them
-(the embedded model, 2026-12-03), so each full collection costs about 0.2 s on this project's 2-core EPYC. Two
+(the embedded model), so each full collection costs about 0.2 s on a 2-core CPU. Two
 places paid for them without need, neither making reference cycles worth collecting:
 
 * the auto preset's search (millions of short-lived tuples, freed by reference counting): ``collector_paused``;

@@ -466,7 +466,7 @@ def move_rows(cache: DynamicCache, src: Sequence[int], dst: Sequence[int]) -> No
     """Copy the K/V of cache positions ``src`` to ``dst`` (distinct) in every layer (sources are read before
     writing). A position moved onto itself is left alone: a round whose winning candidate's rows follow its
     ordinary rows (every no-window round's first candidate) moves nothing, where copying it cost about 0.75 ms
-    a round on the embedded model's 30 layers (2-core EPYC), 6% of a 12 ms round. A cache whose layers view one
+    a round on the embedded model's 30 layers (2-core CPU), 6% of a 12 ms round. A cache whose layers view one
     arena (``kv_cache.allocate_arena``: every static generation cache) moves every layer's rows in one gather
     and one scatter; others layer by layer, the index tensors made once per device, not per layer."""
     if len(src) != len(dst):

@@ -40,7 +40,7 @@ from lp_runner.logs import log
 
 # A rank's memory before its model's weights: Python with torch, transformers and a tokenizer loaded, the
 # round's buffers of a small model. Measured: a run of a 6 MB model peaked at 458 MiB resident (``/usr/bin/time
-# -f %M python -m lp_runner --prompt ... --set model.path=TINY``, AMD EPYC, 2 cores); the embedded model's 513 MiB
+# -f %M python -m lp_runner --prompt ... --set model.path=TINY``, a 2-core x86 CPU); the embedded model's 513 MiB
 # of weights peaked at 1.44 GiB (the packed copies of its layers). A lower bound, so a refusal is certain.
 RANK_BASE_BYTES = 400 << 20
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}

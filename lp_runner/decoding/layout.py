@@ -226,7 +226,7 @@ def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
     A function of each row's (role, level, column, candidate, offset), not of its token or position, and a job's
     rounds take few distinct shapes (a no-window round: the live row and its candidates' lengths): so it is
     computed once per shape (``_visibility``, an LRU of 512) and copied (the caller owns its tensor). Computing
-    it took about 120 us a round on a 2-core EPYC, some 1% of a 12 ms round; a copy takes a few."""
+    it took about 120 us a round on a 2-core CPU, some 1% of a 12 ms round; a copy takes a few."""
     return _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows)).clone()
 
 

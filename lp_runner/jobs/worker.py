@@ -372,7 +372,7 @@ def run_info(worker: Worker) -> dict:
     the ``explicit`` keys' values gives the same Config through ``--config`` on the same lp_runner version.
 
     Example: ``{"config": {"model": {...}, ..., "explicit": ["generation.max_new_tokens"]}, "versions":
-    {"lp_runner": "0.1.0", "torch": "2.13.0", ...}, "device": {"type": "cpu", "name": "AMD EPYC 7B13",
+    {"lp_runner": "0.1.0", "torch": "2.13.0", ...}, "device": {"type": "cpu", "name": "AMD EPYC",
     "threads": 1, "dtype": "float32", "tf32": false, "dtype_choice": "auto: float32 on a CPU",
     "load_peak_host_mib": 1410.2}}``."""
     dev = worker.device

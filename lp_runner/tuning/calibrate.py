@@ -65,7 +65,7 @@ COARSE_REPS = 1
 # A curve whose repetitions disagree by more than this (``CostCurve.spread``) was measured on a busy machine: the
 # run uses it and caches it, and the next run measures again, keeping the quieter curve (else a curve bent by a
 # moment's load would price every later run's choices until --recalibrate). The embedded model's quick curve on
-# this project's 2-core EPYC (2026-12-03): 0.08-0.22 on the quiet machine before the jitter allowance
+# a 2-core CPU: 0.08-0.22 on the quiet machine before the jitter allowance
 # (costmodel.JITTER_S) came off, 0.61-0.95 with one busy process beside it.
 NOISY_SPREAD = 0.4
 

@@ -232,8 +232,8 @@ def repetition_spread(repetitions: Sequence[Sequence[float]]) -> float:
     Why: a curve measured while something else loads the machine (another job, a test suite, a build) is bent by
     it, and every choice priced by it follows the bend; the spread says so. Why less the jitter: a time slice
     lost to another process costs a forward a millisecond or two whatever its size, which is half of a tiny
-    model's forward and a twentieth of the embedded model's. Measured with the quick grid on this project's
-    2-core EPYC (2026-12-03): the embedded model 0.08-0.22 before the jitter came off on the quiet machine,
+    model's forward and a twentieth of the embedded model's. Measured with the quick grid on a 2-core
+    CPU: the embedded model 0.08-0.22 before the jitter came off on the quiet machine,
     0.61-0.95 with one busy process beside it."""
     rel = sorted(
         max(max(t) - min(t) - JITTER_S, 0.0) / _median(t) for t in repetitions if len(t) > 1 and _median(t) > 0

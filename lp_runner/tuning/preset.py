@@ -339,8 +339,8 @@ class AutoPreset:
     outputs (window rounds cannot be simulated).
 
     ``cache_root``: where the start-up choice is kept for the next job with the same inputs (``startup_key``).
-    It is a pure function of them, and the search took 4.7 s of every start on a 2-core EPYC (Zen 3): 53
-    settings simulated over the shipped samples. ``from_cache`` says whether this one was read back.
+    It is a pure function of them, and the search took seconds of every start on a 2-core CPU (some 50
+    settings simulated over the shipped samples). ``from_cache`` says whether this one was read back.
     """
 
     def __init__(

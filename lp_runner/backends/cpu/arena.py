@@ -7,7 +7,7 @@ most one page (2 MB pages per tensor round each up: 663 MB for the embedded mode
 Why huge pages: a one-row forward streams every weight, and in 4 KB pages the embedded model's 538 MB are 131,000
 address translations a forward. Asked for 2 MB pages (``madvise(MADV_HUGEPAGE)`` before any page is touched;
 Linux's default THP mode, ``madvise``, gives them only to regions that ask), the one-row forward ran 1.04-1.19x
-faster on this project's EPYC (a KVM guest) and 8 rows 1.01-1.05x, bits equal (``benchmarks/weight_pages.py``;
+faster on a 2-core x86 virtual machine and 8 rows 1.01-1.05x, bits equal (``benchmarks/weight_pages.py``;
 ``docs/results.md``, "The packed weights in huge pages").
 
 Why not by default: on that same VM, fresh 2 MB pages cost about 5-15 ms each to fault in (presumably the host

@@ -15,7 +15,7 @@ from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.ops import define_op
 
 # packed rows (query heads per K/V head x round rows) up to which the native loop runs. Call by call against torch's
-# sdpa on the embedded model's heads (benchmarks/attention_kernels.py; AMD EPYC, 2 threads) the loop took 0.42-0.87x
+# sdpa on the embedded model's heads (benchmarks/attention_kernels.py; 2 threads) the loop took 0.42-0.87x
 # sdpa's time up to 24 packed rows with 300 and with 1,000 keys, 0.90x and 0.99x at 48, 1.08x at 96 with 1,000 keys;
 # a whole compiled forward of 16 rows (48 packed) took 41.4 ms with it against 42.4 ms with sdpa inlined in the
 # graph, while sdpa through the op (what rounds beyond the bound run) took 45.2 ms (docs/results.md, "Faster native

@@ -3,7 +3,7 @@ with the machine's C compiler, as one library.
 
 Why: a CPU forward of a few rows is bound by reading the weights, and neither torch's linear (MKL re-packs the
 weight on every call) nor oneDNN's prepacked inner product reads them at the machine's bandwidth at 1-8 rows:
-on an AMD EPYC (2 threads, the embedded model's linears, ``benchmarks/linear_kernels.py``) oneDNN reads 14-19
+on a 2-core x86 CPU (2 threads, the embedded model's linears, ``benchmarks/linear_kernels.py``) oneDNN reads 14-19
 GB/s, this kernel 24-32 GB/s at every row count from 1 to 8 (docs/results.md, "Native products"). Its weight layout,
 blocks of 32 output columns each stored as one contiguous run over the input dimension, lets one pass over the
 weights serve several rows from registers (8 with AVX-512, 3 with AVX2, 2 with 4-float vectors: the source's

@@ -3,7 +3,7 @@
 Registered through torch.library's low-level ``Library`` (a schema, one kernel for every backend: oneDNN's packed
 weights are MkldnnCPU tensors; a fake for shapes), not ``torch.library.custom_op``, whose Python wrapper costs
 about 2 us more per call (a tiny product through ``torch.ops``: 8.9 us with it, 6.7 us without, 4.4 us for the bare
-function; AMD EPYC, a scratch timing loop), and a compiled forward of the embedded model makes about 150 such
+function; a scratch timing loop), and a compiled forward of the embedded model makes about 150 such
 calls. The ops are functional (no argument is mutated or aliased) and run only inside the adapter's inference-mode
 forwards, so they need no autograd kernel.
 """

@@ -4,7 +4,7 @@ native product (``native.py``), on weights packed once; ``auto`` measures both a
 Why: on a CPU a forward of this project's models is a string of matrix products against weights far larger than
 the caches, so its floor is the weights' bytes over the memory bandwidth. ``torch.nn.functional.linear`` falls
 short of it at the row counts a round uses: MKL's sgemm packs the weight matrix again on every call, which reads
-and writes it twice, and it picks a different kernel for 1, 2, 8 or 32 rows. Measured on an AMD EPYC (2 threads,
+and writes it twice, and it picks a different kernel for 1, 2, 8 or 32 rows. Measured on a 2-core x86 CPU (2 threads,
 the embedded model's 211 linear layers, weights out of cache, ``benchmarks/linear_kernels.py``): 1 row 57 ms,
 2 rows 78 ms, 8 rows 62 ms; with the weights reordered once into oneDNN's blocked layout
 (``mkldnn._reorder_linear_weight``) and multiplied by ``mkldnn._linear_pointwise``: 34, 32 and 33 ms, flat across
@@ -22,7 +22,7 @@ tied output layer, whose embedding keeps the original for lookups (one extra cop
 Sibling projections that read the same input (an attention's q/k/v, an MLP's gate/up) become one product over
 their stacked weights (``SharedInputProduct``), each sibling a ``ProductSlice`` of its output: 211 products per
 forward of the embedded model become 121, and the small k/v products (192 x 576) no longer pay a call each.
-Measured on the AMD EPYC above, side by side (``benchmarks/forward_paths.py``): 2-4% off a forward in one run,
+Measured on the CPU above, side by side (``benchmarks/forward_paths.py``): 2-4% off a forward in one run,
 equal within 1% (8 rows: 4% slower) in another, so a gain within that machine's noise; kept because it costs no
 exactness and no memory. The logits are bit for bit those of the separate products (oneDNN reduces each output
 over the same inputs in the same order; tested on the three tiny families), so fusing changes no token.

@@ -50,7 +50,7 @@ static inline float hsum_parts(const vec *p) {
    the 16. AVX2: per 8 sources, a vertical add of the two halves, then pairs of sources (k, k + 4) trade 128-bit
    halves, quads trade pairs and the last step adds neighbours, landing source k in lane k; 4-float vectors alike
    with one step fewer. (16 hsum_parts, each extracting and adding down to a scalar, then the scale and the mask
-   applied key by key: the AVX2 build's 8- and 16-row attention 1.11x slower on one thread, this project's Zen 3.) */
+   applied key by key: the AVX2 build's 8- and 16-row attention 1.11x slower on one thread of an AVX2 CPU.) */
 static inline void sum16_parts(const vec (*p)[P16], vec *out) {
 #if VL == 16
   const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) void scores_shared(const float *con
    so the block stays in L1 while the rows pass over it and each value comes from L2 once per task. (A head's
    values over a few hundred keys are 100+ KB; streamed whole per row, the AVX2 build's weighing, one row at a
    time, ran at L2's bandwidth, about one multiply-add a cycle: its 8- and 16-row attention 1.19x slower on one
-   thread, this project's Zen 3. 4 KB and 16 KB blocks measured the same as 8.) */
+   thread of an AVX2 CPU. 4 KB and 16 KB blocks measured the same as 8.) */
 #define VALUE_BLOCK_BYTES 8192
 
 /* o_i = inv_i * sum_j w_i[j] v_j over the keys row i sees (j < end), in increasing j, for up to RB rows: per block

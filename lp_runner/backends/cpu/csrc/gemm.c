@@ -33,9 +33,9 @@ static inline __attribute__((always_inline)) vec load_bf16(const unsigned short 
    weight vectors in registers (an empty asm the compiler cannot see through) and takes the other two as memory
    operands. Left to itself GCC took all four from memory in every row's FMA: 12 weight loads and 3 broadcasts per
    12 FMAs, more than two loads a cycle can feed, so the multi-pass products (rows above one tile, whose later
-   passes read L1) ran load-bound; now 11 loads. Products of the embedded model's linears, AVX2 build on this
-   project's EPYC (Zen 4), interleaved A/B of the two sources: 12-24 rows 1.19-1.25x faster, 4 rows 1.05x, 1-3 and
-   8 rows within noise (2026-12-03). Holding three spends the last register and measured the same; four spilled
+   passes read L1) ran load-bound; now 11 loads. Products of the embedded model's linears, AVX2 build on an
+   AVX-512 CPU, interleaved A/B of the two sources: 12-24 rows 1.19-1.25x faster, 4 rows 1.05x, 1-3 and
+   8 rows within noise. Holding three spends the last register and measured the same; four spilled
    (12-24 rows 1.1-1.2x slower than holding none). The arithmetic is the same: the same bits. */
 #if VL == 8
 #define PIN_WEIGHTS(w)                                                                                      \
@@ -63,9 +63,9 @@ static inline __attribute__((always_inline)) vec load_bf16(const unsigned short 
    k's ahead (4 KB in float32) into L2, past the block's end into the next block's start (the packed blocks are
    one contiguous stream; a prefetch never faults, and integer arithmetic forms its address). Why: without it the
    8-row product of the embedded model's linears ran either near one row's cost or 1.4-1.5x it, minute by
-   minute on this project's EPYC (Zen 4), the arithmetic no longer hidden under the stream; in six interleaved
+   minute on an AVX-512 CPU, the arithmetic no longer hidden under the stream; in six interleaved
    comparisons the plain pass's slow moments cost 26.7 and 28.5 ms against 18.5 and 20.3 with the prefetch, and
-   the whole 8-row forward ran 1.02-1.15x faster in three A/B runs (2026-12-03). It lowers the 8-row cost; the
+   the whole 8-row forward ran 1.02-1.15x faster in three A/B runs. It lowers the 8-row cost; the
    ratio to one row still moves with the host (1.12-1.51x since). At 4-5 rows it cost 4-6%: the hardware
    prefetcher keeps up there, and the prefetches only add work. The AVX2 and SSE tiles (3 and 2 rows) never
    reach it; their multi-tile products prefetch by chunk (below). */
@@ -157,8 +157,8 @@ MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
 #endif
 
 /* More rows than one tile takes (MR) need several passes over a block. Passes over the whole block, one after the
-   other, read it from memory once and from L2 after that, and memory sits idle during the later passes: on this
-   project's AVX2 EPYC (3-row tile) an 8-row product cost the 1-row stream plus the 8-row arithmetic, the two
+   other, read it from memory once and from L2 after that, and memory sits idle during the later passes: on an
+   AVX2 CPU (3-row tile) an 8-row product cost the 1-row stream plus the 8-row arithmetic, the two
    added instead of overlapped. So rows beyond one tile walk the block in chunks of KC k's (KC * NB weights, 8 KB
    in float32): every pass of up to SUPER rows over one chunk before the next chunk, the later passes reading it
    from L1, so the memory stream runs on under the arithmetic. One tile's rows or fewer (every 1-row forward)
@@ -168,12 +168,12 @@ MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
    block or the next block's start, and past a product's last block the next product's first weights (the arena
    lays them out in a forward's order; a prefetch never faults, and integer arithmetic forms its address). One
    chunk ahead, a line per k from the second pass on, left the stream idle while the first pass ran and bunched
-   the prefetches into the first passes after it. On this project's AVX2 EPYC (Zen 3), whole forwards of the
+   the prefetches into the first passes after it. On an AVX2 CPU, whole forwards of the
    embedded model, the two sources interleaved (three runs): 4-8 rows 1.02-1.12x faster, 12-24 rows 1.11-1.20x,
-   the same bits; 1-3 rows take one pass and are unchanged. Three chunks ahead measured as two (2026-12-03).
+   the same bits; 1-3 rows take one pass and are unchanged. Three chunks ahead measured as two.
    Each of those prefetches is paired with one into L1 of the same line of the next chunk (already on its way to
    L2), so that the next chunk's first pass, which takes every line of it from the level below L1, finds them
-   in L1 like the later passes: on the Zen 3 the model's products, interleaved against the source before, 8-16
+   in L1 like the later passes: on that AVX2 CPU the model's products, interleaved against the source before, 8-16
    rows 1.04-1.11x faster (three runs; 4-6 rows 0.99-1.17x), whole 4-16-row forwards 1.00-1.10x, the same bits
    (float32 weights; bfloat16 products of 4-24 rows, bound by their widening, within this host's noise, which
    was 10-15% that hour). Not measured on an AVX-512 CPU, where only 9+ rows take this path. */
@@ -186,8 +186,8 @@ MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
    once into buf ([kn][NB] floats, 8 KB: L1), which every pass then reads as floats. Widening in every pass cost
    the AVX2 tile (3 rows a pass, six passes for 16 rows) more than the halved stream saved: widening once made
    16-24 rows 1.2-1.3x faster in five of eight interleaved comparisons (within 5% in the others: this host's
-   moments), level with float32, and the SSE2 tile's 8-24 rows 1.1-1.2x (a scratch A/B of the two sources' products, EPYC of
-   2026-12-03). With 2-3 passes (AVX2 4-8 rows, AVX-512 16-24 rows) the store and reload cost what they saved. */
+   moments), level with float32, and the SSE2 tile's 8-24 rows 1.1-1.2x (a scratch A/B of the two
+   sources' products). With 2-3 passes (AVX2 4-8 rows, AVX-512 16-24 rows) the store and reload cost what they saved. */
 #define WIDEN_ONCE_PASSES 4
 static inline const float *chunk_weights_f_(const float *pb, int kn, long passes, float *buf) {
   (void)pb, (void)kn, (void)passes, (void)buf;

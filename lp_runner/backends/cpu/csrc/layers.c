@@ -26,8 +26,8 @@
 /* SiLU(g) * u per element, VL lanes at a time: g / (1 + e^-g) * u written as (g >= 0 ? g : g * e) / (1 + e) * u
    with e = e^-|g| (expv's range, so no overflow), which for g >= 0 is the scalar expression itself; within 3 ulp
    of the exact value (torch's: 2), and exactly -0 where g < -87.3 (the exact value is below 1e-36). A scalar libm
-   expf per element took 1.4-3.7 ms of a 27-31 ms 8-row forward of the embedded model in a timing harness (this
-   project's EPYC; it varied with the activations); this takes about 0.2 ms. Lane by lane, a partial last vector
+   expf per element took 1.4-3.7 ms of a 27-31 ms 8-row forward of the embedded model in a timing harness (on an
+   x86 CPU; it varied with the activations); this takes about 0.2 ms. Lane by lane, a partial last vector
    through a zero-padded copy: every instruction set with FMA gives the same bits, and an element's value does not
    depend on its neighbours. */
 static inline vec silu_times(vec g, vec u) {
@@ -203,8 +203,8 @@ static int llama_layer(const struct work *w, const struct shape *s, float *h, co
    be NULL), kbuf, vbuf; its epsilon eps[l], its K/V head strides kv_strides[2l], [2l + 1], its mask masks[l].
    Weights stored as bfloat16 bits where bf16 is set (all four of every layer). The sizes, the rows and the slots
    are shared, and checked before any layer runs. Why: from Python, one call per layer cost a forward of the
-   embedded model 35-39 us between two layers' calls, 1.0-1.1 ms of a 15-24 ms forward on this project's EPYC
-   (2026-12-03): the interpreter ran from caches the weights' stream had just emptied. The table of pointers is
+   embedded model 35-39 us between two layers' calls, 1.0-1.1 ms of a 15-24 ms forward on a 2-core
+   CPU: the interpreter ran from caches the weights' stream had just emptied. The table of pointers is
    built once per cache (native.LayerStack); the intermediate values are allocated once per call.
    0; -1 bad sizes; -2 out of memory. */
 #define LAYER_PTRS 12

@@ -30,10 +30,10 @@
 /* The register tile, per instruction set: a pass over a block takes up to MR rows and the block's NV vectors of
    VL columns, with MM * NV accumulators, NV weight vectors and one broadcast in registers. Whole blocks: a pass
    over half a block reads every other cache line of the block's stream, which measured up to 2x slower than the
-   same arithmetic over the whole block (on this project's EPYC, AVX2 and SSE builds).
+   same arithmetic over the whole block (AVX2 and SSE builds on an x86 CPU).
    AVX-512 (32 registers of 16 floats): 8 rows x 2 vectors (19 registers). AVX2 (16 registers of 8): 3 rows x 4
    (12 accumulators, the weights as memory operands where registers run out); the AVX-512 tile there (8 rows x
-   4 vectors) spilled every accumulator on every k: built with -mno-avx512f on this project's AVX-512 machine it
+   4 vectors) spilled every accumulator on every k: built with -mno-avx512f on an AVX-512 CPU it
    was 3.7x slower at one row and 28x at 8 than the AVX-512 build. Others (NEON's 32 or SSE's 16 registers of 4
    floats): 2 rows x 8 (16 accumulators, 8 weights: 25 on NEON; SSE takes the weights from memory). Every
    output is the same sum in the same order whatever the tile, so every target with FMA gives the same bits
