@@ -79,8 +79,8 @@ def probe(adapter: ModelAdapter) -> str | None:
     one batched prefill, then one batched round of a live key and a 2-token candidate each, against the same
     rounds run by each generation alone (``ModelAdapter.forward`` on its own cache). Catches a model whose layers
     do not hand the batch down to the attention (it fails on the placeholder mask) or attend across segments."""
-    # the reference rounds run eager: a compiled adapter's graph is for its own job's shapes
-    reference = ModelAdapter(adapter.model) if adapter.compiled else adapter
+    # the reference rounds run eager on the same kernels: a compiled adapter's graph is for its own job's shapes
+    reference = ModelAdapter(adapter.model, backend=adapter.backend) if adapter.compiled else adapter
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, adapter.vocab_size, (n,), generator=gen).tolist() for n in (5, 3)]
     windows = list(adapter.mask_windows.values())
