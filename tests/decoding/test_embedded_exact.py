@@ -106,7 +106,8 @@ def test_auto_default_matches_hf_greedy(embedded, threads, index: int, tmp_path)
     )
     result = engine.generate(prompt_ids(tokenizer, index))
     assert result.output_ids == list(expected(model, tokenizer, index))
-    assert result.stats.verified_rounds > 0 and result.stats.forwards < result.stats.new_tokens
+    if not policy.calibration.noisy:  # a curve measured under load may rightly price speculation out
+        assert result.stats.verified_rounds > 0 and result.stats.forwards < result.stats.new_tokens
 
 
 @pytest.mark.slow
