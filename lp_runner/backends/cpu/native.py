@@ -585,44 +585,13 @@ class LayerStack:
             raise NativeUnavailable(_ROUTED.bf16_reason)
         rows, embed = hidden.shape
         unique = {id(m): m for m in masks}
-        if (
-            len(masks) != len(layers)
-            or embed != self.embed
-            or any(t.dtype != torch.float32 for t in (hidden, cos, sin))
-            or not all(t.is_contiguous() for t in (hidden, cos, sin, slots, *unique.values()))
-            or cos.shape != (rows, self.dim)
-            or sin.shape != cos.shape
-            or slots.shape != (rows,)
-            or slots.dtype != torch.int64
-            or any(m.shape != (rows, self.capacity) or m.dtype != torch.float32 for m in unique.values())
-        ):
+        if not self._fits(hidden, cos, sin, slots, masks, (rows, self.capacity)):
             raise ValueError(
                 f"native layers: hidden {list(hidden.shape)}, cos {list(cos.shape)}, slots {list(slots.shape)} and "
                 f"masks {[list(m.shape) for m in unique.values()]} do not fit {len(layers)} layers of width "
                 f"{self.embed} and K/V {[self.kv_heads, self.capacity, self.dim]} (float32, contiguous)"
             )
-        addresses = {key: m.data_ptr() for key, m in unique.items()}
-        status = _ROUTED.layers(
-            hidden.data_ptr(),
-            len(layers),
-            self._table,
-            self._eps,
-            self._strides,
-            (ctypes.c_void_p * len(masks))(*(addresses[id(m)] for m in masks)),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            slots.data_ptr(),
-            self.capacity,
-            rows,
-            embed,
-            self.heads,
-            self.kv_heads,
-            self.dim,
-            self.intermediate,
-            self.scale,
-            torch.get_num_threads(),
-            int(self.bf16),
-        )
+        status = _ROUTED.layers(*self._call_args(hidden, cos, sin, slots, masks))
         if status == -2:
             raise MemoryError("native layers: out of memory")
         if status:
@@ -630,6 +599,44 @@ class LayerStack:
                 f"native layers refused sizes rows={rows} embed={embed} heads={self.heads}/{self.kv_heads} "
                 f"dim={self.dim} or a K/V slot outside the buffer"
             )
+
+    def _fits(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        masks: list[torch.Tensor],
+        mask_shape: tuple[int, ...],
+    ) -> bool:
+        """Whether a round's tensors are what the C entries read: one mask per layer of ``mask_shape``, float32
+        and contiguous, rows of the stack's width, one K/V slot per row."""
+        rows, embed = hidden.shape
+        unique = {id(m): m for m in masks}.values()
+        return (
+            len(masks) == len(self.layers)
+            and embed == self.embed
+            and all(t.dtype == torch.float32 for t in (hidden, cos, sin))
+            and all(t.is_contiguous() for t in (hidden, cos, sin, slots, *unique))
+            and cos.shape == (rows, self.dim)
+            and sin.shape == cos.shape
+            and slots.shape == (rows,)
+            and slots.dtype == torch.int64
+            and all(m.shape == mask_shape and m.dtype == torch.float32 for m in unique)
+        )
+
+    def _call_args(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, masks: list[torch.Tensor]
+    ) -> tuple:
+        """The arguments both C entries (a round, a round over segments) take first: the checked tensors'
+        addresses, the stack's table, the sizes and the threads."""
+        rows, embed = hidden.shape
+        addresses = (ctypes.c_void_p * len(masks))(*(m.data_ptr() for m in masks))
+        return (
+            hidden.data_ptr(), len(self.layers), self._table, self._eps, self._strides, addresses, cos.data_ptr(),
+            sin.data_ptr(), slots.data_ptr(), self.capacity, rows, embed, self.heads, self.kv_heads, self.dim,
+            self.intermediate, self.scale, torch.get_num_threads(), int(self.bf16),
+        )  # fmt: skip
 
     def _run_segments(
         self,
@@ -646,46 +653,13 @@ class LayerStack:
             raise NativeUnavailable(_ROUTED.bf16_reason)
         rows, embed = hidden.shape
         unique = {id(m): m for m in masks}
-        if (
-            len(masks) != len(self.layers)
-            or embed != self.embed
-            or any(t.dtype != torch.float32 for t in (hidden, cos, sin))
-            or not all(t.is_contiguous() for t in (hidden, cos, sin, slots, *unique.values()))
-            or cos.shape != (rows, self.dim)
-            or sin.shape != cos.shape
-            or slots.shape != (rows,)
-            or slots.dtype != torch.int64
-            or int(segments.start[-1]) != rows
-            or any(m.shape != (segments.mask_size,) or m.dtype != torch.float32 for m in unique.values())
-        ):
+        if int(segments.start[-1]) != rows or not self._fits(hidden, cos, sin, slots, masks, (segments.mask_size,)):
             raise ValueError(
                 f"native layers over segments: hidden {list(hidden.shape)}, slots {list(slots.shape)} and masks "
                 f"{[list(m.shape) for m in unique.values()]} do not fit {segments.count} segments of "
                 f"{int(segments.start[-1])} rows ({segments.mask_size} mask floats)"
             )
-        addresses = {key: m.data_ptr() for key, m in unique.items()}
-        status = _ROUTED.layers_segments(
-            hidden.data_ptr(),
-            len(self.layers),
-            self._table,
-            self._eps,
-            self._strides,
-            (ctypes.c_void_p * len(masks))(*(addresses[id(m)] for m in masks)),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            slots.data_ptr(),
-            self.capacity,
-            rows,
-            embed,
-            self.heads,
-            self.kv_heads,
-            self.dim,
-            self.intermediate,
-            self.scale,
-            torch.get_num_threads(),
-            int(self.bf16),
-            *segments.pointers(),
-        )
+        status = _ROUTED.layers_segments(*self._call_args(hidden, cos, sin, slots, masks), *segments.pointers())
         if status == -2:
             raise MemoryError("native layers: out of memory")
         if status:
