@@ -15,15 +15,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-from lp_runner.decoding.engine import GenerationResult, Job, LookaheadEngine
-from lp_runner.errors import DistributedError, InputError, first_line
+from lp_runner.decoding.engine import GenerationResult, Job
+from lp_runner.errors import DistributedError, first_line
 from lp_runner.jobs.prompts import PromptSpec
 from lp_runner.jobs.worker import (
     TextStreamer,
     Worker,
     chain_callbacks,
-    check_prompt,
-    eos_token_ids,
+    check_prompts,
+    job_engine,
     make_error_record,
     make_record,
     save_store,
@@ -49,22 +49,8 @@ def run_queued(
         raise ValueError("run_queued needs a worker started with parallel.groups > 1")
     timeout_s = worker.cfg.parallel.timeout_s
     policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
-    engine = LookaheadEngine(
-        worker.adapter,
-        policy.lookahead,
-        worker.cfg.generation,
-        eos_token_ids(worker),
-        worker.comm,
-        policy.row_plan,
-        store=worker.store,  # each group's own (pool_scope=job): fed by the prompts this group ran
-    )
-    prompt_ids, problems = [], []
-    for spec in specs:
-        ids, problem = check_prompt(worker, engine, spec)
-        if problem is not None and worker.cfg.run.on_error == "stop":
-            raise InputError(f"{spec.describe()}: {problem}")
-        prompt_ids.append(ids)
-        problems.append(problem)
+    engine = job_engine(worker, policy)  # its store is this group's own (pool_scope=job): fed by the prompts it ran
+    prompt_ids, problems = check_prompts(worker, engine, specs)
     good = [i for i, problem in enumerate(problems) if problem is None]
     order = [good[k] for k in queue_order([len(prompt_ids[i]) for i in good])]
 

@@ -434,25 +434,11 @@ def run_prompts(
     model) ends the run with an InputError naming its id and line (``run.on_error=stop``), or gets an error
     record ``{id, error}`` in its place (``skip``)."""
     policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
-    engine = LookaheadEngine(
-        worker.adapter,
-        policy.lookahead,
-        worker.cfg.generation,
-        eos_token_ids(worker),
-        worker.comm,
-        policy.row_plan,
-        store=worker.store,
-    )
+    engine = job_engine(worker, policy)
     prefixes = [list(c) for c in committed] if committed is not None else [[] for _ in specs]
     if len(prefixes) != len(specs):
         raise ValueError(f"committed has {len(prefixes)} entries for {len(specs)} prompts")
-    prompt_ids, problems = [], []
-    for spec in specs:
-        ids, problem = check_prompt(worker, engine, spec)
-        if problem is not None and worker.cfg.run.on_error == "stop":
-            raise InputError(f"{spec.describe()}: {problem}")
-        prompt_ids.append(ids)
-        problems.append(problem)
+    prompt_ids, problems = check_prompts(worker, engine, specs)
     records = []
 
     def deliver(rec: dict) -> None:  # rank 0 only
@@ -490,6 +476,35 @@ def run_prompts(
     engine.run(next_job, on_done, batch=policy.batch)
     save_store(worker)
     return records
+
+
+def job_engine(worker: Worker, policy: RoundPolicy) -> LookaheadEngine:
+    """The engine a worker's prompt loop runs: ``policy``'s setting and row plan, the group's communicator, and
+    the worker's job store (``pool_scope=job``: fed by the prompts it runs)."""
+    return LookaheadEngine(
+        worker.adapter,
+        policy.lookahead,
+        worker.cfg.generation,
+        eos_token_ids(worker),
+        worker.comm,
+        policy.row_plan,
+        store=worker.store,
+    )
+
+
+def check_prompts(
+    worker: Worker, engine: LookaheadEngine, specs: Sequence[PromptSpec]
+) -> tuple[list[list[int]], list[str | None]]:
+    """Every prompt's token ids and what is wrong with it (None: nothing), before the first is generated; under
+    ``run.on_error=stop`` the first bad one raises an InputError naming it instead."""
+    prompt_ids, problems = [], []
+    for spec in specs:
+        ids, problem = check_prompt(worker, engine, spec)
+        if problem is not None and worker.cfg.run.on_error == "stop":
+            raise InputError(f"{spec.describe()}: {problem}")
+        prompt_ids.append(ids)
+        problems.append(problem)
+    return prompt_ids, problems
 
 
 def check_prompt(worker: Worker, engine: LookaheadEngine, spec: PromptSpec) -> tuple[list[int], str | None]:
