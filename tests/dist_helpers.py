@@ -25,6 +25,14 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+# The prompts job tests run: plain text, code, and a chat message (the chat template applied).
+JOB_PROMPTS = [
+    {"id": "plain", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown"},
+    {"id": "code", "prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"},
+    {"id": "chat", "messages": [{"role": "user", "content": "List three colours."}]},
+]
+
+
 def make_tiny_folder(path: Path, family: str = "llama", seed: int = 0) -> Path:
     """A loadable model folder (safetensors + tokenizer) with a random tiny body."""
     from helpers import tiny_model

@@ -30,6 +30,7 @@ if importlib.util.find_spec("ray") is None:  # not imported here: the cluster fi
     pytest.skip("ray is not installed: pip install 'lp_runner[ray]'", allow_module_level=True)
 
 from dist_helpers import (
+    JOB_PROMPTS,
     REPO,
     default_sigint,
     env_with_repo,
@@ -45,11 +46,7 @@ from dist_helpers import (
 from lp_runner.config import load_config  # noqa: E402
 from lp_runner.jobs.ray import parse_resources, placeable, shortfall, worker_bundle  # noqa: E402
 
-PROMPTS = [
-    {"id": "plain", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown"},
-    {"id": "code", "prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"},
-    {"id": "chat", "messages": [{"role": "user", "content": "List three colours."}]},
-]
+PROMPTS = JOB_PROMPTS
 # The kill tests: enough work that a kill after the second record lands mid-run (seconds of it remain).
 # long enough that a job of MANY prompts is still running when a test's kill lands (the state API takes a moment to
 # list the actors; a 48-token job of the tiny model finished in 1.9 s once the native kernels ran it)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import (
+    JOB_PROMPTS,
     env_with_repo,
     hf_greedy_of,
     job_args,
@@ -46,9 +47,7 @@ from lp_runner.parallel.groups import (
 )
 
 PROMPTS = [
-    {"id": "plain", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown"},
-    {"id": "code", "prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"},
-    {"id": "chat", "messages": [{"role": "user", "content": "List three colours."}]},
+    *JOB_PROMPTS,
     {"id": "short", "prompt": "One two three"},
     {"id": "list", "prompt": "red, green, blue, red, green, blue, red,"},
 ]

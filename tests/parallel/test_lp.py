@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import (
+    JOB_PROMPTS,
     env_with_repo,
     hf_greedy_of,
     job_args,
@@ -34,11 +35,7 @@ from dist_helpers import (
 from lp_runner.parallel.exchange import pack, unpack, winner
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 
-PROMPTS = [
-    {"id": "plain", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown"},
-    {"id": "code", "prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"},
-    {"id": "chat", "messages": [{"role": "user", "content": "List three colours."}]},
-]
+PROMPTS = JOB_PROMPTS
 
 
 # ---------------------------------------------------------------- sharding (pure)
