@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -238,6 +238,29 @@ class LocalGroup:
 
     def comm(self, rank: int) -> LocalCommunicator:
         return LocalCommunicator(self, rank)
+
+    def run_ranks(self, work: Callable[[int], object], timeout: float) -> list:
+        """``work(rank)`` of every rank, concurrently on threads; their results by rank. The first rank that
+        raises is raised here, after every thread ended: it breaks the barrier, so the others fail at once
+        instead of waiting for it."""
+        results: list = [None] * self.world_size
+        errors: list[BaseException] = []
+
+        def run(rank: int) -> None:
+            try:
+                results[rank] = work(rank)
+            except BaseException as exc:
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        if errors:
+            raise errors[0]
+        return results
 
 
 class LocalCommunicator:

@@ -389,27 +389,14 @@ def test_lp_batch_in_one_process_is_exact(world_size: int) -> None:
     expected = [hf_greedy(stock, p, 32) for p in prompts]
     group = LocalGroup(world_size)
     la = LookaheadConfig(window_size=5, ngram_size=4, verification_set_size=5)
-    results: list = [None] * world_size
-    errors: list = []
 
-    def work(rank: int) -> None:
-        try:
-            replica = copy.deepcopy(stock)  # each rank its own model, as each process has (an adapter switches
-            # its config's attention implementation during a forward)
-            engine = LookaheadEngine(
-                ModelAdapter(replica), la, GenerationConfig(max_new_tokens=32), [], group.comm(rank)
-            )
-            results[rank] = (run_batch(engine, prompts, 3), engine.comm.collectives)
-        except BaseException as exc:
-            errors.append(exc)
-            group.barrier.abort()
+    def work(rank: int) -> tuple:
+        replica = copy.deepcopy(stock)  # each rank its own model, as each process has (an adapter switches its
+        # config's attention implementation during a forward)
+        engine = LookaheadEngine(ModelAdapter(replica), la, GenerationConfig(max_new_tokens=32), [], group.comm(rank))
+        return run_batch(engine, prompts, 3), engine.comm.collectives
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors[0]
+    results = group.run_ranks(work, timeout=300)
     forwards = None
     for by_index, collectives in results:
         assert [by_index[i].output_ids for i in range(len(prompts))] == expected

@@ -8,7 +8,6 @@ torchrun tests (``test_lp.py``) check the real transport.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import pytest
@@ -30,24 +29,7 @@ def run_ranks(world_size: int, la: LookaheadConfig, prompt: Sequence[int], max_n
     group = LocalGroup(world_size)
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     engines = [LookaheadEngine(ModelAdapter(model), la, gen, [], group.comm(r)) for r in range(world_size)]
-    results: list = [None] * world_size
-    errors: list[BaseException] = []
-
-    def work(rank: int) -> None:
-        try:
-            results[rank] = engines[rank].generate(list(prompt))
-        except BaseException as exc:  # surfaced below; a dead rank breaks the barrier for the others
-            errors.append(exc)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return results
+    return group.run_ranks(lambda rank: engines[rank].generate(list(prompt)), timeout=120)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
