@@ -15,7 +15,7 @@ import torch
 
 @dataclass(frozen=True)
 class Segments:
-    """The generations of a batched round as the native calls take them (``native_gemm.c``'s ``struct segments``):
+    """The generations of a batched round as the native calls take them (``csrc/lp_native.h``'s ``struct segments``):
     segment b holds round rows ``start[b]`` .. ``start[b + 1] - 1``, its key j is buffer slot ``base[b] + j`` for j
     below ``width[b]``, and its mask rows (``width[b]`` floats each) start at float ``moff[b]`` of the flat mask.
 
