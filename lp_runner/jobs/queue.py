@@ -75,8 +75,11 @@ def run_queued(
     queue = JobQueue(store_client(timeout_s), worker.group) if worker.comm.rank == 0 else None
     cores = share_cores(worker)
 
+    claimed = [0]  # prompts of the job claimed by every group so far, as this group last saw (its ranks alike)
+
     def next_job() -> Job | None:  # a claim whenever the group has room: every rank of it takes the leader's
         k = claim_for_group(queue, worker.comm)
+        claimed[0] = min(k + 1, len(order))
         if k >= len(order):
             return None
         i = order[k]
@@ -88,8 +91,9 @@ def run_queued(
         i = job.tag
         if queue is not None:
             queue.post(make_record(worker, specs[i], prompt_ids[i], result))  # with the setting that ran
+        remaining = -(-(len(order) - claimed[0]) // layout.groups)  # this group's share of the unclaimed prompts
         if policy.observe(
-            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead
+            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead, remaining
         ):  # the group's ranks see the same tokens
             engine.set_lookahead(policy.lookahead)
 

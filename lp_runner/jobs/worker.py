@@ -447,9 +447,14 @@ def run_prompts(
             on_record(rec)
 
     queue = iter(range(len(specs)))
+    good_from = [0] * (len(specs) + 1)  # good_from[k]: prompts from index k on that will run
+    for k in reversed(range(len(specs))):
+        good_from[k] = good_from[k + 1] + (problems[k] is None)
+    started = [0]  # the index past the last prompt handed out
 
     def next_job() -> Job | None:
         for i in queue:
+            started[0] = i + 1
             spec, prefix = specs[i], prefixes[i]
             if problems[i] is not None:  # every rank skips it alike
                 if worker.is_main:
@@ -467,7 +472,7 @@ def run_prompts(
         i = job.tag
         rec = make_record(worker, specs[i], prompt_ids[i], result) if worker.is_main else {}
         if policy.observe(
-            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead
+            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead, good_from[started[0]]
         ):  # every rank observes the same tokens, in one order
             engine.set_lookahead(policy.lookahead)
         if worker.is_main:

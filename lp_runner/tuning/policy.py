@@ -75,17 +75,19 @@ class RoundPolicy:
         output_ids: Sequence[int],
         records: Sequence = (),
         ran: LookaheadConfig | None = None,
+        remaining: int | None = None,
     ) -> bool:
         """After a generation: True when the next one uses another setting (the auto preset adapted).
         ``records``: its rounds (``GenerationStats.records``) and ``ran`` the setting they ran (default: the
-        current one); a window setting's rounds are the job's own window statistics (``AutoPreset.observe``)."""
+        current one); a window setting's rounds are the job's own window statistics (``AutoPreset.observe``).
+        ``remaining``: the generations still to start (None: unknown), the same on every rank."""
         if self.auto is None:
             return False
         ran = ran or self.lookahead
         own = ran == self.lookahead and ran.lookahead_branch and records
         # as P = 1 ran them: every rank holds the same shapes, so every rank makes the same choice
         shapes = as_one_rank(shapes_from_records(records, ran.window_size), len(prompt_ids)) if own else None
-        if not self.auto.observe(prompt_ids, output_ids, shapes):
+        if not self.auto.observe(prompt_ids, output_ids, shapes, remaining):
             return False
         self.lookahead = self.auto.lookahead
         return True

@@ -284,6 +284,15 @@ def search(
     return Choice(best, chosen.ms_per_token, chosen.tokens_per_forward, sample_source, len(priced), why, curve_ms)
 
 
+def payback(observed: int, remaining: int | None) -> bool:
+    """Whether a re-choice after ``observed`` generations can pay for itself: at least as many generations are
+    still to start (``remaining``; None: unknown, assumed to). Its cost grows with the outputs it reads, its gain
+    with the generations it serves; with re-choices at geometrically spaced token counts (``ADAPT_AFTER_TOKENS``)
+    this keeps every search inside the first half of a job. Example: a job of 40 prompts re-chooses after 256
+    output tokens (2 observed, 38 to start) and 1,024 (8, 32), but not after 4,096 (34, 6)."""
+    return remaining is None or remaining >= observed
+
+
 @lru_cache(maxsize=1)
 def code_digest() -> str | None:
     """A digest of lp_runner's sources and data files: the start-up search is a function of its inputs and of
@@ -333,7 +342,8 @@ class AutoPreset:
     """The auto preset of one job: a first choice from the shipped samples, then choices from the job's own.
 
     ``observe`` after every generation; ``lookahead`` is the setting for the next one. Re-chosen when the job's
-    output tokens first reach each of ``ADAPT_AFTER_TOKENS``, from the most recent ``MAX_SAMPLE_TOKENS``; a job
+    output tokens first reach each of ``ADAPT_AFTER_TOKENS`` while enough of the job is left to repay the search
+    (``payback``), from the most recent ``MAX_SAMPLE_TOKENS``; a job
     whose choice holds the Jacobi window prices it from its own window rounds, once they cover
     ``WINDOW_EVIDENCE_TOKENS``, and keeps it only where they beat the window-off settings simulated on the same
     outputs (window rounds cannot be simulated).
@@ -372,11 +382,20 @@ class AutoPreset:
         return self.choice.lookahead
 
     def observe(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int], shapes: Sequence[RoundShape] | None = None
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        shapes: Sequence[RoundShape] | None = None,
+        remaining: int | None = None,
     ) -> bool:
         """Add a finished generation; returns True when the setting for the next one changed. ``shapes``: the
         rounds it ran (``costmodel.shapes_from_records``); those of a window setting are this job's own window
-        statistics, which price that setting at the next re-choice (see the module docstring)."""
+        statistics, which price that setting at the next re-choice (see the module docstring).
+
+        ``remaining``: the generations still to start after this one (None: unknown, e.g. ``api.generate``'s
+        calls). A re-choice runs on the job's critical path (the next prompt, and every generation in flight
+        beside it, waits for its seconds of simulation), and it pays back only over the generations that start
+        after it; so it is skipped when fewer of them are left than it learned from (``payback``)."""
         if not output_ids:
             return False
         if self.lookahead.lookahead_branch and shapes:
@@ -386,6 +405,8 @@ class AutoPreset:
         self._observed.append(Sample(tuple(prompt_ids), tuple(output_ids)))
         self._tokens += len(output_ids)
         if not any(before < t <= self._tokens for t in ADAPT_AFTER_TOKENS):
+            return False
+        if not payback(len(self._observed), remaining):
             return False
         if self.lookahead.lookahead_branch and self._window_tokens < WINDOW_EVIDENCE_TOKENS:
             return False  # too few of its own rounds (or none observed) to judge the window: it stays

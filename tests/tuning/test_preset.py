@@ -139,6 +139,26 @@ def test_auto_preset_adapts_to_observed_outputs_deterministically() -> None:
     assert len(a.history) == 2
 
 
+def test_re_choice_runs_only_while_the_job_left_can_repay_it() -> None:
+    """A re-choice (a search on the job's critical path) runs at a token threshold only when at least as many
+    generations are still to start as were observed; with the count unknown (the API) it always runs."""
+    curve = curve_from_ms(AMD_MS)
+    plan = RowPlan.from_curve(curve)
+    span = list(range(100, 164))
+    out = tuple(span * 5)  # 320 tokens: past the first threshold (256) in one generation
+    searched = {}
+    for remaining in (None, 0, 1, 5):
+        p = AutoPreset(LookaheadConfig(), (), curve, plan)
+        p.observe(tuple(span), out, remaining=remaining)
+        searched[remaining] = len(p.history) - 1
+    assert searched == {None: 1, 0: 0, 1: 1, 5: 1}
+    late = AutoPreset(LookaheadConfig(), (), curve, plan)
+    late.observe(tuple(span), out[:200], remaining=9)  # below every threshold: no search
+    late.observe(tuple(span), out[:200], remaining=1)  # crosses 256 with 2 observed and 1 left
+    assert len(late.history) == 1
+    assert [preset.payback(n, r) for n, r in ((2, 38), (8, 32), (34, 6), (3, None))] == [True, True, False, True]
+
+
 def test_search_through_store_views_chooses_as_with_a_store_per_setting(monkeypatch) -> None:
     """Under pool_scope: job every setting simulates the samples in order against the store of the samples
     before each: one store read through views (the fast path) and one store built per setting (the path where
