@@ -224,11 +224,13 @@ class Replica:
         printed: list[int],
         stream: bool,
         finished: Sequence[tuple[list[int], list[int]]] = (),
+        later: int | None = 0,
     ) -> int:
         """run_prompts on this rank; rank 0 queues ("tokens", i, ids), ("text", i, str) and ("record", i, rec)
         with i the prompt's index in the driver's list. ``finished``: (prompt ids, output ids) of the records
         already written, in job order: a recovered group's job store (``pool_scope: job``) is rebuilt from them,
-        so it holds what the lost group's did."""
+        so it holds what the lost group's did. ``later``: prompts this group runs after these (None: unknown,
+        where groups take prompts in turn), for the auto preset (``run_prompts``)."""
         from lp_runner.jobs.worker import TextStreamer, run_prompts
 
         if self.worker.store is not None:
@@ -258,7 +260,7 @@ class Replica:
             done[0] += 1
 
         self._take_shared_threads()
-        run_prompts(self.worker, specs, on_record=on_record, committed=committed, on_commit=on_commit)
+        run_prompts(self.worker, specs, on_record=on_record, committed=committed, on_commit=on_commit, later=later)
         return done[0]
 
     def _take_shared_threads(self) -> None:
@@ -627,7 +629,11 @@ class _Driver:
         """Prompt i on the lane's group, from its committed prefix (empty unless a lost group began it)."""
         with self.lock:
             committed, printed = list(self.progress.committed.get(i, [])), self.progress.printed.get(i, 0)
-        refs = [a.run.remote([self.specs[i]], [i], [committed], [printed], self.stream, finished) for a in group.actors]
+        # one prompt per call, groups taking turns: how many more this group will run is not known here
+        refs = [
+            a.run.remote([self.specs[i]], [i], [committed], [printed], self.stream, finished, later=None)
+            for a in group.actors
+        ]
 
         def tick() -> None:
             if self.stop.is_set():

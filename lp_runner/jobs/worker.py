@@ -421,6 +421,7 @@ def run_prompts(
     stream: Callable[[str], None] | None = None,
     committed: Sequence[Sequence[int]] | None = None,
     on_commit: Callable[[int, Sequence[int]], None] | None = None,
+    later: int | None = 0,
 ) -> list[dict]:
     """Generate for every prompt on every rank; records (and callbacks) only on rank 0, as each prompt finishes:
     in file order one at a time, in the order they finish with ``run.batch`` > 1 (the policy's batch: prompts
@@ -429,6 +430,8 @@ def run_prompts(
     ``committed[i]`` resumes prompt i from tokens already generated (e.g. before a worker was lost); its record
     holds the whole output, as if never interrupted, and ``stream`` shows only what follows the prefix.
     ``on_commit(i, tokens)`` sees the tokens committed by every round of prompt i (rank 0 only).
+    ``later``: prompts this worker runs after these in the same job (None: unknown); with the ones left here, the
+    auto preset's count of generations still to start (``preset.payback``).
 
     Every prompt is tokenized and checked before the first is generated; a bad one (empty, too long for the
     model) ends the run with an InputError naming its id and line (``run.on_error=stop``), or gets an error
@@ -452,6 +455,9 @@ def run_prompts(
         good_from[k] = good_from[k + 1] + (problems[k] is None)
     started = [0]  # the index past the last prompt handed out
 
+    def remaining() -> int | None:  # generations still to start on this worker, the same on every rank
+        return None if later is None else good_from[started[0]] + later
+
     def next_job() -> Job | None:
         for i in queue:
             started[0] = i + 1
@@ -472,7 +478,7 @@ def run_prompts(
         i = job.tag
         rec = make_record(worker, specs[i], prompt_ids[i], result) if worker.is_main else {}
         if policy.observe(
-            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead, good_from[started[0]]
+            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead, remaining()
         ):  # every rank observes the same tokens, in one order
             engine.set_lookahead(policy.lookahead)
         if worker.is_main:
