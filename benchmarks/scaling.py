@@ -13,7 +13,7 @@ Reports per-round and per-token latency, tokens/s, packed rows per rank, the tim
 communication (communication as the engine sees it: the all_gather including any wait for the slower rank), and
 the pure cost of one round's all_gather measured alone (``--collective-bench``, run under torchrun).
 Outputs of every setup are compared token by token. ``--simulate`` adds predictions for P = 1..8 from the cost
-model (``lp_runner/costmodel.py``), each labelled simulated with its inputs; writes .json, .md and .png.
+model (``lp_runner/tuning/costmodel.py``), each labelled simulated with its inputs; writes .json, .md and .png.
 
 Throughput view: job tokens/s against the devices D x P. Measured points are the setups above (the
 job's tokens/s from its summary line; a stored report without one gives, for one group, its tokens over the sum
@@ -193,7 +193,7 @@ def curve_for(source: str, shape: dict, kv_lens: list[int]) -> tuple | None:
 
 
 def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, args, measured: dict) -> dict:
-    """Predicted per-token latency for P = 1..max_workers from measured inputs (see ``lp_runner/costmodel.py``):
+    """Predicted per-token latency for P = 1..max_workers from measured inputs (see ``lp_runner/tuning/costmodel.py``):
     the forward-cost curve at one thread (one core = this CPU's stand-in for one device), the round shapes of a
     real P = 1 run of the same job (greedy rounds do not depend on P), its host time per round, and the measured
     2-rank all_gather. Every figure it returns is labelled simulated."""

@@ -1,10 +1,10 @@
 """The native forward with its packed weights in transparent huge pages against the same weights in 4 KB pages.
 
 ``advanced.huge_pages: true`` packs a native model's weights into one allocation asked for 2 MB pages
-(``lp_runner/arena.py``; the default packs into the same allocation in 4 KB pages). This loads the embedded model
-twice in one process, once each way, reports what packing took each way (the start-up cost: faulting the pages
-in), and times their forwards interleaved (row counts and layouts alternating within every repetition), logits
-compared bit for bit.
+(``lp_runner/backends/cpu/arena.py``; the default packs into the same allocation in 4 KB pages). This loads the embedded
+model twice in one process, once each way, reports what packing took each way (the start-up cost: faulting the pages
+in), and times their forwards interleaved (row counts and layouts alternating within every repetition), logits compared
+bit for bit.
 
 Where a model is loaded in the process matters by itself on this project's VM: of two identical models in 4 KB
 pages, the one loaded second ran up to 1.2x faster in a scratch run. So each comparison runs twice, in a

@@ -34,7 +34,7 @@ class ModelConfig:
     threads: int = 0  # torch intra-op threads per worker; 0 = the process's cores / ranks on this node
     allow_pickle: bool = False  # load pickle-format checkpoints (unsafe: arbitrary code on load)
     compile: str = "auto"  # off | on | auto: rounds through torch.compile (auto: when this device's record says
-    # the job is long enough to pay for the compilation; see lp_runner/compile_choice.py)
+    # the job is long enough to pay for the compilation; see lp_runner/tuning/compile_choice.py)
     # the kernels the forward runs on, chosen once at load (lp_runner.backends.BACKENDS names and explains each
     # value); auto: lp_runner's CPU kernels on a CPU where they work, transformers' layers elsewhere
     backend: str = "auto"
@@ -156,7 +156,7 @@ class RunConfig:
     pool_in: str = ""  # start the job store (lookahead.pool_scope=job) from this file (``--pool-in``)
     pool_out: str = ""  # save the job store here at the end of the run (``--pool-out``)
     # generations in flight per group, all in one forward per round, a new prompt joining as one finishes
-    # (lp_runner/scheduler.py); 1: one prompt at a time. Outputs are the same at any value. 1 by measurement
+    # (lp_runner/decoding/scheduler.py); 1: one prompt at a time. Outputs are the same at any value. 1 by measurement
     # (benchmarks/batching.py, 40 prompts on a 2-core CPU): 4 gave 2.0x the job tokens/s at 2.0x the median
     # latency per prompt, 8 2.6x at 3.1x; which side of that trade a job wants is the user's to say
     batch: int = 1

@@ -3,7 +3,7 @@
 transformers 5.x keeps moving: the cache keyword is ``past_key_values`` up to 5.23 and ``cache`` from 5.24 (the
 old name still works there, with a deprecation); ``DynamicCache.crop`` takes only negative counts from 5.20 on
 (negative counts work in every 5.x); ``cache_position`` left Llama's forward in 5.4. This adapter resolves those
-once, from the model's own signature (no class-name sniffing), and ``tests/test_model_adapter.py`` checks each
+once, from the model's own signature (no class-name sniffing), and ``tests/backends/test_model_adapter.py`` checks each
 operation on every supported model family and on the oldest supported transformers.
 
 Two of transformers' defaults are replaced for the adapter's own forwards, to save copies, not arithmetic: the

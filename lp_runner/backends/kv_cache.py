@@ -11,7 +11,7 @@ Two layouts of the same cached values:
   reused round after round; the length is host bookkeeping (``length``) that no traced code reads.
 
 Both keep a rejected tail in place (``crop`` only shortens the length; the next round overwrites it) and let
-``model.move_rows`` copy committed rows within the buffer. ``tests/test_model_adapter.py`` checks both against
+``model.move_rows`` copy committed rows within the buffer. ``tests/backends/test_model_adapter.py`` checks both against
 transformers' own DynamicCache, bit for bit, across growth, crops and row moves.
 
 A generation's static buffers are one tensor (``allocate_arena``: [layers, 2, 1, H_kv, capacity, D], every

@@ -14,7 +14,8 @@ named by a hash of every source (``csrc/*.c`` and its header), the compiler's ve
 flags, so a shared home
 directory across different CPUs keeps one library per kind of CPU. ``$LP_RUNNER_NATIVE_CFLAGS`` adds flags
 after those (``-mno-avx512f`` builds the AVX2 register tile on an AVX-512 machine): how this project tests and
-measures the instruction sets it does not run on (``tests/test_native_isa.py``, ``benchmarks/native_isa.py``).
+measures the instruction sets it does not run on (``tests/backends/cpu/test_native_isa.py``,
+``benchmarks/native_isa.py``).
 A process builds into a private temporary name and renames it into place (ranks of one node may build at once).
 Without a compiler, or on a build or probe failure, the kernel is unavailable and the CPU backend says why
 (``model.backend: auto`` falls back to oneDNN's products).
@@ -81,7 +82,7 @@ def extra_flags() -> tuple[str, ...]:
 def stand_in_builds() -> dict[str, tuple[tuple[str, ...], bool]]:
     """The other instruction sets' tiles this CPU can build and run: name -> (extra flags, whether it gives this
     CPU's default build's bits). AVX2 on an AVX-512 CPU (both with FMA: the same bits); SSE2 on any x86-64
-    (no FMA: fp32 rounding apart). What tests/test_native_isa.py and benchmarks/native_isa.py cover."""
+    (no FMA: fp32 rounding apart). What tests/backends/cpu/test_native_isa.py and benchmarks/native_isa.py cover."""
     cpu = set(_cpu_flags().split())
     builds = {}
     if {"avx512f", "avx2", "fma"} <= cpu:

@@ -1,9 +1,9 @@
 """What "exact" means in half precision: equal up to the first step where the reference's top two are a tie.
 
-In float32 lp_runner's output is token-identical to one-row greedy decoding (``tests/test_embedded_exact.py``). In
-bfloat16 / float16 it cannot be in general: a packed round computes the live key's row with other shapes (more
-rows per matmul, a longer mask, padded rows), so kernels sum in another order and the row's logits move by a few
-units in the last place (ulps). Wherever the two best tokens are closer than that, the argmax may flip, and from
+In float32 lp_runner's output is token-identical to one-row greedy decoding (``tests/decoding/test_embedded_exact.py``).
+In bfloat16 / float16 it cannot be in general: a packed round computes the live key's row with other shapes (more rows
+per matmul, a longer mask, padded rows), so kernels sum in another order and the row's logits move by a few units in the
+last place (ulps). Wherever the two best tokens are closer than that, the argmax may flip, and from
 then on the two sequences are different, equally valid greedy continuations. HF ``generate`` is in the same
 position against lp_runner's one-row decoding (its own mask and attention path), and even against itself across
 thread counts.

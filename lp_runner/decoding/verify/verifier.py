@@ -8,7 +8,7 @@ A round's logits leave the device once (``read_back_many``): greedy reads the ar
 integers); sampling decides its verdict where the logits are (``sample_tree``: the residual tests and the draws of
 every node of the round's candidate tree, from a tree the host built before the forward, ``prepare``) and reads
 back those few integers with the argmax of every row (the window's columns). Every later step works on that host
-copy, so a round costs one device->host synchronisation whatever the mode (``tests/test_readback.py`` counts
+copy, so a round costs one device->host synchronisation whatever the mode (``tests/decoding/test_readback.py`` counts
 them), and no distribution leaves the device. Where the logits already are on the host (a CPU forward), the same
 verdicts come from the host walk (``sampling.split_verify``): it visits only the nodes the walk reaches, where
 the tensor program decides every node of the tree, so on a CPU the walk is the cheaper of two equal answers.

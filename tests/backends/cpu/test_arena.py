@@ -1,5 +1,5 @@
-"""One allocation for the native products' packed weights (``lp_runner/arena.py``), in huge pages where asked
-(``advanced.huge_pages``).
+"""One allocation for the native products' packed weights (``lp_runner/backends/cpu/arena.py``), in huge pages
+where asked (``advanced.huge_pages``).
 
 Oracles: the tensors' own addresses (aligned, in order, disjoint, one storage); the kernel's view of the region
 (``/proc/self/smaps``: the VMA that holds the weights marked eligible for transparent huge pages, or not); and the

@@ -37,7 +37,7 @@
    was 3.7x slower at one row and 28x at 8 than the AVX-512 build. Others (NEON's 32 or SSE's 16 registers of 4
    floats): 2 rows x 8 (16 accumulators, 8 weights: 25 on NEON; SSE takes the weights from memory). Every
    output is the same sum in the same order whatever the tile, so every target with FMA gives the same bits
-   (tests/test_native_isa.py). */
+   (tests/backends/cpu/test_native_isa.py). */
 #if defined(__AVX512F__)
 #define VL 16
 #define MR 8
