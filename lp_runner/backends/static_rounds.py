@@ -111,6 +111,17 @@ def stage(
     return host
 
 
+def static_address(t: torch.Tensor) -> None:
+    """Mark ``t``'s address static for the compiler (a graph reads it in place), without a guard on it.
+
+    ``guard=False`` is spelled out because its default changed: torch before 2.10 defaults to ``guard=True``,
+    which guards every marked tensor's identity, so each staging buffer (one per bucket) and key-slot vector
+    (one per K/V width) became a recompilation of the one round function; past ``cache_size_limit`` (8) a
+    ``fullgraph`` compile fails. Unguarded, one compilation serves every (bucket, width) pair on every admitted
+    torch, and CUDA graph trees record a new graph when an address changes instead of recompiling."""
+    torch._dynamo.mark_static_address(t, guard=False)
+
+
 def _host(t: torch.Tensor) -> np.ndarray:
     """A host tensor's values (the round's inputs are host tensors made by its layout)."""
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
@@ -201,7 +212,7 @@ class StaticRounds:
         self._arena = allocate_arena(layers, *self.kv_shape, self.dtype, self.device)
         self._views = [(layer.keys, layer.values) for layer in layers]
         for tensor in (t for pair in self._views for t in pair):
-            torch._dynamo.mark_static_address(tensor)
+            static_address(tensor)
         self.pool_allocations += 1
 
     def _static(self, cache: DynamicCache) -> list:
@@ -288,9 +299,9 @@ class StaticRounds:
             if not self.ladder.captured(rows):
                 return staged
             for field in (staged.input_ids, staged.position_ids, staged.logit_rows, staged.write_slots):
-                torch._dynamo.mark_static_address(field)
-            torch._dynamo.mark_static_address(staged.past)
-            torch._dynamo.mark_static_address(staged.visibility)
+                static_address(field)
+            static_address(staged.past)
+            static_address(staged.visibility)
             self._staged[rows] = staged
         return staged
 
@@ -300,7 +311,7 @@ class StaticRounds:
         if slots is None:
             with torch.inference_mode():
                 slots = torch.arange(width, device=self.device)
-            torch._dynamo.mark_static_address(slots)
+            static_address(slots)
             self._key_slots[width] = slots
         return slots
 

@@ -332,6 +332,28 @@ def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: s
             prompt = random_prompt(12, seed) * 2
             assert engine.generate(prompt).output_ids == hf_greedy(model, prompt, 40), seed
     assert counters["stats"]["unique_graphs"] == 1
+    # every static input unguarded, whatever the torch's default (``guard=True`` before 2.10): a guard on a
+    # staging buffer's or key-slot vector's identity would make each (bucket, width) pair a recompilation
+    staged = [t for s in compiled.rounds._staged.values() for t in (s.input_ids, s.position_ids, s.logit_rows,
+                                                                   s.write_slots, s.past, s.visibility)]  # fmt: skip
+    assert len(compiled.rounds._key_slots) >= 2 and len(staged) == 6 * len(compiled.rounds.ladder.rows)
+    for tensor in (*staged, *compiled.rounds._key_slots.values()):
+        assert tensor._dynamo_static_input_type == "unguarded"
+
+
+def test_warm_up_at_the_jobs_arena_is_the_arena_its_generations_run_on() -> None:
+    """Warmed up at the job's need (``LookaheadEngine.capacity`` of its longest prompt, as the worker does), a
+    generation of a long prompt runs on the arena the warm-up made (on a GPU, where its graphs were captured);
+    warmed at a small arena, the same prompt reallocates it mid-job (every graph recorded again)."""
+    model = tiny_model("llama", max_position_embeddings=2048)
+    prompt = random_prompt(700, seed=5)
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    for warm, allocations in ((None, 1), (64, 2)):
+        adapter = ModelAdapter(model, bucketed=True)
+        engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=20), [])
+        adapter.rounds.warm_up(engine.capacity(len(prompt)) if warm is None else warm, max_rows=4)
+        assert engine.generate(prompt).output_ids == hf_greedy(model, prompt, 20)
+        assert adapter.rounds.pool_allocations == allocations, warm
 
 
 def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_len: int):
