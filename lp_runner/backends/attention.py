@@ -16,6 +16,7 @@ path.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -138,15 +139,26 @@ def supports_packed_gqa(config) -> bool:
     return getattr(config, "_attn_implementation", None) == "sdpa" and not getattr(config, "sub_configs", None)
 
 
+_SWITCH = threading.RLock()  # held while a forward runs with a switched attention (see ``packed_gqa``)
+
+
 @contextmanager
 def packed_gqa(config, implementation: str = PACKED_GQA) -> Iterator[None]:
     """Run the model with ``implementation`` (``PACKED_GQA``, ``BATCHED``, or a backend's own: ``register``)
-    inside the block; transformers' sdpa is restored on exit."""
-    config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"
+    inside the block; the config's own implementation is restored on exit.
+
+    transformers reads ``config._attn_implementation`` inside every layer's forward, and a config is shared by
+    whoever holds the model: LP ranks on threads over one model (the tests), or a thread calling the model's own
+    ``generate`` beside a lookahead forward. So the switch holds a lock for the block (re-entrant: a switched
+    forward may switch again) and restores what it found, never a fixed name: another thread's forward never
+    runs under this one's attention, and a nested switch cannot leave plain sdpa where it found its caller's."""
+    with _SWITCH:
+        previous = config._attn_implementation
+        config._attn_implementation = implementation
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
 
 
 def sliding_window_mask(
