@@ -223,11 +223,29 @@ def pad_layout(layout: RoundLayout, num_rows: int) -> RoundLayout:
 def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
     """[Q, Q] bool: which in-round rows each row attends to, from roles alone (see module docstring).
 
-    A function of each row's (role, level, column, candidate, offset), not of its token or position, and a job's
-    rounds take few distinct shapes (a no-window round: the live row and its candidates' lengths): so it is
-    computed once per shape (``_visibility``, an LRU of 512) and copied (the caller owns its tensor). Computing
-    it took about 120 us a round on a 2-core CPU, some 1% of a 12 ms round; a copy takes a few."""
-    return _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows)).clone()
+    A function of each row's (role, level, column, candidate, offset), not of its token or position. The leading
+    ordinary rows are a causal block that every later row but a filler sees, so the mask is that block and the
+    mask of the round with its ordinary rows cut to the live key (``_visibility``, computed once per shape: an LRU
+    of 512), pasted together. Keying the LRU on the round without its ordinary rows keeps each entry as small as
+    the window's rows whatever the prompt's length: keyed on every row, each distinct prompt length (a prefill)
+    was an entry of its own, O(prompt^2) each. Computing the mask took about 120 us a round on a 2-core CPU, some
+    1% of a 12 ms round; a paste takes a few.
+
+    Example: 3 ordinary rows, then one 1-token candidate (Q = 4): rows 0-2 causal; row 3 sees rows 0, 1, 2 (the
+    ordinary block, from the cut round's row 1 seeing its live key) and itself.
+    """
+    ordinary = 0
+    while ordinary < len(rows) and rows[ordinary].role == ROLE_ORDINARY:
+        ordinary += 1
+    if ordinary == 0:
+        return _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows)).clone()
+    cut = _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows[ordinary - 1 :]))
+    q = len(rows)
+    vis = torch.zeros(q, q, dtype=torch.bool)  # [Q, Q]
+    vis[:ordinary, :ordinary] = torch.ones(ordinary, ordinary, dtype=torch.bool).tril()
+    vis[ordinary - 1 :, ordinary - 1 :] = cut  # the live key's row and everything after it
+    vis[ordinary:, : ordinary - 1] = cut[1:, :1]  # a later row sees the whole block iff it sees the live key
+    return vis
 
 
 @functools.lru_cache(maxsize=512)

@@ -24,6 +24,7 @@ from lp_runner.decoding.layout import (
     ROLE_VERIFY,
     RoundLayout,
     compile_round,
+    pad_layout,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -323,3 +324,26 @@ def test_round_size_is_what_compile_round_builds() -> None:
                         layout = compile_round(list(range(1, ordinary + 1)), 20, levels, (lo, hi), cands)
                         got = round_size(ordinary, (lo, hi), depth, lengths)
                         assert got == (layout.num_rows, len(layout.logit_rows)), (depth, lo, hi, ordinary, lengths)
+
+
+def test_visibility_pasted_from_the_cut_round_equals_the_role_rules():
+    """``visibility_mask`` pastes the ordinary block onto the mask of the round cut to its live key; it must equal
+    the role rules applied to every row pair (``_visibility`` uncached, on the whole round), over ordinary blocks,
+    window shapes, column ranges (LP ranks), candidates and filler rows."""
+    from lp_runner.decoding.layout import _visibility
+
+    def rules(rows):
+        return _visibility.__wrapped__(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows))
+
+    checked = 0
+    for ordinary in (1, 2, 3, 7):
+        for w in (1, 2, 4):
+            for depth in (0, 1, 2):
+                levels = [[5] * (w - 1)] + [[6] * w for _ in range(depth)]
+                for columns in ((0, w), (0, 0), (1, w)):
+                    for candidates in ([], [[1]], [[1, 2], [3]]):
+                        layout = compile_round(list(range(ordinary)), 4, levels, columns, candidates)
+                        for padded in (layout, pad_layout(layout, layout.num_rows + 2)):
+                            assert torch.equal(padded.visibility, rules(padded.rows)), (ordinary, w, depth, columns)
+                            checked += 1
+    assert checked == 648
