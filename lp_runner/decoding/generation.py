@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.coordinator import Coordinator, RoundPlan
 from lp_runner.decoding.job_store import JobPool
-from lp_runner.decoding.layout import RoundLayout, RowCounts, longest_candidate
+from lp_runner.decoding.layout import RoundLayout, RowCounts, compile_round, longest_candidate
 from lp_runner.decoding.metrics import GenerationStats, RoundRecord
 from lp_runner.decoding.round import KVStore, RoundResult, RoundState, lay_out, publish, take_verdict
 from lp_runner.decoding.verify.greedy import cut_emitted
-from lp_runner.decoding.verify.verifier import ReadBack, make_verifier
+from lp_runner.decoding.verify.verifier import ReadBack, Verifier
 from lp_runner.decoding.window import JacobiWindow
 from lp_runner.parallel.exchange import Decision, Entry
 
@@ -48,15 +48,18 @@ class Generation:
         store: JobPool | None,
         kv: KVStore,
         generation_key: int | str,
+        verifier: Verifier,
         on_commit: OnCommit | None = None,
     ) -> None:
         """``committed``: tokens already generated (a resumed generation), re-prefilled with the prompt.
-        ``generation_key`` names the sampling streams (``verifier.SamplingVerifier``)."""
+        ``generation_key`` names the sampling streams (``verifier.SamplingVerifier``). ``verifier``: the round
+        loop's, which reads back every generation of a round at once; it holds no state of a generation (its
+        streams are named by ``generation_key`` and the round), so one serves them all."""
         self.prompt_ids = list(prompt_ids)
         self.la, self.gen, self.eos_ids, self.rank = la, gen, eos_ids, rank
         self.store = store
         self.coord = Coordinator(la, world_size, prompt_ids, group_by_first_token=gen.do_sample, store=store)
-        self.verifier = make_verifier(gen)
+        self.verifier = verifier
         self.generation_key = generation_key
         self.on_commit = on_commit
         start = [*prompt_ids, *committed]
@@ -93,6 +96,26 @@ class Generation:
         self._plan = self.coord.plan(state.history, self._depth)
         self._layout = lay_out(state, self._plan, self.rank, row_plan)
         return self._layout
+
+    def prefill_chunk(self, max_rows: int) -> RoundLayout | None:
+        """The next chunk of a prompt longer than ``max_rows`` rows, or None once what is left fits one round.
+
+        A chunk is a round of ordinary rows only (no window, no candidates): the committed tokens at the front of
+        ``pending``, causal among themselves over the cached prefix, exactly the rows a whole-prompt prefill
+        would give them, since in a round every later row sees the ordinary block whole. So a prompt of any
+        length runs as rounds of at most ``max_rows`` rows, and nothing a round builds (its visibility, its mask,
+        its logits) grows with the square of the prompt. Every rank of an LP group cuts the same chunks."""
+        state = self.state
+        if len(state.pending) <= max_rows:
+            return None
+        return compile_round(state.pending[:max_rows], state.past_len, state.window.levels, (0, 0), ())
+
+    def prefill_chunk_done(self, layout: RoundLayout, forward_s: float) -> None:
+        """``layout``'s rows are cached: they leave ``pending`` (its K/V length is the forward's to set)."""
+        state = self.state
+        state.past_len += layout.num_ordinary
+        state.pending = state.pending[layout.num_ordinary :]
+        self.stats.add_prefill_chunk(layout.num_ordinary, forward_s)
 
     def verify_inputs(self) -> tuple[Sequence, Sequence, tuple[int | str, int]]:
         """What this round's verification is built from before the forward (``Verifier.prepare``): the plan's

@@ -59,6 +59,17 @@ class GenerationStats:
     # their rows (rows / generations, summed): over a job, forwards = sum of shares, rows per forward = rows / that
     forward_share: float = 0.0
     batch_rows_share: float = 0.0
+    prefill_chunks: int = 0  # forwards that cached a long prompt's leading rows before its first round
+
+    def add_prefill_chunk(self, rows: int, forward_s: float) -> None:
+        """A forward of a long prompt's leading rows alone (``Generation.prefill_chunk``): a forward and its rows,
+        not a round (it verifies and emits nothing; the records, which the cost model replays, stay rounds)."""
+        self.prefill_chunks += 1
+        self.forwards += 1
+        self.rows += rows
+        self.forward_share += 1.0
+        self.batch_rows_share += rows
+        self.forward_s += forward_s
 
     def count_source(self, name: str, key: str, value: int) -> None:
         entry = self.sources.setdefault(name, {"proposed": 0, "verified": 0, "accepted": 0})

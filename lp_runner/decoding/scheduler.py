@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lp_runner.backends.adapter import ModelAdapter
+from lp_runner.backends.buckets import MAX_BUCKET_ROWS
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.forwards import BatchedForward, OwnCacheForward, RoundForward, batch_support
 from lp_runner.decoding.generation import Generation, OnCommit
@@ -36,6 +37,11 @@ from lp_runner.decoding.metrics import GenerationStats
 from lp_runner.decoding.verify.verifier import make_verifier
 from lp_runner.parallel.comm import Communicator
 from lp_runner.parallel.exchange import agree_batch
+
+# A prompt's rows beyond this many are cached in forwards of their own before its first round (the largest
+# bucketed round: on a GPU every chunk replays a captured graph; everywhere, no round's structures grow with the
+# square of the prompt's length).
+PREFILL_CHUNK_ROWS = MAX_BUCKET_ROWS
 
 
 class EngineSetting(Protocol):
@@ -127,7 +133,7 @@ class RoundLoop:
             return None
         start_len = len(job.prompt_ids) + len(committed)
         comm = eng.comm
-        return Generation(
+        gen = Generation(
             job.prompt_ids,
             committed,
             eng.la,
@@ -138,8 +144,25 @@ class RoundLoop:
             store,
             self.forward.kv_for(eng.capacity(start_len)),
             eng.next_generation_key(job.sample_key),
+            self.verifier,
             job.on_commit,
         )
+        self._prefill_chunks(gen)
+        return gen
+
+    def _prefill_chunks(self, gen: Generation) -> None:
+        """Cache a long prompt's leading rows in forwards of at most ``PREFILL_CHUNK_ROWS`` (``Generation
+        .prefill_chunk``), before its first round; the rest of the prompt rides in that round as before."""
+        while (layout := gen.prefill_chunk(PREFILL_CHUNK_ROWS)) is not None:
+            kv, past = gen.state.kv, gen.state.past_len
+            t = time.perf_counter()
+            try:
+                self.forward.run([layout], [kv], [past])  # its one logit row is not read
+            except BaseException:
+                kv.crop(past)
+                self.forward.release(kv)
+                raise
+            gen.prefill_chunk_done(layout, time.perf_counter() - t)
 
     def _round(self, gens: list[Generation]) -> None:
         """One round of every generation in flight: one forward, one read-back, one exchange."""
