@@ -118,6 +118,26 @@ def _policy_for(model: PreTrainedModel, adapter: ModelAdapter, cfg: Config) -> R
     return per_model[key]
 
 
+_ADAPTER_ATTRIBUTE = "_lp_runner_adapter"
+
+
+def _adapter_for(model: PreTrainedModel) -> ModelAdapter:
+    """The model's adapter, made on its first call and reused by the later ones while the model's device, dtype
+    and attention stay as they were (else made anew).
+
+    Making one runs a probe forward, and on a GPU it owns the K/V arena its rounds replay graphs on: a new adapter
+    per call paid both on every call. It lives on the model itself, as transformers keeps a static cache on the
+    model (``GenerationMixin._cache``): a table keyed by the model would keep it alive through the adapter's own
+    reference to it, while model -> adapter -> model is a cycle the collector frees with the model."""
+    param = next(model.parameters())
+    key = (param.device, param.dtype, model.config._attn_implementation)
+    held = model.__dict__.get(_ADAPTER_ATTRIBUTE)
+    if held is None or held[0] != key:
+        held = (key, ModelAdapter(model))
+        model.__dict__[_ADAPTER_ATTRIBUTE] = held
+    return held[1]
+
+
 def generate(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -150,7 +170,7 @@ def generate(
     cfg, eos_override = _resolve(model, config, overrides, len(prompt))
     eos_ids = _eos_ids(model, tokenizer, config, eos_override)
 
-    adapter = ModelAdapter(model)
+    adapter = _adapter_for(model)
     policy = _policy_for(model, adapter, cfg)
     engine = LookaheadEngine(adapter, policy.lookahead, cfg.generation, eos_ids, None, policy.row_plan)
     engine.check_prompt(prompt)  # an over-long prompt fails before the streamer sees anything

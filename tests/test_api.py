@@ -194,6 +194,42 @@ def test_one_dimensional_prompt_and_model_left_as_it_was(tiny) -> None:
     assert model.generation_config.to_dict() == config_before
 
 
+def test_adapter_is_kept_across_calls_and_freed_with_the_model() -> None:
+    """Later calls on the same model reuse its adapter (no new probe forward, the same K/V arena on a GPU), a
+    change of dtype makes a new one, and the model is still freed once the caller drops it."""
+    import gc
+    import weakref
+
+    from helpers import tiny_model
+
+    from lp_runner.backends.adapter import ModelAdapter
+
+    model = tiny_model("llama")  # its own copy: the test changes its dtype and drops it
+    ids = _ids(12, seed=4)
+    made = []
+    original = ModelAdapter.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        original(self, *args, **kwargs)
+
+    ModelAdapter.__init__ = counting
+    try:
+        first = lp_runner.generate(model, ids, max_new_tokens=8)
+        assert torch.equal(lp_runner.generate(model, ids, max_new_tokens=8), first)
+        assert len(made) == 1
+        model.to(torch.float64)
+        lp_runner.generate(model, ids.clone(), max_new_tokens=8)
+        assert len(made) == 2 and made[1].dtype == torch.float64
+    finally:
+        ModelAdapter.__init__ = original
+    alive = weakref.ref(model)
+    made.clear()  # the adapters it holds hold the model
+    del model
+    gc.collect()
+    assert alive() is None
+
+
 def test_import_is_lazy() -> None:
     """``import lp_runner`` (the CLI, fetch) does not import the API and, through it, transformers."""
     import subprocess
