@@ -151,14 +151,15 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     worker.store = job_store(cfg, tokenizer, adapter.vocab_size)  # --pool-in checked before the first forward
     if (control or comm).world_size > 1:
         check_peers(worker, control or comm)  # every rank of the job, not only of its group
-    if prompts and cfg.run.on_error == "stop":
+    arena_tokens = 0
+    if prompts:
         checker = LookaheadEngine(worker.adapter, cfg.lookahead, cfg.generation, eos_token_ids(worker), comm)
-        for spec in prompts:
-            problem = check_prompt(worker, checker, spec)[1]
-            if problem is not None:
-                raise InputError(f"{spec.describe()}: {problem}")
+        prompt_ids, _ = check_prompts(worker, checker, prompts)  # on_error=stop: the first bad prompt raises here
+        arena_tokens = checker.capacity(max(map(len, prompt_ids), default=0))  # the job's longest generation
     job_tokens = len(prompts) * cfg.generation.max_new_tokens
-    compile_choice = choose_forward(worker, job_tokens, cache_root, say=_log if worker.is_main else None)
+    compile_choice = choose_forward(
+        worker, job_tokens, cache_root, say=_log if worker.is_main else None, arena_tokens=arena_tokens
+    )
     batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(prompts))
     if why_not and worker.is_main:
         log.warning(why_not)
@@ -325,12 +326,15 @@ def _device_label(device: torch.device) -> str:
     return device_name(device)  # reads /proc/cpuinfo on a CPU: once per process
 
 
-def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) -> CompileChoice:
+def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None, arena_tokens: int = 0) -> CompileChoice:
     """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 decides, every rank of
     the group follows; a compiled adapter replaces ``worker.adapter`` after compiling (timed). With ``on`` (or
     ``auto`` capturing a CUDA device's first long job), rank 0 records what compiling cost and saved on this device
     (when it has no record, or on ``--recalibrate``), which is what ``auto`` decides from next time; each row
-    bucket's capture seconds go to the job's records (``CompileChoice.capture_s``)."""
+    bucket's capture seconds go to the job's records (``CompileChoice.capture_s``). ``arena_tokens``: the K/V
+    positions the job's longest generation can hold (``LookaheadEngine.capacity``); the warm-up compiles and
+    captures on an arena of that size, the one the job's rounds then run on, so no prompt of the job regrows it
+    mid-generation (a new arena means every captured graph recorded again, while the other ranks wait)."""
     mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
     if mode == "off":
         return CompileChoice(mode, False, "off")
@@ -347,7 +351,7 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None) 
         say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
     fast = ModelAdapter(adapter.model, compile=True, backend=adapter.backend)
     try:
-        compile_s = fast.warm_up(RECORD_KV + 64)
+        compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens))
     except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback
         reason = f"{reason}: compilation failed ({first_line(exc)}), eager"
         log.warning("model.compile: %s", reason)
