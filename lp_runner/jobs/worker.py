@@ -13,7 +13,7 @@ import platform
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,7 @@ class Worker:
     placement: Placement | None = None  # device, dtype and TF32 as resolved (device.place)
     load_peak_mib: float = 0.0  # this process's peak host memory right after loading the weights
     load_peaks_mib: list[float] | None = None  # every rank's load_peak_mib (check_peers), in rank order
+    encoded: dict[str, list[int]] = field(default_factory=dict)  # a prompt's token ids by its spec: tokenized once
 
     @property
     def is_main(self) -> bool:
@@ -527,10 +528,14 @@ def check_prompt(worker: Worker, engine: LookaheadEngine, spec: PromptSpec) -> t
     problem = prompt_problem(spec)
     if problem is not None:
         return [], problem
-    try:
-        ids = encode(worker.tokenizer, spec)
-    except ValueError as exc:  # e.g. messages for a tokenizer without a chat template
-        return [], f"cannot tokenize: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    key = json.dumps(spec.to_json(), sort_keys=True)  # start-up checks every prompt, the job loop reads them again
+    ids = worker.encoded.get(key)
+    if ids is None:
+        try:
+            ids = encode(worker.tokenizer, spec)
+        except ValueError as exc:  # e.g. messages for a tokenizer without a chat template
+            return [], f"cannot tokenize: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        worker.encoded[key] = ids
     try:
         engine.check_prompt(ids)
     except InputError as exc:
