@@ -21,9 +21,10 @@ import sys
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
 from lp_runner.errors import DistributedError, InputError, LPError
-from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile, check_not_an_input
+from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
-from lp_runner.logs import add_log_level, log, setup_logging
+from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
+from lp_runner.outfiles import check_not_an_input, check_writable
 
 COMMANDS = ("run", "tune", "fetch")
 EXIT_USER_ERROR = 2
@@ -33,7 +34,7 @@ EXIT_INTERRUPTED = 130
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``run`` command's arguments (also the top level: no command means ``run``)."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m lp_runner [run]",
         description="Exact Lookahead Decoding with Lookahead Parallelism (same tokens as greedy generate).",
         epilog="other commands: 'python -m lp_runner tune -h' (choose a setting for this device and model), "
@@ -122,8 +123,7 @@ def _run(argv: list[str]) -> int:
                 if (problem := prompt_problem(spec)) is not None:
                     raise InputError(f"{spec.describe()}: {problem}")
         single = args.prompt is not None
-        if args.output is not None:
-            check_not_an_input(args.output, {"--prompts": args.prompts, "--config": args.config, **pool_files(cfg)})
+        check_outputs(cfg, args)
         if args.output is not None and int(os.environ.get("RANK", "0")) == 0:
             mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
             output = OutputFile.open(args.output, mode, cfg)  # checked and locked before anything is loaded
@@ -158,6 +158,20 @@ def pool_files(cfg: Config) -> dict[str, str]:
     """The job store's files a run reads or writes, by the option that names them (also ``advanced.pool_in`` /
     ``pool_out`` in a config)."""
     return {"--pool-in": cfg.run.pool_in, "--pool-out": cfg.run.pool_out}
+
+
+def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
+    """The files this run writes, before anything loads (``lp_runner.outfiles``): none may be one of its inputs
+    or the other output; ``--pool-out``'s folder must take a file (``--output`` is checked as it is opened). The
+    pool may be read from and saved to one file (it is read at the start, replaced at the end). Under Ray the
+    pool is saved by an actor, maybe on another machine: its folder is not checked here."""
+    inputs = {"--prompts": args.prompts, "--config": args.config}
+    if args.output is not None:
+        check_not_an_input(args.output, "--output", {**inputs, **pool_files(cfg)})
+    if cfg.run.pool_out:
+        check_not_an_input(cfg.run.pool_out, "--pool-out", inputs)
+        if cfg.parallel.backend != "ray" and int(os.environ.get("RANK", "0")) == 0:
+            check_writable(cfg.run.pool_out, "--pool-out")
 
 
 def _interrupt(signum: int, frame: object) -> None:
