@@ -1,5 +1,6 @@
 """One rule for every file a run writes: ``--output`` (``jobs/output.py``), ``--pool-out``
-(``decoding/job_store.py``), ``tune --output``, ``--save-curve`` and ``--report`` (``cli/tune.py``).
+(``decoding/job_store.py``), ``tune --output``, ``--save-curve`` and ``--report`` (``cli/tune.py``); and the
+streamed text on stdout (``write_stdout``).
 
 - **Not an input.** An output that is one of the run's own inputs (the prompts, the config, a curve it reads) is
   refused: the same path, or the same file through a hard link or a symlink (``same_file``). Writing it would
@@ -27,15 +28,23 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from lp_runner.errors import InputError, LPError
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away (cat, grep)
+
 
 class OutputError(LPError):
     """An output cannot be written (disk full, I/O error, quota): what is on disk, and how to go on."""
+
+
+class StdoutClosed(LPError):
+    """stdout's reader went away (``| head -c 5``): the run ends without a word, exit ``EXIT_BROKEN_PIPE``, as
+    ``cat`` and ``grep`` do; whatever ``--output`` holds stays as written, for ``--resume``."""
 
 
 def is_stream(path: str | Path) -> bool:
@@ -150,3 +159,25 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def write_stdout(text: str) -> None:
+    """The streamed text on stdout, flushed at once. A closed pipe is ``StdoutClosed`` (the caller ends quietly);
+    any other failure (``> /dev/full``: ENOSPC) an ``OutputError`` (one line). Either way stdout is pointed at
+    ``/dev/null`` first: the interpreter flushes it again at exit and would print "Exception ignored ..."."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+        raise StdoutClosed("stdout was closed by its reader") from None
+    except OSError as exc:
+        _drop_stdout()
+        raise OutputError(f"cannot write the text to stdout ({exc.strerror or exc})") from None
+
+
+def _drop_stdout() -> None:
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

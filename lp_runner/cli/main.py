@@ -24,7 +24,7 @@ from lp_runner.errors import DistributedError, InputError, LPError
 from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
 from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
-from lp_runner.outfiles import check_not_an_input, check_writable
+from lp_runner.outfiles import EXIT_BROKEN_PIPE, StdoutClosed, check_not_an_input, check_writable, write_stdout
 
 COMMANDS = ("run", "tune", "fetch")
 EXIT_USER_ERROR = 2
@@ -142,6 +142,8 @@ def _run(argv: list[str]) -> int:
             output.close(complete=code == 0)
             output = None
         return code
+    except StdoutClosed:  # | head: nothing to say, as cat says nothing; the records written stay
+        return EXIT_BROKEN_PIPE
     except LPError as exc:
         log.error("%s", exc)
         return EXIT_PEER_FAILURE if isinstance(exc, DistributedError) else EXIT_USER_ERROR
@@ -208,6 +210,8 @@ def run_self_launched(cfg: Config, argv: list[str], output: OutputFile | None) -
     first = result.first_failure
     if first is None:
         return 0
+    if first.returncode == EXIT_BROKEN_PIPE:  # rank 0's stdout was closed (| head): it ended quietly, so do we
+        return EXIT_BROKEN_PIPE
     codes = {e.returncode for e in result.exits}
     code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in codes), EXIT_PEER_FAILURE)
     said = "; see its message above" if first.returncode > 0 else ""
@@ -241,7 +245,7 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         rebuild_store(worker, specs, output, everyone)
         stream = None
         if single and cfg.run.stream and worker.is_main:
-            stream = lambda text: print(text, end="", flush=True)  # noqa: E731
+            stream = write_stdout
         report = Report(cfg, output, len(specs), len(specs) - len(todo), progress=worker.is_main and not single)
         try:
             if worker.layout is not None:
@@ -251,7 +255,7 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         finally:
             report.close_bar()
         if stream is not None:
-            print(flush=True)
+            write_stdout("\n")
         if worker.is_main:
             report.finish(worker.load_s, worker.comm.world_size, groups=cfg.parallel.groups)
         finished = True
