@@ -226,15 +226,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _run(args) -> int:
-    import torch
-
-    from lp_runner.backends.adapter import ModelAdapter
-    from lp_runner.device import synchronizer
     from lp_runner.jobs.prompts import encode, read_prompts
-    from lp_runner.jobs.worker import eos_token_ids, start_worker
-    from lp_runner.tuning.calibrate import measure_host
-    from lp_runner.tuning.costmodel import measure_curve
 
+    # everything the user gave, checked before anything is loaded or measured
     cfg = load_config(args.config, args.overrides)
     devices = parse_devices(args.devices, args.workers)
     workers = [p for _, p in splits_of(devices)] if devices else parse_workers(args.workers or "1")
@@ -242,6 +236,15 @@ def _run(args) -> int:
     specs = read_prompts(args.prompts)
     check_files(args)
     saved = read_curve(args.curve) if args.curve else None
+
+    import torch
+
+    from lp_runner.backends.adapter import ModelAdapter
+    from lp_runner.device import synchronizer
+    from lp_runner.jobs.worker import eos_token_ids, start_worker
+    from lp_runner.tuning.calibrate import measure_host
+    from lp_runner.tuning.costmodel import measure_curve
+
     solo = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=1, groups=1))
     # the tuner measures its own, finer curve: the worker needs no start-up calibration or auto preset
     solo.lookahead = dataclasses.replace(cfg.lookahead, preset="off", pad_rows=False)
