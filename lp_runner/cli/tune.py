@@ -166,8 +166,10 @@ def parse_devices(text: str | None, workers: str | None) -> int | None:
         devices = int(text)
     except ValueError:
         devices = 0
-    if not 1 <= devices <= MAX_DEVICES:
-        raise InputError(f"--devices expects one integer from 1 to {MAX_DEVICES} (devices), got {text[:40]!r}")
+    if devices < 1:
+        raise InputError(f"--devices expects one integer >= 1 (the number of devices), got {text[:40]!r}")
+    if devices > MAX_DEVICES:
+        raise InputError(f"--devices is at most {MAX_DEVICES}, got {devices}")
     return devices
 
 
