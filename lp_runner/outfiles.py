@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
 import sys
 import tempfile
@@ -122,14 +123,13 @@ def write_file(path: str | Path, data: bytes) -> None:
     existed = target.exists()
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:64]}.", suffix=".tmp")
+        tmp = target.with_name(f".{target.name[:64]}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to open()'s files
         try:
             write_all(fd, data)
             os.fsync(fd)
-            if existed:  # keep the replaced file's permissions; a new one gets the umask's, as open() would
+            if existed:  # the replaced file's permissions stay
                 os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
-            else:
-                os.fchmod(fd, 0o666 & ~_umask())
         finally:
             os.close(fd)
         os.replace(tmp, target)
@@ -153,12 +153,6 @@ def write_all(fd: int, data: bytes) -> None:
 def _target(out: Path) -> Path:
     """The file a regular write replaces: a symlink's target (the link is kept), else the path itself."""
     return Path(os.path.realpath(out)) if out.is_symlink() else out
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def write_stdout(text: str) -> None:
