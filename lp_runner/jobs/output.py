@@ -282,6 +282,7 @@ class OutputFile:
         self.fd = os.open(self.sibling, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.on_sibling = True
         write_all(self.fd, first)
+        os.fsync(self.fd)  # on disk before it replaces the old file: a crash leaves one or the other, whole
         os.replace(self.sibling, self.path)  # the old file goes only now, with a complete record in its place
         self.on_sibling = False
 
