@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 LOGGER = "lp_runner"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -81,3 +82,11 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
 def level_name() -> str:
     """The level the logger runs at now (what the driver hands its Ray actors)."""
     return logging.getLevelName(log.getEffectiveLevel())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors read as every other error of the CLI: one ``error:`` line and exit 2,
+    instead of argparse's usage block (seven lines for two conflicting flags, the error itself last)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")

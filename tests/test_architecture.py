@@ -15,7 +15,8 @@ from dist_helpers import REPO
 
 PACKAGE = REPO / "lp_runner"
 # Top to bottom: a package may import the ones after it, never one before it. Top-level modules sit where their
-# job puts them: the entry points above everything, config / errors / logs / device / collector at the bottom.
+# job puts them: the entry points above everything, config / errors / logs / device / collector / outfiles at the
+# bottom.
 LAYERS = (
     ("__main__", "cli"),
     ("api",),
@@ -24,7 +25,7 @@ LAYERS = (
     ("decoding",),
     ("parallel", "backends"),
     ("models",),
-    ("device", "config", "collector"),
+    ("device", "config", "collector", "outfiles"),
     ("logs", "errors", "__init__"),
 )
 

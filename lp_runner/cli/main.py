@@ -21,9 +21,10 @@ import sys
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
 from lp_runner.errors import DistributedError, InputError, LPError
-from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile, check_not_an_input
+from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
-from lp_runner.logs import add_log_level, log, setup_logging
+from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
+from lp_runner.outfiles import EXIT_BROKEN_PIPE, StdoutClosed, check_not_an_input, check_writable, write_stdout
 
 COMMANDS = ("run", "tune", "fetch")
 EXIT_USER_ERROR = 2
@@ -33,7 +34,7 @@ EXIT_INTERRUPTED = 130
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``run`` command's arguments (also the top level: no command means ``run``)."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m lp_runner [run]",
         description="Exact Lookahead Decoding with Lookahead Parallelism (same tokens as greedy generate).",
         epilog="other commands: 'python -m lp_runner tune -h' (choose a setting for this device and model), "
@@ -122,8 +123,7 @@ def _run(argv: list[str]) -> int:
                 if (problem := prompt_problem(spec)) is not None:
                     raise InputError(f"{spec.describe()}: {problem}")
         single = args.prompt is not None
-        if args.output is not None:
-            check_not_an_input(args.output, {"--prompts": args.prompts, "--config": args.config, **pool_files(cfg)})
+        check_outputs(cfg, args)
         if args.output is not None and int(os.environ.get("RANK", "0")) == 0:
             mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
             output = OutputFile.open(args.output, mode, cfg)  # checked and locked before anything is loaded
@@ -142,6 +142,8 @@ def _run(argv: list[str]) -> int:
             output.close(complete=code == 0)
             output = None
         return code
+    except StdoutClosed:  # | head: nothing to say, as cat says nothing; the records written stay
+        return EXIT_BROKEN_PIPE
     except LPError as exc:
         log.error("%s", exc)
         return EXIT_PEER_FAILURE if isinstance(exc, DistributedError) else EXIT_USER_ERROR
@@ -158,6 +160,20 @@ def pool_files(cfg: Config) -> dict[str, str]:
     """The job store's files a run reads or writes, by the option that names them (also ``advanced.pool_in`` /
     ``pool_out`` in a config)."""
     return {"--pool-in": cfg.run.pool_in, "--pool-out": cfg.run.pool_out}
+
+
+def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
+    """The files this run writes, before anything loads (``lp_runner.outfiles``): none may be one of its inputs
+    or the other output; ``--pool-out``'s folder must take a file (``--output`` is checked as it is opened). The
+    pool may be read from and saved to one file (it is read at the start, replaced at the end). Under Ray the
+    pool is saved by an actor, maybe on another machine: its folder is not checked here."""
+    inputs = {"--prompts": args.prompts, "--config": args.config}
+    if args.output is not None:
+        check_not_an_input(args.output, "--output", {**inputs, **pool_files(cfg)})
+    if cfg.run.pool_out:
+        check_not_an_input(cfg.run.pool_out, "--pool-out", inputs)
+        if cfg.parallel.backend != "ray" and int(os.environ.get("RANK", "0")) == 0:
+            check_writable(cfg.run.pool_out, "--pool-out")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -194,6 +210,8 @@ def run_self_launched(cfg: Config, argv: list[str], output: OutputFile | None) -
     first = result.first_failure
     if first is None:
         return 0
+    if first.returncode == EXIT_BROKEN_PIPE:  # rank 0's stdout was closed (| head): it ended quietly, so do we
+        return EXIT_BROKEN_PIPE
     codes = {e.returncode for e in result.exits}
     code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in codes), EXIT_PEER_FAILURE)
     said = "; see its message above" if first.returncode > 0 else ""
@@ -227,7 +245,7 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         rebuild_store(worker, specs, output, everyone)
         stream = None
         if single and cfg.run.stream and worker.is_main:
-            stream = lambda text: print(text, end="", flush=True)  # noqa: E731
+            stream = write_stdout
         report = Report(cfg, output, len(specs), len(specs) - len(todo), progress=worker.is_main and not single)
         try:
             if worker.layout is not None:
@@ -237,7 +255,7 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         finally:
             report.close_bar()
         if stream is not None:
-            print(flush=True)
+            write_stdout("\n")
         if worker.is_main:
             report.finish(worker.load_s, worker.comm.world_size, groups=cfg.parallel.groups)
         finished = True

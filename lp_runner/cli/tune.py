@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
+import signal
 from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
@@ -31,11 +33,27 @@ import yaml
 
 from lp_runner.config import Config, LookaheadConfig, load_config
 from lp_runner.decoding.layout import max_round_rows
-from lp_runner.errors import InputError, LPError
-from lp_runner.logs import add_log_level, log, setup_logging
+from lp_runner.errors import InputError, LPError, first_line
+from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
+from lp_runner.outfiles import check_not_an_input, check_writable, is_stream, write_file
 from lp_runner.tuning.costmodel import CostCurve
 from lp_runner.tuning.search import MIN_GAIN, SPACE, Scored, TuneResult, describe, tune
 from lp_runner.tuning.split import ASSUMPTION, Split, highest_throughput, lowest_latency, split_table, splits_of
+
+EXIT_USER_ERROR = 2  # as ``run`` (cli/main.py)
+EXIT_INTERRUPTED = 130
+MAX_WORKERS = 1024  # parallel.workers' own bound
+MAX_DEVICES = 1 << 16  # --devices: P runs over its divisors (a loop up to N)
+# Numeric options -> (lowest, highest) allowed. --reps: each curve point's repetitions (one at least, for its
+# median); --passes: coordinate-search passes; --max-new-tokens as generation.max_new_tokens; --min-gain a
+# fraction of the time per token; --allgather-us at most 10 s a round.
+RANGES = {
+    "--max-new-tokens": (1, 1_000_000),
+    "--reps": (1, 1000),
+    "--passes": (1, 100),
+    "--min-gain": (0.0, 0.99),
+    "--allgather-us": (0.0, 1e7),
+}
 
 
 def tuned_config(base: Config, result: TuneResult, devices: int | None = None) -> Config:
@@ -70,7 +88,8 @@ def split_lines(result: TuneResult, table: Sequence[Split]) -> list[str]:
 
 def write_config(cfg: Config, result: TuneResult, path: Path, header: Sequence[str]) -> None:
     """A complete config (every key, so it does not depend on later changes of defaults) with the why on top.
-    The setting is written with ``preset: off``: a tuned setting is a preset of its own, to be run as written."""
+    The setting is written with ``preset: off``: a tuned setting is a preset of its own, to be run as written.
+    Written as every output is (``outfiles.write_file``): an interruption or a full disk leaves the old file."""
     d = cfg.to_user_dict()
     d["lookahead"]["preset"] = "off"
     lines = [f"# {h}" for h in header]
@@ -79,18 +98,18 @@ def write_config(cfg: Config, result: TuneResult, path: Path, header: Sequence[s
         f"(tokens/forward {result.best.tokens_per_forward:.2f}, rows {result.best.mean_rows:.1f}); "
         f"base config: {result.base.ms_per_token:.2f} ms/token"
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n" + yaml.safe_dump(d, sort_keys=False))
+    write_file(path, ("\n".join(lines) + "\n" + yaml.safe_dump(d, sort_keys=False)).encode("utf-8"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m lp_runner tune",
         description="Pick lookahead settings that minimise predicted time per token on this device.",
     )
     p.add_argument("--config", help="base YAML config (its model, device and threads are used)")
     p.add_argument("--prompts", required=True, help="calibration prompts (JSONL); keep them apart from test prompts")
     p.add_argument("--output", required=True, help="where to write the tuned YAML config")
+    p.add_argument("--overwrite", action="store_true", help="--output exists: replace it (once the tune is done)")
     p.add_argument("--report", help="also write every evaluated setting to this JSON file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per calibration prompt")
@@ -130,9 +149,9 @@ def parse_workers(text: str) -> list[int]:
     try:
         workers = sorted({int(x) for x in text.split(",")})
     except ValueError:
-        raise InputError(f"--workers expects comma-separated integers, got {text!r}") from None
-    if not workers or workers[0] < 1:
-        raise InputError(f"--workers values must be >= 1, got {text!r}")
+        raise InputError(f"--workers expects comma-separated integers, got {text[:40]!r}") from None
+    if not workers or workers[0] < 1 or workers[-1] > MAX_WORKERS:
+        raise InputError(f"--workers values must be from 1 to {MAX_WORKERS} (parallel.workers), got {text[:40]!r}")
     return workers
 
 
@@ -148,36 +167,86 @@ def parse_devices(text: str | None, workers: str | None) -> int | None:
     except ValueError:
         devices = 0
     if devices < 1:
-        raise InputError(f"--devices expects one integer >= 1 (the number of devices), got {text!r}")
+        raise InputError(f"--devices expects one integer >= 1 (the number of devices), got {text[:40]!r}")
+    if devices > MAX_DEVICES:
+        raise InputError(f"--devices is at most {MAX_DEVICES}, got {devices}")
     return devices
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric option in its range (``RANGES``), one ``error:`` line before anything is loaded or measured:
+    ``--reps 0`` would leave a curve point without a measurement, ``--min-gain nan`` a search that never moves."""
+    for name, (low, high) in RANGES.items():
+        value = getattr(args, name.lstrip("-").replace("-", "_"))
+        if not (math.isfinite(value) and low <= value <= high):
+            raise InputError(f"{name} must be from {low:g} to {high:g}, got {value!r}")
+
+
+def check_files(args: argparse.Namespace) -> None:
+    """The files tune writes, before it loads or measures anything (``lp_runner.outfiles``): none is one of its
+    inputs or another of its outputs, each folder takes a file, and an existing ``--output`` needs
+    ``--overwrite`` (as ``run`` asks for its records)."""
+    inputs = {"--prompts": args.prompts, "--config": args.config, "--curve": args.curve}
+    written = {"--output": args.output, "--save-curve": args.save_curve, "--report": args.report}
+    given = [(option, path) for option, path in written.items() if path]
+    for i, (option, path) in enumerate(given):
+        check_not_an_input(path, option, {**inputs, **dict(given[:i])})
+        check_writable(path, option)
+    out = Path(args.output)
+    if not args.overwrite and out.exists() and not is_stream(out):
+        raise InputError(f"--output {out} already exists; give --overwrite to replace it or choose another file")
+
+
+def read_curve(path: str) -> CostCurve:
+    """``--curve``: a cost curve saved by ``--save-curve``, read before the model loads."""
+    try:
+        return CostCurve.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"cannot read cost curve {path}: {first_line(exc)}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``tune``: 0, 2 for an ``LPError`` (one line), 130 interrupted (Ctrl-C or SIGTERM: one line; the output is
+    written only at the end, atomically, so the old file stays)."""
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return _run(args)
     except LPError as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        log.error("interrupted; --output was not written")
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(args) -> int:
+    from lp_runner.jobs.prompts import encode, read_prompts
+
+    # everything the user gave, checked before anything is loaded or measured
+    cfg = load_config(args.config, args.overrides)
+    devices = parse_devices(args.devices, args.workers)
+    workers = [p for _, p in splits_of(devices)] if devices else parse_workers(args.workers or "1")
+    check_numbers(args)
+    specs = read_prompts(args.prompts)
+    check_files(args)
+    saved = read_curve(args.curve) if args.curve else None
+
     import torch
 
     from lp_runner.backends.adapter import ModelAdapter
     from lp_runner.device import synchronizer
-    from lp_runner.jobs.prompts import encode, read_prompts
     from lp_runner.jobs.worker import eos_token_ids, start_worker
     from lp_runner.tuning.calibrate import measure_host
     from lp_runner.tuning.costmodel import measure_curve
 
-    cfg = load_config(args.config, args.overrides)
-    devices = parse_devices(args.devices, args.workers)
-    workers = [p for _, p in splits_of(devices)] if devices else parse_workers(args.workers or "1")
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    specs = read_prompts(args.prompts)
     solo = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=1, groups=1))
     # the tuner measures its own, finer curve: the worker needs no start-up calibration or auto preset
     solo.lookahead = dataclasses.replace(cfg.lookahead, preset="off", pad_rows=False)
@@ -188,11 +257,8 @@ def _run(args) -> int:
     gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens)
     say = log.info  # progress lines, to stderr (--log-level)
 
-    if args.curve:
-        try:
-            curve = CostCurve.from_dict(json.loads(Path(args.curve).read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"cannot read cost curve {args.curve}: {exc}") from None
+    if saved is not None:
+        curve = saved
     else:
         rows = curve_rows(SPACE, cfg.lookahead)
         kv = sorted({min(len(p) for p in prompts), max(len(p) for p in prompts) + args.max_new_tokens})
@@ -203,7 +269,7 @@ def _run(args) -> int:
         curve = dataclasses.replace(curve, host=measure_host(adapter))
     say(f"host time per round: {1e6 * curve.host.round_s:.0f} us + {1e6 * curve.host.row_s:.1f} us per row")
     if args.save_curve and not args.curve:
-        Path(args.save_curve).write_text(json.dumps(curve.to_dict(), indent=2))
+        write_file(args.save_curve, json.dumps(curve.to_dict(), indent=2).encode("utf-8"))
     say(f"calibrating on {len(prompts)} prompts x {args.max_new_tokens} tokens")
     result = tune(
         adapter,
@@ -265,7 +331,7 @@ def _run(args) -> int:
             ]
             report["lowest_latency"] = lowest_latency(table).to_dict()
             report["highest_throughput"] = highest_throughput(table).to_dict()
-        Path(args.report).write_text(json.dumps(report, indent=2))
+        write_file(args.report, json.dumps(report, indent=2).encode("utf-8"))
     say(f"base:  {describe(result.base.lookahead)}  {result.base.ms_per_token:.2f} ms/token (predicted)")
     say(f"tuned: {describe(result.best.lookahead)}  P={result.best.workers}  {result.best.ms_per_token:.2f} ms/token")
     for line in split_lines(result, table) if table else []:

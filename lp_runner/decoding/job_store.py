@@ -20,10 +20,8 @@ a Ray recovery rebuilds it from the records already written.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import json
-import os
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +29,7 @@ from pathlib import Path
 from lp_runner.decoding.pool import Suffix
 from lp_runner.decoding.sources import Feedback, Proposal, adapt_length
 from lp_runner.errors import InputError
+from lp_runner.outfiles import write_file
 
 MAX_KEY = 3  # longest k-gram key (match length), as the context index's default
 SCAN = 64  # most recent occurrences of a key read per lookup: the lookup's cost bound
@@ -154,8 +153,8 @@ class JobPool:
     def save(self, path: str | Path, tokenizer_fingerprint: str) -> None:
         """A versioned JSON file: the stored sequences, oldest first (loading re-adds them: the same store).
 
-        Written beside the file and renamed over it: a failed write (a full disk) leaves the old file as it was,
-        and is a one-line InputError."""
+        Written as every output is (``outfiles.write_file``): beside the file and renamed over it, so a failed
+        write (a full disk) leaves the old file as it was and is a one-line OutputError."""
         data = {
             "format": FORMAT,
             "version": VERSION,
@@ -164,15 +163,7 @@ class JobPool:
             "generations": self.generations,
             "sequences": [list(s) for s in self._seqs],
         }
-        p = Path(path)
-        staged = p.with_name(p.name + ".new")
-        try:
-            staged.write_text(json.dumps(data, separators=(",", ":")), encoding="utf-8")
-            os.replace(staged, p)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                staged.unlink()
-            raise InputError(f"cannot write pool file {p} ({exc.strerror or exc})") from None
+        write_file(path, json.dumps(data, separators=(",", ":")).encode("utf-8"))
 
     def load(self, path: str | Path, tokenizer_fingerprint: str, vocab_size: int | None = None) -> None:
         """Add a saved store's sequences (oldest first); a file of another format, version or tokenizer, a

@@ -8,6 +8,10 @@ Every launcher writes through ``OutputFile`` (a plain process, torchrun's rank 0
   names the holder's pid. The kernel drops the lock when its holder dies, even by ``kill -9``.
 - A new file (``new`` or ``overwrite``) is written as the sibling ``OUT.new`` and renamed over ``OUT`` when its
   first record is complete: a run that fails before that leaves the old file as it was.
+- ``OUT`` follows the rule of every file a run writes (``lp_runner.outfiles``): refused when it is one of the
+  run's inputs, its folder checked writable before anything loads, a symlink's target written (the link kept).
+  An existing ``OUT`` that is not a regular file (``/dev/null``, a FIFO, ``/proc/self/fd/1``) is written in place,
+  without lock or rename (it cannot be resumed): renaming over it would replace the node.
 - ``resume`` keeps every complete record, drops a torn last line (a kill in the middle of a write) and appends
   the prompts whose id has no record yet. Records carry ``config_digest`` and ``weights_checksum``; a resume with
   other settings or other weights is refused, naming what differs. Their ``run`` field (the whole config,
@@ -27,14 +31,15 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lp_runner.backends import record_settings
 from lp_runner.config import Config, user_key
-from lp_runner.errors import InputError, LPError
+from lp_runner.errors import InputError
+from lp_runner.outfiles import OutputError, check_writable, is_stream, write_all
 
 MODES = ("new", "resume", "overwrite")
 LOCK_SUFFIX = ".lock"
@@ -46,10 +51,6 @@ LOCK_HOLDER_ENV = "LP_RUNNER_OUTPUT_LOCK_HOLDER"
 # ``backends.record_settings``).
 _NOT_IN_DIGEST = {"model": ("threads", "cache_dir", "allow_pickle")}
 _DIGEST_SECTIONS = ("model", "lookahead", "generation")
-
-
-class OutputError(LPError):
-    """The output cannot be written (disk full, I/O error, quota): what is on disk, and how to go on."""
 
 
 def output_settings(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -166,8 +167,9 @@ class OutputLock:
 class OutputFile:
     """The run's JSONL sink. ``open`` checks and locks before any weights are loaded; ``write`` appends records."""
 
-    def __init__(self, path: Path, mode: str, cfg: Config, existing: Scan, lock: OutputLock) -> None:
+    def __init__(self, path: Path, mode: str, cfg: Config, existing: Scan, lock: OutputLock | None) -> None:
         self.path = path
+        self.stream = lock is None  # not a regular file: written in place, never locked, renamed or truncated
         self.mode = mode
         self.digest = output_digest(cfg)
         self.settings = output_settings(cfg)
@@ -184,7 +186,12 @@ class OutputFile:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         out = Path(path)
-        _check_path(out)
+        check_writable(out, "output file")
+        if is_stream(out):
+            if mode == "resume":
+                raise InputError(f"--resume needs a regular output file; {out} is a device, FIFO or socket")
+            return cls(out, mode, cfg, Scan(), None)
+        out = Path(os.path.realpath(out)) if out.is_symlink() else out  # the link's target is the file
         lock = OutputLock(out)
         try:
             lock.acquire(out)
@@ -255,22 +262,27 @@ class OutputFile:
             if self.fd is None:
                 self._begin(data)
             else:
-                _write_all(self.fd, data)
+                write_all(self.fd, data)
         except OSError as exc:
             raise self._failed(exc) from None
         self.good_bytes += len(data)
         self.written += 1
 
     def _begin(self, first: bytes) -> None:
+        if self.stream:
+            self.fd = os.open(self.path, os.O_WRONLY)
+            write_all(self.fd, first)
+            return
         if self.mode == "resume" and self.path.exists():
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             os.ftruncate(self.fd, self.existing.good_bytes)  # drop a torn last line
             self.good_bytes = self.existing.good_bytes
-            _write_all(self.fd, first)
+            write_all(self.fd, first)
             return
         self.fd = os.open(self.sibling, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.on_sibling = True
-        _write_all(self.fd, first)
+        write_all(self.fd, first)
+        os.fsync(self.fd)  # on disk before it replaces the old file: a crash leaves one or the other, whole
         os.replace(self.sibling, self.path)  # the old file goes only now, with a complete record in its place
         self.on_sibling = False
 
@@ -284,13 +296,16 @@ class OutputFile:
                 self.sibling.unlink()
             kept = "the existing file is unchanged" if self.path.exists() else "nothing was written"
             return OutputError(f"cannot write {self.sibling} ({reason}); {kept}")
+        held = len(self.existing.records) + self.written  # complete records in the file
+        if self.stream:
+            self._close_fd()
+            return OutputError(f"cannot write {self.path} ({reason}); {held} records written to it")
         torn = ""
         if self.fd is not None:
             try:
                 os.ftruncate(self.fd, self.good_bytes)
             except OSError as cut:
                 torn = f"; its last line is torn ({cut.strerror or cut}), --resume drops it"
-        held = len(self.existing.records) + self.written  # complete records in the file
         return OutputError(f"cannot write {self.path} ({reason}); {held} records written{torn}, resume with --resume")
 
     def _close_fd(self) -> None:
@@ -308,49 +323,9 @@ class OutputFile:
                 with open(self.path, "r+b") as f:
                     if os.fstat(f.fileno()).st_size == self.existing.size:  # not appended to by our ranks
                         f.truncate(self.existing.good_bytes)
-            with contextlib.suppress(FileNotFoundError):
-                self.sibling.unlink()
+            if not self.stream:
+                with contextlib.suppress(FileNotFoundError):
+                    self.sibling.unlink()
         finally:
-            self.lock.release()
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """``os.write`` until every byte is written (a write may take fewer; an OSError propagates)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def check_not_an_input(output: str | Path, inputs: Mapping[str, str | Path | None]) -> None:
-    """Refuse an output path that is one of the run's own files (``inputs``: the option that names each, e.g.
-    ``"--prompts"``, -> its path): records written over the prompts or the config would destroy what the run reads
-    (``--overwrite`` replaces the file once the first record is ready; ``--resume`` would refuse it as "not an
-    lp_runner record" only after the model loaded). Compared by resolved path, and by device and inode where both
-    exist (a hard link, a bind mount)."""
-    out = Path(output)
-    for what, path in inputs.items():
-        if not path:
-            continue
-        same = out.resolve() == Path(path).resolve()
-        if not same and out.exists() and Path(path).exists():
-            with contextlib.suppress(OSError):
-                same = os.path.samefile(out, path)
-        if same:
-            raise InputError(f"--output {output} is the same file as {what} {path}; write the records to another file")
-
-
-def _check_path(out: Path) -> None:
-    """One-line errors for an output path that cannot be a file; creates missing parent folders."""
-    if out.is_dir():
-        raise InputError(f"output path {out} is a folder; give a file name (e.g. {out / 'records.jsonl'})")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise InputError(f"cannot write output file {out}: {parent} is a file, not a folder")
-            break
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"cannot write output file {out}: {exc.strerror or exc}") from None
-    if not os.access(out.parent, os.W_OK):
-        raise InputError(f"cannot write output file {out}: folder {out.parent} is not writable")
+            if self.lock is not None:
+                self.lock.release()

