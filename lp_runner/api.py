@@ -125,7 +125,7 @@ def _adapter_for(model: PreTrainedModel) -> ModelAdapter:
     """The model's adapter, made on its first call and reused by the later ones while the model's device, dtype
     and attention stay as they were (else made anew).
 
-    Making one runs a probe forward, and on a GPU it owns the K/V arena its rounds replay graphs on: a new adapter
+    Making one runs a probe forward, and on a GPU it owns the K/V buffers its rounds replay graphs on: a new adapter
     per call paid both on every call. It lives on the model itself, as transformers keeps a static cache on the
     model (``GenerationMixin._cache``): a table keyed by the model would keep it alive through the adapter's own
     reference to it, while model -> adapter -> model is a cycle the collector frees with the model."""

@@ -334,8 +334,8 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None, 
     (when it has no record, or on ``--recalibrate``), which is what ``auto`` decides from next time; each row
     bucket's capture seconds go to the job's records (``CompileChoice.capture_s``). ``arena_tokens``: the K/V
     positions the job's longest generation can hold (``LookaheadEngine.capacity``); the warm-up compiles and
-    captures on an arena of that size, the one the job's rounds then run on, so no prompt of the job regrows it
-    mid-generation (a new arena means every captured graph recorded again, while the other ranks wait)."""
+    captures on K/V buffers of that size, the one the job's rounds then run on, so no prompt of the job regrows it
+    mid-generation (new buffers mean every captured graph recorded again, while the other ranks wait)."""
     mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
     if mode == "off":
         return CompileChoice(mode, False, "off")
