@@ -23,6 +23,7 @@ from lp_runner.config import Config, load_config
 from lp_runner.errors import DistributedError, InputError, LPError
 from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile, check_not_an_input
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
+from lp_runner.limits import check_path_text
 from lp_runner.logs import add_log_level, log, setup_logging
 
 COMMANDS = ("run", "tune", "fetch")
@@ -112,6 +113,7 @@ def _run(argv: list[str]) -> int:
         if args.prompt is not None:
             specs = [PromptSpec(id="prompt", prompt=args.prompt, where="--prompt")]
         elif args.prompts is not None:
+            check_path_text("--prompts", args.prompts)
             specs = read_prompts(args.prompts)
         else:
             raise InputError("give --prompt TEXT or --prompts FILE.jsonl")

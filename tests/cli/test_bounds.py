@@ -1,0 +1,175 @@
+"""Every input has a bound that fails in one line: values of absurd size, YAML aliases, over-long paths, repeated
+keys, run for real (``python -m lp_runner`` in a subprocess).
+
+Each case ends with exit 2 and one short ``error:`` line, no traceback, before any model is loaded (so these are
+fast). The bounds themselves are listed in docs/design.md 9.6.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_helpers import REPO
+
+from lp_runner.config import load_config
+from lp_runner.errors import ConfigError
+from lp_runner.limits import MAX_YAML_NODES, QUOTE_CHARS, check_path_text, quote
+
+MAX_LINE = 400  # an error line that quotes a value shows at most QUOTE_CHARS of it
+
+
+# Runs the CLI as ``python -m lp_runner`` does and writes its peak resident memory (VmHWM: this program's own,
+# whereas a child's ru_maxrss also counts the test process it was forked from) to the file $PEAK_FILE.
+_WITH_PEAK = """
+import atexit, os, runpy, sys
+def peak():
+    with open("/proc/self/status") as status, open(os.environ["PEAK_FILE"], "w") as out:
+        out.write(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+atexit.register(peak)
+sys.argv[0] = "lp_runner"
+runpy.run_module("lp_runner", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_cli(*args: str, peak_file: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m lp_runner ARGS``; with ``peak_file``, its peak resident memory (KiB) is written there."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    command = ["-m", "lp_runner"] if peak_file is None else ["-c", _WITH_PEAK]
+    if peak_file is not None:
+        env["PEAK_FILE"] = str(peak_file)
+    return subprocess.run(
+        [sys.executable, *command, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
+
+
+def assert_one_line(proc: subprocess.CompletedProcess, fragment: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[:2000])
+    assert "Traceback" not in proc.stderr, proc.stderr[:2000]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr[:2000]
+    assert lines[0].startswith("error: ") and fragment in lines[0], lines[0][:2000]
+    assert len(lines[0]) < MAX_LINE, lines[0][:2000]
+    return lines[0]
+
+
+def _bomb(levels: int) -> str:
+    """A billion-laughs config: each level a list of nine aliases of the one before (9**levels values)."""
+    names = [f"l{i}" for i in range(levels)]
+    rows = ["model:", f"  path: [&{names[0]} [lol, lol, lol, lol, lol, lol, lol, lol, lol],"]
+    rows += [f"    &{names[i]} [{', '.join(['*' + names[i - 1]] * 9)}]," for i in range(1, levels)]
+    return "\n".join([*rows, f"    *{names[-1]}]"]) + "\n"
+
+
+def test_an_alias_bomb_is_refused_before_it_is_expanded_or_echoed(tmp_path: Path) -> None:
+    """9**6 values from a ~400-byte file: refused by its expanded size while composing, so the error line and the
+    process stay small (the config would otherwise be echoed whole in 'model.path must be a string, got ...')."""
+    config = tmp_path / "bomb.yaml"
+    config.write_text(_bomb(6))
+    assert config.stat().st_size < 500 and MAX_YAML_NODES < 9**6
+    proc = run_cli("--prompt", "hi", "--config", str(config), peak_file=tmp_path / "peak")
+    assert_one_line(proc, "values once its aliases are expanded")
+    assert len(proc.stderr) < 1024
+    peak_kib = int((tmp_path / "peak").read_text())
+    assert 0 < peak_kib < 200 * 1024, peak_kib  # the interpreter and PyYAML: the expansion was never built
+
+
+def test_an_alias_bomb_in_a_set_value_and_a_recursive_alias(tmp_path: Path) -> None:
+    bomb = "[&a [x,x,x,x,x,x,x,x,x,x], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], "
+    bomb += "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c], [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]]"
+    assert_one_line(run_cli("--prompt", "hi", "--set", f"model.path={bomb}"), "--set model.path: more than")
+    config = tmp_path / "loop.yaml"
+    config.write_text("model:\n  path: &a [1, *a]\n")
+    assert_one_line(run_cli("--prompt", "hi", "--config", str(config)), "loop.yaml:2: a recursive alias")
+    # a few aliases are fine: a config may share a value
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("generation:\n  max_new_tokens: &n 12\nlookahead:\n  window_size: *n\n")
+    cfg = load_config(shared)
+    assert cfg.generation.max_new_tokens == cfg.lookahead.window_size == 12
+
+
+@pytest.mark.parametrize(
+    ("where", "digits", "fragment"),
+    [
+        ("set", 5000, "--set generation.max_new_tokens: a value of 5000 characters, more than any setting holds"),
+        ("set", 200, "--set generation.max_new_tokens: an integer of 200 digits, more than any setting takes"),
+        ("yaml", 5000, "big.yaml:2: an integer of 5000 digits, more than any setting takes (100)"),
+    ],
+)
+def test_an_integer_of_thousands_of_digits(tmp_path: Path, where: str, digits: int, fragment: str) -> None:
+    """Python refuses to parse past 4300 digits, inside PyYAML's constructor: a traceback before this bound."""
+    number = "9" * digits
+    if where == "set":
+        proc = run_cli("--prompt", "hi", "--set", f"generation.max_new_tokens={number}")
+    else:
+        (tmp_path / "big.yaml").write_text(f"generation:\n  max_new_tokens: {number}\n")
+        proc = run_cli("--prompt", "hi", "--config", str(tmp_path / "big.yaml"))
+    assert_one_line(proc, fragment)
+
+
+def test_a_quoted_integer_string_is_echoed_by_its_size() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"generation.max_new_tokens='{'9' * 4000}'"])
+    assert str(info.value).endswith("got <an integer of 4000 digits>"), str(info.value)[:500]
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("a" * 300, "model.path has a file or folder name of 300 bytes, longer than the system takes (255)"),
+        ("a" * 100_000, "--set model.path: a value of 100000 characters, more than any setting holds (4096)"),
+        ("é/" * 1400, "model.path is a path of 4200 bytes, longer than the system takes (4095)"),
+        ("", "model.path is empty: give a model folder"),
+        ("  ", "model.path is empty: give a model folder"),
+    ],
+    ids=["300-name", "100-KB", "4200-path", "empty", "blank"],
+)
+def test_model_path_too_long_or_empty(value: str, fragment: str) -> None:
+    """A name past 255 bytes failed in os.stat with 'File name too long' (a traceback); an empty model.path ran
+    the embedded model without a word."""
+    assert_one_line(run_cli("--prompt", "hi", "--set", f"model.path={value}"), fragment)
+
+
+def test_over_long_input_paths_and_keys(tmp_path: Path) -> None:
+    long_name = str(tmp_path / ("c" * 300))
+    assert_one_line(run_cli("--prompt", "hi", "--config", long_name), "--config has a file or folder name of 300")
+    assert_one_line(run_cli("--prompts", long_name), "--prompts has a file or folder name of 300 bytes")
+    line = assert_one_line(run_cli("--prompt", "hi", "--set", "k" * 100_000 + "=1"), "unknown config key 'kkk")
+    assert "(100000 characters)" in line
+    too_big = tmp_path / "huge.yaml"
+    too_big.write_text("# padding\n" * 200_000)
+    assert_one_line(run_cli("--prompt", "hi", "--config", str(too_big)), "more than a config holds (1048576)")
+
+
+def test_a_key_set_twice_on_the_command_line_is_refused() -> None:
+    """As a key given twice in a YAML file is: the first value would be dropped without a word."""
+    proc = run_cli("--prompt", "hi", "--set", "lookahead.window_size=16", "--set", "lookahead.window_size=32")
+    assert_one_line(proc, "lookahead.window_size is given twice on the command line (16, then 32); give each key")
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("abc", "'abc'"),
+        ("a" * 300, "'" + "a" * QUOTE_CHARS + "...' (300 characters)"),
+        (10**5000, "<an integer of 5001 digits>"),
+        (12345, "12345"),
+        ([[1, 2]] * 100, "[[1, 2], [1, 2], [1, 2], [1, 2], ...]"),
+        ({"k": "v" * 100}, "{'k': '" + "v" * QUOTE_CHARS + "...' (100 characters)}"),
+        (float("nan"), "nan"),
+    ],
+    ids=["short", "long-string", "huge-int", "int", "nested-list", "dict", "nan"],
+)
+def test_quote_shows_a_short_prefix(value: object, shown: str) -> None:
+    assert quote(value) == shown
+
+
+def test_check_path_text_takes_what_the_system_takes() -> None:
+    check_path_text("x", "/" + "/".join(["n" * 255] * 15))  # 255-byte names, 3855 bytes in all
+    with pytest.raises(ConfigError, match="of 256 bytes"):
+        check_path_text("x", "n" * 256)
+    with pytest.raises(ConfigError, match="of 258 bytes"):
+        check_path_text("x", "é" * 129)  # bytes, not characters
