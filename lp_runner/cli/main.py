@@ -13,10 +13,12 @@ exit 2 here, not a failure of every rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import time
 
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
@@ -146,6 +148,7 @@ def _run(argv: list[str]) -> int:
         return code
     except LPError as exc:
         log.error("%s", exc)
+        tell_launcher(f"error: {exc}")
         return EXIT_PEER_FAILURE if isinstance(exc, DistributedError) else EXIT_USER_ERROR
     except KeyboardInterrupt:
         log.error("interrupted")
@@ -160,6 +163,24 @@ def pool_files(cfg: Config) -> dict[str, str]:
     """The job store's files a run reads or writes, by the option that names them (also ``advanced.pool_in`` /
     ``pool_out`` in a config)."""
     return {"--pool-in": cfg.run.pool_in, "--pool-out": cfg.run.pool_out}
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun: this rank's ``error:`` line in the error file its agent reads (TORCHELASTIC_ERROR_FILE).
+
+    torchrun ends every job with a failed rank the same way, whatever the rank's exit code: its own
+    ``ChildFailedError`` traceback and exit 1 (``torch.distributed.launcher.api.launch_agent`` raises it for any
+    non-zero exit; nothing the ranks do changes that, short of exiting 0, which would call a failed job a success).
+    With this file its report's "Root Cause" names the rank's line ("traceback : error: prompt 'a' ...") and its
+    exit code (2: input, 3: a failed peer) instead of a link to the elastic docs. Elsewhere (the variable unset,
+    as under ``parallel.workers`` started by this CLI, which reports the ranks' own exit codes) nothing is written."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # the format torch's own error handler writes (``ErrorHandler.record_exception``), the line as the "traceback"
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:  # the line is on stderr already
+        json.dump(record, f)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -7,7 +7,9 @@ fast). The bounds themselves are listed in docs/design.md 9.6.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -203,3 +205,35 @@ def test_check_threads(threads: int, ranks: int | None, cores: int, outcome: str
         return
     warning = check_threads(threads, ranks, cores)
     assert warning == outcome if outcome is None else warning.startswith(outcome)
+
+
+def test_an_error_line_goes_to_the_launchers_error_file(tmp_path: Path) -> None:
+    """torchrun gives each rank TORCHELASTIC_ERROR_FILE; the rank's line goes there, in torch's own format."""
+    error_file = tmp_path / "error.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lp_runner", "--prompt", "hi", "--set", "lookahead.ngram_size=2"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    line = assert_one_line(proc, "lookahead.ngram_size (N) must be >= 3")
+    message = json.loads(error_file.read_text())["message"]
+    assert message["message"] == message["extraInfo"]["py_callstack"] == line
+
+
+@pytest.mark.slow
+def test_a_bad_prompt_under_torchrun_is_named_in_its_report(tmp_path: Path) -> None:
+    """Every rank finds the empty prompt and exits 2 with its line. torchrun itself ends any job with a failed rank
+    in its ChildFailedError traceback and exit 1, whatever the ranks' codes (launcher/api.py raises it for any
+    non-zero exit): its report's Root Cause then shows the rank's line and exit code 2, not a link to the docs."""
+    from dist_helpers import env_with_repo, torchrun_cmd
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": ""}) + "\n")
+    command = torchrun_cmd(2, "--prompts", str(prompts), "--set", "model.threads=1")
+    proc = subprocess.run(command, capture_output=True, text=True, env=env_with_repo(), timeout=300)
+    assert proc.returncode == 1, proc.stderr  # torchrun's own code for any failed rank
+    ranks = re.findall(r"^error: \[rank (\d)\] prompt 'a' \(\S*p\.jsonl:1\): empty prompt", proc.stderr, re.M)
+    assert ranks and set(ranks) <= {"0", "1"}, proc.stderr
+    root = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert re.search(r"exitcode\s*: 2 ", root), root
+    assert re.search(r"traceback : error: prompt 'a' \(\S*p\.jsonl:1\): empty prompt: at least one token", root), root
