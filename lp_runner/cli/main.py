@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
@@ -27,6 +28,9 @@ from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile, check_not_an_inpu
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
 from lp_runner.limits import check_path_text
 from lp_runner.logs import add_log_level, log, setup_logging
+
+if TYPE_CHECKING:
+    from lp_runner.cli.launch import RankExit
 
 COMMANDS = ("run", "tune", "fetch")
 EXIT_USER_ERROR = 2
@@ -219,9 +223,26 @@ def run_self_launched(cfg: Config, argv: list[str], output: OutputFile | None) -
         return 0
     codes = {e.returncode for e in result.exits}
     code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in codes), EXIT_PEER_FAILURE)
-    said = "; see its message above" if first.returncode > 0 else ""
-    log.error("LP workers failed (exit code %d): worker rank %d %s first%s", code, first.rank, first.describe(), said)
+    log.error("LP workers failed (exit code %d): %s", code, failure_story(first, result.stopped))
     return code
+
+
+def failure_story(first: RankExit, stopped: list[int]) -> str:
+    """Which rank ended the job, honestly: the first to end, unless it ended because a peer stopped answering
+    (exit 3) and a rank was found stopped (SIGSTOP, a debugger) at that moment: then the stopped rank is why.
+
+    ``failure_story(RankExit(1, -9), [])`` -> "worker rank 1 was killed by SIGKILL first";
+    ``failure_story(RankExit(1, 3), [0])`` -> "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped
+    answering; worker rank 1 gave up waiting for it (see its message above)"."""
+    said = "; see its message above" if first.returncode > 0 else ""
+    if first.returncode == EXIT_PEER_FAILURE and stopped:
+        ranks = " and ".join(str(r) for r in stopped)
+        one = len(stopped) == 1
+        return (
+            f"worker rank {ranks} {'was' if one else 'were'} stopped (SIGSTOP or a debugger) and stopped answering; "
+            f"worker rank {first.rank} gave up waiting for {'it' if one else 'them'} (see its message above)"
+        )
+    return f"worker rank {first.rank} {first.describe()} first{said}"
 
 
 # ---------------------------------------------------------------- this process runs the prompts
