@@ -25,8 +25,8 @@ MAX_VALUE_CHARS = 4096  # a setting's text (PATH_MAX: no path, name or address a
 MAX_PATH_BYTES = 4095  # a path the kernel takes (PATH_MAX 4096 with its terminating NUL)
 MAX_NAME_BYTES = 255  # one file or folder name (NAME_MAX on Linux filesystems)
 MAX_INT_DIGITS = 100  # an integer setting's digits (the largest bound is 9 digits; a seed fits in 20)
-MAX_YAML_NODES = 10_000  # values in one YAML document once its aliases are expanded (a full config has ~150)
-MAX_CONFIG_BYTES = 1 << 20  # a config file (the full config written out is about 2 KB)
+MAX_YAML_NODES = 10_000  # values in a YAML document, its aliases expanded (the full config written out: 125)
+MAX_CONFIG_BYTES = 1 << 20  # a config file (the full config written out is 1.1 KB)
 
 
 class _ShortRepr(reprlib.Repr):

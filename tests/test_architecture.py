@@ -25,7 +25,7 @@ LAYERS = (
     ("parallel", "backends"),
     ("models",),
     ("device", "config", "collector"),
-    ("logs", "errors", "__init__"),
+    ("logs", "errors", "limits", "__init__"),
 )
 
 
