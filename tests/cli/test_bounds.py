@@ -261,3 +261,10 @@ def test_a_half_precision_run_says_what_its_output_is_exact_to(tiny_dir: Path) -
     ], half.stderr
     full = run_cli(*args)
     assert full.returncode == 0 and "may differ" not in full.stderr, full.stderr
+
+
+def test_a_long_prompt_id_is_quoted_by_its_start(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x" * 100_000, "prompt": ""}) + "\n")
+    line = assert_one_line(run_cli("--prompts", str(prompts)), "(100000 characters) (")
+    assert line.endswith("p.jsonl:1): empty prompt: at least one token is needed"), line
