@@ -287,7 +287,8 @@ def calibrate(
 ) -> Calibration | None:
     """The curve for this adapter on this device: from the cache, or measured (and cached). ``budget_s``: the
     longest a measurement should take (LP: the other ranks wait for it within their collective timeout), which
-    chooses the grid; ``limit_s``: where it is stopped, returning None (no curve: see the module doc)."""
+    chooses the grid (default: half of ``limit_s``); ``limit_s``: where it is stopped, returning None (no curve:
+    see the module doc)."""
     key = calibration_key(
         adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.backend.key()
     )
@@ -313,8 +314,11 @@ def calibrate(
                 f"(measurement {tries + 1} of at most {NOISY_TRIES})"
             )
     tick = Ticker(limit_s, log, start=start)
+    # alone, the coarse grid where the probe says the quick one would take half the limit: a large model on a slow
+    # CPU still gets a curve instead of running out of time on every start-up
+    grid_budget = budget_s if budget_s is not None else limit_s / 2
     try:
-        curve = dataclasses.replace(measure_quick(adapter, budget_s, tick), host=measure_host(adapter, tick=tick))
+        curve = dataclasses.replace(measure_quick(adapter, grid_budget, tick), host=measure_host(adapter, tick=tick))
     except CalibrationTimeout:
         if log is not None:
             log(
