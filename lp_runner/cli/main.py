@@ -131,6 +131,7 @@ def _run(argv: list[str]) -> int:
                     raise InputError(f"{spec.describe()}: {problem}")
         single = args.prompt is not None
         if args.output is not None:
+            check_path_text("--output", args.output)  # ENAMETOOLONG in one line, not from inside os.stat
             check_not_an_input(args.output, {"--prompts": args.prompts, "--config": args.config, **pool_files(cfg)})
         if args.output is not None and int(os.environ.get("RANK", "0")) == 0:
             mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"

@@ -139,6 +139,8 @@ def test_over_long_input_paths_and_keys(tmp_path: Path) -> None:
     long_name = str(tmp_path / ("c" * 300))
     assert_one_line(run_cli("--prompt", "hi", "--config", long_name), "--config has a file or folder name of 300")
     assert_one_line(run_cli("--prompts", long_name), "--prompts has a file or folder name of 300 bytes")
+    assert_one_line(run_cli("--prompt", "hi", "--output", long_name), "--output has a file or folder name of 300 bytes")
+    assert_one_line(run_cli("--prompt", "hi", "--pool-out", long_name), "pool_out has a file or folder name")
     line = assert_one_line(run_cli("--prompt", "hi", "--set", "k" * 100_000 + "=1"), "unknown config key 'kkk")
     assert "(100000 characters)" in line
     too_big = tmp_path / "huge.yaml"
