@@ -75,6 +75,7 @@ def test_an_alias_bomb_is_refused_before_it_is_expanded_or_echoed(tmp_path: Path
     proc = run_cli("--prompt", "hi", "--config", str(config), peak_file=tmp_path / "peak")
     assert_one_line(proc, "values once its aliases are expanded")
     assert len(proc.stderr) < 1024
+    assert config.read_text() == _bomb(6)  # the input as it was
     peak_kib = int((tmp_path / "peak").read_text())
     assert 0 < peak_kib < 200 * 1024, peak_kib  # the interpreter and PyYAML: the expansion was never built
 
