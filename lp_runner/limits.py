@@ -31,7 +31,13 @@ MAX_CONFIG_BYTES = 1 << 20  # a config file (the full config written out is 1.1 
 
 class _ShortRepr(reprlib.Repr):
     """``reprlib.Repr`` that never builds a long string first: an integer too long to print (Python refuses past
-    4300 digits) is named by its size, a long string is cut before ``repr`` sees it."""
+    4300 digits) is named by its size, a long string is cut before ``repr`` sees it; containers show 4 items, 2
+    levels deep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 2, 4, 4, 4, 4
+        self.maxother = QUOTE_CHARS
 
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() <= 3 * QUOTE_CHARS:  # up to ~54 digits: printed
@@ -42,12 +48,11 @@ class _ShortRepr(reprlib.Repr):
     def repr_str(self, x: str, level: int) -> str:
         if len(x) <= QUOTE_CHARS:
             return repr(x)
-        return repr(x[:QUOTE_CHARS])[:-1] + f"...' ({len(x)} characters)"
+        shown = repr(x[:QUOTE_CHARS])
+        return f"{shown[:-1]}...{shown[-1]} ({len(x)} characters)"
 
 
-_REPR = _ShortRepr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 2, 4, 4, 4, 4
-_REPR.maxother = QUOTE_CHARS
+_REPR = _ShortRepr()  # configured once, never changed
 
 
 def quote(value: Any) -> str:

@@ -165,8 +165,9 @@ def test_a_key_set_twice_on_the_command_line_is_refused() -> None:
         ([[1, 2]] * 100, "[[1, 2], [1, 2], [1, 2], [1, 2], ...]"),
         ({"k": "v" * 100}, "{'k': '" + "v" * QUOTE_CHARS + "...' (100 characters)}"),
         (float("nan"), "nan"),
+        ("it's" * 100, '"' + ("it's" * 15) + '..." (400 characters)'),  # repr's own quotes, both ends
     ],
-    ids=["short", "long-string", "huge-int", "int", "nested-list", "dict", "nan"],
+    ids=["short", "long-string", "huge-int", "int", "nested-list", "dict", "nan", "quotes"],
 )
 def test_quote_shows_a_short_prefix(value: object, shown: str) -> None:
     assert quote(value) == shown
