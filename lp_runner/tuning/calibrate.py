@@ -164,7 +164,8 @@ class CalibrationTimeout(Exception):
 
 class Ticker:
     """Every timed forward of a measurement calls it: a progress line every PROGRESS_EVERY_S (through ``log``), and
-    CalibrationTimeout once ``limit_s`` has passed since ``start``. ``clock``: injectable for tests."""
+    CalibrationTimeout once ``limit_s`` has passed since ``start``. ``unit``: what ``done`` counts, for the line;
+    ``clock``: injectable for tests."""
 
     def __init__(
         self,
@@ -172,11 +173,13 @@ class Ticker:
         log: Log | None,
         clock: Callable[[], float] = time.perf_counter,
         start: float | None = None,
+        unit: str = "forwards",
     ) -> None:
         self.clock = clock
         self.start = clock() if start is None else start
         self.limit_s = limit_s
         self.log = log
+        self.unit = unit
         self.said = self.start
 
     def __call__(self, done: int, total: int) -> None:
@@ -185,7 +188,7 @@ class Ticker:
             raise CalibrationTimeout
         if self.log is not None and now - self.said >= PROGRESS_EVERY_S:
             self.said = now
-            self.log(f"calibrating: {done} of {total} forwards measured ({now - self.start:.0f} s)")
+            self.log(f"calibrating: {done} of {total} {self.unit} measured ({now - self.start:.0f} s)")
 
 
 @dataclass(frozen=True)
@@ -314,11 +317,14 @@ def calibrate(
                 f"(measurement {tries + 1} of at most {NOISY_TRIES})"
             )
     tick = Ticker(limit_s, log, start=start)
+    host_tick = Ticker(limit_s, log, start=start, unit="tokens of host time")
     # alone, the coarse grid where the probe says the quick one would take half the limit: a large model on a slow
     # CPU still gets a curve instead of running out of time on every start-up
     grid_budget = budget_s if budget_s is not None else limit_s / 2
     try:
-        curve = dataclasses.replace(measure_quick(adapter, grid_budget, tick), host=measure_host(adapter, tick=tick))
+        curve = dataclasses.replace(
+            measure_quick(adapter, grid_budget, tick), host=measure_host(adapter, tick=host_tick)
+        )
     except CalibrationTimeout:
         if log is not None:
             log(
