@@ -161,6 +161,7 @@ def generate(
     ``return_stats``: return ``(sequences, GenerationStats)`` instead (rounds, forwards, accepted tokens, time).
     """
     prompt = _prompt_ids(input_ids)
+    _check_token_ids(prompt, model)
     overrides = dict(overrides)
     if "generation_config" in overrides:  # HF's own name for it
         if config is not None:
@@ -211,6 +212,19 @@ def _prompt_ids(input_ids: torch.Tensor) -> list[int]:
     if input_ids.numel() == 0:
         raise GenerateArgumentError("input_ids is empty: at least one prompt token is needed")
     return input_ids.reshape(-1).tolist()  # the one read-back of the prompt
+
+
+def _check_token_ids(prompt: list[int], model: PreTrainedModel) -> None:
+    """Every prompt id a row of the model's input embeddings (else ``torch.nn.functional.embedding`` fails with an
+    IndexError 26 frames down, or a CUDA device asserts). The embedding's own rows, not ``config.vocab_size``:
+    a model whose embeddings were resized has as many ids as rows."""
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size
+    for position, token in enumerate(prompt):
+        if not 0 <= token < rows:
+            raise GenerateArgumentError(
+                f"input_ids[{position}] = {token} is not a token of this model (its vocabulary has ids 0 to {rows - 1})"
+            )
 
 
 def _check_passed_through(overrides: dict[str, Any], input_ids: torch.Tensor) -> None:

@@ -21,6 +21,15 @@ from typing import Any
 import yaml
 
 from lp_runner.errors import ConfigError
+from lp_runner.limits import (
+    MAX_CONFIG_BYTES,
+    MAX_VALUE_CHARS,
+    BoundedLoader,
+    check_path_text,
+    check_setting_text,
+    load_yaml,
+    quote,
+)
 
 
 @dataclass
@@ -270,6 +279,8 @@ def _unknown(key: str) -> ConfigError:
     section, _, name = key.partition(".")
     if section in _SECTION_TYPES and ADVANCED_KEYS.get(name) == key:
         return ConfigError(f"'{key}' is an advanced setting: write it as '{ADVANCED}.{name}'")
+    if len(key) > 100:  # no key is this long: name it by its start
+        return ConfigError(f"unknown config key {quote(key)}")
     if key in _RENAMED:
         new = _RENAMED[key]
         return ConfigError(f"'{key}' is now '{new}' (one of {', '.join(_CHOICES[new])})")
@@ -294,10 +305,10 @@ def _coerce(internal: str, value: Any, target: type) -> Any:
             return True
         if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
             return False
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
+        raise ConfigError(f"{key} must be true or false, got {quote(value)}")
     if target is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
+            raise ConfigError(f"{key} must be an integer, got {quote(value)}")
         if isinstance(value, int):
             return value
         if isinstance(value, str):
@@ -305,10 +316,10 @@ def _coerce(internal: str, value: Any, target: type) -> Any:
                 return int(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
+        raise ConfigError(f"{key} must be an integer, got {quote(value)}")
     if target is float:
         if isinstance(value, bool):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
+            raise ConfigError(f"{key} must be a number, got {quote(value)}")
         number = None
         if isinstance(value, (int, float)):
             number = float(value)
@@ -316,16 +327,16 @@ def _coerce(internal: str, value: Any, target: type) -> Any:
             with contextlib.suppress(ValueError):
                 number = float(value)
         if number is None:
-            raise ConfigError(f"{key} must be a number, got {value!r}")
+            raise ConfigError(f"{key} must be a number, got {quote(value)}")
         if not math.isfinite(number):  # nan passes every comparison a bound makes; inf overflows a timeout
-            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+            raise ConfigError(f"{key} must be a finite number, got {quote(value)}")
         return number
     if target is str:
         if isinstance(value, bool) and {"on", "off"} <= set(_CHOICES.get(internal, ())):
             return "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{key} must be a string, got {value!r}")
+        raise ConfigError(f"{key} must be a string, got {quote(value)}")
     raise AssertionError(f"unsupported config field type {target} for {key}")
 
 
@@ -360,20 +371,28 @@ def set_field(cfg: Config, key: str, value: Any) -> None:
 def parse_override(text: str) -> tuple[str, Any]:
     """``"lookahead.window_size=15"`` -> ("lookahead.window_size", 15); the value is parsed as YAML."""
     if "=" not in text:
-        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+        raise ConfigError(f"--set expects section.key=value, got {quote(text)}")
     key, raw = text.split("=", 1)
+    key = key.strip()
+    if len(key) > 100:  # no key is this long
+        raise _unknown(key)
+    if len(raw) > MAX_VALUE_CHARS:  # before YAML reads it
+        raise ConfigError(
+            f"--set {key}: a value of {len(raw)} characters, more than any setting holds ({MAX_VALUE_CHARS})"
+        )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw, f"--set {key}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     if value is None:
         value = raw
-    return key.strip(), value
+    return key, value
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping key given twice (PyYAML keeps the last one silently, so a second
-    ``model:`` section would replace the first without a word)."""
+class _UniqueKeyLoader(BoundedLoader):
+    """``limits.BoundedLoader`` (sizes bounded before anything is built) that also refuses a mapping key given
+    twice (PyYAML keeps the last one silently, so a second ``model:`` section would replace the first without a
+    word)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -382,7 +401,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             if isinstance(key, typing.Hashable) and key in seen:
                 raise ConfigError(
-                    f"config file {self.name}:{line}: duplicate key '{key}' (first given at line {seen[key]}); "
+                    f"{self.where}:{line}: duplicate key {quote(key)} (first given at line {seen[key]}); "
                     "give each key once"
                 )
             seen[key] = line
@@ -391,18 +410,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _read_yaml(p: Path) -> Any:
     """The YAML document in ``p``; invalid YAML or a duplicate key is a one-line ConfigError naming the line."""
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {p} is {size} bytes, more than a config holds ({MAX_CONFIG_BYTES})")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    loader = _UniqueKeyLoader(text)
-    loader.name = str(p)
     try:
-        return loader.get_single_data()
+        return load_yaml(text, f"config file {p}", _UniqueKeyLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    finally:
-        loader.dispose()
+        raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0][:200]}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -410,6 +428,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     explicit: set[str] = set()
     if path is not None:
+        check_path_text("--config", str(path))
         p = Path(path)
         if p.is_dir():
             raise ConfigError(f"config path {p} is a folder, not a YAML file")
@@ -428,8 +447,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             for name, value in values.items():
                 set_key(cfg, f"{section}.{name}", value)
                 explicit.add(f"{section}.{name}")
+    given: dict[str, Any] = {}
     for text in overrides or []:
         key, value = parse_override(text)
+        if key in given:  # as a key given twice in a YAML file: the first would be dropped without a word
+            raise ConfigError(
+                f"{key} is given twice on the command line ({quote(given[key])}, then {quote(value)}); "
+                "give each key once"
+            )
+        given[key] = value
         set_key(cfg, key, value)
         explicit.add(key)
     cfg.explicit = tuple(sorted(explicit))
@@ -494,9 +520,11 @@ def _check_bounds(section: str, values: object) -> None:
         if key.startswith(section + "."):
             x = getattr(values, key.split(".", 1)[1])
             if x < b.value if b.op == ">=" else x <= b.value:
-                raise ConfigError(f"{user_key(key)}{b.label} must be {b.op} {b.value:g}{b.meaning}, got {x}{b.why}")
+                raise ConfigError(
+                    f"{user_key(key)}{b.label} must be {b.op} {b.value:g}{b.meaning}, got {quote(x)}{b.why}"
+                )
             if b.most is not None and x > b.most:
-                raise ConfigError(f"{user_key(key)}{b.label} must be <= {_number(b.most)}{b.most_why}, got {x}")
+                raise ConfigError(f"{user_key(key)}{b.label} must be <= {_number(b.most)}{b.most_why}, got {quote(x)}")
 
 
 def _number(v: float) -> str:
@@ -533,13 +561,36 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"advanced.gpus_per_worker must be -1 (auto) or 0 to 64, got {par.gpus_per_worker}")
     if (cfg.run.pool_in or cfg.run.pool_out) and cfg.lookahead.pool_scope != "job":
         raise ConfigError("--pool-in / --pool-out (advanced.pool_in, advanced.pool_out) need lookahead.pool_scope=job")
+    check_texts(cfg)
     if not _DEVICE.fullmatch(cfg.model.device):
-        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {cfg.model.device!r}")
+        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {quote(cfg.model.device)}")
     for key, choices in _CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in choices:
-            raise ConfigError(f"{user_key(key)} must be one of {', '.join(choices)}, got {value!r}")
+            raise ConfigError(f"{user_key(key)} must be one of {', '.join(choices)}, got {quote(value)}")
+
+
+# String settings that name a file or folder the run opens: checked against the system's path limits up front
+_PATHS = ("model.path", "model.cache_dir", "run.pool_in", "run.pool_out")
+
+
+def check_texts(cfg: Config) -> None:
+    """Every string setting within ``limits.MAX_VALUE_CHARS``; every path setting within the system's path limits
+    (one line here rather than ``File name too long`` from deep inside a loader); ``model.path`` not empty."""
+    for section, cls in _SECTION_TYPES.items():
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(cfg, section), f.name)
+            if isinstance(value, str):
+                check_setting_text(user_key(f"{section}.{f.name}"), value)
+    for key in _PATHS:
+        section, name = key.split(".")
+        check_path_text(user_key(key), getattr(getattr(cfg, section), name))
+    if not cfg.model.path.strip():
+        raise ConfigError(
+            "model.path is empty: give a model folder, a .gguf file, org/name from the local Hugging Face cache, "
+            "or embedded (the built-in model)"
+        )
 
 
 def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:

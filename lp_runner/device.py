@@ -64,6 +64,17 @@ class Placement:
         """For records and the summary."""
         return {"dtype": self.dtype_name, "tf32": self.tf32, "dtype_choice": self.why}
 
+    def precision_caveat(self) -> str | None:
+        """The line a half-precision run prints at start-up (None in float32): what its output is exact to, as the
+        README's precision table says it, where the user sees it (the summary's "bfloat16 (as set)" does not)."""
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        name = self.dtype_name
+        return (
+            f"model.dtype {name} ({self.why}): outputs may differ from float32 greedy decoding where the top two "
+            f"tokens nearly tie (within 8 ulps of {name}: docs/design.md 3.3); float32 on a CPU is token-identical"
+        )
+
 
 # ---------------------------------------------------------------- pure rules
 

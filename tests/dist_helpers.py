@@ -74,11 +74,32 @@ def lp_runner_cmd(*args: str) -> list[str]:
 
 def job_args(model: Path | str, prompts: Path, out: Path, *extra: str, max_new_tokens: int = 24) -> list[str]:
     """The ``run`` arguments every job test starts from: the model, one thread per rank, the budget, no progress bar
-    (the test reads stderr); ``extra`` comes last, so it overrides."""
-    return [
+    (the test reads stderr); ``extra`` comes last, and a ``--set`` key it gives replaces the default's (the CLI
+    refuses a key set twice)."""
+    return last_set_wins([
         "--prompts", str(prompts), "--output", str(out), "--set", f"model.path={model}", "--set", "model.threads=1",
         "--set", f"generation.max_new_tokens={max_new_tokens}", "--set", "advanced.progress=false", *extra,
-    ]  # fmt: skip
+    ])  # fmt: skip
+
+
+def last_set_wins(args: Sequence[str]) -> list[str]:
+    """``args`` with each ``--set KEY=...`` key once, at its first place, with its last value (helpers layer their
+    defaults under a test's own settings; the CLI itself refuses a key given twice).
+
+    ``["--set", "a.b=1", "--x", "--set", "a.b=2"]`` -> ``["--set", "a.b=2", "--x"]``."""
+    last = {args[i + 1].split("=", 1)[0]: args[i + 1] for i in range(len(args) - 1) if args[i] == "--set"}
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--set" and i + 1 < len(args):
+            key = args[i + 1].split("=", 1)[0]
+            if key in last:
+                out += ["--set", last.pop(key)]
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
 
 
 def job_cmd(args: list[str], torchrun: int = 0) -> list[str]:

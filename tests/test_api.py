@@ -174,6 +174,28 @@ def test_batch_of_more_than_one_is_refused(tiny) -> None:
         lp_runner.generate(tiny("llama"), [[1, 2, 3]])
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (96, "input_ids[3] = 96 is not a token of this model (its vocabulary has ids 0 to 95)"),  # TINY_VOCAB = 96
+        (10**6, "input_ids[3] = 1000000 is not a token of this model"),
+        (-1, "input_ids[3] = -1 is not a token of this model"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_named(tiny, bad: int, message: str) -> None:
+    """An id past the embedding's rows (or negative) failed with an IndexError from F.embedding, deep in the model."""
+    ids = _ids(8)
+    ids[0, 3] = bad
+    with pytest.raises(GenerateArgumentError) as info:
+        lp_runner.generate(tiny("llama"), ids, max_new_tokens=4)
+    assert str(info.value) == message or str(info.value).startswith(message), str(info.value)
+    assert "\n" not in str(info.value)
+    edge = _ids(8)
+    edge[0, 3] = 95  # the last id is a token: runs as greedy does
+    model = tiny("llama")
+    assert torch.equal(lp_runner.generate(model, edge, max_new_tokens=4), model.generate(edge, max_new_tokens=4))
+
+
 def test_prompt_too_long_for_the_model_fails_before_streaming(tiny) -> None:
     streamer = RecordingStreamer()
     with pytest.raises(InputError, match="exceeds the model's context of 512 positions"):

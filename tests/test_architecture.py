@@ -26,7 +26,7 @@ LAYERS = (
     ("parallel", "backends"),
     ("models",),
     ("device", "config", "collector", "outfiles"),
-    ("logs", "errors", "__init__"),
+    ("logs", "errors", "limits", "__init__"),
 )
 
 

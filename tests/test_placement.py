@@ -284,7 +284,7 @@ def test_calibration_syncs_the_ranks_own_gpu(node: Node, monkeypatch) -> None:
 
     seen = {}
 
-    def measure(adapter, kvs, rows, reps, sync, head_rows):
+    def measure(adapter, kvs, rows, reps, sync, head_rows, tick):
         seen["sync"] = sync
         return "curve"
 

@@ -71,6 +71,9 @@ class RankExit:
 class LaunchResult:
     exits: list[RankExit] = field(default_factory=list)  # in the order the ranks ended
     interrupted: int | None = None  # the signal this process got and forwarded (SIGINT, SIGTERM), if any
+    # ranks found stopped (SIGSTOP, a debugger) when the first failure came: a peer that gave up waiting on them
+    # ended first, but they are why
+    stopped: list[int] = field(default_factory=list)
 
     @property
     def first_failure(self) -> RankExit | None:
@@ -166,6 +169,7 @@ def _wait(procs: dict[int, subprocess.Popen], signals: list[int], result: Launch
             del live[rank]
             if code != 0 and terminate_at is None:
                 terminate_at = now + PEER_GRACE_S
+                result.stopped = [r for r, p in live.items() if _is_stopped(p.pid)]
         if signals and kill_at is None:
             kill_at = now + STOP_GRACE_S  # the signal itself was forwarded by the handler
         if live and terminate_at is not None and now >= terminate_at:
@@ -176,6 +180,15 @@ def _wait(procs: dict[int, subprocess.Popen], signals: list[int], result: Launch
             _signal_all(_descendants(), signal.SIGKILL)
         if live:
             time.sleep(POLL_S)  # short sleeps: the signal handler runs between them
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T: SIGSTOP, SIGTSTP; t: a debugger holds it), from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] in ("T", "t")
 
 
 def _stop_with_parent() -> None:

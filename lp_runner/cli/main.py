@@ -13,18 +13,25 @@ exit 2 here, not a failure of every rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import time
+from typing import TYPE_CHECKING
 
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
 from lp_runner.errors import DistributedError, InputError, LPError
 from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
+from lp_runner.limits import check_path_text
 from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
 from lp_runner.outfiles import EXIT_BROKEN_PIPE, StdoutClosed, check_not_an_input, check_writable, write_stdout
+
+if TYPE_CHECKING:
+    from lp_runner.cli.launch import RankExit
 
 COMMANDS = ("run", "tune", "fetch")
 EXIT_USER_ERROR = 2
@@ -113,6 +120,7 @@ def _run(argv: list[str]) -> int:
         if args.prompt is not None:
             specs = [PromptSpec(id="prompt", prompt=args.prompt, where="--prompt")]
         elif args.prompts is not None:
+            check_path_text("--prompts", args.prompts)
             specs = read_prompts(args.prompts)
         else:
             raise InputError("give --prompt TEXT or --prompts FILE.jsonl")
@@ -146,6 +154,7 @@ def _run(argv: list[str]) -> int:
         return EXIT_BROKEN_PIPE
     except LPError as exc:
         log.error("%s", exc)
+        tell_launcher(f"error: {exc}")
         return EXIT_PEER_FAILURE if isinstance(exc, DistributedError) else EXIT_USER_ERROR
     except KeyboardInterrupt:
         log.error("interrupted")
@@ -169,11 +178,30 @@ def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
     pool is saved by an actor, maybe on another machine: its folder is not checked here."""
     inputs = {"--prompts": args.prompts, "--config": args.config}
     if args.output is not None:
+        check_path_text("--output", args.output)  # ENAMETOOLONG in one line, not from inside os.stat
         check_not_an_input(args.output, "--output", {**inputs, **pool_files(cfg)})
     if cfg.run.pool_out:
         check_not_an_input(cfg.run.pool_out, "--pool-out", inputs)
         if cfg.parallel.backend != "ray" and int(os.environ.get("RANK", "0")) == 0:
             check_writable(cfg.run.pool_out, "--pool-out")
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun: this rank's ``error:`` line in the error file its agent reads (TORCHELASTIC_ERROR_FILE).
+
+    torchrun ends every job with a failed rank the same way, whatever the rank's exit code: its own
+    ``ChildFailedError`` traceback and exit 1 (``torch.distributed.launcher.api.launch_agent`` raises it for any
+    non-zero exit; nothing the ranks do changes that, short of exiting 0, which would call a failed job a success).
+    With this file its report's "Root Cause" names the rank's line ("traceback : error: prompt 'a' ...") and its
+    exit code (2: input, 3: a failed peer) instead of a link to the elastic docs. Elsewhere (the variable unset,
+    as under ``parallel.workers`` started by this CLI, which reports the ranks' own exit codes) nothing is written."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # the format torch's own error handler writes (``ErrorHandler.record_exception``), the line as the "traceback"
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:  # the line is on stderr already
+        json.dump(record, f)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -214,9 +242,26 @@ def run_self_launched(cfg: Config, argv: list[str], output: OutputFile | None) -
         return EXIT_BROKEN_PIPE
     codes = {e.returncode for e in result.exits}
     code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in codes), EXIT_PEER_FAILURE)
-    said = "; see its message above" if first.returncode > 0 else ""
-    log.error("LP workers failed (exit code %d): worker rank %d %s first%s", code, first.rank, first.describe(), said)
+    log.error("LP workers failed (exit code %d): %s", code, failure_story(first, result.stopped))
     return code
+
+
+def failure_story(first: RankExit, stopped: list[int]) -> str:
+    """Which rank ended the job, honestly: the first to end, unless it ended because a peer stopped answering
+    (exit 3) and a rank was found stopped (SIGSTOP, a debugger) at that moment: then the stopped rank is why.
+
+    ``failure_story(RankExit(1, -9), [])`` -> "worker rank 1 was killed by SIGKILL first";
+    ``failure_story(RankExit(1, 3), [0])`` -> "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped
+    answering; worker rank 1 gave up waiting for it (see its message above)"."""
+    said = "; see its message above" if first.returncode > 0 else ""
+    if first.returncode == EXIT_PEER_FAILURE and stopped:
+        ranks = " and ".join(str(r) for r in stopped)
+        one = len(stopped) == 1
+        return (
+            f"worker rank {ranks} {'was' if one else 'were'} stopped (SIGSTOP or a debugger) and stopped answering; "
+            f"worker rank {first.rank} gave up waiting for {'it' if one else 'them'} (see its message above)"
+        )
+    return f"worker rank {first.rank} {first.describe()} first{said}"
 
 
 # ---------------------------------------------------------------- this process runs the prompts

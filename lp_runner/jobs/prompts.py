@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lp_runner.errors import InputError
+from lp_runner.limits import quote
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class PromptSpec:
 
     def describe(self) -> str:
         """How errors name this prompt: ``prompt 'b' (p.jsonl:3)``."""
-        return f"prompt {self.id!r} ({self.where})" if self.where else f"prompt {self.id!r}"
+        return f"prompt {quote(self.id)} ({self.where})" if self.where else f"prompt {quote(self.id)}"
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id}
@@ -86,7 +87,7 @@ def read_prompts(path: str | Path) -> list[PromptSpec]:
             raise InputError(f"{p}:{i}: invalid JSON ({exc.msg})") from None
         spec = spec_from_obj(obj, f"{p}:{i}")
         if spec.id in first_line:
-            raise InputError(f"{p}:{i}: duplicate id {spec.id!r} (first on line {first_line[spec.id]})")
+            raise InputError(f"{p}:{i}: duplicate id {quote(spec.id)} (first on line {first_line[spec.id]})")
         first_line[spec.id] = i
         specs.append(spec)
     if not specs:

@@ -370,6 +370,12 @@ def run_on_ray(
     text) defaults to "one prompt given with --prompt" (the CLI names it 'prompt'). SIGTERM to the driver ends
     the run like Ctrl-C (KeyboardInterrupt): the actors are killed and a local instance is stopped."""
     ray = _import_ray()
+    if cfg.run.batch > 1:  # see _Driver's start of a group
+        log.warning(
+            "run.batch=%d runs as 1 under parallel.backend=ray: one prompt in flight per group, so that a lost "
+            "worker's recovery resumes the one prompt it held (run.batch applies under torchrun and to one process)",
+            cfg.run.batch,
+        )
     if single is None:
         single = len(specs) == 1 and specs[0].id == "prompt"
     opened = isinstance(output, (str, Path))

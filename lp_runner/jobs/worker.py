@@ -122,6 +122,8 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
     if layout is None and world > 1 and par.workers not in (1, world):
         raise ConfigError(f"parallel.workers={par.workers} but the launcher started {world} workers")
     placement = place(cfg.model.device, cfg.model.dtype)  # before anything touches a GPU
+    if rank == 0 and (caveat := placement.precision_caveat()) is not None:
+        log.info("%s", caveat)
     check_backend(cfg.model.backend, placement.device)  # before the weights are loaded
     bind(placement)
     torch.set_num_threads(resolve_threads(cfg.model.threads))  # LOCAL_WORLD_SIZE counts all D x P local ranks

@@ -17,7 +17,13 @@ everything that changes it (device model, threads, dtype, weights checksum, torc
 fields (its kernels and their build), and the grid through ``CALIBRATION_VERSION``), and reused;
 ``--recalibrate`` measures again. A curve measured on a busy machine (its repetitions disagree: ``NOISY_SPREAD``)
 is used and cached, but the next run measures again and the quieter curve stays: a moment's load does not price
-every later run's choices.
+every later run's choices. A machine that stays busy would make every start-up measure again, so a noisy curve is
+measured at most ``NOISY_TRIES`` times; after that the quietest one is used until ``--recalibrate``.
+
+A measurement says how far it got every ``PROGRESS_EVERY_S`` and stops at ``CALIBRATION_LIMIT_S`` (under LP, within
+the other ranks' collective timeout): on a machine far busier than its cores, or with more threads than cores, it
+could otherwise run for many minutes. The run then goes on without a curve (the config's setting as written, no
+row padding: ``RoundPolicy.build``), and says so in one line; nothing is cached.
 
 Under LP only rank 0 measures (the others wait, so the measurement has the machine to itself) and every rank
 uses rank 0's curve: the replicated coordinators must make identical choices.
@@ -68,6 +74,11 @@ COARSE_REPS = 1
 # a 2-core CPU: 0.08-0.22 on the quiet machine before the jitter allowance
 # (costmodel.JITTER_S) came off, 0.61-0.95 with one busy process beside it.
 NOISY_SPREAD = 0.4
+NOISY_TRIES = 3  # measurements of a noisy curve before the quietest is kept (each start-up would measure again)
+# A measurement's time limit. The embedded model's quick curve was seen to take 105-233 s on a 2-core CPU with
+# other processes on its cores; well past that the machine is too busy for the curve to mean much.
+CALIBRATION_LIMIT_S = 300.0
+PROGRESS_EVERY_S = 15.0  # a line saying how far a measurement got, at most this often
 
 Log = Callable[[str], None]
 
@@ -133,11 +144,51 @@ def cache_file(cache_root: Path, key: dict) -> Path:
 
 def load_cached(path: Path, key: dict) -> CostCurve | None:
     """The cached curve for ``key``, or None when absent, unreadable or made for another key."""
-    return read_keyed(path, key, lambda data: CostCurve.from_dict(data["curve"]))
+    entry = _load_entry(path, key)
+    return entry[0] if entry is not None else None
 
 
-def save(path: Path, key: dict, curve: CostCurve, seconds: float) -> None:
-    write_keyed(path, key, curve=curve.to_dict(), measured_s=round(seconds, 3))
+def _load_entry(path: Path, key: dict) -> tuple[CostCurve, int] | None:
+    """(the cached curve, how many measurements it is the quietest of) for ``key``, or None."""
+    return read_keyed(path, key, lambda data: (CostCurve.from_dict(data["curve"]), int(data.get("tries", 1))))
+
+
+def save(path: Path, key: dict, curve: CostCurve, seconds: float, tries: int = 1) -> None:
+    """``tries``: the measurements ``curve`` is the quietest of (NOISY_TRIES bounds the re-measuring)."""
+    write_keyed(path, key, curve=curve.to_dict(), measured_s=round(seconds, 3), tries=tries)
+
+
+class CalibrationTimeout(Exception):
+    """A measurement ran past its time limit (``Ticker``)."""
+
+
+class Ticker:
+    """Every timed forward of a measurement calls it: a progress line every PROGRESS_EVERY_S (through ``log``), and
+    CalibrationTimeout once ``limit_s`` has passed since ``start``. ``unit``: what ``done`` counts, for the line;
+    ``clock``: injectable for tests."""
+
+    def __init__(
+        self,
+        limit_s: float,
+        log: Log | None,
+        clock: Callable[[], float] = time.perf_counter,
+        start: float | None = None,
+        unit: str = "forwards",
+    ) -> None:
+        self.clock = clock
+        self.start = clock() if start is None else start
+        self.limit_s = limit_s
+        self.log = log
+        self.unit = unit
+        self.said = self.start
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if now - self.start > self.limit_s:
+            raise CalibrationTimeout
+        if self.log is not None and now - self.said >= PROGRESS_EVERY_S:
+            self.said = now
+            self.log(f"calibrating: {done} of {total} {self.unit} measured ({now - self.start:.0f} s)")
 
 
 @dataclass(frozen=True)
@@ -171,28 +222,39 @@ def measurement_plan(cheap_rows: bool, coarse: bool = False, max_positions: int 
     return MeasurementPlan(QUICK_ROWS, QUICK_KV, QUICK_HEAD_ROWS, QUICK_REPS)
 
 
-def measure_quick(adapter, budget_s: float | None = None) -> CostCurve:
+def measure_quick(adapter, budget_s: float | None = None, tick: Callable[[int, int], None] | None = None) -> CostCurve:
     """The quick curve on the device's plan; with ``budget_s``, the coarse grid when one probe forward says the
     plan would take longer (about 2 x the probe's seconds per forward: most forwards have fewer rows than the
-    probe's)."""
+    probe's). ``tick``: as ``costmodel.measure_curve`` takes it."""
     sync = synchronizer(adapter.device)
     cheap = rows_are_cheap(adapter.device)
     plan = measurement_plan(cheap, max_positions=getattr(adapter, "max_positions", None))
     if budget_s is not None and not cheap and probe_seconds(adapter, sync, plan) * plan.forwards / 2 > budget_s:
         plan = measurement_plan(cheap, coarse=True)
-    return measure_curve(adapter, plan.kv_lens, plan.rows, reps=plan.reps, sync=sync, head_rows=plan.head_rows)
+    return measure_curve(
+        adapter, plan.kv_lens, plan.rows, reps=plan.reps, sync=sync, head_rows=plan.head_rows, tick=tick
+    )
 
 
-def measure_host(adapter, seed: int = 0) -> HostCost:
+def measure_host(adapter, seed: int = 0, tick: Callable[[int, int], None] | None = None) -> HostCost:
     """Host seconds per round as the engine spends them (``RoundRecord.host_s``: a round's wall time less its
     forward and collective), from ``HOST_TOKENS`` greedy tokens of each of ``HOST_SETTINGS`` on a fixed random
     prompt, the prefill round left out; ``HostCost.through`` the two settings' medians. Shared by the start-up
-    preset (through the cached curve) and ``lp_runner tune``, so both price host time alike."""
+    preset (through the cached curve) and ``lp_runner tune``, so both price host time alike. ``tick(tokens, all
+    tokens)``: after each round."""
     gen = GenerationConfig(max_new_tokens=HOST_TOKENS)
     ids = torch.randint(0, adapter.vocab_size, (32,), generator=torch.Generator().manual_seed(seed)).tolist()
     groups = []
+    total, done = HOST_TOKENS * len(HOST_SETTINGS), 0
+
+    def on_commit(tokens) -> None:
+        nonlocal done
+        done += len(tokens)
+        if tick is not None:
+            tick(done, total)
+
     for la in HOST_SETTINGS:
-        records = LookaheadEngine(adapter, la, gen, []).generate(ids).stats.records[1:]
+        records = LookaheadEngine(adapter, la, gen, []).generate(ids, on_commit=on_commit).stats.records[1:]
         groups.append([(r.rows, r.host_s) for r in records])
     return HostCost.through(groups)
 
@@ -224,39 +286,71 @@ def calibrate(
     recalibrate: bool = False,
     log: Log | None = None,
     budget_s: float | None = None,
-) -> Calibration:
+    limit_s: float = CALIBRATION_LIMIT_S,
+) -> Calibration | None:
     """The curve for this adapter on this device: from the cache, or measured (and cached). ``budget_s``: the
-    longest a measurement may take (LP: the other ranks wait for it within their collective timeout)."""
+    longest a measurement should take (LP: the other ranks wait for it within their collective timeout), which
+    chooses the grid (default: half of ``limit_s``); ``limit_s``: where it is stopped, returning None (no curve:
+    see the module doc)."""
     key = calibration_key(
         adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.backend.key()
     )
     path = cache_file(cache_root, key)
     start = time.perf_counter()
-    cached = None if recalibrate else load_cached(path, key)
-    if cached is not None and cached.spread <= NOISY_SPREAD:
+    entry = None if recalibrate else _load_entry(path, key)
+    cached, tries = entry if entry is not None else (None, 0)
+    threads = f"{key['threads']} threads, " if key["threads"] else ""
+    what = f"on {key['device']} ({threads}{key['dtype']})"
+    if cached is not None and (cached.spread <= NOISY_SPREAD or tries >= NOISY_TRIES):
+        if cached.spread > NOISY_SPREAD and log is not None:
+            log(
+                f"the cached forward-cost curve {what} is noisy ({_spread_text(cached)}), the quietest of {tries} "
+                "measurements: using it (--recalibrate measures again)"
+            )
         return Calibration(cached, key, "cache", time.perf_counter() - start, str(path))
     if log is not None:
-        threads = f"{key['threads']} threads, " if key["threads"] else ""
-        what = f"on {key['device']} ({threads}{key['dtype']})"
         if cached is None:
             log(f"calibrating the forward-cost curve {what}; cached for next runs")
         else:
-            log(f"the cached forward-cost curve {what} is noisy ({_spread_text(cached)}): measuring it again")
-    curve = dataclasses.replace(measure_quick(adapter, budget_s), host=measure_host(adapter))
+            log(
+                f"the cached forward-cost curve {what} is noisy ({_spread_text(cached)}): measuring it again "
+                f"(measurement {tries + 1} of at most {NOISY_TRIES})"
+            )
+    tick = Ticker(limit_s, log, start=start)
+    host_tick = Ticker(limit_s, log, start=start, unit="tokens of host time")
+    # alone, the coarse grid where the probe says the quick one would take half the limit: a large model on a slow
+    # CPU still gets a curve instead of running out of time on every start-up
+    grid_budget = budget_s if budget_s is not None else limit_s / 2
+    try:
+        curve = dataclasses.replace(
+            measure_quick(adapter, grid_budget, tick), host=measure_host(adapter, tick=host_tick)
+        )
+    except CalibrationTimeout:
+        if log is not None:
+            log(
+                f"warning: calibrating took longer than {limit_s:.0f} s (a busy machine, or more threads than "
+                "cores?): this run goes on without the forward-cost curve, its setting as written, rounds unpadded"
+            )
+        return None
     seconds = time.perf_counter() - start
     if cached is not None and cached.spread <= curve.spread:  # the cached one is the quieter: it stays
+        _save_or_say(path, key, cached, seconds, tries + 1, log)
         return Calibration(cached, key, "cache", seconds, str(path))
     if curve.spread > NOISY_SPREAD and log is not None:
         log(
             f"warning: the forward-cost curve is noisy ({_spread_text(curve)}): is something else loading this "
             "machine? This run uses it; the next run measures again and keeps the quieter curve"
         )
+    _save_or_say(path, key, curve, seconds, tries + 1, log)
+    return Calibration(curve, key, "measured", seconds, str(path))
+
+
+def _save_or_say(path: Path, key: dict, curve: CostCurve, seconds: float, tries: int, log: Log | None) -> None:
     try:
-        save(path, key, curve, seconds)
+        save(path, key, curve, seconds, tries)
     except OSError as exc:  # a read-only cache costs a re-measurement next time, not the run
         if log is not None:
             log(f"warning: cannot cache the calibration at {path}: {exc.strerror or exc}")
-    return Calibration(curve, key, "measured", seconds, str(path))
 
 
 def _spread_text(curve: CostCurve) -> str:
@@ -264,11 +358,15 @@ def _spread_text(curve: CostCurve) -> str:
     return f"repetitions {100 * curve.spread:.0f}% apart at the median point, {quiet}"
 
 
-def shared_calibration(comm, measure: Callable[[], Calibration]) -> Calibration:
-    """Rank 0's calibration on every rank (one start-up all_gather of its JSON; ranks > 0 never measure)."""
+def shared_calibration(comm, measure: Callable[[], Calibration | None]) -> Calibration | None:
+    """Rank 0's calibration on every rank (one start-up all_gather of its JSON; ranks > 0 never measure); None on
+    every rank where rank 0 has none (its measurement ran out of time)."""
     mine = measure() if comm.rank == 0 else None
     if comm.world_size == 1:
         return mine
+    if comm.rank == 0 and mine is None:
+        comm.all_gather_strings(json.dumps({"none": True}))
+        return None
     blob = json.dumps(
         {
             "curve": mine.curve.to_dict(),
@@ -281,6 +379,8 @@ def shared_calibration(comm, measure: Callable[[], Calibration]) -> Calibration:
         else {}
     )
     first = json.loads(comm.all_gather_strings(blob)[0])
+    if first.get("none"):
+        return None
     return Calibration(
         CostCurve.from_dict(first["curve"]), first["key"], first["source"], first["seconds"], first["path"]
     )

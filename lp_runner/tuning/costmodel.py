@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
@@ -162,6 +162,7 @@ def measure_curve(
     sync=None,
     seed: int = 0,
     head_rows: Sequence[int] | None = None,
+    tick: Callable[[int, int], None] | None = None,
 ) -> CostCurve:
     """Median forward seconds for every (K/V length, Q), head on one row and on all rows.
 
@@ -172,6 +173,9 @@ def measure_curve(
     ``head_rows``: measure the head on every row only at these Q (the quick start-up calibration); elsewhere
     ``all_s`` is ``body_s`` plus the measured cost of one more logit row times (Q - 1). The LM head is one
     matrix product per logit row, independent of how many rows the body ran, so one large Q measures it best.
+
+    ``tick(done, total)``: called after each timed forward (the caller's progress line and time limit: it may
+    raise to stop the measurement).
     """
     from lp_runner.backends.adapter import crop  # local: the adapter module imports transformers
 
@@ -190,6 +194,7 @@ def measure_curve(
     cases = [(kv, q, "body_s") for kv in caches for q in rows]
     cases += [(kv, q, "all_s") for kv in caches for q in sorted(head_at)]
     times: dict[tuple[int, int, str], list[float]] = {c: [] for c in cases}
+    total, done = len(cases) * (reps + 1), 0
     for rep in range(reps + 1):
         k = (rep * 7) % len(cases)
         for kv, q, head in cases[k:] + cases[:k]:
@@ -204,6 +209,9 @@ def measure_curve(
             crop(caches[kv], kv)
             if rep > 0:  # the first sweep warms allocators and kernels
                 times[(kv, q, head)].append(elapsed)
+            done += 1
+            if tick is not None:
+                tick(done, total)
     body = {(kv, q): _median(times[(kv, q, "body_s")]) for kv in caches for q in rows}
     full = {(kv, q): _median(times[(kv, q, "all_s")]) for kv in caches for q in head_at}
     per_logit_row = {  # seconds of one more logit row, per K/V length (from the largest Q with a head measured)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lp_runner.config import Config, LookaheadConfig, internal_key
-from lp_runner.tuning.calibrate import Calibration, calibrate, shared_calibration
+from lp_runner.tuning.calibrate import CALIBRATION_LIMIT_S, Calibration, calibrate, shared_calibration
 from lp_runner.tuning.costmodel import RowPlan, as_one_rank, batched_curve, shapes_from_records
 from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset
 from lp_runner.tuning.search import describe
@@ -54,10 +54,15 @@ class RoundPolicy:
         if la.preset != "auto" and not la.pad_rows:
             return dataclasses.replace(cls.fixed(la), batch=batch)
         # the group waits in a collective; with groups > 1 the other groups wait for the --resume done set
-        budget = 0.5 * cfg.parallel.timeout_s if comm.world_size > 1 or cfg.parallel.groups > 1 else None
+        waited = comm.world_size > 1 or cfg.parallel.groups > 1
+        budget = 0.5 * cfg.parallel.timeout_s if waited else None
+        # stopped before the waiting ranks' timeout: the job goes on without a curve instead of failing
+        limit = min(CALIBRATION_LIMIT_S, 0.8 * cfg.parallel.timeout_s) if waited else CALIBRATION_LIMIT_S
         cal = shared_calibration(
-            comm, lambda: calibrate(adapter, cache_root, weights_checksum(), cfg.run.recalibrate, log, budget)
+            comm, lambda: calibrate(adapter, cache_root, weights_checksum(), cfg.run.recalibrate, log, budget, limit)
         )
+        if cal is None:  # the measurement ran out of time (calibrate said so): the setting as written
+            return dataclasses.replace(cls.fixed(la), batch=batch)
         row_plan = RowPlan.from_curve(cal.curve) if la.pad_rows else None
         # rounds of several generations are not padded (scheduler.RoundLoop): the search prices them unpadded
         plan_for_search = (row_plan if batch == 1 else None) or RowPlan.identity()

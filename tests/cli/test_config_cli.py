@@ -149,8 +149,10 @@ def test_defaults_and_later_override_wins(tmp_path: Path) -> None:
     assert load_config().lookahead.window_size == Config().lookahead.window_size == 7
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("lookahead:\n  window_size: 9\n  ngram_size: 4\n")
-    cfg = load_config(cfg_file, ["lookahead.window_size=11", "lookahead.window_size=12"])
-    assert (cfg.lookahead.window_size, cfg.lookahead.ngram_size) == (12, 4)  # file, then overrides in order
+    cfg = load_config(cfg_file, ["lookahead.window_size=12"])
+    assert (cfg.lookahead.window_size, cfg.lookahead.ngram_size) == (12, 4)  # file, then the override
+    with pytest.raises(ConfigError, match="lookahead.window_size is given twice on the command line"):
+        load_config(cfg_file, ["lookahead.window_size=11", "lookahead.window_size=12"])  # as a YAML key given twice
 
 
 @pytest.mark.parametrize(

@@ -229,6 +229,47 @@ def test_failed_peer_exits_3_and_leaves_no_process(tiny_dir, prompts, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_stopped_rank_is_named_as_the_cause(tiny_dir, prompts, tmp_path):
+    """Rank 0 stopped (SIGSTOP) mid-run: rank 1's collective times out and it ends first (exit 3), but the parent's
+    line names rank 0, found stopped at that moment, as why (it named rank 1 "first", as if rank 1 had failed)."""
+    out = tmp_path / "o.jsonl"
+    proc = start(tiny_dir, prompts, out, "--set", "parallel.workers=2", "--set", "parallel.timeout_s=5")
+    try:
+        wait_for(lambda: complete_lines(out) >= 1, 180, proc)
+        below = descendants(proc.pid)
+        rank0 = [pid for pid in below if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()]
+        assert rank0, below
+        for pid in rank0:
+            os.kill(pid, signal.SIGSTOP)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    err = err.decode()
+    assert proc.returncode == 3 and "Traceback" not in err, err[-3000:]
+    assert not alive(below)
+    assert err.strip().splitlines()[-1] == (
+        "error: LP workers failed (exit code 3): worker rank 0 was stopped (SIGSTOP or a debugger) and stopped "
+        "answering; worker rank 1 gave up waiting for it (see its message above)"
+    ), err[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("first", "stopped", "story"),
+    [
+        ((1, -9), [], "worker rank 1 was killed by SIGKILL first"),
+        ((1, 3), [], "worker rank 1 exited with code 3 first; see its message above"),  # nobody found stopped
+        ((1, 2), [0], "worker rank 1 exited with code 2 first; see its message above"),  # its own input error
+        ((2, 3), [0, 1], "worker rank 0 and 1 were stopped"),
+    ],
+)
+def test_failure_story(first, stopped, story):
+    from lp_runner.cli.launch import RankExit
+    from lp_runner.cli.main import failure_story
+
+    assert failure_story(RankExit(*first), stopped).startswith(story)
+
+
+@pytest.mark.slow
 def test_self_launch_returns_the_ranks_input_error(tiny_dir, prompts, tmp_path):
     out = tmp_path / "o.jsonl"
     proc = cli(tiny_dir, prompts, out, "--set", "parallel.workers=2", "--set", "generation.max_new_tokens=4090")

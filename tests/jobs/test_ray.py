@@ -240,6 +240,18 @@ def test_missing_ray_is_a_clear_error(monkeypatch, capsys, tmp_path):
     assert capsys.readouterr().err == "error: parallel.backend=ray needs ray: pip install 'lp_runner[ray]'\n"
 
 
+def test_run_batch_under_ray_says_it_runs_as_one(tmp_path):
+    """Ray runs one prompt per group (a recovery resumes the one prompt a lost worker held): a run.batch it does not
+    apply is one warning line, before anything is started (here an unreachable cluster ends the run next)."""
+    proc = _cli(
+        ["--prompt", "hi", "--set", "parallel.backend=ray", "--set", "run.batch=4"], 60, RAY_ADDRESS="127.0.0.1:9"
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("warning: run.batch=4 runs as 1 under parallel.backend=ray"), proc.stderr
+    assert lines[1].startswith("error: cannot reach the Ray cluster at 127.0.0.1:9") and len(lines) == 2, proc.stderr
+
+
 def test_resume_from_committed_prefix_gives_the_same_record(tiny_dir):
     """What recovery relies on: a generation resumed from any committed prefix ends exactly as the uninterrupted
     one, and its streamed text continues where the shown text stopped."""

@@ -198,7 +198,7 @@ def test_measurement_plan_by_device() -> None:
 def test_cuda_calibration_measures_the_gpu_plan(monkeypatch) -> None:
     seen = {}
 
-    def measure(adapter, kvs, rows, reps, sync, head_rows):
+    def measure(adapter, kvs, rows, reps, sync, head_rows, tick):
         seen.update(kvs=tuple(kvs), rows=tuple(rows), head_rows=tuple(head_rows))
         return "curve"
 
