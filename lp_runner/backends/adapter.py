@@ -49,6 +49,7 @@ from lp_runner.backends.kv_cache import (
     AppendBufferLayer,
     StaticBufferLayer,
     allocate_arena,
+    copy_slots,
     kv_head_shape,
     shared_arena,
     static_capacity,
@@ -467,8 +468,8 @@ def move_rows(cache: DynamicCache, src: Sequence[int], dst: Sequence[int]) -> No
     writing). A position moved onto itself is left alone: a round whose winning candidate's rows follow its
     ordinary rows (every no-window round's first candidate) moves nothing, where copying it cost about 0.75 ms
     a round on the embedded model's 30 layers (2-core CPU), 6% of a 12 ms round. A cache whose layers view one
-    arena (``kv_cache.allocate_arena``: every static generation cache) moves every layer's rows in one gather
-    and one scatter; others layer by layer, the index tensors made once per device, not per layer."""
+    arena (``kv_cache.allocate_arena``: every static generation cache) moves every layer's rows at once, others
+    layer by layer (``kv_cache.copy_slots``: one slice copy per run of consecutive moves)."""
     if len(src) != len(dst):
         raise ValueError("src and dst must have equal length")
     moves = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
@@ -476,16 +477,5 @@ def move_rows(cache: DynamicCache, src: Sequence[int], dst: Sequence[int]) -> No
         return
     src, dst = zip(*moves, strict=True)
     arena = shared_arena(cache.layers)
-    if arena is not None:  # every layer's K/V in one tensor: one gather and one scatter over all of them
-        index = torch.tensor((*src, *dst), device=arena.device)  # [2 * moves]: one host->device copy
-        src_t, dst_t = index[: len(src)], index[len(src) :]
-        arena.index_copy_(4, dst_t, arena.index_select(4, src_t))  # [L, 2, 1, H_kv, capacity, D], dim 4: slots
-        return
-    indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-    for layer in cache.layers:
-        keys, values = layer.keys, layer.values  # (B, H, T, D)
-        if keys.device not in indices:
-            indices[keys.device] = torch.tensor(src, device=keys.device), torch.tensor(dst, device=keys.device)
-        src_t, dst_t = indices[keys.device]
-        keys.index_copy_(2, dst_t, keys.index_select(2, src_t))
-        values.index_copy_(2, dst_t, values.index_select(2, src_t))
+    buffers = [arena] if arena is not None else [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    copy_slots(buffers, src, dst)

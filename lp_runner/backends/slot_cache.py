@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from lp_runner.backends.kv_cache import StaticBufferLayer
+from lp_runner.backends.kv_cache import StaticBufferLayer, copy_slots
 
 ALIGN = 16  # region sizes round up to this many slots (the native attention scores 16 keys at a time)
 
@@ -117,20 +117,13 @@ class SlotCache:
 
     @torch.inference_mode()
     def flush(self) -> None:
-        """Apply every queued move: one index_select and one index_copy_ per layer for the whole batch (regions
-        are disjoint, so no move reads a slot another writes)."""
+        """Apply every queued move for the whole batch at once (``kv_cache.copy_slots``: a slice copy per run of
+        consecutive moves per layer; regions are disjoint, so no move reads a slot another region writes)."""
         if not self._moves:
             return
         src, dst = zip(*self._moves, strict=True)
         self._moves = []
-        indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in self.layers():
-            keys, values = layer.keys, layer.values  # [1, H_kv, capacity, D]
-            if keys.device not in indices:
-                indices[keys.device] = torch.tensor(src, device=keys.device), torch.tensor(dst, device=keys.device)
-            src_t, dst_t = indices[keys.device]
-            keys.index_copy_(2, dst_t, keys.index_select(2, src_t))
-            values.index_copy_(2, dst_t, values.index_select(2, src_t))
+        copy_slots([t for layer in self.layers() for t in (layer.keys, layer.values)], src, dst)
 
     @torch.inference_mode()
     def compact(self) -> None:

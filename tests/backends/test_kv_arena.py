@@ -1,7 +1,8 @@
 """A generation's static K/V: one arena for every layer, never reallocated while the generation runs.
 
-``move_rows`` on an arena cache is one gather and one scatter for all layers (counted in aten ops), with the bits
-of the layer-by-layer copy; a fixed cache refuses to grow (a captured graph reads it at its address), a scratch
+``move_rows`` on an arena cache is one slice copy per run of consecutive moves for all layers (counted in aten
+ops), with the bits of a gather-then-scatter of every layer; a fixed cache refuses to grow (a captured graph reads
+it at its address), a scratch
 cache still grows; the engine's generation caches are fixed and keep their address from the first round to the
 last (on the CPU's default static path, the native layers, as on the bucketed GPU path in test_static_rounds).
 """
@@ -48,13 +49,13 @@ def _static_cache(layers: int, capacity: int = 16):
     return cache
 
 
-def test_move_rows_is_one_gather_and_one_scatter_over_every_layer() -> None:
+def test_move_rows_is_one_slice_copy_per_run_over_every_layer() -> None:
     cache = _static_cache(layers=5)
     assert shared_arena(cache.layers) is not None
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     with _Ops() as counted:
         move_rows(cache, [9, 10, 3], [2, 3, 3])  # 3 -> 3 stays; 10 is read before 3 is written
-    assert counted.ops["index_select"] == 1 and counted.ops["index_copy_"] == 1, counted.ops
+    assert counted.ops["copy_"] == 1 and counted.ops["index_copy_"] == 0, counted.ops
     for layer, (keys, values) in zip(cache.layers, before, strict=True):
         want_k, want_v = keys.clone(), values.clone()
         want_k[:, :, [2, 3]], want_v[:, :, [2, 3]] = keys[:, :, [9, 10]], values[:, :, [9, 10]]
@@ -69,9 +70,37 @@ def test_a_layer_that_grew_out_of_its_arena_moves_layer_by_layer() -> None:
     before = [(layer.keys[:, :, :16].clone(), layer.values[:, :, :16].clone()) for layer in cache.layers]
     with _Ops() as counted:
         move_rows(cache, [7], [1])
-    assert counted.ops["index_copy_"] == 2 * 3  # keys and values of every layer
+    assert counted.ops["copy_"] == 2 * 3  # keys and values of every layer
     for layer, (keys, values) in zip(cache.layers, before, strict=True):
         assert torch.equal(layer.keys[:, :, 1], keys[:, :, 7]) and torch.equal(layer.values[:, :, 1], values[:, :, 7])
+
+
+@pytest.mark.parametrize("arena", [True, False])
+def test_move_rows_equals_reading_every_source_before_any_write(arena: bool) -> None:
+    """Random moves (runs, overlapping shifts left and right, scattered rows, a slot that is both a source and a
+    later destination) give the bits of gathering every source, then scattering: the commit's contract."""
+    import random
+
+    rng = random.Random(7)
+    for case in range(200):
+        cache = _static_cache(layers=2, capacity=24)
+        if not arena:
+            with torch.inference_mode():
+                cache.layers[0].reserve(300)  # layers with buffers of their own: the per-layer path
+        n = rng.randint(1, 6)
+        if case % 3 == 0:  # one run shifted by a small offset either way (overlapping when |offset| < n)
+            start, offset = rng.randint(4, 12), rng.choice([-3, -2, -1, 1, 2, 3])
+            src, dst = list(range(start, start + n)), list(range(start + offset, start + offset + n))
+        else:
+            src = rng.sample(range(24), n)
+            dst = rng.sample(range(24), n)
+        before = [(layer.keys[:, :, :24].clone(), layer.values[:, :, :24].clone()) for layer in cache.layers]
+        move_rows(cache, src, dst)
+        for layer, (keys, values) in zip(cache.layers, before, strict=True):
+            want_k, want_v = keys.clone(), values.clone()
+            want_k[:, :, dst], want_v[:, :, dst] = keys[:, :, src], values[:, :, src]
+            assert torch.equal(layer.keys[:, :, :24], want_k), (case, src, dst)
+            assert torch.equal(layer.values[:, :, :24], want_v), (case, src, dst)
 
 
 def test_arena_views_are_the_layers_own_contiguous_buffers() -> None:
@@ -139,3 +168,11 @@ def test_static_cache_with_moves_equals_the_ordinary_one() -> None:
             move_rows(caches[id(a)], [t + 3, t + 2], [t, t + 1])
             crop(caches[id(a)], t + 2)
         t += 2
+
+
+def test_runs_groups_consecutive_moves() -> None:
+    from lp_runner.backends.kv_cache import runs
+
+    assert runs([7, 8, 9, 3], [2, 3, 4, 5]) == [(7, 2, 3), (3, 5, 1)]  # the docstring's example
+    assert runs([5, 6], [9, 11]) == [(5, 9, 1), (6, 11, 1)]  # sources consecutive, slots not: two runs
+    assert runs([], []) == []
