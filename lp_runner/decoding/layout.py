@@ -237,7 +237,7 @@ def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
     ordinary = 0
     while ordinary < len(rows) and rows[ordinary].role == ROLE_ORDINARY:
         ordinary += 1
-    if ordinary == 0:
+    if ordinary <= 1:  # nothing to paste: a decode round (one ordinary row), or a round of fillers only
         return _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows)).clone()
     cut = _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows[ordinary - 1 :]))
     q = len(rows)
