@@ -18,6 +18,7 @@ PACKAGE = REPO / "lp_runner"
 # job puts them: the entry points above everything, config / errors / logs / device / collector at the bottom.
 LAYERS = (
     ("__main__", "cli"),
+    ("studies",),
     ("api",),
     ("jobs",),
     ("tuning",),
