@@ -213,8 +213,11 @@ def search(
     ``search.coordinate_search`` over ``space`` (knobs in ``pinned`` keep ``base``'s value) from ``base`` with
     the window off, each setting priced by simulation; then each ``recorded`` window setting that agrees with
     every pinned knob, priced from its recorded shapes, replaces the winner under the same gain rule
-    (``search.MIN_GAIN``). Priced by ``search.price`` at P = ``world_size`` with the curve's measured host time;
-    communication left out (one small all_gather per round for every setting). With nothing admissible (the pins
+    (``search.MIN_GAIN``). Priced by ``search.price`` at P = ``world_size`` with the curve's measured host time:
+    each round at its busiest rank's share of the columns and candidates (``costmodel.rank_rows``, the engine's
+    own sharding), so at P > 1 a window too large for one device wins where its share per rank sits under the
+    curve's knee and buys more tokens per forward (LP's lever; ``tests/tuning/test_preset.py``). Communication
+    left out (one small all_gather per round for every setting). With nothing admissible (the pins
     rule out every candidate) ``base`` is returned as it is.
     """
     space = AUTO_SPACE if space is None else space
