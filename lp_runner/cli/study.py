@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="host time per round R[,PER_ROW] in microseconds (default: the curve file's measured host time; "
         "none for a roofline, which makes the simulation a lower bound)",
     )
+    p.add_argument("--host-label", help="where --host-us comes from, for the report (default: given)")
     p.add_argument("--kv-len", type=int, default=512, help="cached positions the simulated rounds see")
     p.add_argument("--extend", default="hold", choices=EXTEND_RULES, help="tokens/forward beyond recorded windows")
     p.add_argument("--devices", type=int, help="simulated: price every split D x P of N devices (P dividing N)")
@@ -160,7 +161,8 @@ def simulated(args, workers: list[int]) -> dict:
         raise InputError(f"--interconnect {link_name!r}: use {', '.join(INTERCONNECTS)} or measured:US")
     if args.host_us is not None:
         parts = parse_float_list(args.host_us, "--host-us")
-        host = Host(HostCost(1e-6 * parts[0], 1e-6 * (parts[1] if len(parts) > 1 else 0.0)), "given (--host-us)")
+        label = f"{args.host_label or 'given'} (--host-us {args.host_us})"
+        host = Host(HostCost(1e-6 * parts[0], 1e-6 * (parts[1] if len(parts) > 1 else 0.0)), label)
     elif curve.host is not None:
         host = Host(curve.host, "measured with the curve (the machine that measured it)")
     else:
