@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument(
         "--curve",
-        help=f"the simulation's forward: roofline:NAME ({', '.join(GPUS)}), or a curve file (a start-up "
-        "calibration, tune --save-curve, or the GPU check's rounds_buckets.json)",
+        help=f"the simulation's forward: roofline:NAME ({', '.join(GPUS)}), a curve file (a start-up "
+        "calibration, tune --save-curve, or the GPU check's rounds_buckets.json), or, measured, job: the curve the "
+        "job's P=1 run calibrated (with its measured host time)",
     )
     p.add_argument("--model-shape", default="embedded", choices=sorted(MODEL_SHAPES), help="for a roofline curve")
     p.add_argument(
@@ -108,6 +109,10 @@ def _run(args) -> int:
     if not args.simulate:
         report["measured"] = measured(args, workers, out)
         report["machine"] = report["measured"].pop("machine")
+    if args.curve == "job":
+        if args.simulate:
+            raise InputError("--curve job is the measured job's own curve: drop --simulate or name a curve")
+        args.curve = _job_curve(out, min(workers))
     if args.curve is not None:
         report["simulated"] = simulated(args, workers)
     from lp_runner.studies.report import write
@@ -173,6 +178,20 @@ def simulated(args, workers: list[int]) -> dict:
     if args.devices:
         result["splits"] = splits(result, args.devices)
     return result
+
+
+def _job_curve(out: Path, workers: int) -> str:
+    """The calibration file the job's P = ``workers`` run priced its rounds with (its records' policy)."""
+    from lp_runner.studies.measured import read_records, records_path
+
+    for rec in read_records(records_path(out, workers)).values():
+        path = rec.get("policy", {}).get("calibration", {}).get("file")
+        if path and Path(path).is_file():
+            return path
+    raise InputError(
+        f"--curve job: the P={workers} run's records name no calibration file (lookahead.preset off with "
+        "advanced.pad_rows false measures none, or the cache was cleared): give --curve FILE"
+    )
 
 
 def parse_float_list(text: str, what: str) -> list[float]:

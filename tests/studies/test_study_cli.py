@@ -70,7 +70,8 @@ def test_bad_input_is_one_error_line(tmp_path, args, fragment):
 def test_measured_study_identical_across_p_and_resumes(tmp_path, tiny_dir):
     """2 prompts at P = 1 and 2 on a tiny model, window 4-3-4 pinned. The first study is stopped with SIGTERM
     while P = 2 runs (P = 1 done): exit 130, one line. The second finds P = 1 complete and skips it, runs P = 2
-    (resumed), and reports every output identical to P = 1's, with the per-prompt fields the study promises."""
+    (resumed), and reports every output identical to P = 1's, with the per-prompt fields the study promises, and
+    the simulation beside it on the job's own calibrated curve (``--curve job``)."""
     pytest.importorskip("matplotlib")
     prompts = write_prompts(tmp_path / "p.jsonl", [
         {"id": "a", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown"},
@@ -91,7 +92,7 @@ def test_measured_study_identical_across_p_and_resumes(tmp_path, tiny_dir):
     assert sorted(r["id"] for r in p1 if "id" in r) == ["a", "b"]
     assert not (out / "study.json").exists()
 
-    second = _study(*args)
+    second = _study(*args, "--curve", "job", "--interconnect", "measured:400")  # the simulation beside it
     assert second.returncode == 0, second.stderr
     assert "P=1: every prompt recorded" in second.stderr and "P=2: running" in second.stderr
     assert read_jsonl(out / "P1.jsonl") == p1  # untouched
@@ -106,5 +107,9 @@ def test_measured_study_identical_across_p_and_resumes(tmp_path, tiny_dir):
         assert all(x["identical_to_base"] and x["window"] == {"W": 4, "N": 3, "G": 4} for x in point["prompts"])
         assert all(x["latency_s"] > 0 and x["new_tokens"] > 0 for x in point["prompts"])
     assert meas["points"][1]["comm_share"] > 0  # P = 2 ran an all_gather per round
-    assert "**Measured**" in (out / "study.md").read_text()
+    sim = report["simulated"]  # priced on the curve the P = 1 run calibrated, with its measured host time
+    assert "measured curve from curve-" in sim["inputs"]["curve"] and "measured with the curve" in sim["inputs"]["host"]
+    assert [p["workers"] for p in sim["points"]] == [1, 2] and sim["points"][0]["host_ms"] > 0
+    md = (out / "study.md").read_text()
+    assert "**Measured**" in md and "**Simulated** (not measured)" in md
     assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
