@@ -301,14 +301,15 @@ def limits(points: Sequence[Point], knee: int) -> str:
     a, b = points[0], points[-1]
     if a is b:
         return "one P only"
+    grown = "no growth: the same window" if a.window == b.window else "acceptance growth"
     parts = [
         f"P={b.workers} vs P={a.workers}: {b.ms_per_token / a.ms_per_token:.2f}x the ms per token",
         f"window {a.window.label()} -> {b.window.label()}, tokens per forward {a.tokens_per_forward:.2f} -> "
-        f"{b.tokens_per_forward:.2f} (acceptance growth)",
+        f"{b.tokens_per_forward:.2f} ({grown})",
         f"busiest rank {max(a.rows_per_rank)} -> {max(b.rows_per_rank)} rows against a knee at {knee} rows, "
         f"forward {a.forward_ms:.3f} -> {b.forward_ms:.3f} ms",
         f"host {a.host_ms:.3f} -> {b.host_ms:.3f} ms, collective {a.collective_ms:.3f} -> {b.collective_ms:.3f} ms "
-        "a round",
+        f"a round ({100 * b.collective_ms / b.round_ms:.0f}% of P={b.workers}'s round)",
     ]
     return "; ".join(parts)
 
