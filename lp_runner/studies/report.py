@@ -25,8 +25,8 @@ def markdown(report: dict) -> str:
             f"{meas['prompts_file']}, config {meas['config']}; outputs identical to P={meas['base_workers']}'s at "
             f"every P: **{meas['identical_outputs']}**.",
             "",
-            "| P | window(s) | latency p50 s | p90 s | tokens/s | ms/token | vs P=1 | tokens/forward | rows/rank | "
-            "forward | host | comm (incl. wait) | identical |",
+            "| P | window(s) | latency p50 s | p90 s | tokens/s | ms/token | speed vs P=1 | tokens/forward | "
+            "rows/rank | forward | host | comm (incl. wait) | identical |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in meas["points"]:
@@ -49,7 +49,7 @@ def markdown(report: dict) -> str:
             f"{inp['excluded']} excluded. Knee of the curve (within 10% of one row): {sim['knee_rows']} rows.",
             "",
             "| P (simulated) | window W-N-G | rows/rank (busiest) | tokens/forward | forward ms | host ms | "
-            "collective ms | ms/token | vs P=1 | same window as P=1: ms/token |",
+            "collective ms | ms/token | speed vs P=1 (>1: faster) | same window as P=1: ms/token |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in sim["points"]:
