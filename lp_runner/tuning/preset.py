@@ -14,7 +14,7 @@ setting on the model to learn its round shapes, is replaced where it can be by a
 * Jacobi-window rounds depend on the model's own trajectory guesses: they cannot be simulated. Where their
   payoff comes from, and why: the job's own window rounds. The start-up choice prices the window settings the
   package ships recorded (``lp_runner/tuning/data/acceptance.json``, made by ``benchmarks/record_acceptance.py``
-  with the embedded model: W-N-G up to 15-7-15); they only decide whether the job *tries* the window. A job that
+  with the embedded model: W-N-G up to 31-7-31); they only decide whether the job *tries* the window. A job that
   runs a window records every round it runs (``observe(shapes=...)``), and each re-choice prices that window
   setting from this job's own rounds, on this model and these prompts, against the window-off settings
   simulated on the same job's outputs: a model whose window does not pay drops it after its first few hundred
