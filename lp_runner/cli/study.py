@@ -166,8 +166,8 @@ def simulated(args, workers: list[int]) -> dict:
         raise InputError(f"--interconnect {link_name!r}: use {', '.join(INTERCONNECTS)} or measured:US")
     if args.host_us is not None:
         parts = parse_float_list(args.host_us, "--host-us")
-        label = f"{args.host_label or 'given'} (--host-us {args.host_us})"
-        host = Host(HostCost(1e-6 * parts[0], 1e-6 * (parts[1] if len(parts) > 1 else 0.0)), label)
+        given = f"{args.host_label or 'given'} (--host-us {args.host_us})"
+        host = Host(HostCost(1e-6 * parts[0], 1e-6 * (parts[1] if len(parts) > 1 else 0.0)), given)
     elif curve.host is not None:
         host = Host(curve.host, "measured with the curve (the machine that measured it)")
     else:

@@ -47,6 +47,19 @@ def test_simulated_study_writes_json_markdown_and_plot(tmp_path):
     assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_given_host_time_is_priced_and_labelled(tmp_path):
+    """``--host-us R,ROW`` with ``--host-label``: every P's host_ms is R + ROW x its busiest rank's rows, the
+    label names the source, and the curve's own label stays."""
+    out = tmp_path / "host"
+    proc = _study("--simulate", "--curve", "roofline:H100-SXM", "--workers", "1,2", "--out", str(out),
+                  "--host-us", "300,5", "--host-label", "a CPU's host time")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    sim = json.loads((out / "study.json").read_text())["simulated"]
+    assert sim["inputs"]["host"] == "a CPU's host time (--host-us 300,5)" and "H100-SXM" in sim["inputs"]["curve"]
+    for p in sim["points"]:
+        assert p["host_ms"] == pytest.approx(0.3 + 0.005 * p["rows_per_rank"], abs=1e-3)
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
