@@ -20,7 +20,7 @@ per forward) whose share per rank sits at the knee. So for each P this module se
 
 Pure: no model, no device; milliseconds for P = 1..8. Example (``tests/studies/test_simulate.py``): a curve flat
 to 128 rows then linear, acceptance 1.5 / 2.2 / 3.0 tokens per forward at 4-4-4 / 15-5-15 / 31-7-31: P = 1
-runs 15-5-15 (about 120 rows, at the knee; 31-7-31's 372 rows cost 3x), P = 8 runs 31-7-31 (about 60 rows per
+runs 15-5-15 (120 rows, under the knee; 31-7-31's 372 rows cost 3.4x), P = 8 runs 31-7-31 (68 rows on the busiest
 rank) and is about 1.35x faster; on a curve linear from one row plain decoding wins at every P and P = 8 only
 adds the all_gather.
 """

@@ -49,7 +49,7 @@ def _by_p(result: dict) -> dict[int, dict]:
 
 def test_flat_curve_p8_chooses_a_larger_window_and_is_faster():
     """P = 1 fits 15-5-15 (about 120 rows) under the knee; 31-7-31's 372 rows would cost 3.4x. At P = 8 each rank
-    runs about 60 rows of 31-7-31, under the knee: 3.0 tokens per forward for one flat forward."""
+    runs its share of 31-7-31 (68 rows on the busiest), under the knee: 3.0 tokens per forward for one flat forward."""
     result = simulate(GROWING, [1, 2, 4, 8], flat_then_linear(), NO_HOST, LINK, KV)
     p = _by_p(result)
     assert window_rows(GROWING[2]) <= 128 < window_rows(GROWING[3])  # the premise: 15-5-15 fits, 31-7-31 does not
