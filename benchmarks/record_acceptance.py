@@ -37,6 +37,10 @@ WINDOW_SETTINGS = {  # name -> (W, N, G); context lookup on, no row cap, pool fr
     "window-7-5-7": (7, 5, 7),
     "window-15-5-15": (15, 5, 15),
     "window-15-7-15": (15, 7, 15),
+    # larger windows: what one rank of several could afford on a device whose forward is flat up to a knee
+    # (the strong-scaling simulation, ``lp_runner/studies/simulate.py``, reads tokens per forward from these)
+    "window-23-6-23": (23, 6, 23),
+    "window-31-7-31": (31, 7, 31),
 }
 
 

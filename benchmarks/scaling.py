@@ -27,8 +27,12 @@ from the GPU check's measured rounds (``gpu:`` ``rounds_buckets.json`` of ``benc
 embedded model's shape, captured rounds per bucket) when one exists, else from the roofline of a named GPU
 (``roofline:NAME``, ``GPUS``: its memory bandwidth and dense bf16 FLOP/s, stated in the report; no launch or host
 cost, so a lower bound on the forward). Round shapes and host time still come from the real P=1 run here (the
-window's acceptance is the model's, not the device's; host time is this CPU's, labelled). The report puts the
-Lookahead paper's reported LP figures beside it, as reported, not measured here.
+window's acceptance is the model's, not the device's; host time is this CPU's, labelled), at this run's fixed
+W, N, G. The report puts the Lookahead paper's reported LP figures beside it, as reported, not measured here.
+
+For a GPU, ``python -m lp_runner study --simulate`` is the model to use: it lets the window grow with P (LP's
+lever), prices the all_gather from a named interconnect and host time from a stated figure. This script stays the
+CPU measurement (its four setups on one 2-core machine) and its throughput view.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+# The named GPUs, their roofline and the GPU check's measured rounds live with the strong-scaling simulation
+# (``lp_runner/studies/hardware.py``); the paper's reported figures too (``lp_runner/studies/simulate.py``).
+from lp_runner.studies.hardware import GPUS, roofline_curve  # noqa: E402
+from lp_runner.studies.hardware import gpu_rounds_curve as _gpu_rounds_curve  # noqa: E402
+from lp_runner.studies.simulate import PAPER_LP  # noqa: E402
 
 
 def collective_bench(iters: int, length: int) -> None:
@@ -120,64 +130,9 @@ def run_cli(
     }
 
 
-# Named GPUs for the roofline: (memory bandwidth B/s, dense bf16 FLOP/s), from their vendors' data sheets.
-GPUS: dict[str, tuple[float, float]] = {
-    "H100-SXM": (3.35e12, 989e12),
-    "H200": (4.8e12, 989e12),
-    "A100-80GB-SXM": (2.039e12, 312e12),
-}
-# What the Lookahead paper (Fu et al., 2024) reports for LP and lookahead on GPUs: its figures, not measured here.
-PAPER_LP = [
-    "Lookahead decoding on one GPU: 1.5-2.3x faster than greedy decoding (the paper's reported range)",
-    "Lookahead Parallelism: up to ~4x with 8 GPUs on code completion (the paper's reported figure)",
-]
-ROOFLINE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def roofline_curve(gpu: str, shape: dict, kv_lens: list[int], bytes_per_value: int = 2) -> tuple:
-    """(CostCurve, label): a forward of ``shape`` (a Llama config's sizes) on ``gpu`` at its memory and matmul
-    limits, max(bytes / bandwidth, FLOPs / peak) per (rows, K/V length): the weights and the cached K/V read once,
-    2 FLOPs per weight per row plus attention's 4 per cached position per row and layer; the LM head on one row
-    (``body_s``) or every row (``all_s``). No launch, sync or host cost: a lower bound on a real forward.
-
-    Example: on an H100-SXM the embedded model's shape costs the same (the weights' read) from 1 row up to the
-    rows where its matmuls take as long as that read."""
-    from lp_runner.tuning.costmodel import CostCurve, CurvePoint
-
-    bandwidth, peak = GPUS[gpu]
-    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
-    head_dim = shape.get("head_dim") or h // shape["num_attention_heads"]
-    kv_width = 2 * shape["num_key_value_heads"] * head_dim  # keys and values per position and layer
-    q_width = shape["num_attention_heads"] * head_dim
-    per_layer = h * q_width * 2 + h * kv_width + 3 * h * shape["intermediate_size"]  # q, o; k, v; gate, up, down
-    body_weights, head = layers * per_layer, h * vocab
-
-    def seconds(rows: int, kv: int, logit_rows: int) -> float:
-        read = bytes_per_value * (body_weights + head + layers * kv_width * (kv + rows))
-        flops = 2 * body_weights * rows + 4 * layers * q_width * rows * (kv + rows) + 2 * head * logit_rows
-        return max(read / bandwidth, flops / peak)
-
-    points = tuple(CurvePoint(kv, q, seconds(q, kv, 1), seconds(q, kv, q)) for kv in kv_lens for q in ROOFLINE_ROWS)
-    return CostCurve(points), (
-        f"roofline of {gpu} ({bandwidth / 1e12:.2f} TB/s, {peak / 1e12:.0f} dense bf16 TFLOP/s; memory and "
-        "matmul limits only, no launch or host cost: a lower bound on the forward)"
-    )
-
-
 def gpu_curve(path: Path) -> tuple:
-    """(CostCurve, label) from ``benchmarks/gpu_rounds.py buckets``' JSON: each bucket's captured round, its
-    logits on every row, at the measured K/V length (one length: the curve is flat in K/V length)."""
-    from lp_runner.tuning.costmodel import CostCurve, CurvePoint
-
-    data = json.loads(Path(path).read_text())
-    kv = int(data["prefix"])
-    points = tuple(
-        CurvePoint(kv, int(rows), r["captured_ms"] / 1e3, r["captured_ms"] / 1e3) for rows, r in data["buckets"].items()
-    )
-    return CostCurve(points), (
-        f"measured on {data['device_name']} ({data['model']}, {data['dtype']}, captured rounds after {kv} "
-        f"cached positions, benchmarks/gpu_rounds.py)"
-    )
+    """(CostCurve, label) from ``benchmarks/gpu_rounds.py buckets``' JSON (``studies.hardware.gpu_rounds_curve``)."""
+    return _gpu_rounds_curve(json.loads(Path(path).read_text()))
 
 
 def curve_for(source: str, shape: dict, kv_lens: list[int]) -> tuple | None:

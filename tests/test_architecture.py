@@ -19,6 +19,7 @@ PACKAGE = REPO / "lp_runner"
 # bottom.
 LAYERS = (
     ("__main__", "cli"),
+    ("studies",),
     ("api",),
     ("jobs",),
     ("tuning",),

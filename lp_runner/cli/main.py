@@ -1,7 +1,8 @@
 """``python -m lp_runner`` and ``torchrun -m lp_runner``: one entry point; WORLD_SIZE decides the rank count.
 
 Commands: ``run`` (the default: ``python -m lp_runner --config c.yaml ...`` means ``python -m lp_runner run
---config c.yaml ...``), ``tune`` (``cli.tune``) and ``fetch`` (``models.fetch``); ``--version`` prints
+--config c.yaml ...``), ``tune`` (``cli.tune``), ``study`` (``cli.study``: strong scaling) and ``fetch``
+(``models.fetch``); ``--version`` prints
 the package version and ``--log-level`` (before or after the command) sets what goes to stderr (``lp_runner.logs``).
 
 Without torchrun, ``parallel.workers=P`` x ``parallel.groups=D`` > 1 starts this same command as D x P ranks on
@@ -33,7 +34,7 @@ from lp_runner.outfiles import EXIT_BROKEN_PIPE, StdoutClosed, check_not_an_inpu
 if TYPE_CHECKING:
     from lp_runner.cli.launch import RankExit
 
-COMMANDS = ("run", "tune", "fetch")
+COMMANDS = ("run", "tune", "study", "fetch")
 EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 3
 EXIT_INTERRUPTED = 130
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m lp_runner [run]",
         description="Exact Lookahead Decoding with Lookahead Parallelism (same tokens as greedy generate).",
         epilog="other commands: 'python -m lp_runner tune -h' (choose a setting for this device and model), "
+        "'python -m lp_runner study -h' (strong scaling over P, measured or simulated), "
         "'python -m lp_runner fetch -h' (download the embedded model into the cache)",
     )
     p.add_argument("--version", action="version", version=f"lp_runner {__version__}")
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def split_command(argv: list[str]) -> tuple[str, list[str]]:
-    """``[--log-level L] [run | tune | fetch] ARGS`` -> (command, the command's arguments); no command is ``run``.
+    """``[--log-level L] [COMMAND] ARGS`` -> (command, the command's arguments); no command is ``run``.
 
     ``["--log-level", "DEBUG", "tune", "--prompts", "p"]`` -> ("tune", ["--log-level", "DEBUG", "--prompts", "p"]);
     ``["--config", "c.yaml"]`` -> ("run", ["--config", "c.yaml"])."""
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from lp_runner.cli.tune import main as tune_main
 
         return tune_main(args)
+    if command == "study":
+        from lp_runner.cli.study import main as study_main
+
+        return study_main(args)
     if command == "fetch":
         from lp_runner.models.fetch import main as fetch_main
 

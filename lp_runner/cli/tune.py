@@ -83,7 +83,26 @@ def split_lines(result: TuneResult, table: Sequence[Split]) -> list[str]:
         f"highest throughput: {wide.label}  {wide.tokens_per_s:.2f} tokens/s "
         f"(--set parallel.groups={wide.groups} --set parallel.workers={wide.workers} with the P={wide.workers} setting)"
     )
+    lines.append("why: " + split_why(result, fast))
     return lines
+
+
+def split_why(result: TuneResult, fast: Split) -> str:
+    """Why the lowest-latency split wins, in the figures LP trades: the tokens per forward the setting at its P
+    buys, against the rows on its busiest rank, compared with P = 1 (each P's winner; the collective and host
+    time are in its ms/token)."""
+    one, best = result.per_workers[min(result.per_workers)], result.per_workers[fast.workers]
+    if fast.workers == one.workers:
+        return (
+            f"no P > 1 is faster: at P = {one.workers} the setting buys {one.tokens_per_forward:.2f} tokens/forward "
+            f"on {one.mean_rows:.1f} rows, and a larger window's share per rank does not buy enough more tokens to "
+            "pay the busier rank and the all_gather"
+        )
+    return (
+        f"P = {best.workers} runs {best.tokens_per_forward:.2f} tokens/forward on {best.mean_rows:.1f} rows on its "
+        f"busiest rank ({describe(best.lookahead)}), against {one.tokens_per_forward:.2f} on {one.mean_rows:.1f} "
+        f"rows at P = {one.workers}: more tokens per forward for each rank's share of the window"
+    )
 
 
 def write_config(cfg: Config, result: TuneResult, path: Path, header: Sequence[str]) -> None:

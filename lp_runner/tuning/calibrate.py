@@ -103,6 +103,7 @@ class Calibration:
             "device": self.key["device"],
             "spread": round(self.curve.spread, 3),
             "noisy": self.noisy,
+            "file": self.path,  # the curve itself, with its measured host time (``lp_runner study --curve job``)
         }
 
 

@@ -14,7 +14,7 @@ setting on the model to learn its round shapes, is replaced where it can be by a
 * Jacobi-window rounds depend on the model's own trajectory guesses: they cannot be simulated. Where their
   payoff comes from, and why: the job's own window rounds. The start-up choice prices the window settings the
   package ships recorded (``lp_runner/tuning/data/acceptance.json``, made by ``benchmarks/record_acceptance.py``
-  with the embedded model: W-N-G up to 15-7-15); they only decide whether the job *tries* the window. A job that
+  with the embedded model: W-N-G up to 31-7-31); they only decide whether the job *tries* the window. A job that
   runs a window records every round it runs (``observe(shapes=...)``), and each re-choice prices that window
   setting from this job's own rounds, on this model and these prompts, against the window-off settings
   simulated on the same job's outputs: a model whose window does not pay drops it after its first few hundred
@@ -213,8 +213,11 @@ def search(
     ``search.coordinate_search`` over ``space`` (knobs in ``pinned`` keep ``base``'s value) from ``base`` with
     the window off, each setting priced by simulation; then each ``recorded`` window setting that agrees with
     every pinned knob, priced from its recorded shapes, replaces the winner under the same gain rule
-    (``search.MIN_GAIN``). Priced by ``search.price`` at P = ``world_size`` with the curve's measured host time;
-    communication left out (one small all_gather per round for every setting). With nothing admissible (the pins
+    (``search.MIN_GAIN``). Priced by ``search.price`` at P = ``world_size`` with the curve's measured host time:
+    each round at its busiest rank's share of the columns and candidates (``costmodel.rank_rows``, the engine's
+    own sharding), so at P > 1 a window too large for one device wins where its share per rank sits under the
+    curve's knee and buys more tokens per forward (LP's lever; ``tests/tuning/test_preset.py``). Communication
+    left out (one small all_gather per round for every setting). With nothing admissible (the pins
     rule out every candidate) ``base`` is returned as it is.
     """
     space = AUTO_SPACE if space is None else space

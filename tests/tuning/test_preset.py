@@ -15,7 +15,7 @@ from helpers import AMD_MS, FAMILIES, curve_from_ms, make_engine, random_prompt
 
 from lp_runner.config import LookaheadConfig, load_config
 from lp_runner.tuning import preset
-from lp_runner.tuning.costmodel import CostCurve, RowPlan, shapes_from_records
+from lp_runner.tuning.costmodel import CostCurve, CurvePoint, RoundShape, RowPlan, rank_rows, shapes_from_records
 from lp_runner.tuning.preset import AutoPreset, Sample, search, shipped_prior, simulate
 
 WINDOW_OFF = [
@@ -231,3 +231,34 @@ def test_startup_choice_is_not_cached_without_a_code_digest(tmp_path, monkeypatc
     runs = [AutoPreset(LookaheadConfig(), (), curve, RowPlan.from_curve(curve), cache_root=tmp_path) for _ in "ab"]
     assert not any(r.from_cache for r in runs) and runs[0].choice == runs[1].choice
     assert not (tmp_path / "preset").exists()
+
+
+def _recorded_window(w: int, n: int, g: int, emitted: int, rounds: int = 40) -> preset.Recorded:
+    """A window setting whose every decode round runs the full window and G candidates of N - 1 rows and emits
+    ``emitted`` tokens (a synthetic recording: what the shipped file holds for real windows)."""
+    la = LookaheadConfig(window_size=w, ngram_size=n, verification_set_size=g, lookahead_branch=True, preset="off")
+    shapes = [RoundShape(0, 20, w, 0, (), -1, 1)]
+    shapes += [RoundShape(20 + emitted * i, 1, w, n - 2, (n - 1,) * g, 0, emitted) for i in range(rounds)]
+    return preset.Recorded(f"window-{w}-{n}-{g}", la, (tuple(shapes),))
+
+
+def test_auto_at_p_ranks_prices_each_ranks_share_and_may_choose_a_larger_window() -> None:
+    """A forward flat to 72 rows, then 1 ms a row: at P = 1 the 7-5-7 window (56 rows, 2 tokens a forward) fits
+    under the knee and 31-7-31 (372 rows, 3 tokens) costs 30x; at P = 8 each rank runs its share of 31-7-31 (the
+    engine's sharding: 68 rows on the busiest), so the preset prices that and chooses it. The choice is a pure
+    function of its inputs, so every LP rank, searching the same inputs, makes it too. Window-off settings find
+    nothing in a sample of distinct tokens (one token a forward)."""
+    pts = [(1, 10.0), (72, 10.0), (512, 10.0 + 440.0), (1024, 10.0 + 952.0)]
+    curve = CostCurve(tuple(CurvePoint(kv, q, 1e-3 * ms, 1e-3 * ms) for kv in (0, 512) for q, ms in pts))
+    small, large = _recorded_window(7, 5, 7, 2), _recorded_window(31, 7, 31, 3)
+    sample = Sample(tuple(range(100, 120)), tuple(range(200, 320)))
+
+    def choose(world_size: int):
+        return search(LookaheadConfig(), (), curve, RowPlan.identity(), [sample], [small, large],
+                      world_size=world_size).lookahead  # fmt: skip
+
+    assert max(q for q, _ in rank_rows(large.shapes[0][1:3], 8)[1]) <= 72  # the premise: a rank's share fits
+    at_one, at_eight = choose(1), choose(8)
+    assert (at_one.window_size, at_one.ngram_size, at_one.verification_set_size) == (7, 5, 7)
+    assert (at_eight.window_size, at_eight.ngram_size, at_eight.verification_set_size) == (31, 7, 31)
+    assert choose(8) == at_eight  # deterministic: every rank of the group chooses the same

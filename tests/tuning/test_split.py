@@ -71,3 +71,25 @@ def test_a_per_split_latency_is_honoured():
     ]
     assert highest_throughput(table).workers == 1 and lowest_latency(table).workers == 2
     assert table[0].to_dict() == {"groups": 2, "workers": 1, "devices": 2, "ms_per_token": 20.0, "tokens_per_s": 100.0}
+
+
+def _scored(p: int, ms: float, tpf: float, rows: float, w: int):
+    from lp_runner.config import LookaheadConfig
+    from lp_runner.tuning.search import Scored
+
+    return Scored(LookaheadConfig(window_size=w, verification_set_size=w), p, ms, tpf, rows)
+
+
+def test_tune_devices_says_why_the_latency_winner_wins():
+    """``tune --devices``'s last line: the winner's tokens per forward and busiest-rank rows against P = 1's, or,
+    where P = 1 wins, that no P > 1 is faster and why."""
+    from lp_runner.cli.tune import device_splits, split_lines
+    from lp_runner.tuning.search import TuneResult
+
+    per = {1: _scored(1, 2.0, 2.0, 120.0, 15), 2: _scored(2, 1.5, 3.0, 90.0, 31)}
+    lines = split_lines(TuneResult(per[2], per[1], [], per), device_splits(TuneResult(per[2], per[1], [], per), 2))
+    assert lines[-2].startswith("highest throughput: D=2 x P=1")
+    assert lines[-1].startswith("why: P = 2 runs 3.00 tokens/forward on 90.0 rows") and "2.00 on 120.0" in lines[-1]
+    per[2] = _scored(2, 2.5, 2.0, 70.0, 15)
+    lines = split_lines(TuneResult(per[1], per[1], [], per), device_splits(TuneResult(per[1], per[1], [], per), 2))
+    assert lines[-1].startswith("why: no P > 1 is faster")
