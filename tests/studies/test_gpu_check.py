@@ -8,6 +8,7 @@ and the comparison of every CLI run's output with the engine's own one-token dec
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from benchmarks.gpu_check import agreement
 STEPS = (
     "env",
     "rounds-buckets",
+    "rounds-8b",
     "rounds-speed",
     "rounds-identity",
     "forward-cost",
@@ -68,8 +70,30 @@ def test_smoke_mode_runs_every_step(tmp_path):
         assert heading in summary
     for heading in ("## Rounds per row bucket: eager vs captured", "## Tokens/s against HF greedy", "## HF-greedy"):
         assert heading in summary
-    buckets = json.loads((out / "rounds_buckets.json").read_text())["buckets"]
-    assert set(buckets) == {"2", "4"} and all(r["captured_ms"] > 0 and r["eager_ms"] > 0 for r in buckets.values())
+    # the GPU run's steps 1 and 6 fit its budget (540 s less the summary's 25) with every step at its longest
+    plan = re.search(r"rounds plan \(GPU\): steps 1 and 6 take at most (\d+)s of (\d+)s", proc.stdout)
+    assert plan and int(plan[1]) <= int(plan[2]) == 540 - 25
+    for name in ("rounds_buckets", "rounds_buckets_8b"):  # the step-6 model and the 8B shape cut: the same checks
+        data = json.loads((out / f"{name}.json").read_text())
+        assert data["complete"] and data["stage"] == "done"
+        buckets = data["buckets"]
+        assert set(buckets) == {"2", "4"} and all(r["captured_ms"] > 0 and r["eager_ms"] > 0 for r in buckets.values())
+        # device and host time per round exist on CUDA only; the keys are there on a CPU (null)
+        assert all(r[f"{p}_host_us"] is None and r[f"{p}_device_ms"] is None for r in buckets.values() for p in
+                   ("eager", "captured"))  # fmt: skip
+        # one compilation of the round over buckets, two K/V widths, the job and the prefill; a CPU skips captures
+        assert data["compile"]["compilations"] == 1 and data["compile"]["ok"]
+        job = data["job"]  # the second prompt needs a larger arena; the warm-up at the longer one made it once
+        assert job["arena_slots"][1] > job["arena_slots"][0]
+        assert job["pool_allocations_before"] == job["pool_allocations_after"] == 1 and job["ok"]
+        assert job["capture_s_before"] == job["capture_s_after"] and len(job["captured_s"]) == 2
+        prefill = data["prefill"]  # longer than one chunk: cached in chunks before the first round
+        assert prefill["tokens"] > prefill["chunk_rows"] == 512
+        assert all(set(prefill[p]) >= {"peak_mib", "added_mib", "seconds"} for p in ("eager", "captured"))
+    assert "llama8b-tiny" in data["model"]  # the last one read: the 8B shape's step
+    assert "## Peak device memory of a long prefill" in summary and "(Llama-3-8B shape, cut)" in summary
+    for name in ("rounds_speed", "rounds_identity"):
+        assert json.loads((out / f"{name}.json").read_text())["compile"]["compilations"] == 1
     speed = json.loads((out / "rounds_speed.json").read_text())["runs"]
     assert set(speed) == {"hf-greedy", "hf-prompt-lookup", "engine-only-eager", "engine-only-captured",
                           "default-eager", "default-captured"}  # fmt: skip
