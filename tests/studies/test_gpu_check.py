@@ -13,9 +13,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from dist_helpers import REPO, env_with_repo
 
 from benchmarks.gpu_check import agreement
+from benchmarks.gpu_probes import compile_check, compile_counts
 
 STEPS = (
     "env",
@@ -41,6 +43,31 @@ def test_agreement_counts_identical_outputs_and_first_differences():
     # a prompt the run lacks is not counted; a longer output differs where the shorter one ends
     assert got == {"prompts": 3, "identical": 1, "first_difference": {"b": 1, "c": 2}}
     assert agreement(reference, reference)["identical"] == 4
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "device", "expected"),
+    [
+        # one compilation, no skip: what one compiled round function gives on CUDA
+        ((3, 0), (4, 0), "cuda", {"compilations": 1, "cudagraph_skips": 0, "ok": True}),
+        # a recompilation mid-step fails, on any device
+        ((0, 0), (2, 0), "cpu", {"compilations": 2, "cudagraph_skips": 0, "ok": False}),
+        # a skipped capture fails on CUDA; a CPU has nothing to capture, so it skips by design
+        ((0, 0), (1, 1), "cuda", {"compilations": 1, "cudagraph_skips": 1, "ok": False}),
+        ((0, 0), (1, 1), "cpu", {"compilations": 1, "cudagraph_skips": 1, "ok": True}),
+        # a counter this torch lacks is unknown, not 0, and does not fail; nor does a compile count that never moved
+        ((0, None), (1, None), "cuda", {"compilations": 1, "cudagraph_skips": "unknown", "ok": True}),
+        ((5, 0), (5, 0), "cuda", {"compilations": "unknown", "cudagraph_skips": 0, "ok": True}),
+    ],
+)
+def test_compile_check_wants_one_compilation_and_no_skipped_capture_on_cuda(before, after, device, expected):
+    counts = lambda c: {"compilations": c[0], "cudagraph_skips": c[1]}  # noqa: E731
+    assert compile_check(counts(before), counts(after), torch.device(device)) == expected
+
+
+def test_compile_counts_reads_this_torchs_counters():
+    counts = compile_counts()  # torch 2.13 keeps both: integers, not None
+    assert isinstance(counts["compilations"], int) and isinstance(counts["cudagraph_skips"], int)
 
 
 @pytest.mark.slow
