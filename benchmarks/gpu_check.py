@@ -411,21 +411,30 @@ def rounds_sections(out: Path) -> list[str]:
     def head(title: str, data: dict) -> list[str]:
         return [title, "", f"{data.get('model')}, {data.get('dtype')} on {data.get('device_name')}", ""]
 
-    buckets = _read_json(out / "rounds_buckets.json")
-    if buckets:
-        md += head("## Rounds per row bucket: eager vs captured", buckets)
+    for name, title in (("rounds_buckets", "model of step 6"), ("rounds_buckets_8b", "Llama-3-8B shape, cut")):
+        buckets = _read_json(out / f"{name}.json")
+        if buckets:
+            md += head(f"## Rounds per row bucket: eager vs captured ({title})", buckets) + bucket_lines(buckets)
+    peaks = [(data.get("model"), data["prefill"]) for name in ("rounds_buckets", "rounds_buckets_8b")
+             if (data := _read_json(out / f"{name}.json")) and data.get("prefill")]  # fmt: skip
+    if peaks:
         md += [
-            f"After {buckets.get('prefix')} cached positions, median of {buckets.get('reps')} rounds each; warm-up "
-            f"(compile and capture) {buckets.get('warm_up_s')} s.",
+            "## Peak device memory of a long prefill (engine, chunks of rows)",
             "",
-            "| rows | eager ms | captured ms | speed-up | capture s | argmax same |",
-            "|---|---|---|---|---|---|",
+            "`torch.cuda.max_memory_allocated`, reset before the call; added: the peak less what was allocated "
+            "before (weights, K/V buffers, captured graphs' pools). The captured adapter was warmed up at the "
+            "prompt's K/V buffer first, as a job's start-up does.",
+            "",
+            "| model | tokens | chunk rows | path | before MiB | peak MiB | added MiB | seconds |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for rows, r in buckets.get("buckets", {}).items():
-            md.append(
-                f"| {rows} | {r['eager_ms']} | {r['captured_ms']} | {r['speedup']} | {r['capture_s']} | "
-                f"{r['argmax_same']} |"
-            )
+        for model, p in peaks:
+            for path in ("eager", "captured"):
+                r = p.get(path, {})
+                md.append(
+                    f"| {model} | {p.get('tokens')} | {p.get('chunk_rows')} | {path} | {r.get('before_mib')} | "
+                    f"{r.get('peak_mib')} | {r.get('added_mib')} | {r.get('seconds')} |"
+                )
         md.append("")
     speed = _read_json(out / "rounds_speed.json")
     if speed:
@@ -439,7 +448,7 @@ def rounds_sections(out: Path) -> list[str]:
         ]
         for name, r in speed.get("runs", {}).items():
             md.append(f"| {name} | {r['tokens_per_s']} | {r['vs_hf_greedy']} | {r['same_as_hf_greedy']} |")
-        md.append("")
+        md += [""] + compile_line(speed) + [""]
     identity = _read_json(out / "rounds_identity.json")
     if identity:
         md += head("## HF-greedy identity in fp32 (TF32 off)", identity)
@@ -451,8 +460,52 @@ def rounds_sections(out: Path) -> list[str]:
                     f"- {name}: identical to HF greedy on {r['identical']} of {identity.get('prompts')} prompts"
                     f"{'; first difference: ' + differ if differ else ''}"
                 )
-        md.append("")
+        md += compile_line(identity) + [""]
     return md
+
+
+def bucket_lines(data: dict) -> list[str]:
+    """A buckets JSON's table (wall, device and host time per round, eager and captured), the job's arena check
+    and torch's compile counts; a step stopped before its end says where."""
+    md = []
+    if not data.get("complete"):
+        md += [f"**Partial**: the step stopped during its {data.get('stage')} part; what follows is what it wrote.", ""]
+    md += [
+        f"After {data.get('prefix')} cached positions, median of {data.get('reps')} rounds each; warm-up (compile "
+        f"and capture) {data.get('warm_up_s')} s. Host us: {data.get('host_us_method')}.",
+        "",
+        "| rows | eager ms | eager device ms | eager host us | captured ms | captured device ms | captured host us "
+        "| speed-up | capture s | argmax same |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rows, r in data.get("buckets", {}).items():
+        cells = [rows] + [r.get(k) for k in ("eager_ms", "eager_device_ms", "eager_host_us", "captured_ms")]
+        cells += [r.get(k) for k in ("captured_device_ms", "captured_host_us", "speedup", "capture_s", "argmax_same")]
+        md.append("| " + " | ".join(str(c) for c in cells) + " |")
+    md.append("")
+    job = data.get("job")
+    if job:
+        md.append(
+            f"- One job of two prompts ({' and '.join(map(str, job['prompt_tokens']))} tokens, {job['new_tokens']} "
+            f"new each, {job['setting']}; alone each would get an arena of {' and '.join(map(str, job['arena_slots']))}"
+            f" slots), warmed up at the longer one: arena allocations {job['pool_allocations_before']} before, "
+            f"{job['pool_allocations_after']} after (ok: {job['ok']}); capture s before {job['capture_s_before']}, "
+            f"after {job['capture_s_after']}; seconds captured {job['captured_s']}, eager {job['eager_s']}; tokens "
+            f"eager = captured on {job['same_tokens_eager_captured']}"
+        )
+    md += compile_line(data) + [""]
+    return md
+
+
+def compile_line(data: dict) -> list[str]:
+    """torch's counts over a rounds step (``gpu_probes.compile_check``), as one line; none if it has none."""
+    check = data.get("compile")
+    if not check:
+        return []
+    return [
+        f"- torch's counts over the step: {check['compilations']} compilation(s), {check['cudagraph_skips']} "
+        f"CUDA-graph skip(s) (ok: {check['ok']}; one compilation and, on CUDA, no skip expected)"
+    ]
 
 
 def main() -> int:

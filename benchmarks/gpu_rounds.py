@@ -2,25 +2,44 @@
 job and the engine against HF greedy in tokens/s, and HF-greedy identity in fp32 through eager and captured rounds.
 
     python benchmarks/gpu_rounds.py buckets  --device cuda --dtype bfloat16 --out OUT/rounds_buckets.json
+    python benchmarks/gpu_rounds.py buckets  --device cuda --shape llama8b --out OUT/rounds_buckets_8b.json
     python benchmarks/gpu_rounds.py speed    --device cuda --dtype bfloat16 --out OUT/rounds_speed.json
     python benchmarks/gpu_rounds.py identity --device cuda --out OUT/rounds_identity.json
 
 The model: ``--model-dir`` (a local folder, e.g. the embedded model's, real weights; its prompts from
 ``--prompts``, a JSONL of ``{"prompt": text}`` or ``{"messages": [...]}``) or, without one, random weights in
 ``--shape`` (``embedded``: the embedded model's architecture, so its kernels and launch counts are the real
-model's; ``tiny`` for the CPU smoke run) with seeded repetitive token prompts. Every JSON says which
-(``model``), and the device's name.
+model's; ``llama8b``: Llama-3-8B's architecture cut to 4 layers, built from its config; ``tiny`` and
+``llama8b-tiny`` for the CPU smoke run) with seeded repetitive token prompts. Every JSON says which (``model``),
+and the device's name.
 
 * ``buckets``: one bucketed adapter eager, one compiled (``model.compile``: CUDA graphs on a GPU; on a CPU the same
-  compiled code without the capture), each bucket's round timed after a cached prefix (median of ``--reps``, the
-  device synchronised around each), the capture seconds per bucket, and whether both give the same argmax row by
-  row (in bf16 the two may round a near-tie differently; the fp32 identity below is the exactness check).
+  compiled code without the capture), warmed up once at the largest K/V arena the step's rounds need below but the
+  long prefill's. Then, in this order:
+  - each bucket's round timed after a cached prefix (median of ``--reps``, the device synchronised around each),
+    its device time (CUDA events) and host time per round (wall minus device: ``gpu_probes.RoundTimer``), the
+    capture seconds per bucket, and whether both give the same argmax row by row (in bf16 the two may round a
+    near-tie differently; the fp32 identity below is the exactness check);
+  - a job of two prompts (``--job-tokens``; the second needs a larger arena than the first alone would have
+    had) through one engine each: the arena's allocations (``StaticRounds.pool_allocations``) and the capture
+    seconds before and after; the count must stay 1 (the warm-up sized the arena for the job's longest prompt);
+  - a ``--prefill-tokens`` prompt (8k, cached in chunks of ``PREFILL_CHUNK_ROWS`` rows) through the engine eager
+    and captured (the captured adapter warmed up at that prompt's arena first, as a job does): the peak device
+    memory of each (``torch.cuda.max_memory_allocated``, reset before);
+  - torch's counts over the whole step: one compilation of the round, and on CUDA no skipped CUDA-graph capture
+    (``gpu_probes.compile_check``).
+  Exits 1 when the arena grew during the job or the counts are not those; the JSON is rewritten after each part
+  (``complete``: false and the part it was in, until the end), so a step stopped by its timeout keeps what it
+  measured.
 * ``speed``: tokens/s over the prompts (the first is a warm-up, left out) of HF greedy ``generate``, HF prompt
   lookup, the engine alone (one row a round: no candidates, no window) eager and captured, and the default job
   (``lookahead.preset: auto``, the calibration made here) eager and captured; each run's tokens compared with HF
   greedy's.
 * ``identity``: fp32 (TF32 off), the default job eager and captured against HF greedy, prompt by prompt; exits 1
   on any difference.
+
+``speed`` and ``identity`` record torch's counts too (``compile``) and exit 1 when they are not one compilation
+and, on CUDA, no skipped capture.
 """
 
 from __future__ import annotations
@@ -39,9 +58,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_probes import RoundTimer, compile_check, compile_counts, host_us, peak_memory  # noqa: E402
 from lp_runner.backends.adapter import ModelAdapter, causal, crop  # noqa: E402
+from lp_runner.backends.kv_cache import static_capacity  # noqa: E402
 from lp_runner.config import Config, GenerationConfig, LookaheadConfig  # noqa: E402
 from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
+from lp_runner.decoding.scheduler import PREFILL_CHUNK_ROWS  # noqa: E402
 from lp_runner.device import synchronizer  # noqa: E402
 from lp_runner.models.loading import weights_checksum  # noqa: E402
 from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
@@ -72,11 +94,42 @@ TINY_SHAPE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
-SHAPES = {"embedded": EMBEDDED_SHAPE, "tiny": TINY_SHAPE}
+# Llama-3-8B's architecture (hidden 4096, 32 query heads on 8 K/V heads, MLP 14336, vocabulary 128256, rope theta
+# 500000, untied head) cut to 4 layers: the 8B's per-layer kernels and its head, built from the config in seconds
+LLAMA8B_SHAPE = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+# the same proportions cut for the CPU smoke run: 4 query heads per K/V head, MLP 3.5x, untied head, theta 500000
+LLAMA8B_TINY_SHAPE = dict(
+    LLAMA8B_SHAPE,
+    hidden_size=128,
+    intermediate_size=448,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+)
+SHAPES = {"embedded": EMBEDDED_SHAPE, "tiny": TINY_SHAPE, "llama8b": LLAMA8B_SHAPE, "llama8b-tiny": LLAMA8B_TINY_SHAPE}
 # the engine alone: one row a round, no candidates, no window, no padding (what gpu_check's cli-greedy runs)
 ENGINE_ONLY = LookaheadConfig(
     verification_set_size=0, lookahead_branch=False, context_lookup=False, preset="off", pad_rows=False
 )
+# the buckets step's job: the default knobs as written (W 7, N 5, G 7; rounds of up to ~100 rows, several buckets
+# and K/V widths), without the tuner (its calibration is the speed step's)
+JOB_SETTING = LookaheadConfig(preset="off", pad_rows=False)
+PREFILL_NEW_TOKENS = 4  # generated after the long prompt: its peak memory is the prefill's
 
 
 def load_model(args: argparse.Namespace, dtype: torch.dtype):
@@ -97,7 +150,8 @@ def load_model(args: argparse.Namespace, dtype: torch.dtype):
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     model.generation_config.eos_token_id = None
-    return model.eval(), f"random weights in the {args.shape} model's shape", None
+    label = f"random weights in the {args.shape} model's shape ({config.num_hidden_layers} layers)"
+    return model.eval(), label, None
 
 
 def prompts(args: argparse.Namespace, tokenizer, vocab: int) -> list[list[int]]:
@@ -174,54 +228,183 @@ def _header(args: argparse.Namespace, label: str, dtype: torch.dtype) -> dict:
 # --------------------------------------------------------------------------------------------------- buckets
 
 
-@torch.inference_mode()
-def cmd_buckets(args: argparse.Namespace) -> int:
-    dtype = getattr(torch, args.dtype)
-    model, label, _ = load_model(args, dtype)
-    sync = synchronizer(torch.device(args.device))
-    eager = ModelAdapter(model, bucketed=True)
-    captured = ModelAdapter(model, bucketed=True, compile=True)
-    warm_s = captured.rounds.warm_up(args.prefix + 64, max_rows=args.warm_rows)
-    result = {**_header(args, label, dtype), "prefix": args.prefix, "reps": args.reps, "warm_up_s": round(warm_s, 2)}
+def token_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    """``length`` seeded token ids: a block of 16 repeated (the window and context lookup find candidates in it)."""
+    block = torch.randint(0, vocab, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return (block * (length // 16 + 1))[:length]
+
+
+def job_capacities(args, captured: ModelAdapter) -> list[int]:
+    """Each job prompt's capacity (``LookaheadEngine.capacity``: prompt, new tokens, one round) under the job's
+    setting."""
+    engine = LookaheadEngine(captured, JOB_SETTING, GenerationConfig(max_new_tokens=args.new), [])
+    return [engine.capacity(n) for n in args.job_tokens]
+
+
+def arena_slots(adapter: ModelAdapter, capacity: int) -> int:
+    """The slots of the pooled arena a generation of ``capacity`` positions is given (``StaticRounds.new_cache``:
+    its capacity plus the ladder's top, a padded round writes past its rows, to the next power of two)."""
+    return static_capacity(capacity + adapter.rounds.ladder.max_rows)
+
+
+class Report:
+    """The step's JSON, rewritten after each part: ``complete`` false and the ``stage`` it is in until ``done``, so
+    a step stopped by its timeout leaves what it measured; ``compile``: torch's counts since ``counts``."""
+
+    def __init__(self, path: str, result: dict, counts: dict, device: torch.device) -> None:
+        self.path, self.result, self.counts, self.device = path, result, counts, device
+
+    def save(self, stage: str, compiled: bool = True) -> dict:
+        """Write the JSON at ``stage``; ``compiled``: a compiled round has run (before that, counts mean nothing)."""
+        check = compile_check(self.counts, compile_counts(), self.device) if compiled else None
+        self.result.update(stage=stage, complete=stage == "done", compile=check)
+        _write(self.path, self.result)
+        return self.result
+
+
+def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: RoundTimer) -> dict:
+    """Each bucket's round eager and captured after ``--prefix`` cached positions: wall ms, device ms and host us
+    (``gpu_probes.RoundTimer``), capture seconds and argmax agreement; printed as they come."""
     caches = {}
     prefix = torch.arange(args.prefix) % 97
     for adapter in (eager, captured):
         caches[id(adapter)] = cache = adapter.new_cache(args.prefix + max(args.rows), fixed=True)
-        adapter.forward(prefix, torch.arange(args.prefix), causal(args.prefix), cache, torch.tensor([0]))
+        adapter.forward(prefix, torch.arange(args.prefix), causal(args.prefix), cache, torch.arange(1))
     rows_out = {}
     for rows in args.rows:
         ids = (torch.arange(rows) * 7) % 97
         pos = torch.arange(args.prefix, args.prefix + rows)
-        times: dict[int, list[float]] = {id(eager): [], id(captured): []}
+
+        def run(adapter: ModelAdapter, rows=rows, ids=ids, pos=pos) -> torch.Tensor:
+            return adapter.forward(ids, pos, causal(rows), caches[id(adapter)], torch.arange(rows))
+
+        walls: dict[int, list[float]] = {id(eager): [], id(captured): []}
+        devices: dict[int, list[float | None]] = {id(eager): [], id(captured): []}
+        ahead = {id(eager): True, id(captured): True}
         argmax = {}
         for rep in range(args.reps + 1):  # the first is a warm-up (a new K/V width is recorded there)
             for adapter in (eager, captured):
-                if sync:
-                    sync()
-                start = time.perf_counter()
-                logits = adapter.forward(ids, pos, causal(rows), caches[id(adapter)], torch.arange(rows))
-                if sync:
-                    sync()
+                seconds, logits = timer.wall(lambda adapter=adapter: run(adapter))
                 if rep:
-                    times[id(adapter)].append(time.perf_counter() - start)
+                    walls[id(adapter)].append(seconds)
                 argmax[id(adapter)] = logits.argmax(-1).tolist()
                 crop(caches[id(adapter)], args.prefix)
-        eager_ms = 1e3 * statistics.median(times[id(eager)])
-        captured_ms = 1e3 * statistics.median(times[id(captured)])
+        for adapter in (eager, captured):  # the host twice as far ahead as a whole round takes
+            spin = 2 * statistics.median(walls[id(adapter)])
+            for _ in range(args.reps):
+                seconds, issued, _ = timer.device_time(lambda adapter=adapter: run(adapter), spin)
+                devices[id(adapter)].append(seconds)
+                ahead[id(adapter)] = ahead[id(adapter)] and issued
+                crop(caches[id(adapter)], args.prefix)
+        row = {}
+        for name, adapter in (("eager", eager), ("captured", captured)):
+            device_s = devices[id(adapter)]
+            row[f"{name}_ms"] = round(1e3 * statistics.median(walls[id(adapter)]), 3)
+            row[f"{name}_device_ms"] = None if None in device_s else round(1e3 * statistics.median(device_s), 3)
+            row[f"{name}_host_us"] = host_us(walls[id(adapter)], device_s)
+            row[f"{name}_host_ahead"] = ahead[id(adapter)]
         same = sum(a == b for a, b in zip(argmax[id(eager)], argmax[id(captured)], strict=True))
-        rows_out[str(rows)] = {
-            "eager_ms": round(eager_ms, 3),
-            "captured_ms": round(captured_ms, 3),
-            "speedup": round(eager_ms / captured_ms, 2),
-            "capture_s": round(captured.rounds.capture_s.get(rows, 0.0), 3),
-            "argmax_same": f"{same}/{rows}",
-        }
-        print(f"{rows:4d} rows: eager {eager_ms:8.3f} ms  captured {captured_ms:8.3f} ms  argmax same {same}/{rows}")
+        row["speedup"] = round(row["eager_ms"] / row["captured_ms"], 2)
+        row["capture_s"] = round(captured.rounds.capture_s.get(rows, 0.0), 3)
+        row["argmax_same"] = f"{same}/{rows}"
+        rows_out[str(rows)] = row
+        print(
+            f"{rows:4d} rows: eager {row['eager_ms']:8.3f} ms (host {row['eager_host_us']} us)  captured "
+            f"{row['captured_ms']:8.3f} ms (host {row['captured_host_us']} us)  argmax same {same}/{rows}"
+        )
     for adapter in (eager, captured):
         adapter.release_cache(caches[id(adapter)])
-    result["buckets"] = rows_out
-    _write(args.out, result)
-    return 0
+    return rows_out
+
+
+def job_check(args, eager: ModelAdapter, captured: ModelAdapter, timer: RoundTimer, vocab: int) -> dict:
+    """Two prompts in one job, the second needing a larger arena than the first: the captured adapter's arena
+    allocations and capture seconds before and after (warmed up at the job's longest prompt, the arena must not
+    grow: ``ok``), each prompt's seconds on either adapter, and whether their tokens agree (bf16: near-ties)."""
+    gen = GenerationConfig(max_new_tokens=args.new, stop_on_eos=False)
+    items = [token_prompt(n, vocab, seed) for seed, n in enumerate(args.job_tokens)]
+    rounds = captured.rounds
+    result = {"prompt_tokens": list(args.job_tokens), "new_tokens": args.new, "setting": "W 7, N 5, G 7 (preset off)"}
+    result["arena_slots"] = [arena_slots(captured, c) for c in job_capacities(args, captured)]  # each prompt alone
+    result["pool_allocations_before"] = rounds.pool_allocations
+    result["capture_s_before"] = {str(k): round(v, 3) for k, v in rounds.capture_s.items()}
+    outputs = {}
+    for name, adapter in (("captured", captured), ("eager", eager)):
+        engine = LookaheadEngine(adapter, JOB_SETTING, gen, [])
+        seconds = []
+        for ids in items:
+            t, res = timer.wall(lambda engine=engine, ids=ids: engine.generate(ids))
+            seconds.append(round(t, 3))
+            outputs.setdefault(name, []).append(res.output_ids)
+        result[f"{name}_s"] = seconds
+    result["pool_allocations_after"] = rounds.pool_allocations
+    result["capture_s_after"] = {str(k): round(v, 3) for k, v in rounds.capture_s.items()}
+    same = sum(a == b for a, b in zip(outputs["eager"], outputs["captured"], strict=True))
+    result["same_tokens_eager_captured"] = f"{same}/{len(items)}"
+    result["ok"] = result["pool_allocations_after"] == result["pool_allocations_before"] == 1
+    print(
+        f"job of {args.job_tokens} tokens: arena allocations {result['pool_allocations_before']} -> "
+        f"{result['pool_allocations_after']}, captured {result['captured_s']} s, tokens same {same}/{len(items)}"
+    )
+    return result
+
+
+def prefill_peaks(args, eager: ModelAdapter, captured: ModelAdapter, timer: RoundTimer, vocab: int) -> dict:
+    """A ``--prefill-tokens`` prompt (at most the model's context less ``PREFILL_NEW_TOKENS``) through the engine
+    alone, eager and captured: the peak device memory of each (``gpu_probes.peak_memory``), its seconds, and the
+    captured adapter's warm-up at that prompt's arena (as a job's start-up does) with its allocations after."""
+    limit = captured.max_positions or args.prefill_tokens + PREFILL_NEW_TOKENS
+    tokens = min(args.prefill_tokens, limit - PREFILL_NEW_TOKENS)
+    ids = token_prompt(tokens, vocab, seed=7)
+    gen = GenerationConfig(max_new_tokens=PREFILL_NEW_TOKENS, stop_on_eos=False)
+    result: dict = {"tokens": tokens, "chunk_rows": PREFILL_CHUNK_ROWS, "new_tokens": PREFILL_NEW_TOKENS}
+    outputs = {}
+    for name, adapter in (("eager", eager), ("captured", captured)):
+        engine = LookaheadEngine(adapter, ENGINE_ONLY, gen, [])
+        warm_s = adapter.rounds.warm_up(engine.capacity(tokens), max_rows=args.warm_rows) if adapter.compiled else 0
+        (seconds, res), memory = peak_memory(lambda e=engine: timer.wall(lambda: e.generate(ids)), timer.device)
+        outputs[name] = res.output_ids
+        result[name] = {**memory, "seconds": round(seconds, 3), "warm_up_s": round(warm_s, 2)}
+        result[name]["pool_allocations"] = adapter.rounds.pool_allocations
+        print(
+            f"{tokens}-token prefill, {name}: peak {memory['peak_mib']} MiB (+{memory['added_mib']}), {seconds:.2f} s"
+        )
+    result["same_tokens_eager_captured"] = outputs["eager"] == outputs["captured"]
+    return result
+
+
+@torch.inference_mode()
+def cmd_buckets(args: argparse.Namespace) -> int:
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    counts = compile_counts()  # before anything compiles: the step's rounds must add one compilation
+    model, label, _ = load_model(args, dtype)
+    vocab = model.config.get_text_config().vocab_size
+    timer = RoundTimer(device)
+    eager = ModelAdapter(model, bucketed=True)
+    captured = ModelAdapter(model, bucketed=True, compile=True)
+    first, second = job_capacities(args, captured)
+    if arena_slots(captured, second) <= arena_slots(captured, first):  # else the job check passes whatever happens
+        raise SystemExit(f"--job-tokens {args.job_tokens}: the second prompt must need a larger arena than the first")
+    result = {**_header(args, label, dtype), "prefix": args.prefix, "reps": args.reps}
+    result["host_us_method"] = (
+        "wall time (device synchronised around the round) minus device time (CUDA events around the round's "
+        "kernels, queued behind a spin kernel so that no launch waits on the host); medians"
+    )
+    report = Report(args.out, result, counts, device)
+    report.save("warm-up", compiled=False)
+    warm_capacity = max(args.prefix + max(args.rows), first, second)  # the bucket timings' cache and the job's
+    result["warm_up_s"] = round(captured.rounds.warm_up(warm_capacity, max_rows=args.warm_rows), 2)
+    report.save("buckets")
+    result["buckets"] = bucket_times(args, eager, captured, timer)
+    report.save("job")
+    result["job"] = job_check(args, eager, captured, timer, vocab)
+    report.save("prefill")
+    if args.prefill_tokens:
+        result["prefill"] = prefill_peaks(args, eager, captured, timer, vocab)
+    check = report.save("done")["compile"]
+    print(f"compilations {check['compilations']}, CUDA-graph skips {check['cudagraph_skips']}: ok {check['ok']}")
+    return 0 if check["ok"] and result["job"]["ok"] else 1
 
 
 # ----------------------------------------------------------------------------------------------------- speed
@@ -229,6 +412,7 @@ def cmd_buckets(args: argparse.Namespace) -> int:
 
 def cmd_speed(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
+    counts = compile_counts()
     model, label, tokenizer = load_model(args, dtype)
     items = prompts(args, tokenizer, model.config.vocab_size)
     sync = synchronizer(torch.device(args.device))
@@ -268,8 +452,10 @@ def cmd_speed(args: argparse.Namespace) -> int:
     for row in table.values():
         row["vs_hf_greedy"] = round(row["tokens_per_s"] / base, 2)
     result["runs"] = table
+    result["compile"] = check = compile_check(counts, compile_counts(), torch.device(args.device))
     _write(args.out, result)
-    return 0
+    print(f"compilations {check['compilations']}, CUDA-graph skips {check['cudagraph_skips']}: ok {check['ok']}")
+    return 0 if check["ok"] else 1
 
 
 # -------------------------------------------------------------------------------------------------- identity
@@ -278,6 +464,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
 def cmd_identity(args: argparse.Namespace) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: TF32 matmuls round to 10 mantissa bits
     torch.backends.cudnn.allow_tf32 = False
+    counts = compile_counts()
     model, label, tokenizer = load_model(args, torch.float32)
     items = prompts(args, tokenizer, model.config.vocab_size)
     cache = Path(args.cache_dir)
@@ -299,8 +486,10 @@ def cmd_identity(args: argparse.Namespace) -> int:
         ok = ok and not differ
         print(f"{name}: identical to HF greedy on {len(items) - len(differ)} of {len(items)} prompts")
     result["ok"] = ok
+    result["compile"] = check = compile_check(counts, compile_counts(), torch.device(args.device))
     _write(args.out, result)
-    return 0 if ok else 1
+    print(f"compilations {check['compilations']}, CUDA-graph skips {check['cudagraph_skips']}: ok {check['ok']}")
+    return 0 if ok and check["ok"] else 1
 
 
 def main() -> int:
@@ -320,6 +509,8 @@ def main() -> int:
         p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256, 512])
         p.add_argument("--reps", type=int, default=21)
         p.add_argument("--warm-rows", type=int, default=512, help="buckets captured before timing (others at use)")
+        p.add_argument("--job-tokens", type=int, nargs=2, default=[64, 1200], help="buckets: the job's two prompts")
+        p.add_argument("--prefill-tokens", type=int, default=8192, help="buckets: the long prompt (0: none)")
         p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "lp_runner"), help="calibration cache")
         p.add_argument("--out", required=True)
     args = ap.parse_args()
