@@ -43,7 +43,7 @@ from transformers import DynamicCache
 
 from lp_runner.backends.attention import packed_gqa, supports_packed_gqa
 from lp_runner.backends.buckets import BucketLadder
-from lp_runner.backends.kv_cache import StaticBufferLayer, allocate_arena, static_capacity
+from lp_runner.backends.kv_cache import MIN_CAPACITY, StaticBufferLayer, allocate_arena, static_capacity
 from lp_runner.backends.round_mask import register_round_attention, round_mask
 from lp_runner.device import pins_host_memory, synchronizer
 
@@ -180,7 +180,11 @@ class StaticRounds:
         unless ``fixed``), whose rounds run eager."""
         cache = DynamicCache(config=self.model.config)
         if fixed and not self._busy():
-            need = static_capacity(capacity + self.ladder.max_rows)
+            # MIN_CAPACITY slots past the power of two: a live width (a power of two that holds the round) then
+            # never equals the arena's size. Where it did (a generation past half a power-of-two arena), dynamo
+            # unified the two sizes and the round's slice of the whole buffer (``round_attention``) was another
+            # graph, compiled mid-job.
+            need = static_capacity(capacity + self.ladder.max_rows) + MIN_CAPACITY
             if self._arena is None or self._arena.shape[4] < need:
                 self._allocate_pool(need)
             size = self._arena.shape[4]

@@ -303,10 +303,11 @@ def test_only_the_pooled_cache_is_fixed_in_address_a_second_one_runs_beside_it()
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2-hybrid"])
 def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: str) -> None:
-    """Compiled (torch.compile, mode reduce-overhead, as on a GPU minus the capture): after the warm-up every
-    bucket boundary at two K/V widths, two generations and a pooled arena grown between them run without a
-    recompilation (``error_on_recompile``), each round with the eager static round's argmax; whole generations
-    give HF greedy's tokens. The K/V arena and the staged inputs are marked static in address."""
+    """Compiled (torch.compile, mode reduce-overhead, as on a GPU minus the capture): after the warm-up every bucket
+    boundary at three K/V widths (the widest the power of two the arena is built on), two generations and a pooled
+    arena grown between them run without a recompilation (``error_on_recompile``), each round with the eager static
+    round's argmax; whole generations give HF greedy's tokens. The K/V arena and the staged inputs are marked static
+    in address."""
     from torch._dynamo.utils import counters
 
     model = tiny_model(family)
@@ -320,7 +321,9 @@ def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: s
     for keys, values in compiled.rounds._views:
         assert keys._dynamo_static_input_type == values._dynamo_static_input_type == "unguarded"
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for prefix_len in (40, 600):  # K/V widths 256 and 1024; the second on a larger arena
+        # K/V widths 256, 1024 and 2048, the second on a larger arena; at 1100 the widest width is the power of two
+        # the arena is built on (a graph of its own while the arena was that power of two)
+        for prefix_len in (40, 600, 1100):
             pairs = _pairs_compiled(model, compiled, eager, prefix_len)
             for rows, got, want in pairs:
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=f"{rows} rows after {prefix_len}")
