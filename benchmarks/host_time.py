@@ -61,6 +61,7 @@ def run_job(code: Path, prompts: Path, workers: int, shape: str, max_new_tokens:
         "comm_us_per_round": 1e6 * sum(s["comm_s"] for s in stats) / rounds,
         "rows_per_round": sum(s["rows"] for s in stats) / rounds,
         "tokens_per_forward": sum(s["new_tokens"] for s in stats) / sum(s["forwards"] for s in stats),
+        "tokens_per_s": sum(s["new_tokens"] for s in stats) / sum(s["seconds"] for s in stats),
         "outputs": [r["output_ids"] for r in records],
         "setting": records[0].get("policy", {}).get("lookahead"),
     }
@@ -104,6 +105,7 @@ def main() -> None:
                 if "baseline" in got:
                     row["identical"] = got["baseline"]["outputs"] == got["this"]["outputs"]
                     row["host_ratio"] = got["this"]["host_us_per_round"] / got["baseline"]["host_us_per_round"]
+                    row["speed_ratio"] = got["this"]["tokens_per_s"] / got["baseline"]["tokens_per_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     baseline = str(args.baseline) if args.baseline else None
@@ -114,15 +116,15 @@ def main() -> None:
     lines = [f"{meta['date']}, {meta['cpu']}, {meta['prompts']}, {args.max_new_tokens} new tokens", ""]
     names = list(codes)
     head = "| P | shape | " + " | ".join(f"{n} host us/round | {n} rows/round | {n} forward ms" for n in names)
-    lines += [head + (" | this / baseline | identical |" if len(names) > 1 else " |")]
-    lines += ["|" + "---|" * (2 + 3 * len(names) + (2 if len(names) > 1 else 0))]
+    lines += [head + (" | host this / baseline | tokens/s this / baseline | identical |" if len(names) > 1 else " |")]
+    lines += ["|" + "---|" * (2 + 3 * len(names) + (3 if len(names) > 1 else 0))]
     for row in rows:
         cells = [str(row["workers"]), row["shape"]]
         for n in names:
             r = row[n]
             cells += [f"{r['host_us_per_round']:.0f}", f"{r['rows_per_round']:.1f}", f"{r['forward_ms_per_round']:.1f}"]
         if len(names) > 1:
-            cells += [f"{row['host_ratio']:.2f}x", "yes" if row["identical"] else "NO"]
+            cells += [f"{row['host_ratio']:.2f}x", f"{row['speed_ratio']:.2f}x", "yes" if row["identical"] else "NO"]
         lines.append("| " + " | ".join(cells) + " |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
