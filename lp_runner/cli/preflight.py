@@ -55,9 +55,7 @@ def preflight(cfg: Config, local_ranks: int | None) -> None:
     starts them); None where a launcher started this process (its peers may be loading already)."""
     if cfg.parallel.backend == "ray":
         return
-    warning = check_threads(cfg.model.threads, local_ranks, available_cores())
-    if warning is not None:
-        log.warning("%s", warning)
+    warning = check_threads(cfg.model.threads, local_ranks, available_cores())  # said once nothing is refused
     # torch and transformers load here: after the checks that need neither
     from lp_runner.decoding.layout import check_model_fits
     from lp_runner.device import check_placement, gpu_count
@@ -72,6 +70,8 @@ def preflight(cfg: Config, local_ranks: int | None) -> None:
         check_pool_file(cfg.run.pool_in, path, limits.get("vocab_size"))
     if local_ranks is not None:
         check_local_ranks(cfg, local_ranks, path)
+    if warning is not None:
+        log.warning("%s", warning)
 
 
 def check_threads(threads: int, local_ranks: int | None, cores: int) -> str | None:

@@ -20,7 +20,7 @@ from lp_runner.backends import static_rounds
 from lp_runner.backends.adapter import ModelAdapter, causal, crop, move_rows
 from lp_runner.backends.attention import additive_mask, sliding_window_mask
 from lp_runner.backends.buckets import BucketLadder
-from lp_runner.backends.kv_cache import KVCapacityError, StaticBufferLayer
+from lp_runner.backends.kv_cache import MIN_CAPACITY, KVCapacityError, StaticBufferLayer
 from lp_runner.backends.round_mask import ROUND_ATTENTION, round_attention, round_mask
 from lp_runner.backends.static_rounds import StagedInputs, stage
 from lp_runner.config import GenerationConfig, LookaheadConfig
@@ -212,7 +212,7 @@ def test_the_mask_is_built_once_per_round_and_every_layer_reads_it(monkeypatch) 
         layers = seen[3 * r : 3 * (r + 1)]
         assert {entry[0] for entry in layers} == {id(built[r])}  # the one mask of that round, not a copy per layer
     width, capacity = seen[-1][1:]
-    assert width == 256 and capacity == 1024  # the live width of the buffer is read, not its capacity
+    assert width == 256 and capacity == 1024 + MIN_CAPACITY  # the live width of the buffer is read, not its capacity
 
 
 class _Copies(TorchDispatchMode):
