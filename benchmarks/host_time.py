@@ -60,6 +60,7 @@ def run_job(code: Path, prompts: Path, workers: int, shape: str, max_new_tokens:
         "forward_ms_per_round": 1e3 * sum(s["forward_s"] for s in stats) / rounds,
         "comm_us_per_round": 1e6 * sum(s["comm_s"] for s in stats) / rounds,
         "rows_per_round": sum(s["rows"] for s in stats) / rounds,
+        "padded_rows_per_round": sum(s["padded_rows"] for s in stats) / rounds,
         "tokens_per_forward": sum(s["new_tokens"] for s in stats) / sum(s["forwards"] for s in stats),
         "tokens_per_s": sum(s["new_tokens"] for s in stats) / sum(s["seconds"] for s in stats),
         "outputs": [r["output_ids"] for r in records],
