@@ -4,6 +4,11 @@ The CLI prints ``error: <message>`` for these and exits non-zero without a trace
 and keeps its traceback.
 """
 
+# The exit codes of every command (run, tune, study) and of each rank: the user's input, a failed peer, interrupted.
+EXIT_USER_ERROR = 2
+EXIT_PEER_FAILURE = 3
+EXIT_INTERRUPTED = 130
+
 
 class LPError(Exception):
     """Base class for errors whose message is meant for the user."""

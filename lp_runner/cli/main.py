@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING
 
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
-from lp_runner.errors import DistributedError, InputError, LPError
+from lp_runner.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_PEER_FAILURE,
+    EXIT_USER_ERROR,
+    DistributedError,
+    InputError,
+    LPError,
+)
 from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
 from lp_runner.limits import check_path_text
@@ -35,9 +42,6 @@ if TYPE_CHECKING:
     from lp_runner.cli.launch import RankExit
 
 COMMANDS = ("run", "tune", "study", "fetch")
-EXIT_USER_ERROR = 2
-EXIT_PEER_FAILURE = 3
-EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:

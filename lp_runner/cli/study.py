@@ -17,18 +17,15 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from lp_runner.errors import InputError, LPError
-from lp_runner.logs import add_log_level, log, setup_logging
-
-EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
+from lp_runner.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, InputError, LPError
+from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
     from lp_runner.studies.hardware import GPUS, INTERCONNECTS, MODEL_SHAPES
     from lp_runner.studies.simulate import EXTEND_RULES
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m lp_runner study",
         description="Strong scaling: per-prompt latency at P = 1, 2, 4, ... LP workers, measured or simulated.",
     )

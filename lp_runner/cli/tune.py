@@ -33,15 +33,13 @@ import yaml
 
 from lp_runner.config import Config, LookaheadConfig, load_config
 from lp_runner.decoding.layout import max_round_rows
-from lp_runner.errors import InputError, LPError, first_line
+from lp_runner.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, InputError, LPError, first_line
 from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
 from lp_runner.outfiles import check_not_an_input, check_writable, is_stream, write_file
 from lp_runner.tuning.costmodel import CostCurve
 from lp_runner.tuning.search import MIN_GAIN, SPACE, Scored, TuneResult, describe, tune
 from lp_runner.tuning.split import ASSUMPTION, Split, highest_throughput, lowest_latency, split_table, splits_of
 
-EXIT_USER_ERROR = 2  # as ``run`` (cli/main.py)
-EXIT_INTERRUPTED = 130
 MAX_WORKERS = 1024  # parallel.workers' own bound
 MAX_DEVICES = 1 << 16  # --devices: P runs over its divisors (a loop up to N)
 # Numeric options -> (lowest, highest) allowed. --reps: each curve point's repetitions (one at least, for its

@@ -36,14 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lp_runner.errors import ConfigError, DistributedError, LPError, first_line
+from lp_runner.errors import EXIT_PEER_FAILURE, EXIT_USER_ERROR, ConfigError, DistributedError, LPError, first_line
 from lp_runner.logs import log
 
 STORE_PREFIX = "lp_runner/jobs/"  # keys of the work queue in the launcher's store
 HEARTBEAT_S = 1.0  # a leader's heartbeat period
 POLL_S = 0.25  # how often rank 0's collector looks for records, heartbeats and failures
-EXIT_PEER_FAILURE = 3  # the CLI's exit code for a lost peer (``__main__``)
-EXIT_USER_ERROR = 2  # ... and for the user's error, e.g. an output that cannot be written
 
 
 @dataclass(frozen=True)
