@@ -48,7 +48,7 @@ from benchmarks.machine_limits import (  # noqa: E402
     measure_limits,
     paired_ratios,
 )
-from lp_runner.backends.adapter import ModelAdapter, crop  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
 from lp_runner.backends.cpu.prepack import apply_prepack  # noqa: E402
 from lp_runner.device import synchronizer  # noqa: E402
 from lp_runner.models.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
@@ -161,7 +161,7 @@ def main() -> None:
             def forward(q=q, cache=cache, kv_len=kv_len):
                 vis = torch.ones(q, q, dtype=torch.bool).tril()
                 adapter.forward(torch.arange(q), torch.arange(kv_len, kv_len + q), vis, cache, torch.tensor([q - 1]))
-                crop(cache, kv_len)
+                cache.crop(kv_len)
 
             paired[(kv_len, q)] = paired_ratios(
                 forward,

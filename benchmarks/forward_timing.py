@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from lp_runner.backends.adapter import ModelAdapter, causal, crop
+from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears
 from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
 
@@ -57,7 +57,7 @@ def time_rounds(
             start = time.perf_counter()
             logits[name] = adapters[name].forward(ids, positions, causal(rows), caches[name], torch.arange(rows))
             elapsed = time.perf_counter() - start
-            crop(caches[name], prefix)
+            caches[name].crop(prefix)
             if rep:
                 times[name].append(elapsed)
     row = {"rows": rows, **{f"ms {n}": round(1e3 * statistics.median(t), 2) for n, t in times.items()}}

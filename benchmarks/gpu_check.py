@@ -488,8 +488,8 @@ def bucket_lines(data: dict) -> list[str]:
         md.append(
             f"- One job of two prompts ({' and '.join(map(str, job['prompt_tokens']))} tokens, {job['new_tokens']} "
             f"new each, {job['setting']}; alone each would get an arena of {' and '.join(map(str, job['arena_slots']))}"
-            f" slots), warmed up at the longer one: arena allocations {job['pool_allocations_before']} before, "
-            f"{job['pool_allocations_after']} after (ok: {job['ok']}); capture s before {job['capture_s_before']}, "
+            f" slots), warmed up at the longer one: arena allocations {job['arena_allocations_before']} before, "
+            f"{job['arena_allocations_after']} after (ok: {job['ok']}); capture s before {job['capture_s_before']}, "
             f"after {job['capture_s_after']}; seconds captured {job['captured_s']}, eager {job['eager_s']}; tokens "
             f"eager = captured on {job['same_tokens_eager_captured']}"
         )

@@ -21,7 +21,7 @@
 #      6a. rounds-buckets: eager vs captured (CUDA graph) rounds per row bucket, wall ms, device ms (CUDA events)
 #      and host us per round (wall minus device), capture seconds, argmax agreement (bf16); a job of two prompts,
 #      the second needing a larger K/V arena than the first, after a warm-up at the longer one: the arena must be
-#      allocated once (pool_allocations 1 before and after); the peak device memory of an 8k-token prefill
+#      allocated once (arena_allocations 1 before and after); the peak device memory of an 8k-token prefill
 #      (chunks of 512 rows), eager and captured; torch's counts: one compilation and no CUDA-graph skip (exit 1
 #      otherwise); 6a'. rounds-8b: the same on random weights in Llama-3-8B's shape cut to 4 layers (bf16);
 #      6b. tokens/s of HF greedy, HF prompt lookup, the engine alone eager / captured and the default job eager /

@@ -21,7 +21,7 @@ and the device's name.
     capture seconds per bucket, and whether both give the same argmax row by row (in bf16 the two may round a
     near-tie differently; the fp32 identity below is the exactness check);
   - a job of two prompts (``--job-tokens``; the second needs a larger arena than the first alone would have
-    had) through one engine each: the arena's allocations (``StaticRounds.pool_allocations``) and the capture
+    had) through one engine each: the arena's allocations (``KVArena.allocations``) and the capture
     seconds before and after; the count must stay 1 (the warm-up sized the arena for the job's longest prompt);
   - a ``--prefill-tokens`` prompt (8k, cached in chunks of ``PREFILL_CHUNK_ROWS`` rows) through the engine eager
     and captured (the captured adapter warmed up at that prompt's arena first, as a job does): the peak device
@@ -59,8 +59,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_probes import RoundTimer, compile_check, compile_counts, host_us, peak_memory  # noqa: E402
-from lp_runner.backends.adapter import ModelAdapter, causal, crop  # noqa: E402
-from lp_runner.backends.kv_cache import static_capacity  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
+from lp_runner.backends.kv_cache import MIN_CAPACITY, static_capacity  # noqa: E402
 from lp_runner.config import Config, GenerationConfig, LookaheadConfig  # noqa: E402
 from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
 from lp_runner.decoding.scheduler import PREFILL_CHUNK_ROWS  # noqa: E402
@@ -242,9 +242,37 @@ def job_capacities(args, captured: ModelAdapter) -> list[int]:
 
 
 def arena_slots(adapter: ModelAdapter, capacity: int) -> int:
-    """The slots of the pooled arena a generation of ``capacity`` positions is given (``StaticRounds.new_cache``:
-    its capacity plus the ladder's top, a padded round writes past its rows, to the next power of two)."""
-    return static_capacity(capacity + adapter.rounds.ladder.max_rows)
+    """The slots of the job arena a generation of ``capacity`` positions needs (``ModelAdapter.new_arena``: its
+    region, the ladder's top past its capacity, to the next power of two and ``MIN_CAPACITY`` more)."""
+    return static_capacity(adapter.region_size(capacity)) + MIN_CAPACITY
+
+
+def job_region(adapter: ModelAdapter, need: int):
+    """A generation's region in the adapter's job arena, where captured rounds replay their graphs."""
+    size = adapter.region_size(need)
+    return adapter.claim_arena(size).region(size)
+
+
+def free_region(adapter: ModelAdapter, region) -> None:
+    region.arena.release(region)
+    adapter.release_arena(region.arena)
+
+
+def arena_allocations(adapter: ModelAdapter) -> int:
+    """The tensors the adapter's job arena has been allocated as (one more each time a job grew it)."""
+    arena = adapter.claim_arena(1)
+    adapter.release_arena(arena)
+    return arena.allocations
+
+
+def warm_up(adapter: ModelAdapter, capacity: int, max_rows: int) -> float:
+    """The captured adapter's warm-up at a job of ``capacity`` positions, on its job arena (as a job starts)."""
+    size = adapter.region_size(capacity)
+    arena = adapter.claim_arena(size)
+    try:
+        return adapter.rounds.warm_up(arena, size, max_rows=max_rows)
+    finally:
+        adapter.release_arena(arena)
 
 
 class Report:
@@ -268,7 +296,7 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
     caches = {}
     prefix = torch.arange(args.prefix) % 97
     for adapter in (eager, captured):
-        caches[id(adapter)] = cache = adapter.new_cache(args.prefix + max(args.rows), fixed=True)
+        caches[id(adapter)] = cache = job_region(adapter, args.prefix + max(args.rows))
         adapter.forward(prefix, torch.arange(args.prefix), causal(args.prefix), cache, torch.arange(1))
     rows_out = {}
     for rows in args.rows:
@@ -288,14 +316,14 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
                 if rep:
                     walls[id(adapter)].append(seconds)
                 argmax[id(adapter)] = logits.argmax(-1).tolist()
-                crop(caches[id(adapter)], args.prefix)
+                caches[id(adapter)].crop(args.prefix)
         for adapter in (eager, captured):  # the host twice as far ahead as a whole round takes
             spin = 2 * statistics.median(walls[id(adapter)])
             for _ in range(args.reps):
                 seconds, issued, _ = timer.device_time(lambda adapter=adapter: run(adapter), spin)
                 devices[id(adapter)].append(seconds)
                 ahead[id(adapter)] = ahead[id(adapter)] and issued
-                crop(caches[id(adapter)], args.prefix)
+                caches[id(adapter)].crop(args.prefix)
         row = {}
         for name, adapter in (("eager", eager), ("captured", captured)):
             device_s = devices[id(adapter)]
@@ -313,7 +341,7 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
             f"{row['captured_ms']:8.3f} ms (host {row['captured_host_us']} us)  argmax same {same}/{rows}"
         )
     for adapter in (eager, captured):
-        adapter.release_cache(caches[id(adapter)])
+        free_region(adapter, caches[id(adapter)])
     return rows_out
 
 
@@ -323,10 +351,10 @@ def job_check(args, eager: ModelAdapter, captured: ModelAdapter, timer: RoundTim
     grow: ``ok``), each prompt's seconds on either adapter, and whether their tokens agree (bf16: near-ties)."""
     gen = GenerationConfig(max_new_tokens=args.new, stop_on_eos=False)
     items = [token_prompt(n, vocab, seed) for seed, n in enumerate(args.job_tokens)]
-    rounds = captured.rounds
+    rounds = captured.rounds  # its capture seconds per bucket
     result = {"prompt_tokens": list(args.job_tokens), "new_tokens": args.new, "setting": "W 7, N 5, G 7 (preset off)"}
     result["arena_slots"] = [arena_slots(captured, c) for c in job_capacities(args, captured)]  # each prompt alone
-    result["pool_allocations_before"] = rounds.pool_allocations
+    result["arena_allocations_before"] = arena_allocations(captured)
     result["capture_s_before"] = {str(k): round(v, 3) for k, v in rounds.capture_s.items()}
     outputs = {}
     for name, adapter in (("captured", captured), ("eager", eager)):
@@ -337,14 +365,14 @@ def job_check(args, eager: ModelAdapter, captured: ModelAdapter, timer: RoundTim
             seconds.append(round(t, 3))
             outputs.setdefault(name, []).append(res.output_ids)
         result[f"{name}_s"] = seconds
-    result["pool_allocations_after"] = rounds.pool_allocations
+    result["arena_allocations_after"] = arena_allocations(captured)
     result["capture_s_after"] = {str(k): round(v, 3) for k, v in rounds.capture_s.items()}
     same = sum(a == b for a, b in zip(outputs["eager"], outputs["captured"], strict=True))
     result["same_tokens_eager_captured"] = f"{same}/{len(items)}"
-    result["ok"] = result["pool_allocations_after"] == result["pool_allocations_before"] == 1
+    result["ok"] = result["arena_allocations_after"] == result["arena_allocations_before"] == 1
     print(
-        f"job of {args.job_tokens} tokens: arena allocations {result['pool_allocations_before']} -> "
-        f"{result['pool_allocations_after']}, captured {result['captured_s']} s, tokens same {same}/{len(items)}"
+        f"job of {args.job_tokens} tokens: arena allocations {result['arena_allocations_before']} -> "
+        f"{result['arena_allocations_after']}, captured {result['captured_s']} s, tokens same {same}/{len(items)}"
     )
     return result
 
@@ -361,11 +389,11 @@ def prefill_peaks(args, eager: ModelAdapter, captured: ModelAdapter, timer: Roun
     outputs = {}
     for name, adapter in (("eager", eager), ("captured", captured)):
         engine = LookaheadEngine(adapter, ENGINE_ONLY, gen, [])
-        warm_s = adapter.rounds.warm_up(engine.capacity(tokens), max_rows=args.warm_rows) if adapter.compiled else 0
+        warm_s = warm_up(adapter, engine.capacity(tokens), args.warm_rows) if adapter.compiled else 0
         (seconds, res), memory = peak_memory(lambda e=engine: timer.wall(lambda: e.generate(ids)), timer.device)
         outputs[name] = res.output_ids
         result[name] = {**memory, "seconds": round(seconds, 3), "warm_up_s": round(warm_s, 2)}
-        result[name]["pool_allocations"] = adapter.rounds.pool_allocations
+        result[name]["arena_allocations"] = arena_allocations(adapter)
         print(
             f"{tokens}-token prefill, {name}: peak {memory['peak_mib']} MiB (+{memory['added_mib']}), {seconds:.2f} s"
         )
@@ -394,7 +422,7 @@ def cmd_buckets(args: argparse.Namespace) -> int:
     report = Report(args.out, result, counts, device)
     report.save("warm-up", compiled=False)
     warm_capacity = max(args.prefix + max(args.rows), first, second)  # the bucket timings' cache and the job's
-    result["warm_up_s"] = round(captured.rounds.warm_up(warm_capacity, max_rows=args.warm_rows), 2)
+    result["warm_up_s"] = round(warm_up(captured, warm_capacity, args.warm_rows), 2)
     report.save("buckets")
     result["buckets"] = bucket_times(args, eager, captured, timer)
     report.save("job")
@@ -419,7 +447,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
     cache = Path(args.cache_dir)
     eager = ModelAdapter(model, bucketed=True)
     captured = ModelAdapter(model, bucketed=True, compile=True)
-    warm_s = captured.rounds.warm_up(max(len(p) for p in items) + args.new + 64, max_rows=args.warm_rows)
+    warm_s = warm_up(captured, max(len(p) for p in items) + args.new + 64, args.warm_rows)
     result = {**_header(args, label, dtype), "new_tokens": args.new, "prompts": len(items) - 1}
     result["warm_up_s"] = round(warm_s, 2)
     runs = {
@@ -471,7 +499,7 @@ def cmd_identity(args: argparse.Namespace) -> int:
     oracle = [hf_greedy(model, ids, args.new) for ids in items]
     eager = ModelAdapter(model, bucketed=True)
     captured = ModelAdapter(model, bucketed=True, compile=True)
-    captured.rounds.warm_up(max(len(p) for p in items) + args.new + 64, max_rows=args.warm_rows)
+    warm_up(captured, max(len(p) for p in items) + args.new + 64, args.warm_rows)
     result = {**_header(args, label, torch.float32), "new_tokens": args.new, "prompts": len(items)}
     ok = True
     for name, adapter in (("default-eager", eager), ("default-captured", captured)):

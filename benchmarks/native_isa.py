@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import native_embedded_model, prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
-from lp_runner.backends.adapter import ModelAdapter, causal, crop  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 from lp_runner.backends.cpu import native  # noqa: E402
 from lp_runner.models.loading import default_cache_dir  # noqa: E402
 
@@ -98,7 +98,7 @@ def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int
                 last = torch.arange(r) if prefix else torch.tensor([r - 1])  # a prefill: its last row's logits
                 logits[name, r] = adapter.forward(ids[r], torch.arange(prefix, prefix + r), causal(r), cache, last)
                 elapsed = time.perf_counter() - start
-                crop(cache, prefix)
+                cache.crop(prefix)
                 if rep:
                     times[name, r].append(elapsed)
     native.route(libs[ref])

@@ -76,7 +76,7 @@ def main() -> None:
     capacity = args.prefix + max(args.rows) + 64
     layered = detect_backend(model)
     adapters = {
-        "eager, transformers' layers": ModelAdapter(model, static_cache=True, backend=layered.transformers_layers()),
+        "eager, transformers' layers": ModelAdapter(model, backend=layered.transformers_layers()),
         "eager, native layers": ModelAdapter(model),
     }
     if not adapters["eager, native layers"].backend.whole_layers:

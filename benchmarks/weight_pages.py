@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
-from lp_runner.backends.adapter import ModelAdapter, causal, crop  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 from lp_runner.backends.cpu.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears  # noqa: E402
 from lp_runner.models.fetch import fetch_embedded_model  # noqa: E402
 from lp_runner.models.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
@@ -75,7 +75,7 @@ def one_order(order: list[str], rows: list[int], reps: int, prefix: int) -> dict
                         ids[r], torch.arange(prefix, prefix + r), causal(r), caches[name], torch.arange(r)
                     )
                     elapsed = time.perf_counter() - start
-                    crop(caches[name], prefix)
+                    caches[name].crop(prefix)
                     if rep:
                         times[name, r].append(elapsed)
     ms = {f"{n} {r}": round(1e3 * statistics.median(t), 2) for (n, r), t in times.items()}

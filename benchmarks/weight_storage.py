@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.forward_timing import prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description, forward_bytes, paired_ratios  # noqa: E402
-from lp_runner.backends.adapter import ModelAdapter, crop  # noqa: E402
+from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
 from lp_runner.backends.cpu import native  # noqa: E402
 from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, prepack_linears  # noqa: E402
 from lp_runner.models.fetch import fetch_embedded_model  # noqa: E402
@@ -64,7 +64,7 @@ def main() -> None:
     def forward(name: str, q: int) -> None:
         vis = torch.ones(q, q, dtype=torch.bool).tril()
         adapters[name].forward(torch.arange(q), torch.arange(kv, kv + q), vis, caches[name], torch.tensor([q - 1]))
-        crop(caches[name], kv)
+        caches[name].crop(kv)
 
     times: dict[tuple[str, int], list[float]] = {(n, q): [] for n in adapters for q in rows}
     with torch.inference_mode():

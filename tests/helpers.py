@@ -302,3 +302,14 @@ def save_tiny_tokenizer(folder: Path) -> None:
         tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     tok.save_pretrained(folder)
+
+
+def additive_mask(visibility: torch.Tensor, past_len: int, dtype: torch.dtype, width: int = 0) -> torch.Tensor:
+    """[1, 1, Q, max(width, past_len + Q)] additive float mask for attention kernel tests: the cached prefix
+    fully visible, the round as given, keys past the round hidden."""
+    q = visibility.shape[0]
+    hidden = torch.finfo(dtype).min
+    mask = torch.full((1, 1, q, max(width, past_len + q)), hidden, dtype=dtype, device=visibility.device)
+    mask[0, 0, :, :past_len] = 0.0
+    mask[0, 0, :, past_len : past_len + q].masked_fill_(visibility, 0.0)  # [Q, Q] view
+    return mask

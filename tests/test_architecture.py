@@ -153,11 +153,12 @@ def test_only_the_backends_package_imports_the_cpu_plug_in_and_only_lazily() -> 
 
 # The CPU plug-in's vocabulary: its kernels, their modules and their options, as its code names them. Outside
 # lp_runner/backends/ none may appear (code, comments or docstrings): nothing above the backends knows which
-# kernels run. Case-sensitive where a word is also ordinary English ("native" alone is not matched).
+# kernels run. Case-sensitive where a word is also ordinary English ("native" alone is not matched). Its weight
+# arena (``arena.py``, ``Arena``) is its own; the K/V arena (``kv_cache.KVArena``) is every backend's.
 KERNEL_WORDS = re.compile(
-    r"(?i:prepack|onednn|mkldnn|huge.pages|\barena\b|csrc|lp_native|native_gemm|native_layers|native\.py"
+    r"(?i:prepack|onednn|mkldnn|huge.pages|arena\.py|weight arena|csrc|lp_native|native_gemm|native_layers|native\.py"
     r"|\bnative[- ](?:bf16|packed|kernels?|products?|layers?|attention|library|loop|code)\b|backends[./]cpu)"
-    r"|\bNATIVE|PackedLinear|SharedInputProduct|ProductSlice|build_id|[\"']native[\"']"
+    r"|\bNATIVE|\bArena\b|PackedLinear|SharedInputProduct|ProductSlice|build_id|[\"']native[\"']"
 )
 # The lines that must name them (by their start): the config's user-facing values of model.backend and the
 # plug-in's advanced options, and the hint for the renamed key.
@@ -196,9 +197,12 @@ def test_the_grep_finds_what_it_is_for() -> None:
         "lp_native_llama_layers",
         "from lp_runner.backends.cpu import native",
         "'native'",
+        "from lp_runner.backends.cpu.arena import Arena",
+        "the packed-weight arena (arena.py)",
     ):
         assert KERNEL_WORDS.search(hit), hit
-    for ordinary in ("a native int32 reduction runs at memory speed", "natively", "alternative"):
+    for ordinary in ("a native int32 reduction runs at memory speed", "natively", "alternative", "the K/V arena",
+                     "KVArena"):  # fmt: skip
         assert not KERNEL_WORDS.search(ordinary), ordinary
 
 
@@ -209,3 +213,35 @@ def test_the_config_takes_the_backends_registry_values() -> None:
 
     assert config._CHOICES["model.backend"] == backends.NAMES
     assert set(backends.PLUGIN_OPTIONS) <= set(config.ADVANCED_KEYS)
+
+
+def _grep(pattern: str) -> list[str]:
+    """``path:line`` of every line of the package matching ``pattern`` (comments included)."""
+    regex = re.compile(pattern)
+    return [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if regex.search(line)
+    ]
+
+
+def test_one_kv_layer_kind_one_arena_one_forward_one_round_loop() -> None:
+    """The round path is one path: one kind of K/V cache layer (``kv_cache.ArenaLayer``, views of one arena),
+    one K/V store (``kv_cache.KVArena``, the only maker of caches the rounds run on), the model's forward called
+    from the adapter's one round function and the bucketed round it compiles only, and one round loop
+    (``scheduler.RoundLoop``, made by the engine that every launcher's prompt loop runs)."""
+    layer_classes = _grep(r"^class \w+\((?:\w+\.)?(?:DynamicLayer|DynamicSlidingWindowLayer|CacheLayerMixin|Cache)\)")
+    assert [entry.split(":")[0] for entry in layer_classes] == ["lp_runner/backends/kv_cache.py"]
+    assert len(_grep(r"^class \w+Arena\b")) == 1
+    caches = {entry.split(":")[0] for entry in _grep(r"DynamicCache\(config")}
+    # the arena's cache; the adapter's probes (which layers slide, what shape the layers cache) on throwaway ones
+    assert caches == {"lp_runner/backends/kv_cache.py", "lp_runner/backends/adapter.py"}
+    model_calls = {entry.split(":")[0] for entry in _grep(r"\bself\.model\(|\bmodel\(\s*input_ids")}
+    assert model_calls == {"lp_runner/backends/adapter.py", "lp_runner/backends/static_rounds.py"}
+    assert [entry.split(":")[0] for entry in _grep(r"\bRoundLoop\(")] == ["lp_runner/decoding/engine.py"]
+    runs = {entry.split(":")[0] for entry in _grep(r"\badapter\.run\(")}
+    assert "lp_runner/decoding/scheduler.py" in runs
+    for removed in ("AppendBufferLayer", "StaticBufferLayer", "SlotCache", "OwnCacheForward", "BatchedForward",
+                    "forward_batch", "compiled_forward"):  # fmt: skip
+        assert _grep(rf"\b{removed}\b") == [], removed

@@ -6,10 +6,13 @@ old name still works there, with a deprecation); ``DynamicCache.crop`` takes onl
 once, from the model's own signature (no class-name sniffing), and ``tests/backends/test_model_adapter.py`` checks each
 operation on every supported model family and on the oldest supported transformers.
 
-Two of transformers' defaults are replaced for the adapter's own forwards, to save copies, not arithmetic: the
-cache appends into a growing buffer instead of concatenating (``AppendBufferLayer``; the same bits), and
-grouped-query attention over a packed round reads K/V heads in place instead of repeating them
-(``lp_runner.backends.attention``; the same kernel and dot products, equal to fp32 rounding).
+Every round is one call, ``ModelAdapter.run``: one or more segments (one generation each: a lookahead round, a
+prefill chunk) packed into one forward (``backends.batch``), each writing its K/V at its own slots of one arena
+(``backends.kv_cache.KVArena``) and reading its own region only. The same function serves one generation and a
+batch, eager and compiled: on the backend's whole layers where it has them (the CPU plug-in), else on
+transformers' layers with each segment's attention (``attention.batched_attention``), or, for a model whose
+attention cannot take segments, one segment under a 4-D mask over the arena; rounds at a fixed row bucket
+(``static_rounds``: compiled, captured on CUDA) where the adapter is bucketed.
 
 The kernels under the forward are its backend's (``backends.base.ForwardBackend``, chosen once at load by
 ``backends.select_backend``): the adapter asks it which attention a packed round runs and whether it runs whole
@@ -17,48 +20,28 @@ decoder layers itself, and never tests a kernel's name.
 
 Sliding-window layers (Mistral, Qwen2 with sliding layers, Gemma 2/3 local layers) keep every position here, like
 full layers, and see their window through the mask instead: each packed row masks the keys more than ``window - 1``
-positions before its own (``sliding_window_mask``), so the window is per row, as in one-row decoding, at any
-length. Hybrid models get one mask per layer type (``{"full_attention": ..., "sliding_attention": ...}``, the
+positions before its own (``batch.pack_round``, ``round_mask``), so the window is per row, as in one-row decoding,
+at any length. Hybrid models get one mask per layer type (``{"full_attention": ..., "sliding_attention": ...}``, the
 mapping transformers' hybrid models accept in place of a 4-D mask).
 """
 
 from __future__ import annotations
 
 import inspect
-import time
-import weakref
+import threading
 from collections.abc import Sequence
-from contextlib import nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from lp_runner.backends import detect_backend
-from lp_runner.backends.attention import (
-    BATCHED,
-    SegmentedRound,
-    additive_mask,
-    packed_gqa,
-    sliding_window_mask,
-    supports_packed_gqa,
-)
+from lp_runner.backends.attention import BATCHED, SegmentedRound, packed_gqa, supports_packed_gqa
 from lp_runner.backends.base import ForwardBackend
-from lp_runner.backends.kv_cache import (
-    AppendBufferLayer,
-    StaticBufferLayer,
-    allocate_arena,
-    copy_slots,
-    kv_head_shape,
-    shared_arena,
-    static_capacity,
-)
+from lp_runner.backends.batch import BatchRound, RoundRows, Rows, pack_round
+from lp_runner.backends.kv_cache import MIN_CAPACITY, KVArena, KVRegion
 from lp_runner.backends.static_rounds import StaticRounds
 from lp_runner.errors import LPError
-
-if TYPE_CHECKING:
-    from lp_runner.backends.batch import BatchRound
 
 SLIDING = "sliding_attention"  # the layer type whose mask is windowed (transformers' name in ``layer_types``)
 
@@ -68,39 +51,23 @@ class UnsupportedModelError(LPError):
 
 
 class ModelAdapter:
-    """forward(ids, positions, visibility, cache, logit_rows) -> logits of those rows only."""
+    """run(segments' rows, their K/V regions) -> logits of their logit rows, in order."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         *,
-        append_buffer: bool = True,
-        packed_gqa: bool = True,
-        static_cache: bool = False,
         compile: bool = False,
-        skip_guards: bool = True,
         backend: ForwardBackend | None = None,
         bucketed: bool | None = None,
     ) -> None:
-        """``append_buffer`` / ``packed_gqa`` off: transformers' own DynamicLayer / sdpa path (benchmarks A/B them).
-        ``static_cache``: static-shape rounds (``StaticBufferLayer``, a full-capacity mask), as compiled forwards
-        need them. ``compile``: static-shape rounds through ``torch.compile`` (see ``compiled_forward``); eager
-        stays the fallback and the oracle. ``skip_guards`` (compiled, after ``warm_up``): dynamo's guards are
-        checked on the first forward of every cache and skipped on its later rounds (see ``_guard_stance``).
-        ``backend``: the kernels the forward runs on, chosen at load (``backends.select_backend``); default: the
-        model's own (``backends.detect_backend``). A backend that runs whole decoder layers runs the eager rounds
-        and prefills through them, on static buffers; compiled rounds trace transformers' layers on its kernels.
-        ``bucketed`` (None: on a CUDA device): every round at a row bucket on fixed buffers, compiled with CUDA
-        graphs when ``compile`` (``static_rounds.StaticRounds``)."""
+        """``compile``: rounds through ``torch.compile`` at row buckets (``static_rounds.StaticRounds``; CUDA
+        graphs on a GPU); eager stays the fallback and the oracle. ``backend``: the kernels the forward runs on,
+        chosen at load (``backends.select_backend``); default: the model's own (``backends.detect_backend``).
+        ``bucketed`` (None: on a CUDA device, or compiled): every one-generation round at a row bucket on the
+        arena's fixed addresses; a batch of generations runs eager (its segments differ round to round)."""
         self.model = model
-        self.append_buffer = append_buffer
-        self.packed_gqa = packed_gqa
-        self.static_cache = static_cache or compile
         self.compiled = compile
-        self.skip_guards = compile and skip_guards
-        self._warm = False  # warm_up done: the compiled graph exists
-        self._guarded: weakref.ref | None = None  # the cache whose first forward ran with every guard checked
-        self._call = model
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self._cache_kw = "cache"
@@ -118,27 +85,83 @@ class ModelAdapter:
         self.dtype = next(model.parameters()).dtype
         backend = detect_backend(model) if backend is None else backend
         self.backend = backend.transformers_layers() if compile else backend
-        if self.backend.whole_layers:
-            self.static_cache = True  # whole layers write K/V at the adapter's slots
-        self.attention = self.backend.attention  # what packed rounds attend with on transformers' layers
         self.vocab_size = model.config.get_text_config().vocab_size
-        self.kv_shape = kv_head_shape(model.config.get_text_config())  # (K/V heads, head dim): static buffers
+        self.kv_shape = self._kv_shape()  # (K/V heads, head dim) of every attention layer
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self.rounds = self._static_rounds(bucketed, compile)
+        # transformers' layers take a batch's segments where their attention is plain sdpa (``batched_attention``
+        # slices each segment's keys); any other attention runs one segment under a 4-D mask over the arena
+        self.segmented = supports_packed_gqa(model.config)
+        bucketed = (self.device.type == "cuda" or compile) if bucketed is None else bucketed or compile
+        self.rounds = (
+            StaticRounds(
+                model,
+                self._cache_kw,
+                self.dtype,
+                self.device,
+                self.mask_windows,
+                self.mask_per_type,
+                self.kv_shape,
+                compile=compile,
+            )
+            if bucketed
+            else None
+        )
+        self._arena: KVArena | None = None  # the job's arena, held across jobs and calls (``claim_arena``)
+        self._claimed = False
+        self._arena_lock = threading.Lock()
         self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation
-        if compile and self.rounds is None:
-            self._call = compiled_forward(model)
+
+    @torch.inference_mode()
+    def _kv_shape(self) -> tuple[int, int]:
+        """(K/V heads, head dim) as the attention layers cache them, read from a one-token forward of the model on
+        transformers' own cache: configs name them in several ways (``num_key_value_heads``, ``n_head``,
+        ``multi_query``, ...), some models ignore a field they accept, and the arena must hold what the layers
+        write. One arena holds every layer, so the layers must agree, and keys and values must share a head dim."""
+        cache = DynamicCache(config=self.model.config)
+        self.model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=True, **{self._cache_kw: cache}
+        )
+        shapes = {
+            (layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[1], layer.values.shape[3])
+            for layer in cache.layers
+            if _is_attention_layer(layer) and layer.is_initialized
+        }
+        if len(shapes) != 1:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} cannot run under lp_runner: its attention layers cache K/V of "
+                f"{len(shapes)} shapes (one arena holds every layer's)"
+            )
+        ((heads, dim, v_heads, v_dim),) = shapes
+        if (heads, dim) != (v_heads, v_dim):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} cannot run under lp_runner: its keys ({heads} x {dim}) and values "
+                f"({v_heads} x {v_dim}) differ in shape"
+            )
+        return heads, dim
 
     def _check_takes_packed_masks(self) -> None:
-        """Refuse, in one line, a model whose forward cannot take the engine's per-row 4-D mask.
+        """Find how this model's transformers layers take a round, or refuse it in one line.
 
-        ALiBi models (BLOOM, Falcon with ``alibi``) build their position bias from a 2-D padding mask and fail
-        inside transformers on a 4-D one; a two-token forward finds that out before any prompt is run.
+        A model whose sdpa layers hand the forward's keywords down to their attention takes the round's segments
+        (``batched_attention``); one whose layers do not (StableLM, Falcon) fails on the placeholder mask, loudly,
+        and takes a 4-D mask over its region instead. ALiBi models (BLOOM, Falcon with ``alibi``) build their
+        position bias from a 2-D padding mask and fail on a 4-D one too: refused. A two-token forward of each
+        finds out, before any prompt is run or anything is compiled.
         """
-        try:
+
+        def two_tokens() -> None:
             self.forward(
                 torch.zeros(2, dtype=torch.long), torch.arange(2), causal(2), self.new_cache(), torch.tensor([1])
             )
+
+        if self.segmented:
+            try:
+                two_tokens()
+                return
+            except Exception:  # noqa: BLE001 - the model's own code refused the segments: try the 4-D mask
+                self.segmented = False
+        try:
+            two_tokens()
         except Exception as exc:  # whatever the model's own code raised: the message says which model and why
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsupportedModelError(
@@ -146,33 +169,62 @@ class ModelAdapter:
                 f"attention mask ({reason}); ALiBi models such as BLOOM and Falcon with alibi are not supported"
             ) from exc
 
-    def new_cache(self, capacity: int = 0, *, fixed: bool = False) -> DynamicCache:
-        """A DynamicCache whose attention layers keep every position (sliding ones too: their window is a mask) and
-        append into a growing buffer (see ``AppendBufferLayer``; transformers' DynamicLayer without append_buffer),
-        or, with ``static_cache``, hold a fixed buffer of at least ``capacity`` slots (``StaticBufferLayer``; the
-        engine passes the generation's longest possible length, so the buffer is allocated once).
+    # ------------------------------------------------------------------------------------------------- K/V
 
-        A rolling sliding-window layer would drop positions a later round still needs once a rejected tail is
-        cropped, and cannot be cropped once full; a full layer has neither problem.
+    def new_arena(self, capacity: int, *, growable: bool = False) -> KVArena:
+        """An arena of at least ``capacity`` slots for this model's attention layers (sliding ones too: their
+        window is a mask, so every position is kept and a rejected tail can be cropped). ``growable``: a region
+        may outgrow it (scratch arenas); a job's arena is sized at its start and grows only for new regions.
 
-        Static buffers are allocated here, in one arena (``kv_cache.allocate_arena``). ``fixed`` (a generation's
-        cache, sized by the engine): they are never reallocated, a round that would outrun them raises
-        ``KVCapacityError``; otherwise (scratch caches) they grow as before.
-        """
-        if self.rounds is not None:
-            return self.rounds.new_cache(capacity, fixed)
-        cache = DynamicCache(config=self.model.config)
-        if self.static_cache:
-            full = lambda: StaticBufferLayer(static_capacity(capacity), fixed=fixed)  # noqa: E731
-        elif self.append_buffer:
-            full = lambda: AppendBufferLayer(capacity)  # noqa: E731
-        else:
-            full = DynamicLayer
-        cache.layers = [full() if _is_attention_layer(layer) else layer for layer in cache.layers]
-        static = _static_layers(cache)
-        if static:
-            allocate_arena(static, *self.kv_shape, self.dtype, self.device)
-        return cache
+        A bucketed adapter's arena has ``MIN_CAPACITY`` slots past its power of two: a round's live K/V width
+        (a power of two that holds it, ``buckets.BucketLadder.kv_width``) then never equals the arena's size.
+        Where it did, dynamo unified the two sizes and the round's slice of the whole buffer was another graph,
+        compiled mid-job."""
+        return KVArena(
+            self.model.config,
+            self.kv_shape,
+            self.dtype,
+            self.device,
+            capacity,
+            attention_layer=_is_attention_layer,
+            growable=growable,
+            spare=MIN_CAPACITY if self.rounds is not None else 0,
+        )
+
+    def claim_arena(self, capacity: int) -> KVArena:
+        """The adapter's job arena, grown to at least ``capacity`` slots, for one round loop until
+        ``release_arena``: held across jobs and ``lp_runner.generate`` calls, so a job allocates its K/V once,
+        and on a GPU its captured graphs (recorded at warm-up, on this arena) replay at the same addresses. A
+        second loop running at the same time (LP ranks on threads over one adapter) gets an arena of its own."""
+        with self._arena_lock:
+            if self._claimed:
+                return self.new_arena(capacity)
+            if self._arena is None:
+                self._arena = self.new_arena(capacity)
+            elif self._arena.capacity < capacity:
+                if self._arena.regions:
+                    raise RuntimeError("the job arena was released with live regions")
+                self._arena.grow(capacity)
+            self._claimed = True
+            return self._arena
+
+    def release_arena(self, arena: KVArena) -> None:
+        """``arena``'s round loop is over (``claim_arena``)."""
+        with self._arena_lock:
+            if arena is self._arena:
+                self._claimed = False
+
+    def region_size(self, need: int) -> int:
+        """The slots a generation of at most ``need`` positions (its prompt, its budget and one round) holds:
+        a bucketed round pads its rows to the bucket, and the fillers' K/V lands past the round's rows."""
+        return need + (self.rounds.ladder.max_rows if self.rounds is not None else 0)
+
+    def new_cache(self, capacity: int = 0) -> KVRegion:
+        """A scratch generation's K/V (probes, measurements, tests): the one region of an arena of its own,
+        which grows should a round outrun it."""
+        return self.new_arena(self.region_size(capacity), growable=True).region(self.region_size(capacity))
+
+    # ---------------------------------------------------------------------------------------------- rounds
 
     @torch.inference_mode()
     def forward(
@@ -180,225 +232,132 @@ class ModelAdapter:
         input_ids: torch.Tensor,  # [Q]
         position_ids: torch.Tensor,  # [Q]
         visibility: torch.Tensor,  # [Q, Q] bool, in-round rows only; the cached prefix is always visible
-        cache: DynamicCache,
+        kv: KVRegion,
         logit_rows: torch.Tensor,  # [R]
     ) -> torch.Tensor:  # [R, vocab]
-        if self.rounds is not None:
-            return self.rounds.forward(input_ids, position_ids, visibility, cache, logit_rows)
-        past = cache_length(cache)
-        windowed = any(self.mask_windows.values())
-        static = _static_layers(cache)
-        if len(input_ids) == 1 and not windowed and not static:
-            # one row that sees every cached key: transformers' own decode step (no mask, as HF generate runs it)
-            return self._run(input_ids, position_ids, None, cache, logit_rows)
-        if self.compiled and len(input_ids) == 1:
-            return self._one_row_as_two(input_ids, position_ids, cache, logit_rows)
-        total = past + len(input_ids)
-        if static:
-            for layer in static:
-                layer.reserve(total)
-                if not layer.is_initialized:
-                    layer.allocate(*self.kv_shape, self.dtype, self.device)
-            capacity = static[0].capacity
-            slots = torch.arange(past, total, device=self.device)
-            if self.compiled:  # a tensor reached through the cache, not an argument: dynamo would fix its length
-                torch._dynamo.mark_dynamic(slots, 0)
-            for layer in static:
-                layer.write_slots = slots
-        else:
-            capacity = total
-        mask = additive_mask(visibility.to(self.device), past, self.dtype, width=capacity)  # [1, 1, Q, capacity]
-        if windowed:
-            # cached position j sits in slot j (the engine commits in order); in-round keys carry their own
-            # positions; slots past the round are hidden whatever position they are given
-            query_positions = position_ids.to(self.device)  # [Q]
-            key_positions = torch.cat(
-                [
-                    torch.arange(past, device=self.device),
-                    query_positions,
-                    torch.arange(total, capacity, device=self.device),
-                ]
-            )  # [capacity]
-            masks = {
-                window: mask if window is None else sliding_window_mask(mask, query_positions, key_positions, window)
-                for window in set(self.mask_windows.values())
-            }
-            per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
-            mask = per_type if self.mask_per_type else next(iter(per_type.values()))
-        logits = self._run(input_ids, position_ids, mask, cache, logit_rows)
-        for layer in static:
-            layer.length = total
-        return logits
+        """One generation's round: ``run`` with one segment."""
+        return self.run([Rows(input_ids, position_ids, visibility, logit_rows)], [kv])
 
     @torch.inference_mode()
-    def forward_batch(self, batch: BatchRound, cache: DynamicCache) -> torch.Tensor:  # [L, vocab]
-        """One forward over several generations (``batch_forward.py``): every row writes its K/V at its slot of
-        ``cache`` (a ``slot_cache.SlotCache``'s buffers) and attends to its own generation's keys only. The
-        backend's whole layers where it has them (one call over the segments); transformers' layers otherwise, with
-        ``attention.batched_attention`` (one attention call per segment). Eager in either case: a compiled forward
-        is traced for one sequence. Check ``decoding.forwards.batch_support`` first."""
+    def run(self, rounds: Sequence[RoundRows], regions: Sequence[KVRegion]) -> torch.Tensor:  # [sum R_b, vocab]
+        """The round's one forward: segment b's rows (``rounds[b]``) after the ``regions[b].length`` positions
+        cached in its region, its K/V written at the slots after them; every segment's logit rows, in order. Each
+        region's length then covers the round's rows, until publication keeps or crops them.
+
+        Regions of one arena, each reserved for its rows (``KVRegion.reserve``: a generation's region is sized at
+        its start, so a round past it is an error, not a new buffer)."""
+        arena = regions[0].arena
+        if any(r.arena is not arena for r in regions):
+            raise ValueError("the segments of a round must hold regions of one arena")
+        arena.flush()  # last round's K/V moves, every generation's at once
+        past = [r.length for r in regions]
+        rows = [r.input_ids.shape[0] for r in rounds]
+        bucket = self.rounds is not None and len(regions) == 1
+        for region, p, q in zip(regions, past, rows, strict=True):
+            region.reserve(p + (self.rounds.ladder.rows_for(q) if bucket else q))
+        if bucket:
+            logits = self.rounds.forward(rounds[0], regions[0])
+        else:
+            windows = list(self.mask_windows.values())
+            logits = self._eager(pack_round(rounds, [r.base for r in regions], past, windows, self.dtype), arena)
+        for region, p, q in zip(regions, past, rows, strict=True):
+            region.length = p + q
+        return logits
+
+    def _eager(self, batch: BatchRound, arena: KVArena) -> torch.Tensor:  # [L, vocab]
+        """A packed round, eager: the backend's whole layers where it has them (one call over the segments),
+        else transformers' layers attending per segment, else (one segment) under a 4-D mask over the arena."""
         device = self.device
         slots = batch.slots.to(device)
-        for layer in cache.layers:
-            layer.write_slots = slots
+        seg = batch.segments
+        single = seg.count == 1
+        for layer in arena.layers():
+            layer.write_slots, layer.read_slots = slots, None
+            layer.length = batch.past[0] if single else 0  # what transformers may ask: the cached prefix
         ids, positions, logit_rows = (t.to(device) for t in (batch.input_ids, batch.position_ids, batch.logit_rows))
         if self.backend.whole_layers:
             masks = {window: m.to(device) for window, m in batch.masks.items()}
-            per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
-            mask = per_type if self.mask_per_type else next(iter(per_type.values()))
             logits = self.backend.forward_model(
-                self.model, ids, positions, mask, cache, logit_rows, segments=batch.segments
+                self.model, ids, positions, self._per_type(masks), arena.cache, logit_rows, segments=seg
             )
             if logits is not None:
                 return logits
-        seg = batch.segments
-        starts, bases, widths = seg.start.tolist(), seg.base.tolist(), seg.width.tolist()
-        masks = {
-            window: tuple(batch.segment_mask(window, b).to(device)[None, None] for b in range(seg.count))
-            for window in batch.masks
-        }
-        layer_types = getattr(self.model.config.get_text_config(), "layer_types", None) or [""] * len(cache.layers)
-        rnd = SegmentedRound(
-            rows=tuple(zip(starts[:-1], starts[1:], strict=True)),
-            keys=tuple((b, b + w) for b, w in zip(bases, widths, strict=True)),
-            masks=masks,
-            layer_windows=tuple(self.mask_windows[t if self.mask_per_type else ""] for t in layer_types),
-            inner=self.backend.segment_attention,
-        )
-        # no layer may use it: a mask of no keys broadcasts to none (one of width 1 would broadcast to every slot),
-        # so an attention that is not ``batched_attention`` fails instead of reading other generations' keys
-        placeholder = torch.zeros(1, 1, len(ids), 0, dtype=self.dtype, device=device)
-        mask = {t: placeholder for t in self.mask_windows} if self.mask_per_type else placeholder
-        with packed_gqa(self.model.config, BATCHED):
-            out = self.model(
-                input_ids=ids.unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                attention_mask=mask,
-                use_cache=True,
-                logits_to_keep=logit_rows,
-                lp_batch=rnd,
-                **{self._cache_kw: cache},
+        if self.segmented:
+            starts, bases, widths = seg.start.tolist(), seg.base.tolist(), seg.width.tolist()
+            masks = {
+                window: tuple(batch.segment_mask(window, b).to(device)[None, None] for b in range(seg.count))
+                for window in batch.masks
+            }
+            layer_types = getattr(self.model.config.get_text_config(), "layer_types", None) or [""] * len(
+                arena.cache.layers
             )
+            rnd = SegmentedRound(
+                rows=tuple(zip(starts[:-1], starts[1:], strict=True)),
+                keys=tuple((b, b + w) for b, w in zip(bases, widths, strict=True)),
+                masks=masks,
+                layer_windows=tuple(self.mask_windows[t if self.mask_per_type else ""] for t in layer_types),
+                inner=self.backend.segment_attention,
+            )
+            # no layer may use it: a mask of no keys broadcasts to none (one of width 1 would broadcast to every
+            # slot), so an attention that is not ``batched_attention`` fails instead of reading other segments' keys
+            placeholder = torch.zeros(1, 1, len(ids), 0, dtype=self.dtype, device=device)
+            with packed_gqa(self.model.config, BATCHED):
+                return self._call(
+                    ids,
+                    positions,
+                    self._per_type(dict.fromkeys(batch.masks, placeholder)),
+                    arena,
+                    logit_rows,
+                    lp_batch=rnd,
+                )
+        if not single:
+            raise ValueError(f"{type(self.model).__name__}'s attention takes one generation per round")
+        # the model's own attention over the region's live slots only, under the segment's [Q, past + Q] mask
+        base, width = int(seg.base[0]), int(seg.width[0])
+        for layer in arena.layers():
+            layer.read_slots = (base, base + width)
+        masks = {window: batch.segment_mask(window, 0).to(device)[None, None] for window in batch.masks}
+        return self._call(ids, positions, self._per_type(masks), arena, logit_rows)
+
+    def _per_type(self, masks: dict):
+        """The masks per window as the model takes them: one per layer type (a hybrid model) or one for all."""
+        per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
+        return per_type if self.mask_per_type else next(iter(per_type.values()))
+
+    def _call(self, ids, positions, mask, arena: KVArena, logit_rows, **kwargs) -> torch.Tensor:  # [L, vocab]
+        out = self.model(
+            input_ids=ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logit_rows,
+            **{self._cache_kw: arena.cache},
+            **kwargs,
+        )
         return out.logits[0]  # [L, vocab]
 
     def batch_structure(self) -> str | None:
-        """Why this model's layers cannot take a batched round (one line), or None where they may: the backend's
-        whole layers, or transformers' sdpa layers that hand the forward's keywords down to their attention over plain
-        attention cache layers. Whether they then compute it exactly is the decoding side's probe
-        (``decoding.forwards.batch_support``)."""
-        if not (self.backend.whole_layers or supports_packed_gqa(self.model.config)):
+        """Why this model's layers cannot take a round of several generations (one line), or None where they
+        may: the backend's whole layers, or transformers' sdpa layers that hand the forward's keywords down to
+        their attention over plain attention cache layers. Whether they then compute it exactly is the decoding
+        side's probe (``decoding.forwards.batch_support``)."""
+        if not (self.backend.whole_layers or self.segmented):
             return f"{type(self.model).__name__} runs {self.model.config._attn_implementation} attention"
         if not all(_is_attention_layer(layer) for layer in DynamicCache(config=self.model.config).layers):
             return "its cache has layers that are not plain attention layers"
         return None
 
-    def _static_rounds(self, bucketed: bool | None, compile: bool) -> StaticRounds | None:
-        """The static-round runner where rounds run bucketed (see ``__init__``), else None."""
-        if not (self.device.type == "cuda" if bucketed is None else bucketed):
-            return None
-        return StaticRounds(
-            self.model,
-            self._cache_kw,
-            self.kv_shape,
-            self.dtype,
-            self.device,
-            self.mask_windows,
-            self.mask_per_type,
-            _is_attention_layer,
-            compile=compile,
-        )
-
-    def release_cache(self, cache: DynamicCache) -> None:
-        """``cache``'s generation is over: bucketed rounds hand its buffers to the next generation."""
-        if self.rounds is not None:
-            self.rounds.release(cache)
-
-    def _one_row_as_two(self, input_ids, position_ids, cache: DynamicCache, logit_rows) -> torch.Tensor:
-        """A one-row round of a compiled forward, run as two rows: the row, then a filler that sees only itself
-        and is seen by nothing (``layout.pad_layout``'s filler; its K/V slot is past the cache's length, so the
-        next round overwrites it). A compiled graph is specialised to size-1 dimensions; with every round at two
-        rows or more, one graph serves them all."""
-        ids = torch.cat([input_ids, input_ids.new_zeros(1)])
-        positions = torch.cat([position_ids, position_ids[-1:]])
-        logits = self.forward(ids, positions, torch.eye(2, dtype=torch.bool), cache, logit_rows)
-        crop(cache, cache_length(cache) - 1)
-        return logits
-
     def warm_up(self, capacity: int) -> float:
-        """Compile before the job (a compiled forward compiles on its first call): one round on a scratch cache of
-        ``capacity`` slots, the shape class of every later round. Returns the seconds it took (0 when eager)."""
+        """Compile before the job (a compiled round compiles on its first call): every row bucket on an arena
+        of ``capacity`` slots, the job's. Returns the seconds it took (0 when eager)."""
         if not self.compiled:
             return 0.0
-        if self.rounds is not None:
-            return self.rounds.warm_up(capacity)
-        start = time.perf_counter()
-        # three rows, two of them read: sizes that no later round's can be forced equal to (dynamo's duck sizing
-        # would otherwise specialise the graph to rows == logit rows, and the first other round would recompile)
-        self.forward(
-            torch.zeros(3, dtype=torch.long), torch.arange(3), causal(3), self.new_cache(capacity), torch.tensor([1, 2])
-        )
-        self._warm = True
-        return time.perf_counter() - start
-
-    def _run(self, input_ids, position_ids, mask, cache: DynamicCache, logit_rows: torch.Tensor) -> torch.Tensor:
-        switch = self.packed_gqa and mask is not None and supports_packed_gqa(self.model.config)
-        attention = packed_gqa(self.model.config, self.attention) if switch else nullcontext()
-        if self.compiled and len(logit_rows) == 1:  # never a size-1 dimension in a compiled graph (see above)
-            return self._run(input_ids, position_ids, mask, cache, logit_rows.repeat(2))[:1]
-        if self.compiled:  # one kind of tensor in every call: dynamo guards on it, a change would recompile
-            input_ids, position_ids, logit_rows = (_inference_tensor(t) for t in (input_ids, position_ids, logit_rows))
-        if self.backend.whole_layers and mask is not None:  # the whole round in the backend's layers, where it can
-            logits = self.backend.forward_model(
-                self.model, input_ids.to(self.device), position_ids.to(self.device), mask, cache, logit_rows
-            )
-            if logits is not None:
-                return logits
-        with attention, self._guard_stance(cache):
-            out = self._call(
-                input_ids=input_ids.to(self.device).unsqueeze(0),
-                position_ids=position_ids.to(self.device).unsqueeze(0),
-                attention_mask=mask,
-                use_cache=True,
-                logits_to_keep=logit_rows.to(self.device),
-                **{self._cache_kw: cache},
-            )
-        return out.logits[0]  # [R, vocab]
-
-    def _guard_stance(self, cache: DynamicCache):
-        """Dynamo's guard checks for this forward: all of them on a cache's first forward; on its later rounds only
-        those torch's ``skip_guard_eval_unsafe`` stance keeps (every tensor input's, and those that told earlier
-        graphs apart; a recompilation they would need raises instead of compiling).
-
-        Why: checking some 6,000 guards (the model's modules, the cache's layers) cost about 1.8 ms of a 26 ms
-        compiled one-row forward of the embedded model on a 2-core CPU, on every round. Within one cache's
-        generation a round differs from the last only in what the graph takes as dynamic sizes (rows, logit rows,
-        write slots) and in tensor contents; ``test_compile`` runs every bucket's rounds, three families and a
-        native-prepacked model, under ``error_on_recompile``, and two models of one class alternating. A new cache
-        (a new prompt, another model, whatever changed between generations) is checked in full, and a failed check
-        recompiles as usual. Measured side by side the saving is small (0.15-0.5 ms, ``attention_paths.py``).
-        """
-        if not (self.skip_guards and self._warm):
-            return nullcontext()
-        if self._guarded is not None and self._guarded() is cache:
-            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-        self._guarded = weakref.ref(cache)
-        return nullcontext()
-
-
-def _inference_tensor(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as an inference tensor (called in inference mode). A compiled graph is guarded on its inputs'
-    dispatch keys, and a tensor made outside inference mode carries one an inference tensor lacks: without this,
-    the engine's first rounds (tensors from the host) and later ones (tensors from earlier forwards) each
-    compiled the whole forward again (35-40 s each on a 2-core CPU)."""
-    return t if t.is_inference() else t.clone()
-
-
-def compiled_forward(model: PreTrainedModel):
-    """``model`` through ``torch.compile`` for static-shape rounds: dynamic shapes (the row count and the cache
-    capacity are symbols, so one graph serves every bucket), inductor's default backend (C++ kernels on a CPU,
-    Triton on a GPU). Compiled kernels are cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, set by the
-    runner under lp_runner's cache dir), so a second run compiles much faster."""
-    return torch.compile(model, dynamic=True)
+        size = self.region_size(capacity)
+        arena = self.claim_arena(size)
+        try:
+            return self.rounds.warm_up(arena, size)
+        finally:
+            self.release_arena(arena)
 
 
 def attention_windows(config, cache: DynamicCache) -> tuple[dict[str, int | None], bool]:
@@ -430,10 +389,6 @@ def attention_windows(config, cache: DynamicCache) -> tuple[dict[str, int | None
     return by_type, True
 
 
-def _static_layers(cache: DynamicCache) -> list[StaticBufferLayer]:
-    return [layer for layer in cache.layers if isinstance(layer, StaticBufferLayer)]
-
-
 def _is_attention_layer(layer) -> bool:
     """A plain K/V layer, full or sliding (not a recurrent, conv or quantized layer, which are kept as they are)."""
     return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
@@ -442,40 +397,3 @@ def _is_attention_layer(layer) -> bool:
 def causal(t: int) -> torch.Tensor:
     """[T, T] bool visibility of a plain causal block (row i sees rows 0..i)."""
     return torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
-
-
-def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
-def crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` cached positions of every layer (negative-count crop: valid on every 5.x).
-
-    Each layer is cropped by its own length: after a forward that failed part-way, the layers before the failure
-    hold this round's K/V and the later ones do not, so one count for all layers would cut committed positions.
-    """
-    for layer in cache.layers:
-        remove = layer.get_seq_length() - length
-        if remove < 0:
-            raise ValueError(f"cannot crop a cache of {layer.get_seq_length()} positions to {length}")
-        if remove:
-            layer.crop(-remove)
-
-
-@torch.inference_mode()  # cache tensors are inference tensors: in-place writes must happen in this mode
-def move_rows(cache: DynamicCache, src: Sequence[int], dst: Sequence[int]) -> None:
-    """Copy the K/V of cache positions ``src`` to ``dst`` (distinct) in every layer (sources are read before
-    writing). A position moved onto itself is left alone: a round whose winning candidate's rows follow its
-    ordinary rows (every no-window round's first candidate) moves nothing, where copying it cost about 0.75 ms
-    a round on the embedded model's 30 layers (2-core CPU), 6% of a 12 ms round. A cache whose layers view one
-    arena (``kv_cache.allocate_arena``: every static generation cache) moves every layer's rows at once, others
-    layer by layer (``kv_cache.copy_slots``: one slice copy per run of consecutive moves)."""
-    if len(src) != len(dst):
-        raise ValueError("src and dst must have equal length")
-    moves = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
-    if not moves:
-        return
-    src, dst = zip(*moves, strict=True)
-    arena = shared_arena(cache.layers)
-    buffers = [arena] if arena is not None else [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    copy_slots(buffers, src, dst)

@@ -7,11 +7,12 @@ packing the query heads onto their K/V head when one row is queried (``generate`
 packed round always passes a mask and queries several rows, so it always took the copying path, a cost that
 grows with the context. ``packed_gqa_sdpa`` extends the one-row packing to Q rows: the ``groups`` query heads of
 a K/V head become ``groups * Q`` rows of that head and the mask is tiled to match, so the same kernel computes
-the same per-row dot products without the copy (``benchmarks/forward_paths.py`` times both).
+the same per-row dot products without the copy.
 
-The adapter switches a model to it for its own forwards only (the ``packed_gqa`` context), and only from plain
-``sdpa``: every other caller of the same model object (HF ``generate``, the tests' oracles) keeps transformers'
-path.
+It is the attention each segment of a round runs on transformers' layers where the backend has no kernel of its
+own (``torch_backend.TorchBackend.segment_attention``, under ``batched_attention``). The adapter switches a model
+to the round's attention for its own forwards only (the ``packed_gqa`` context), and only from plain ``sdpa``:
+every other caller of the same model object (HF ``generate``, the tests' oracles) keeps transformers' path.
 """
 
 from __future__ import annotations
@@ -159,32 +160,3 @@ def packed_gqa(config, implementation: str = PACKED_GQA) -> Iterator[None]:
             yield
         finally:
             config._attn_implementation = previous
-
-
-def sliding_window_mask(
-    mask: torch.Tensor,  # [1, 1, Q, K] additive float mask (0 visible, dtype min hidden)
-    query_positions: torch.Tensor,  # [Q] position of each packed row
-    key_positions: torch.Tensor,  # [K] position of each key (cached slots, then the round's rows)
-    window: int,
-) -> torch.Tensor:  # [1, 1, Q, K], a new tensor
-    """``mask`` with every key at ``window`` or more positions before its row hidden: a per-row sliding window.
-
-    transformers' sliding layers let the query at position p see keys at positions p - window < q <= p
-    (``sliding_window_overlay``). In a packed round the rows sit at different positions, so the window is cut per
-    row from each row's own position, never per round. Example, window 3, two cached keys (positions 0, 1) and
-    rows at positions [2, 3, 3] (a live key and two siblings): row 0 keeps keys 0..2, rows 1 and 2 lose key 0
-    (3 - 0 >= 3) and keep whatever the round's own mask lets them see among the rest.
-    """
-    far = query_positions[:, None] - key_positions[None, :] >= window  # [Q, K]
-    return mask.masked_fill(far, torch.finfo(mask.dtype).min)
-
-
-def additive_mask(visibility: torch.Tensor, past_len: int, dtype: torch.dtype, width: int = 0) -> torch.Tensor:
-    """[1, 1, Q, max(width, past_len + Q)] additive float mask, built on ``visibility``'s device: the cached prefix
-    is fully visible, the round as given, keys past the round (a static cache's spare slots) hidden."""
-    q = visibility.shape[0]
-    hidden = torch.finfo(dtype).min
-    mask = torch.full((1, 1, q, max(width, past_len + q)), hidden, dtype=dtype, device=visibility.device)
-    mask[0, 0, :, :past_len] = 0.0
-    mask[0, 0, :, past_len : past_len + q].masked_fill_(visibility, 0.0)  # [Q, Q] view
-    return mask

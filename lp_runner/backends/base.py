@@ -23,9 +23,6 @@ class ForwardBackend(Protocol):
 
     name: str  # the backend in records: "torch" or "cpu"
     kernels: str  # the forward's kernels, as cache keys and records name them (e.g. "torch")
-    # the attention a packed round runs on transformers' layers: a name registered with transformers'
-    # ``AttentionInterface`` (``attention.PACKED_GQA`` or the plug-in's own)
-    attention: str
     # one segment's attention in a batched round on transformers' layers (``attention.batched_attention``'s inner)
     segment_attention: Callable
     # decoder layers the backend runs whole, in one call, on static K/V buffers (``forward_model``); 0: none
@@ -41,10 +38,10 @@ class ForwardBackend(Protocol):
         model: torch.nn.Module,
         input_ids: torch.Tensor,  # [R]
         position_ids: torch.Tensor,  # [R]
-        mask,  # [1, 1, R, C] additive, or {layer type: such a mask}; flat per segment with ``segments``
-        cache,  # the adapter's DynamicCache of static buffers, write slots set
+        mask,  # [mask_size] flat additive masks per segment (``segments``), or {layer type: such a mask}
+        cache,  # the arena's DynamicCache (``kv_cache.ArenaLayer``s), write slots set
         logit_rows: torch.Tensor,  # [L]
-        segments: Segments | None = None,
+        segments: Segments,
     ) -> torch.Tensor | None:
         """A whole round through the backend's own layers: logits [L, vocab], or None where it does not serve this
         round (no whole layers, another cache or mask), and transformers' layers run it."""

@@ -1,84 +1,42 @@
-"""The adapter's K/V cache layers: transformers' ``DynamicLayer`` contract, without its copies.
+"""The K/V arena: one tensor per job holding every generation's K/V, written by position.
 
-Two layouts of the same cached values:
+One layout serves every round the adapter runs (one generation or a batch of them, eager or compiled, a prefill
+chunk or a lookahead round), as gpt-fast's ``KVCache.update`` and vLLM's slot mapping do:
 
-* ``AppendBufferLayer`` (eager rounds): ``keys`` / ``values`` are views of the first positions of a buffer that
-  doubles when full, so a round writes only its own rows and attention reads exactly the cached positions.
-* ``StaticBufferLayer`` (static-shape rounds, ``model.compile``): one buffer of a fixed capacity per generation,
-  written at explicit slots (``write_slots``, a device tensor the adapter sets before each forward), and returned
-  whole: attention reads every slot and the round's mask hides the ones past the round. The shapes a forward sees
-  are then the row bucket and the capacity, never the K/V length, so a compiled forward (or a CUDA graph) is
-  reused round after round; the length is host bookkeeping (``length``) that no traced code reads.
+* ``KVArena.tensor`` is [layers, 2, 1, H_kv, capacity, D]; layer i's keys are ``[i, 0]`` and its values ``[i, 1]``,
+  each a contiguous [1, H_kv, capacity, D] view held by an ``ArenaLayer`` (transformers' cache-layer contract).
+  The native layers read the same views; a commit's row moves are one slice copy per run over every layer at once
+  (``copy_slots`` on the whole tensor).
+* A generation owns a contiguous ``KVRegion`` of slots (position j in slot ``base + j``), sized when it starts (its
+  prompt, its budget and one round's rows) and freed when it ends. A round writes its rows at explicit slots
+  (``ArenaLayer.write_slots``, set by the adapter before the forward) and attention reads each region's live
+  slots only (the segments of ``backends.batch.BatchRound``); nothing is erased: a crop shortens the region's
+  length and the next round overwrites the tail.
+* The arena is allocated once, at the job's need, and grows (a larger tensor holding the old one, every view
+  re-made) only when a region no longer fits; ``allocations`` counts the tensors made, since a captured graph
+  reads the arena at fixed addresses (``static_rounds``: a new tensor means graphs recorded again).
 
-Both keep a rejected tail in place (``crop`` only shortens the length; the next round overwrites it) and let
-``model.move_rows`` copy committed rows within the buffer. ``tests/backends/test_model_adapter.py`` checks both against
-transformers' own DynamicCache, bit for bit, across growth, crops and row moves.
+Regions are placed first fit. When no gap is large enough the live regions are slid to the front (``compact``:
+a copy of their cached slots, rare) and, if the arena is still too small, it grows. Example (capacity 256):
+regions of 96 and 64 at 0 and 96; the first ends; a region of 128 fits neither the gap of 96 nor the 96 slots
+after 160, so the second slides to 0 and the new one takes 64..191; a region of 128 more fits nowhere (64 free),
+so the arena grows to 512 and it takes 192..319.
 
-A generation's static buffers are one tensor (``allocate_arena``: [layers, 2, 1, H_kv, capacity, D], every
-layer's keys and values are views of it), allocated once at the generation's capacity and never reallocated
-while it runs (``fixed``: a round that would outrun it is an error, not a new buffer). Two reasons: a captured
-graph reads the buffers at fixed addresses, so a reallocation would silently need every graph recorded again;
-and a commit's row moves are one gather and one scatter over every layer at once (``move_rows``) instead of
-two small kernels per layer and tensor.
+``tests/backends/test_kv_arena.py`` checks the arena against transformers' own DynamicCache, bit for bit, across
+rounds, crops, moves, compaction and growth.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-MIN_CAPACITY = 256  # the smallest static buffer; capacities are powers of two from here (few compiled shapes)
-
-
-class AppendBufferLayer(DynamicLayer):
-    """A DynamicLayer that writes new K/V into spare capacity instead of concatenating.
-
-    ``DynamicLayer.update`` builds a new tensor with ``torch.cat`` every forward, copying the whole cached context
-    per layer per round, a cost that grows with the context (``benchmarks/forward_paths.py`` times both). Here
-    ``keys`` / ``values`` are views of the first positions of a buffer that doubles when full, so a round writes
-    only its own rows. ``crop`` (inherited) narrows the view, and the next update overwrites the rejected rows in
-    place. The cached values are the same bits either way; only the copy is gone. Sliding-window layers use it too
-    (their window is applied by the mask, see ``ModelAdapter.new_cache``). ``capacity``: the positions the first
-    buffer holds (the engine passes the generation's longest possible length, so it is allocated once).
-    """
-
-    def __init__(self, capacity: int = 0) -> None:
-        super().__init__()
-        self.reserved = capacity
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self._key_buffer = self._value_buffer = None
-        cached = self.get_seq_length()
-        total = cached + key_states.shape[-2]
-        # A method inherited from DynamicLayer that rebinds keys (reorder, batch select, offload) detaches them
-        # from the buffer: start a new buffer from them rather than write into a stale one.
-        stale = self._key_buffer is None or self.keys.data_ptr() != self._key_buffer.data_ptr()
-        if stale or total > self._key_buffer.shape[-2]:
-            first = self._key_buffer is None and self.reserved
-            size = max(total, self.reserved) if first else max(2 * total, MIN_CAPACITY)
-            self._key_buffer = _grown(self.keys, key_states, size)
-            self._value_buffer = _grown(self.values, value_states, size)
-        self._key_buffer[..., cached:total, :] = key_states
-        self._value_buffer[..., cached:total, :] = value_states
-        self.keys = self._key_buffer[..., :total, :]
-        self.values = self._value_buffer[..., :total, :]
-        return self.keys, self.values
-
-
-def _grown(cached: torch.Tensor, new: torch.Tensor, size: int) -> torch.Tensor:
-    """A buffer of ``size`` positions holding ``cached`` at its start (doubling sizes: amortised O(1) appends)."""
-    shape = list(new.shape)
-    shape[-2] = size
-    grown = new.new_empty(shape)
-    if cached.numel():
-        grown[..., : cached.shape[-2], :] = cached
-    return grown
+MIN_CAPACITY = 256  # the smallest arena; capacities are powers of two from here (few compiled shapes)
+ALIGN = 16  # region sizes round up to this many slots (the native attention scores 16 keys at a time)
 
 
 def kv_head_shape(text_config) -> tuple[int, int]:
@@ -89,8 +47,8 @@ def kv_head_shape(text_config) -> tuple[int, int]:
 
 
 def static_capacity(needed: int) -> int:
-    """The static buffer for ``needed`` positions: the next power of two from ``MIN_CAPACITY`` (a compiled forward
-    is specialised to its capacity, so nearby generations share one)."""
+    """The arena for ``needed`` slots: the next power of two from ``MIN_CAPACITY`` (a compiled round is
+    specialised to the arena's capacity, so nearby jobs share one)."""
     capacity = MIN_CAPACITY
     while capacity < needed:
         capacity *= 2
@@ -108,77 +66,47 @@ def _static_buffer(buffer: torch.Tensor) -> torch.Tensor:
 
 
 class KVCapacityError(RuntimeError):
-    """A round would outrun a fixed K/V buffer: the caller sized the generation's capacity too small (a bug)."""
+    """A round would outrun its generation's region: the caller sized the generation too small (a bug)."""
 
 
-class StaticBufferLayer(DynamicLayer):
-    """K/V slots of a fixed capacity, written at ``write_slots``; ``update`` returns the whole buffer.
+class ArenaLayer(DynamicLayer):
+    """One attention layer's K/V in transformers' cache-layer contract: views of the arena, written at
+    ``write_slots`` and read over slots ``read_slots`` = (first, stop) (None: the whole capacity).
 
-    The adapter sets ``write_slots`` (the round's slots, past_len .. past_len + Q - 1, on the device) before the
-    forward and ``length`` after it, outside any compiled region, so traced code reads no Python length (a
-    compiled forward would otherwise be specialised to every K/V length). Slots at or past ``length`` hold stale
-    or zero values that the mask hides. ``reserve`` grows the buffer between forwards should a scratch cache
-    (calibration, probes) outrun its estimate (a new capacity: one more compiled shape, the same values); a
-    ``fixed`` layer (a generation's, see the module doc) refuses to: its buffer's address is part of the round.
-    ``arena``: the tensor of every layer's buffers this layer's keys and values are views of (``allocate_arena``),
-    None once a growth gave it buffers of its own.
-    """
+    The adapter sets both before each forward, outside any traced code, so a compiled round reads no Python
+    length. ``update`` returns the slots attention may read; the round's mask (or its segments) hides the ones a
+    row must not see. ``length``: the slots before the round's first row where one generation runs (what
+    transformers may ask through ``get_seq_length``; a batched round's segments carry their own)."""
 
-    def __init__(self, capacity: int, fixed: bool = False) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        self.capacity = capacity
-        self.fixed = fixed
-        self.length = 0  # cached positions (committed, plus the current round's rows until it is published)
-        self.write_slots: torch.Tensor | None = None
-        self.arena: torch.Tensor | None = None
+        self.bind(keys, values)
+        self.write_slots: torch.Tensor | None = None  # [rows] int64 on the device
+        self.read_slots: tuple[int, int] | None = None
+        self.length = 0
 
-    def bind(self, keys: torch.Tensor, values: torch.Tensor, arena: torch.Tensor | None = None) -> None:
-        """Hold ``keys`` / ``values`` ([1, H_kv, capacity, D] each, e.g. views of ``arena``) as the buffers."""
+    def bind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold ``keys`` / ``values`` ([1, H_kv, capacity, D] views of the arena) as the buffers."""
         self.dtype, self.device = keys.dtype, keys.device
         self.keys, self.values = _static_buffer(keys), _static_buffer(values)
-        self.arena = arena
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = _static_buffer(key_states.new_zeros((*key_states.shape[:2], self.capacity, key_states.shape[-1])))
-        self.values = _static_buffer(
-            value_states.new_zeros((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
-        )
-        self.is_initialized = True
-
-    def allocate(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        """The buffers now, before the first forward (batch 1). A compiled forward then never traces the
-        allocation: it would be guarded on ``is_initialized``, which the next call fails (a second compilation)."""
-        empty = torch.empty(1, heads, 0, head_dim, dtype=dtype, device=device)
-        self.lazy_initialization(empty, empty)
+        raise RuntimeError("an arena layer is bound to its arena when it is made")
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         self.keys.index_copy_(2, self.write_slots, key_states)
         self.values.index_copy_(2, self.write_slots, value_states)
-        return self.keys, self.values
+        if self.read_slots is None:
+            return self.keys, self.values
+        first, stop = self.read_slots
+        return self.keys[:, :, first:stop], self.values[:, :, first:stop]
 
-    def reserve(self, needed: int) -> None:
-        """Make room for ``needed`` slots (a larger power-of-two buffer holding the current one at its start); a
-        ``fixed`` layer raises ``KVCapacityError`` instead."""
-        if needed <= self.capacity:
-            return
-        if self.fixed:
-            raise KVCapacityError(
-                f"a round needs {needed} K/V slots, past the generation's fixed capacity of {self.capacity}"
-            )
-        self.capacity = static_capacity(needed)
-        if self.is_initialized:
-            for name in ("keys", "values"):
-                old = getattr(self, name)
-                new = old.new_zeros((*old.shape[:2], self.capacity, old.shape[-1]))
-                new[:, :, : old.shape[-2]] = old
-                setattr(self, name, _static_buffer(new))
-            self.arena = None  # its own buffers now: row moves go layer by layer
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.length
@@ -187,36 +115,174 @@ class StaticBufferLayer(DynamicLayer):
         return self.capacity
 
     def crop(self, max_length: int) -> None:
-        """DynamicLayer's contract: a negative count removes that many positions, a positive one keeps that many.
-        Nothing is erased: the mask hides slots past ``length`` and the next round overwrites them."""
-        keep = self.length + max_length if max_length < 0 else max_length
-        self.length = max(0, min(self.length, keep))
+        raise RuntimeError("an arena layer is cropped through its generation's region (KVRegion.crop)")
 
 
-@torch.inference_mode()  # the buffers are inference tensors wherever they are made (a compiled graph guards on it)
-def allocate_arena(
-    layers: list[StaticBufferLayer], heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """One zeroed tensor [len(layers), 2, 1, H_kv, capacity, D] holding every layer's keys ([i, 0]) and values
-    ([i, 1]), bound to the layers as views (each contiguous: the native layers and sdpa read them as before).
-    The layers must share one capacity."""
-    capacity = layers[0].capacity
-    if any(layer.capacity != capacity for layer in layers):
-        raise ValueError("the layers of one arena must have one capacity")
-    arena = torch.zeros(len(layers), 2, 1, heads, capacity, head_dim, dtype=dtype, device=device)
-    for i, layer in enumerate(layers):
-        layer.bind(arena[i, 0], arena[i, 1], arena)
-    return arena
+@dataclass(eq=False)
+class KVRegion:
+    """One generation's slots of an arena: what a round's publication needs (``decoding.round.publish``)."""
+
+    arena: KVArena
+    base: int
+    size: int
+    length: int = 0  # cached positions (committed, plus a round's rows until it is published)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (nothing is erased: the next round overwrites the rest)."""
+        if length > self.length:
+            raise ValueError(f"cannot crop a region of {self.length} positions to {length}")
+        self.length = length
+
+    def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy positions ``src`` to ``dst`` (every source read before any write); applied with every other
+        region's moves before the next forward (``KVArena.flush``)."""
+        self.arena.queue_moves(self, src, dst)
+
+    def reserve(self, needed: int) -> None:
+        """Room for ``needed`` positions: the region grows in place where it is the arena's last and the arena
+        may grow (scratch arenas: calibration, probes); otherwise a round past its size is a ``KVCapacityError``
+        (a generation's region is sized once, at its start)."""
+        if needed <= self.size:
+            return
+        arena = self.arena
+        if not arena.growable or arena.regions[-1] is not self:
+            raise KVCapacityError(f"a round needs {needed} K/V slots, past its generation's region of {self.size}")
+        size = -(-needed // ALIGN) * ALIGN
+        if self.base + size > arena.capacity:
+            arena.grow(self.base + size)
+        self.size = size
+
+    def keys(self, layer: int) -> torch.Tensor:  # [1, H_kv, length, D]
+        """Layer ``layer``'s cached keys (a view; queued moves applied first)."""
+        self.arena.flush()
+        return self.arena.layers()[layer].keys[:, :, self.base : self.base + self.length]
+
+    def values(self, layer: int) -> torch.Tensor:  # [1, H_kv, length, D]
+        """Layer ``layer``'s cached values (a view; queued moves applied first)."""
+        self.arena.flush()
+        return self.arena.layers()[layer].values[:, :, self.base : self.base + self.length]
 
 
-def shared_arena(layers) -> torch.Tensor | None:
-    """The arena every one of ``layers`` still views (``allocate_arena``), or None (another kind of layer, a
-    layer that grew out of it, layers of two arenas)."""
-    arenas = {id(getattr(layer, "arena", None)) for layer in layers}
-    arena = getattr(layers[0], "arena", None) if layers else None
-    if arena is None or len(arenas) != 1 or arena.shape[0] != len(layers):
-        return None
-    return arena
+class KVArena:
+    """Every generation's K/V in one tensor (see the module doc): ``cache`` is what the model's forward takes."""
+
+    def __init__(
+        self,
+        config,
+        kv_shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        capacity: int,
+        *,
+        attention_layer: Callable[[object], bool] = lambda layer: True,
+        growable: bool = True,
+        spare: int = 0,
+    ) -> None:
+        """``config``: the model's (its cache's layer kinds); ``kv_shape``: (K/V heads, head dim);
+        ``attention_layer``: which of a fresh DynamicCache's layers hold K/V here (others are kept as they are);
+        ``growable``: a region of the arena may outgrow it (scratch arenas), else only new regions grow it;
+        ``spare``: slots past the power of two of every capacity it takes (``ModelAdapter.new_arena`` says why)."""
+        self.cache = DynamicCache(config=config)
+        self._kv = [i for i, layer in enumerate(self.cache.layers) if attention_layer(layer)]
+        self.kv_shape, self.dtype, self.device = kv_shape, dtype, torch.device(device)
+        self.growable, self.spare = growable, spare
+        self.regions: list[KVRegion] = []  # live, by base
+        self._moves: list[tuple[int, int]] = []  # pending (source slot, destination slot)
+        self.allocations = self.compactions = self.growths = 0
+        self.tensor = self._allocate(static_capacity(capacity) + spare)
+        self._bind(fresh=True)
+
+    @torch.inference_mode()  # the arena is an inference tensor wherever it is made (a compiled graph guards on it)
+    def _allocate(self, capacity: int) -> torch.Tensor:  # [L, 2, 1, H_kv, capacity, D]
+        self.allocations += 1
+        heads, head_dim = self.kv_shape
+        return torch.zeros(len(self._kv), 2, 1, heads, capacity, head_dim, dtype=self.dtype, device=self.device)
+
+    def _bind(self, fresh: bool = False) -> None:
+        for k, i in enumerate(self._kv):
+            keys, values = self.tensor[k, 0], self.tensor[k, 1]
+            if fresh:
+                self.cache.layers[i] = ArenaLayer(keys, values)
+            else:
+                self.cache.layers[i].bind(keys, values)
+
+    @property
+    def capacity(self) -> int:
+        return self.tensor.shape[4]
+
+    def layers(self) -> list[ArenaLayer]:
+        """The arena's attention layers, in the model's order."""
+        return [self.cache.layers[i] for i in self._kv]
+
+    def region(self, size: int) -> KVRegion:
+        """A region of at least ``size`` slots (first fit; compacting, then growing, when none is free)."""
+        size = -(-max(size, 1) // ALIGN) * ALIGN
+        self.flush()
+        base = self._first_fit(size)
+        if base is None and self.capacity - sum(r.size for r in self.regions) >= size:
+            self.compact()
+            base = self._first_fit(size)
+        if base is None:
+            self.grow(max(2 * self.capacity, sum(r.size for r in self.regions) + size))
+            base = self._first_fit(size)
+        region = KVRegion(self, base, size)
+        self.regions.append(region)
+        self.regions.sort(key=lambda r: r.base)
+        return region
+
+    def release(self, region: KVRegion) -> None:
+        """The region's slots are free again (its generation ended)."""
+        self._moves = [(s, d) for s, d in self._moves if not region.base <= d < region.base + region.size]
+        self.regions.remove(region)
+
+    def _first_fit(self, size: int) -> int | None:
+        at = 0
+        for r in self.regions:
+            if r.base - at >= size:
+                return at
+            at = r.base + r.size
+        return at if self.capacity - at >= size else None
+
+    def queue_moves(self, region: KVRegion, src: Sequence[int], dst: Sequence[int]) -> None:
+        if len(src) != len(dst):
+            raise ValueError("src and dst must have equal length")
+        for s, d in zip(src, dst, strict=True):
+            if not (0 <= s < region.size and 0 <= d < region.size):
+                raise ValueError(f"move {s}->{d} outside a region of {region.size} slots")
+            if s != d:  # a position moved onto itself stays: the winner's rows often follow the ordinary rows
+                self._moves.append((region.base + s, region.base + d))
+
+    def flush(self) -> None:
+        """Apply every queued move, every region's at once (``copy_slots`` over the whole arena: one slice copy
+        per run of consecutive moves; regions are disjoint, so no move reads a slot another region writes)."""
+        if not self._moves:
+            return
+        src, dst = zip(*self._moves, strict=True)
+        self._moves = []
+        copy_slots([self.tensor], src, dst)
+
+    @torch.inference_mode()
+    def compact(self) -> None:
+        """Slide every live region to the front, in order, carrying its cached positions."""
+        self.flush()
+        at = 0
+        for r in self.regions:
+            if r.base != at and r.length:
+                self.tensor[..., at : at + r.length, :] = self.tensor[..., r.base : r.base + r.length, :].clone()
+            r.base = at
+            at += r.size
+        self.compactions += 1
+
+    @torch.inference_mode()
+    def grow(self, needed: int) -> None:
+        """A larger arena (a power of two of at least ``needed`` slots) holding the old one at its start; every
+        layer's views re-made (the native layers and captured graphs bind to the new addresses)."""
+        self.flush()
+        old = self.tensor
+        self.tensor = self._allocate(static_capacity(needed) + self.spare)
+        self.tensor[..., : old.shape[4], :] = old
+        self._bind()
+        self.growths += 1
 
 
 def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:

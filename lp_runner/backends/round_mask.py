@@ -1,25 +1,27 @@
 """A static round's attention mask, built once per round on the device, and the attention that reads it.
 
-The eager path builds a dense [Q, capacity] float mask on the device from the round's visibility (``attention.
-additive_mask``) and every layer tiles it again for its packed query heads (``packed_gqa_sdpa``). A round at a
-fixed shape (``static_rounds``) instead builds its mask inside the round's own (compiled, captured) function from
-a few small device tensors: the [B, B] in-round visibility (the layout's row roles, already reduced to who sees
-whom), the cached length and the rows' positions. It is built once, already tiled for the packed heads, only as
-wide as the round's live K/V width (``buckets.BucketLadder.kv_width``), and every layer reads that one tensor:
-``round_attention`` cuts the K/V buffer to the mask's width, so attention reads the live part of the capacity,
-not all of it.
+The eager path builds each segment's [Q, past + Q] float mask on the host (``batch.pack_round``) and every layer's
+attention tiles it for its packed query heads (``packed_gqa_sdpa``). A round at a fixed shape (``static_rounds``)
+instead builds its mask inside the round's own (compiled, captured) function from a few small device tensors: the
+[B, B] in-round visibility (the layout's row roles, already reduced to who sees whom), the cached length and the rows'
+positions. It is built once, already tiled for the packed heads, only as wide as the round's live K/V width
+(``buckets.BucketLadder.kv_width``), and every layer reads that one tensor: ``round_attention`` cuts the K/V buffer to
+the mask's width, so attention reads the live part of the capacity, not all of it.
 
-Slot k of the buffer, for a round of B rows after ``past`` cached positions, is seen by row i when
-    k < past                                  (the cached prefix; every row sees all of it)
-    past <= k < past + B and visibility[i, k - past]   (the round's own rows, as its layout says)
-and, for a layer with a sliding window w, when also position[i] - position(k) < w, where position(k) is k for a
-cached slot and the row's position for an in-round one (transformers' rule, per row: ``attention.
-sliding_window_mask``). Slots past the round are hidden. This is ``attention.additive_mask`` (and its sliding
-overlay) cut to the live width, the same values slot for slot.
+Slot k of the arena, for a round of B rows of a generation whose region starts at slot ``lo`` and caches
+``past`` positions (slots lo .. lo + past - 1; e = lo + past), is seen by row i when
+    lo <= k < e                                  (the cached prefix; every row sees all of it)
+    e <= k < e + B and visibility[i, k - e]      (the round's own rows, as its layout says)
+and, for a layer with a sliding window w, when also position[i] - position(k) < w, where position(k) is k - lo
+for a cached slot and the row's position for an in-round one (transformers' rule, per row, as ``batch.
+pack_round`` cuts it). Other generations' slots and slots past the round are hidden. This is the segment mask
+of ``batch.pack_round`` (and its sliding overlay) placed at the region's slots and cut to the live width, the
+same values slot for slot.
 
-Example: past = 2, B = 2 rows at positions [2, 3] with visibility [[1, 0], [1, 1]], width 4:
+Example: lo = 0, past = 2, B = 2 rows at positions [2, 3] with visibility [[1, 0], [1, 1]], width 4:
     row 0 sees slots 0, 1, 2      -> [0, 0, 0, min]
     row 1 sees slots 0, 1, 2, 3   -> [0, 0, 0, 0]
+The same round in a region at lo = 1 reads width 5 and hides slot 0 in both rows.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ROUND_ATTENTION = "lp_runner_round_sdpa"
 
 def round_mask(
     visibility: torch.Tensor,  # [B, B] bool: in-round row i attends to in-round row j
-    past: torch.Tensor,  # [1] int64: cached positions (slots 0 .. past-1)
+    region: torch.Tensor,  # [2] int64: the region's first slot lo, and its cached positions (slots lo .. lo+past-1)
     positions: torch.Tensor,  # [B] int64: each row's position
     key_slots: torch.Tensor,  # [K] int64: 0 .. K-1, the slots the round reads (its live width)
     window: int | None,  # a sliding window's size, None for full attention
@@ -43,13 +45,14 @@ def round_mask(
     """The round's mask for one window (see the module doc), tiled ``groups`` times along the rows (packed row
     g * B + i reads row i). Pure tensor ops on the inputs' device, no host read: it runs inside a captured graph."""
     rows = visibility.shape[0]
-    rel = key_slots - past  # [K]: the in-round row a slot holds (negative: cached; >= B: past the round)
+    lo = region[:1]  # [1]
+    rel = key_slots - (lo + region[1:])  # [K]: the in-round row a slot holds (negative: cached; >= B: past the round)
     in_round = (rel >= 0) & (rel < rows)  # [K]
     row_of_slot = rel.clamp(0, rows - 1)  # [K]
     seen = visibility.index_select(1, row_of_slot) & in_round  # [B, K]
-    visible = seen | (rel < 0)  # [B, K]
+    visible = seen | ((rel < 0) & (key_slots >= lo))  # [B, K]
     if window is not None:
-        key_positions = torch.where(in_round, positions.index_select(0, row_of_slot), key_slots)  # [K]
+        key_positions = torch.where(in_round, positions.index_select(0, row_of_slot), key_slots - lo)  # [K]
         visible = visible & (positions[:, None] - key_positions[None, :] < window)  # [B, K]
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
         ~visible, torch.finfo(dtype).min

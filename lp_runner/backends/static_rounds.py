@@ -7,11 +7,11 @@ replay each decode step as a CUDA graph, which needs every input at a fixed shap
 * shapes: the round runs at its row bucket (``buckets.BucketLadder``: filler rows that see only themselves, seen
   by no one, their K/V past the round, as ``layout.pad_layout``'s) and reads a power-of-two live K/V width;
   its logit rows are padded to the bucket too (filler logits are dropped), so a (rows, width) pair is one shape;
-* addresses: the K/V of the generation that runs through it is one arena (``kv_cache.allocate_arena``) owned by
-  this object, allocated once per job at the largest capacity asked so far, marked static for the compiler
-  (``torch._dynamo.mark_static_address``, transformers' ``StaticCache`` does the same) and reused by the next
-  generation; its inputs are views of one staging buffer per bucket, also static;
-* one copy in: the round's ids, positions, logit rows, write slots, cached length and [B, B] visibility are
+* addresses: the K/V is the job's arena (``kv_cache.KVArena``, allocated once per job at the job's need; each
+  generation a region of it), its layers' views marked static for the compiler (``torch._dynamo.
+  mark_static_address``, transformers' ``StaticCache`` does the same) the first time a round reads it; its inputs
+  are views of one staging buffer per bucket, also static;
+* one copy in: the round's ids, positions, logit rows, write slots, region bounds and [B, B] visibility are
   written into one host tensor (pinned on CUDA) and copied to the bucket's staging buffer with one non-blocking
   copy; the mask is built from them inside the round (``round_mask``: once per round, every layer reads it, only
   the live width);
@@ -21,8 +21,8 @@ replay each decode step as a CUDA graph, which needs every input at a fixed shap
   skips the capture (nothing to capture there): tests run this path on a CPU, minus the capture.
 
 Rounds that cannot replay a graph run the same round function eagerly on the same buffers: a round of more rows
-than the ladder's top (a long prompt's prefill), and any cache that is not the pooled one (a second cache alive
-at once: probes, scratch measurements). Eager stays the oracle: ``test_static_rounds`` holds compiled rounds to the
+than the ladder's top, and any round on a scratch arena (``KVArena.growable``: probes, measurements), whose
+addresses change as it grows. Eager stays the oracle: ``test_static_rounds`` holds compiled rounds to the
 eager ones (argmax, at every bucket boundary) and eager static rounds to the adapter's ordinary forward.
 
 The logits a compiled round returns live in the graph's memory: valid until the adapter's next forward (the
@@ -33,48 +33,49 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from lp_runner.backends.attention import packed_gqa, supports_packed_gqa
+from lp_runner.backends.batch import RoundRows, Rows
 from lp_runner.backends.buckets import BucketLadder
-from lp_runner.backends.kv_cache import MIN_CAPACITY, StaticBufferLayer, allocate_arena, static_capacity
+from lp_runner.backends.kv_cache import KVArena, KVRegion
 from lp_runner.backends.round_mask import register_round_attention, round_mask
 from lp_runner.device import pins_host_memory, synchronizer
 
 CAPTURE_CALLS = 3  # calls per bucket at warm-up: CUDA graph trees run a new shape once, record it, then replay
 _INT_FIELDS = 4  # int64 vectors of B in the staging buffer: input ids, positions, logit rows, write slots
+_TAIL = 2  # int64 scalars after them: the region's first slot and its cached positions
 
 
 @dataclass(frozen=True)
 class StagedInputs:
     """One bucket's device inputs: views of one staging buffer that a round's single copy fills.
 
-    Byte layout for B rows: int64 [ids (B) | positions (B) | logit rows (B) | write slots (B) | cached length
-    (1)], then the [B, B] visibility as bytes (bool). Example, B = 2: 8 x 9 = 72 bytes of integers, 4 of
-    visibility, 76 in all."""
+    Byte layout for B rows: int64 [ids (B) | positions (B) | logit rows (B) | write slots (B) | region's first
+    slot, cached positions (2)], then the [B, B] visibility as bytes (bool). Example, B = 2: 8 x 10 = 80 bytes of
+    integers, 4 of visibility, 84 in all."""
 
     buffer: torch.Tensor  # [nbytes] uint8
     input_ids: torch.Tensor  # [B] int64
     position_ids: torch.Tensor  # [B] int64
     logit_rows: torch.Tensor  # [B] int64
     write_slots: torch.Tensor  # [B] int64
-    past: torch.Tensor  # [1] int64
+    region: torch.Tensor  # [2] int64: first slot, cached positions
     visibility: torch.Tensor  # [B, B] bool
 
     @staticmethod
     def nbytes(rows: int) -> int:
-        return 8 * (_INT_FIELDS * rows + 1) + rows * rows
+        return 8 * (_INT_FIELDS * rows + _TAIL) + rows * rows
 
     @classmethod
     def views(cls, buffer: torch.Tensor, rows: int) -> StagedInputs:
-        ints = buffer[: 8 * (_INT_FIELDS * rows + 1)].view(torch.int64)  # [4B + 1]
-        vis = buffer[8 * (_INT_FIELDS * rows + 1) :].view(torch.bool).view(rows, rows)  # [B, B]
+        ints = buffer[: 8 * (_INT_FIELDS * rows + _TAIL)].view(torch.int64)  # [4B + 2]
+        vis = buffer[8 * (_INT_FIELDS * rows + _TAIL) :].view(torch.bool).view(rows, rows)  # [B, B]
         fields = (ints[k * rows : (k + 1) * rows] for k in range(_INT_FIELDS))
         return cls(buffer, *fields, ints[_INT_FIELDS * rows :], vis)
 
@@ -85,6 +86,7 @@ def stage(
     position_ids: torch.Tensor,  # [Q] int64, host
     visibility: torch.Tensor,  # [Q, Q] bool, host
     logit_rows: torch.Tensor,  # [R] int64, host
+    base: int,
     past: int,
     pin: bool,
 ) -> torch.Tensor:  # [StagedInputs.nbytes(rows)] uint8, host (pinned when ``pin``)
@@ -97,14 +99,14 @@ def stage(
     q, r = len(input_ids), len(logit_rows)
     host = torch.empty(StagedInputs.nbytes(rows), dtype=torch.uint8, pin_memory=pin)
     raw = host.numpy()
-    ints = raw[: 8 * (_INT_FIELDS * rows + 1)].view(np.int64)  # [4B + 1]
+    ints = raw[: 8 * (_INT_FIELDS * rows + _TAIL)].view(np.int64)  # [4B + 2]
     ids, pos = _host(input_ids), _host(position_ids)
     ints[:q], ints[q:rows] = ids, ids[-1]
     ints[rows : rows + q], ints[rows + q : 2 * rows] = pos, pos[-1]
     ints[2 * rows : 2 * rows + r], ints[2 * rows + r : 3 * rows] = _host(logit_rows), 0
-    ints[3 * rows : 4 * rows] = np.arange(past, past + rows)
-    ints[4 * rows] = past
-    vis = raw[8 * (_INT_FIELDS * rows + 1) :].reshape(rows, rows)  # [B, B]
+    ints[3 * rows : 4 * rows] = np.arange(base + past, base + past + rows)
+    ints[4 * rows], ints[4 * rows + 1] = base, past
+    vis = raw[8 * (_INT_FIELDS * rows + _TAIL) :].reshape(rows, rows)  # [B, B]
     vis[:] = 0
     vis[:q, :q] = _host(visibility)
     vis[np.arange(q, rows), np.arange(q, rows)] = 1  # a filler sees itself only
@@ -128,29 +130,26 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 class StaticRounds:
-    """The adapter's forward at fixed shapes on fixed buffers, eager or compiled (see the module doc)."""
+    """One generation's rounds at fixed shapes on fixed buffers, eager or compiled (see the module doc)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         cache_kw: str,
-        kv_shape: tuple[int, int],
         dtype: torch.dtype,
         device: torch.device,
         mask_windows: Mapping[str, int | None],
         mask_per_type: bool,
-        attention_layer: Callable[[object], bool],
+        kv_shape: tuple[int, int],
         compile: bool = False,
         ladder: BucketLadder | None = None,
     ) -> None:
-        """``cache_kw``, ``kv_shape``, ``mask_windows`` / ``mask_per_type``: as the adapter resolved them;
-        ``attention_layer``: which of a fresh DynamicCache's layers hold K/V (the others are kept as they are).
-        ``compile``: rounds on the pooled buffers at a bucket run through ``torch.compile`` (CUDA graphs on a
-        GPU); otherwise eager, at the same shapes."""
-        self.model, self.cache_kw, self.kv_shape = model, cache_kw, kv_shape
+        """``cache_kw``, ``mask_windows`` / ``mask_per_type``, ``kv_shape``: as the adapter resolved them.
+        ``compile``: rounds on a job's arena at a bucket run through ``torch.compile`` (CUDA graphs on a GPU);
+        otherwise eager, at the same shapes."""
+        self.model, self.cache_kw = model, cache_kw
         self.dtype, self.device = dtype, device
         self.mask_windows, self.mask_per_type = dict(mask_windows), mask_per_type
-        self.attention_layer = attention_layer
         self.ladder = ladder or BucketLadder()
         config = model.config.get_text_config()
         # plain sdpa models attend through ``round_attention`` (live width, packed heads, the mask tiled once);
@@ -164,89 +163,40 @@ class StaticRounds:
             torch.compile(self._round, dynamic=True, mode="reduce-overhead", fullgraph=True) if compile else None
         )
         self.capture_s: dict[int, float] = {}  # per row bucket: the seconds of its warm-up calls (compile, capture)
-        self.pool_allocations = 0  # times the pooled arena was (re)allocated: each one means graphs re-recorded
-        self._arena: torch.Tensor | None = None
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per attention layer: the arena's (keys, values)
-        self._holder: weakref.ref | None = None  # the cache that holds the pooled arena now
+        self._marked: dict[int, weakref.ref] = {}  # id -> arena tensor whose layers' views are marked static
         self._staged: dict[int, StagedInputs] = {}  # per row bucket
         self._key_slots: dict[int, torch.Tensor] = {}  # per K/V width: arange(width) on the device
 
-    # ------------------------------------------------------------------------------------------------- caches
-
-    def new_cache(self, capacity: int = 0, fixed: bool = False) -> DynamicCache:
-        """A cache of static layers. ``fixed`` (a generation's): the pooled arena, when no other cache holds it,
-        at ``capacity`` plus the ladder's top (a round padded to its bucket writes past its rows), allocated anew
-        only when it is smaller than that; else, or for a scratch cache, an arena of its own (grown if outrun
-        unless ``fixed``), whose rounds run eager."""
-        cache = DynamicCache(config=self.model.config)
-        if fixed and not self._busy():
-            # MIN_CAPACITY slots past the power of two: a live width (a power of two that holds the round) then
-            # never equals the arena's size. Where it did (a generation past half a power-of-two arena), dynamo
-            # unified the two sizes and the round's slice of the whole buffer (``round_attention``) was another
-            # graph, compiled mid-job.
-            need = static_capacity(capacity + self.ladder.max_rows) + MIN_CAPACITY
-            if self._arena is None or self._arena.shape[4] < need:
-                self._allocate_pool(need)
-            size = self._arena.shape[4]
-            cache.layers = [StaticBufferLayer(size, fixed=True) if self.attention_layer(x) else x for x in cache.layers]
-            for layer, (keys, values) in zip(self._static(cache), self._views, strict=True):
-                layer.bind(keys, values, self._arena)
-            self._holder = weakref.ref(cache)
-            return cache
-        size = static_capacity(capacity)
-        cache.layers = [StaticBufferLayer(size, fixed) if self.attention_layer(x) else x for x in cache.layers]
-        allocate_arena(self._static(cache), *self.kv_shape, self.dtype, self.device)
-        return cache
-
-    def release(self, cache: DynamicCache) -> None:
-        """``cache``'s generation is over: the pooled arena (if it holds it) is free for the next one."""
-        if self._pooled(cache):
-            self._holder = None
-
-    def _busy(self) -> bool:
-        return self._holder is not None and self._holder() is not None
-
-    def _pooled(self, cache: DynamicCache) -> bool:
-        return self._holder is not None and self._holder() is cache
-
-    def _allocate_pool(self, capacity: int) -> None:
-        """The pooled arena at ``capacity`` slots, every layer's keys and values views of it made once, marked
-        static in address and shape (a graph reads them in place; a new arena means graphs recorded again)."""
-        layers = [StaticBufferLayer(capacity, fixed=True) for _ in self._static(DynamicCache(config=self.model.config))]
-        self._arena = allocate_arena(layers, *self.kv_shape, self.dtype, self.device)
-        self._views = [(layer.keys, layer.values) for layer in layers]
-        for tensor in (t for pair in self._views for t in pair):
-            static_address(tensor)
-        self.pool_allocations += 1
-
-    def _static(self, cache: DynamicCache) -> list:
-        return [layer for layer in cache.layers if self.attention_layer(layer) or isinstance(layer, StaticBufferLayer)]
+    def _replays(self, arena: KVArena) -> bool:
+        """True when rounds on ``arena`` may replay graphs: a job's arena (sized at its start, not growable),
+        its layers' views marked static the first time (and again after it grew: new addresses)."""
+        if arena.growable:
+            return False
+        held = self._marked.get(id(arena.tensor))
+        if held is None or held() is not arena.tensor:
+            for layer in arena.layers():
+                static_address(layer.keys)
+                static_address(layer.values)
+            self._marked = {k: t for k, t in self._marked.items() if t() is not None}
+            self._marked[id(arena.tensor)] = weakref.ref(arena.tensor)
+        return True
 
     # ------------------------------------------------------------------------------------------------ rounds
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [Q]
-        position_ids: torch.Tensor,  # [Q]
-        visibility: torch.Tensor,  # [Q, Q] bool
-        cache: DynamicCache,
-        logit_rows: torch.Tensor,  # [R]
-    ) -> torch.Tensor:  # [R, vocab]
-        """One round: staged in one copy, run at its bucket (compiled when it can replay a graph), the cache's
-        length advanced by the real rows only."""
-        layers = [layer for layer in cache.layers if isinstance(layer, StaticBufferLayer)]
-        q, past = len(input_ids), layers[0].length
-        rows = self.ladder.rows_for(q)
-        for layer in layers:
-            layer.reserve(past + rows)  # a fixed layer raises: its generation's buffer never moves
-        capacity = layers[0].capacity
-        width = self.ladder.kv_width(past + rows, capacity) if self.live_width else capacity
-        host = stage(rows, input_ids, position_ids, visibility, logit_rows, past, self.pin)
-        staged = self._staging(rows)
+    def forward(self, rows: RoundRows, region: KVRegion) -> torch.Tensor:  # [R, vocab]
+        """One round of the generation in ``region`` (its length: the positions cached before the round),
+        staged in one copy and run at its bucket (compiled when it can replay a graph). The caller reserved the
+        region for the bucket's rows and advances its length."""
+        arena = region.arena
+        q, past, base = rows.input_ids.shape[0], region.length, region.base
+        bucket = self.ladder.rows_for(q)
+        width = self.ladder.kv_width(base + past + bucket, arena.capacity) if self.live_width else arena.capacity
+        host = stage(bucket, rows.input_ids, rows.position_ids, rows.visibility, rows.logit_rows, base, past, self.pin)
+        staged = self._staging(bucket)
         staged.buffer.copy_(host, non_blocking=True)  # the round's one host->device copy
-        for layer in layers:
-            layer.write_slots = staged.write_slots
-        graph = self.compiled is not None and self.ladder.captured(rows) and self._pooled(cache)
+        for layer in arena.layers():
+            layer.write_slots, layer.read_slots, layer.length = staged.write_slots, None, base + past
+        graph = self.compiled is not None and self.ladder.captured(bucket) and self._replays(arena)
         if graph:
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs may be overwritten now
         call = self.compiled if graph else self._round
@@ -255,29 +205,27 @@ class StaticRounds:
                 staged.input_ids,
                 staged.position_ids,
                 staged.logit_rows,
-                staged.past,
+                staged.region,
                 staged.visibility,
                 self._slots(width),
-                cache,
+                arena.cache,
             )
-        for layer in layers:
-            layer.length = past + q
-        return logits[: len(logit_rows)]
+        return logits[: rows.logit_rows.shape[0]]
 
     def _round(
         self,
         input_ids: torch.Tensor,  # [B]
         position_ids: torch.Tensor,  # [B]
         logit_rows: torch.Tensor,  # [B]
-        past: torch.Tensor,  # [1]
+        region: torch.Tensor,  # [2]: first slot, cached positions
         visibility: torch.Tensor,  # [B, B] bool
         key_slots: torch.Tensor,  # [K]
-        cache: DynamicCache,
+        cache,  # the arena's DynamicCache
     ) -> torch.Tensor:  # [B, vocab]
         """The round itself, the function that is compiled: its masks (one per window, shared by every layer of
         that window), then the model's forward."""
         masks = {
-            window: round_mask(visibility, past, position_ids, key_slots, window, self.dtype, self.groups)
+            window: round_mask(visibility, region, position_ids, key_slots, window, self.dtype, self.groups)
             for window in set(self.mask_windows.values())
         }
         per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
@@ -304,7 +252,10 @@ class StaticRounds:
                 return staged
             for field in (staged.input_ids, staged.position_ids, staged.logit_rows, staged.write_slots):
                 static_address(field)
-            static_address(staged.past)
+            static_address(staged.region)
+            # its length (2) is a constant, not a symbol: dynamo's duck sizing would otherwise give it the row
+            # count's symbol at a round of 2 rows, and the next bucket would recompile
+            torch._dynamo.mark_static(staged.region, 0)
             static_address(staged.visibility)
             self._staged[rows] = staged
         return staged
@@ -322,13 +273,12 @@ class StaticRounds:
     # ----------------------------------------------------------------------------------------------- warm-up
 
     @torch.inference_mode()
-    def warm_up(self, capacity: int, max_rows: int | None = None) -> float:
-        """Compile, and on a GPU capture, every row bucket up to ``max_rows`` (default: the ladder's top) on the
-        pooled arena at ``capacity`` (at the smallest K/V width; the other widths are recorded at their first
-        rounds). Returns the seconds it took; ``capture_s`` holds each bucket's."""
-        cache = self.new_cache(capacity, fixed=True)
-        if not self._pooled(cache):
-            raise RuntimeError("warm_up needs the pooled arena, but another cache holds it")
+    def warm_up(self, arena: KVArena, size: int, max_rows: int | None = None) -> float:
+        """Compile, and on a GPU capture, every row bucket up to ``max_rows`` (default: the ladder's top) on
+        ``arena`` (the job's: its rounds then replay what this records), in a region of ``size`` slots, at the
+        smallest K/V width (the other widths are recorded at their first rounds). Returns the seconds it took;
+        ``capture_s`` holds each bucket's."""
+        region = arena.region(size)
         start = time.perf_counter()
         for rows in self.ladder.rows:
             if max_rows is not None and rows > max(max_rows, self.ladder.rows[0]):
@@ -336,11 +286,10 @@ class StaticRounds:
             t = time.perf_counter()
             causal = torch.ones(rows, rows, dtype=torch.bool).tril()
             for _ in range(CAPTURE_CALLS):
-                self.forward(torch.zeros(rows, dtype=torch.long), torch.arange(rows), causal, cache, torch.arange(rows))
-                for layer in self._static(cache):
-                    layer.length = 0
+                ids, positions = torch.zeros(rows, dtype=torch.long), torch.arange(rows)
+                self.forward(Rows(ids, positions, causal, torch.arange(rows)), region)
             if self.sync is not None:
                 self.sync()
             self.capture_s[rows] = time.perf_counter() - t
-        self.release(cache)
+        arena.release(region)
         return time.perf_counter() - start

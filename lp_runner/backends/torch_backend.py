@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lp_runner.backends.attention import PACKED_GQA, packed_gqa_sdpa
+from lp_runner.backends.attention import packed_gqa_sdpa
 
 TORCH_KEY = {"kernels": "torch", "build": ""}  # the calibration and compile-record key fields of torch's kernels
 
@@ -25,14 +25,13 @@ class TorchBackend:
 
     name = "torch"
     kernels = "torch"
-    attention = PACKED_GQA
     segment_attention = staticmethod(packed_gqa_sdpa)
     whole_layers = 0
 
     def key(self) -> dict[str, str]:
         return dict(TORCH_KEY)
 
-    def forward_model(self, model, input_ids, position_ids, mask, cache, logit_rows, segments=None) -> None:
+    def forward_model(self, model, input_ids, position_ids, mask, cache, logit_rows, segments) -> None:
         return None  # transformers' layers run every round
 
     def transformers_layers(self) -> TorchBackend:

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from lp_runner.backends.adapter import crop, move_rows
 from lp_runner.decoding.coordinator import RoundPlan
 from lp_runner.decoding.layout import RoundLayout, RowCounts, compile_round, pad_layout
 from lp_runner.decoding.verify.greedy import Verdict
@@ -34,19 +33,6 @@ class KVStore(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class CacheKV:
-    """A generation's own cache (``ModelAdapter.new_cache``): what a round of one generation runs on."""
-
-    cache: object  # the adapter's DynamicCache
-
-    def crop(self, length: int) -> None:
-        crop(self.cache, length)  # per layer: a forward that failed part-way left some layers longer
-
-    def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        move_rows(self.cache, src, dst)
-
-
 @dataclass
 class RoundState:
     """What one rank carries from round to round of a generation."""
@@ -55,7 +41,7 @@ class RoundState:
     pending: list[int]  # committed tokens not yet in this rank's cache; the last is the live key
     past_len: int  # positions in the cache, all committed
     window: JacobiWindow
-    kv: KVStore  # the generation's K/V: its own cache (``CacheKV``) or its region of a batch's (``slot_cache``)
+    kv: KVStore  # the generation's K/V: its region of the job's arena (``kv_cache.KVRegion``)
 
     @property
     def live(self) -> int:

@@ -3,7 +3,7 @@ of them, and a new prompt joining as soon as one finishes (in-flight refill).
 
     refill   while fewer than ``batch`` generations are in flight, the next job joins (its prompt is its first
              round's ordinary rows: its prefill rides in the same forward as the others' rounds)
-    round    every generation plans and lays out its rows; ONE forward over all of them (``forwards.py``); ONE
+    round    every generation plans and lays out its rows; ONE forward over all of them (``ModelAdapter.run``); ONE
              read-back; each verifies its candidates; ONE exchange for all of them (``exchange.agree_batch``:
              under LP one all_gather per round whatever the batch); each commits its decision; each records the
              round (the forward's time, rows and generations are the round's, shared)
@@ -28,8 +28,9 @@ from typing import Protocol
 
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.backends.buckets import MAX_BUCKET_ROWS
+from lp_runner.backends.kv_cache import KVArena, KVRegion
 from lp_runner.config import GenerationConfig, LookaheadConfig
-from lp_runner.decoding.forwards import BatchedForward, OwnCacheForward, RoundForward, batch_support
+from lp_runner.decoding.batch_round import batch_support
 from lp_runner.decoding.generation import Generation, OnCommit
 from lp_runner.decoding.job_store import JobPool
 from lp_runner.decoding.layout import RowCounts
@@ -90,14 +91,30 @@ class RoundLoop:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.engine = engine
+        self.adapter = engine.adapter
         self.batch = batch
-        self.forward: RoundForward = (
-            OwnCacheForward(engine.adapter) if batch == 1 else BatchedForward(engine.adapter, batch)
-        )
+        self.arena: KVArena | None = None  # the adapter's job arena, claimed at the first generation
         self.verifier = make_verifier(engine.gen, engine.adapter.device)  # reads back every generation at once
         self.comm = engine.exchange_comm()
 
     def run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, GenerationResult], None]) -> None:
+        try:
+            self._run(next_job, on_done)
+        finally:
+            if self.arena is not None:
+                for region in list(self.arena.regions):  # a failed round's generations: their slots are free
+                    self.arena.release(region)
+                self.adapter.release_arena(self.arena)
+                self.arena = None
+
+    def _kv_for(self, need: int) -> KVRegion:
+        """A new generation's region of the job's arena (claimed at the first: room for ``batch`` of them)."""
+        size = self.adapter.region_size(need)
+        if self.arena is None:
+            self.arena = self.adapter.claim_arena(size * self.batch)
+        return self.arena.region(size)
+
+    def _run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, GenerationResult], None]) -> None:
         active: list[tuple[Job, Generation]] = []
         more = True
         while True:
@@ -114,7 +131,7 @@ class RoundLoop:
             for job, gen in active:
                 if gen.finished:
                     gen.close()
-                    self.forward.release(gen.state.kv)
+                    self.arena.release(gen.state.kv)
                     on_done(job, GenerationResult(gen.output_ids, gen.stats, gen.la))
                 else:
                     still.append((job, gen))
@@ -142,7 +159,7 @@ class RoundLoop:
             comm.rank,
             comm.world_size,
             store,
-            self.forward.kv_for(eng.capacity(start_len)),
+            self._kv_for(eng.capacity(start_len)),
             eng.next_generation_key(job.sample_key),
             self.verifier,
             job.on_commit,
@@ -154,14 +171,8 @@ class RoundLoop:
         """Cache a long prompt's leading rows in forwards of at most ``PREFILL_CHUNK_ROWS`` (``Generation
         .prefill_chunk``), before its first round; the rest of the prompt rides in that round as before."""
         while (layout := gen.prefill_chunk(PREFILL_CHUNK_ROWS)) is not None:
-            kv, past = gen.state.kv, gen.state.past_len
             t = time.perf_counter()
-            try:
-                self.forward.run([layout], [kv], [past])  # its one logit row is not read
-            except BaseException:
-                kv.crop(past)
-                self.forward.release(kv)
-                raise
+            self.adapter.run([layout], [gen.state.kv])  # its one logit row is not read; a failure ends the loop
             gen.prefill_chunk_done(layout, time.perf_counter() - t)
 
     def _round(self, gens: list[Generation]) -> None:
@@ -174,7 +185,7 @@ class RoundLoop:
         kvs = [gen.state.kv for gen in gens]
         t = time.perf_counter()
         try:
-            logits = self.forward.run(layouts, kvs, past_lens)
+            logits = self.adapter.run(layouts, kvs)
             readbacks = self.verifier.read_back_many(logits, layouts, prepared)  # the round's one device->host read
         except BaseException:
             for kv, past in zip(kvs, past_lens, strict=True):
@@ -197,7 +208,7 @@ def batch_for(requested: int, adapter, prompts: int = 0) -> tuple[int, str | Non
 
     Never more than the job's ``prompts`` (when known, > 0): a job of one prompt runs one at a time, on the
     plain forward and with the setting the auto preset chooses for one prompt. A model whose layers cannot run a
-    batched round exactly (``forwards.batch_support``) runs one prompt at a time, and says why."""
+    batched round exactly (``batch_round.batch_support``) runs one prompt at a time, and says why."""
     batch = min(requested, prompts) if prompts > 0 else requested
     if batch <= 1:
         return 1, None

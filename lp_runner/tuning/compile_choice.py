@@ -109,13 +109,15 @@ def decide(mode: str, record: CompileRecord | None, job_tokens: int, device_type
 def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecord:
     """One round's forward through ``eager`` and ``compiled`` (two adapters of one model), interleaved, medians of
     ``RECORD_REPS``, averaged over ``RECORD_ROWS``; both already warm."""
-    from lp_runner.backends.adapter import causal, crop
+    from lp_runner.backends.adapter import causal
 
     times: dict[int, list[float]] = {id(eager): [], id(compiled): []}
-    caches = {}
+    caches, arenas = {}, {}
     prefix = torch.arange(RECORD_KV) % 97
-    for adapter in (eager, compiled):  # generation caches: bucketed rounds replay graphs on their pooled K/V only
-        cache = adapter.new_cache(RECORD_KV + max(RECORD_ROWS), fixed=True)
+    for adapter in (eager, compiled):  # in each adapter's job arena: compiled rounds replay their graphs there
+        size = adapter.region_size(RECORD_KV + max(RECORD_ROWS))
+        arenas[id(adapter)] = arena = adapter.claim_arena(size)
+        cache = arena.region(size)
         adapter.forward(prefix, torch.arange(RECORD_KV), causal(RECORD_KV), cache, torch.tensor([RECORD_KV - 1]))
         caches[id(adapter)] = cache
     for rows in RECORD_ROWS:
@@ -133,10 +135,11 @@ def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecor
                 if sync is not None:
                     sync()
                 per[id(adapter)].append(time.perf_counter() - start)
-                crop(caches[id(adapter)], RECORD_KV)
+                caches[id(adapter)].crop(RECORD_KV)
         for k, v in per.items():
             times[k].append(sorted(v[1:])[len(v[1:]) // 2])
     for adapter in (eager, compiled):
-        adapter.release_cache(caches[id(adapter)])
+        arenas[id(adapter)].release(caches[id(adapter)])
+        adapter.release_arena(arenas[id(adapter)])
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     return CompileRecord(round(compile_s, 3), mean[id(eager)], mean[id(compiled)])

@@ -177,17 +177,29 @@ def measure_curve(
     ``tick(done, total)``: called after each timed forward (the caller's progress line and time limit: it may
     raise to stop the measurement).
     """
-    from lp_runner.backends.adapter import crop  # local: the adapter module imports transformers
-
     gen = torch.Generator().manual_seed(seed)
     sync = sync or (lambda: None)
+    # one region per K/V length, all alive (every sweep visits every (K/V, Q, head) case), in the job's arena:
+    # the rounds a job runs, on the arena it runs them on (a compiled adapter replays its graphs there)
+    sizes = {max(kv_len, 1): adapter.region_size(max(kv_len, 1) + max(rows)) for kv_len in kv_lens}
+    arena = adapter.claim_arena(sum(sizes.values()))
+    try:
+        return _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick)
+    finally:
+        for region in list(arena.regions):
+            arena.release(region)
+        adapter.release_arena(arena)
+
+
+def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick) -> CostCurve:
+    """``measure_curve``'s timed forwards, on regions of ``arena`` of ``sizes`` slots per K/V length."""
     caches = {}
-    for kv_len in kv_lens:  # one cache per K/V length, all alive: every sweep visits every (K/V, Q, head) case
-        cache = adapter.new_cache()
-        pre = torch.randint(0, adapter.vocab_size, (max(kv_len, 1),), generator=gen)
-        tril = torch.ones(len(pre), len(pre), dtype=torch.bool).tril()
-        adapter.forward(pre, torch.arange(len(pre)), tril, cache, torch.tensor([len(pre) - 1]))
-        caches[len(pre)] = cache
+    for kv_len, size in sizes.items():
+        cache = arena.region(size)
+        pre = torch.randint(0, adapter.vocab_size, (kv_len,), generator=gen)
+        tril = torch.ones(kv_len, kv_len, dtype=torch.bool).tril()
+        adapter.forward(pre, torch.arange(kv_len), tril, cache, torch.tensor([kv_len - 1]))
+        caches[kv_len] = cache
     head_at = set(rows) if head_rows is None else set(head_rows)
     if not head_at <= set(rows):
         raise ValueError(f"head_rows {sorted(head_at)} must be among the measured rows {sorted(rows)}")
@@ -206,7 +218,7 @@ def measure_curve(
             adapter.forward(ids, torch.arange(kv, kv + q), vis, caches[kv], logit_rows)
             sync()
             elapsed = time.perf_counter() - start
-            crop(caches[kv], kv)
+            caches[kv].crop(kv)
             if rep > 0:  # the first sweep warms allocators and kernels
                 times[(kv, q, head)].append(elapsed)
             done += 1

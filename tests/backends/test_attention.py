@@ -11,15 +11,13 @@ import os
 
 import pytest
 import torch
-from helpers import FAMILIES, random_prompt
+from helpers import FAMILIES, additive_mask, random_prompt
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.backends.attention import (
-    PACKED_GQA,
-    additive_mask,
+    BATCHED,
     packed_gqa_sdpa,
-    sliding_window_mask,
     supports_packed_gqa,
 )
 from lp_runner.backends.cpu.attention import native_gqa_attention
@@ -102,11 +100,11 @@ def test_adapter_uses_packed_gqa_for_its_own_forwards_only(tiny, family: str) ->
         tokens = random_prompt(6, seed=1)
         adapter.forward(torch.tensor(tokens), torch.arange(6), torch.ones(6, 6).bool().tril(), adapter.new_cache(),
                         torch.tensor([5]))  # fmt: skip
-        assert seen == [PACKED_GQA]
+        assert seen == [BATCHED]  # the round's segments, each attended with packed GQA (the backend's)
         assert model.config._attn_implementation == "sdpa"  # restored: HF generate on this model is untouched
         with torch.inference_mode():
             model(input_ids=torch.tensor([tokens]))
-        assert seen == [PACKED_GQA, "sdpa"]
+        assert seen == [BATCHED, "sdpa"]
     finally:
         hook.remove()
 
@@ -145,18 +143,6 @@ def test_other_implementations_are_left_alone(tiny) -> None:
         assert seen == ["eager"]
     finally:
         model.config._attn_implementation = "sdpa"
-
-
-def test_sliding_window_mask_is_cut_per_row() -> None:
-    """The docstring example: window 3, cached positions 0 and 1, rows at positions [2, 3, 3] (a live key and
-    two siblings that do not see each other); a row keeps keys less than 3 positions before its own."""
-    visibility = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # [Q, Q]
-    mask = additive_mask(visibility, 2, torch.float32)  # [1, 1, 3, 5]
-    got = sliding_window_mask(mask, torch.tensor([2, 3, 3]), torch.tensor([0, 1, 2, 3, 3]), 3)
-    seen = got[0, 0] == 0  # [Q, K]
-    want = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 1, 1, 0, 1]], dtype=torch.bool)
-    assert torch.equal(seen, want)
-    assert torch.equal(mask[0, 0] == 0, torch.cat([torch.ones(3, 2, dtype=torch.bool), visibility], 1))  # untouched
 
 
 def test_native_attention_frees_its_scratch() -> None:

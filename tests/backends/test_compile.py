@@ -21,8 +21,7 @@ import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
 from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
 
-from lp_runner.backends.adapter import ModelAdapter, causal, crop
-from lp_runner.backends.cpu.attention import NATIVE_GQA, NATIVE_MAX_ROWS
+from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu.prepack import apply_prepack, native_unavailable_reason
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
@@ -71,9 +70,8 @@ def test_auto_on_cuda_captures_a_long_first_job_then_decides_from_its_record() -
 
 
 def test_the_record_times_rounds_on_generation_caches() -> None:
-    """``measure_record`` times each adapter's rounds on a generation's cache: a bucketed adapter's pooled arena,
-    the only one whose rounds replay captured graphs (a scratch cache's run eager, which would time eager twice);
-    the arena is handed back after."""
+    """``measure_record`` times each adapter's rounds in its job arena, the one whose rounds replay captured graphs
+    (a scratch region's run eager, which would time eager twice); the arena is handed back after."""
     from lp_runner.tuning.compile_choice import measure_record
 
     model = tiny_model("llama", vocab_size=128)  # the record's prefix reads token ids up to 96
@@ -81,7 +79,10 @@ def test_the_record_times_rounds_on_generation_caches() -> None:
     record = measure_record(first, second, compile_s=1.0)
     assert record.eager_s > 0 and record.compiled_s > 0
     for adapter in (first, second):
-        assert adapter.rounds.pool_allocations == 1 and not adapter.rounds._busy()
+        arena = adapter.claim_arena(1)  # handed back: the next claim gets it
+        assert arena.allocations == 1 and not arena.regions
+        assert adapter.claim_arena(1) is not arena  # claimed again now: a second loop gets its own
+        adapter.release_arena(arena)
 
 
 @pytest.mark.slow
@@ -97,10 +98,8 @@ def test_compiled_rounds_equal_eager_rounds_and_hf_greedy(tiny, family: str) -> 
 
 @pytest.mark.slow
 def test_native_kernels_compile_one_graph_for_every_round(tiny) -> None:
-    """A model on the native kernels attends with the native loop up to NATIVE_MAX_ROWS packed rows and with sdpa
-    beyond; the choice is made inside the op when it runs, so one graph serves both sides (a branch on the row
-    count in the graph compiled a second graph at the first one-row round, mid-job). The rounds also run with
-    the later rounds' guard checks skipped (``skip_guards``): a recompilation would raise there too."""
+    """A model on the native kernels (its products custom ops inside the graph) compiles one graph for every
+    round: every bucket, against its eager rounds and HF greedy, under ``error_on_recompile``."""
     stock = tiny("llama")
     if native_unavailable_reason(stock, default_cache_dir()) is not None:
         pytest.skip("no native kernel here")
@@ -108,19 +107,16 @@ def test_native_kernels_compile_one_graph_for_every_round(tiny) -> None:
     apply_prepack(model, "native")
     torch._dynamo.reset()
     eager, compiled = ModelAdapter(model), ModelAdapter(model, compile=True)
-    assert compiled.attention == NATIVE_GQA and compiled.skip_guards
-    groups = model.config.num_attention_heads // model.config.num_key_value_heads
-    assert groups * 2 <= NATIVE_MAX_ROWS < groups * max(BUCKETS)  # both kernels run below
+    assert compiled.rounds is not None and compiled.rounds.compiled is not None
     assert compiled.warm_up(64) > 0
     with torch._dynamo.config.patch(error_on_recompile=True):
         _compiled_rounds_equal_eager_rounds_and_hf_greedy(stock, eager, compiled)
 
 
 @pytest.mark.slow
-def test_skipped_guards_still_tell_two_models_of_one_class_apart() -> None:
-    """Two Llamas of different sizes share dynamo's cache (one class, one forward): with the guards of later rounds
-    skipped, every round of each must still run its own graph. Rounds alternate between the models, each on its
-    own cache, against their eager rounds."""
+def test_two_models_of_one_class_run_their_own_graphs() -> None:
+    """Two Llamas of different sizes share dynamo's cache (one class, one forward): every round of each must run
+    its own graph. Rounds alternate between the models, each in its own job arena, against their eager rounds."""
     models = [tiny_model("llama"), tiny_model("llama", seed=1, hidden_size=96, num_attention_heads=6)]
     torch._dynamo.reset()
     pairs = [(ModelAdapter(m), ModelAdapter(m, compile=True)) for m in models]
@@ -129,7 +125,7 @@ def test_skipped_guards_still_tell_two_models_of_one_class_apart() -> None:
     caches = {}
     for eager, compiled in pairs:
         for adapter in (eager, compiled):
-            caches[id(adapter)] = adapter.new_cache(64)
+            caches[id(adapter)] = _job_region(adapter, 64)
             adapter.forward(torch.arange(20), torch.arange(20), causal(20), caches[id(adapter)], torch.tensor([19]))
     for rows in (1, 2, 5, 9):
         for eager, compiled in pairs:
@@ -140,7 +136,14 @@ def test_skipped_guards_still_tell_two_models_of_one_class_apart() -> None:
             )  # fmt: skip
             torch.testing.assert_close(got, want, msg=f"{rows} rows")
             for adapter in (eager, compiled):
-                crop(caches[id(adapter)], 20)
+                caches[id(adapter)].crop(20)
+
+
+def _job_region(adapter: ModelAdapter, need: int):
+    """A generation's region in the adapter's job arena: where a compiled adapter's rounds replay their graph (a
+    scratch region's rounds run eager)."""
+    size = adapter.region_size(need)
+    return adapter.claim_arena(size).region(size)
 
 
 def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter, compiled: ModelAdapter) -> None:
@@ -148,7 +151,7 @@ def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter
     prefix = random_prompt(40, seed=5)
     caches = {}
     for adapter in (eager, compiled):
-        caches[id(adapter)] = adapter.new_cache(128)
+        caches[id(adapter)] = _job_region(adapter, 128)
         adapter.forward(torch.tensor(prefix), torch.arange(40), causal(40), caches[id(adapter)], torch.tensor([39]))
     for rows in sorted({1, *BUCKETS, *(b + 1 for b in BUCKETS)}):
         ids = torch.tensor(random_prompt(rows, seed=rows))
@@ -162,7 +165,10 @@ def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter
         torch.testing.assert_close(got, want, msg=f"{rows} rows")
         assert torch.equal(got.argmax(-1), want.argmax(-1)), rows
         for adapter in (eager, compiled):
-            crop(caches[id(adapter)], 40)
+            caches[id(adapter)].crop(40)
+    for adapter in (eager, compiled):
+        caches[id(adapter)].arena.release(caches[id(adapter)])
+        adapter.release_arena(caches[id(adapter)].arena)
     # whole generations: window and candidates, padded to the buckets, against HF greedy
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     prompt = random_prompt(12, 3) * 2

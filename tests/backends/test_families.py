@@ -19,7 +19,7 @@ import transformers
 from dist_helpers import REPO
 from helpers import MATRIX, WINDOW, hf_greedy, random_prompt, run_lookahead, tiny_model
 
-from lp_runner.backends.adapter import ModelAdapter, UnsupportedModelError, cache_length
+from lp_runner.backends.adapter import ModelAdapter, UnsupportedModelError
 from lp_runner.config import LookaheadConfig
 from lp_runner.errors import LPError
 
@@ -89,7 +89,7 @@ def test_packed_rows_see_their_own_window(family: str) -> None:
     for row, seen in enumerate(parents):
         visibility[row, seen] = True
     got = adapter.forward(torch.tensor(tokens), torch.tensor(positions), visibility, cache, torch.arange(4))
-    assert cache_length(cache) == 24  # every position is kept: the window is a mask, not a rolling buffer
+    assert cache.length == 24  # every position is kept: the window is a mask, not a rolling buffer
     for row, seen in enumerate(parents):
         sequence = prefix + [tokens[k] for k in seen]
         assert len(sequence) == positions[row] + 1

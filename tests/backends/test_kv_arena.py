@@ -1,10 +1,10 @@
-"""A generation's static K/V: one arena for every layer, never reallocated while the generation runs.
+"""The K/V arena: one tensor for every layer and every generation, regions handed out, written by position.
 
-``move_rows`` on an arena cache is one slice copy per run of consecutive moves for all layers (counted in aten
-ops), with the bits of a gather-then-scatter of every layer; a fixed cache refuses to grow (a captured graph reads
-it at its address), a scratch
-cache still grows; the engine's generation caches are fixed and keep their address from the first round to the
-last (on the CPU's default static path, the native layers, as on the bucketed GPU path in test_static_rounds).
+A region's moves are one slice copy per run of consecutive moves over every layer at once (counted in aten ops),
+with the bits of a gather-then-scatter; a generation's region refuses to outgrow its size (a captured graph
+reads the arena at its address), a scratch region grows its arena; the engine's generations keep one arena from
+the first round to the last, and the adapter keeps it across runs; a region anywhere in the arena (other
+generations' slots around it) computes what a region at slot 0 does, on every attention path.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 from helpers import hf_greedy, random_prompt, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lp_runner.backends.adapter import ModelAdapter, causal, crop, move_rows
+from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu.prepack import apply_prepack, native_unavailable_reason
-from lp_runner.backends.kv_cache import KVCapacityError, StaticBufferLayer, allocate_arena, shared_arena
+from lp_runner.backends.kv_cache import KVCapacityError, runs
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.models.loading import default_cache_dir
@@ -37,56 +37,42 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _static_cache(layers: int, capacity: int = 16):
-    """A DynamicCache-shaped object of ``layers`` arena-backed static layers holding random K/V."""
-    model = tiny_model("llama", num_hidden_layers=layers)
-    adapter = ModelAdapter(model, static_cache=True)
-    cache = adapter.new_cache(capacity)
+def _random_region(layers: int, size: int = 16):
+    """A region of ``size`` slots, full, in an arena of ``layers`` layers holding random K/V."""
+    adapter = ModelAdapter(tiny_model("llama", num_hidden_layers=layers))
+    region = adapter.new_cache(size)
+    region.length = size
     gen = torch.Generator().manual_seed(layers)
     with torch.inference_mode():
-        arena = shared_arena(cache.layers)
-        arena.copy_(torch.randn(arena.shape, generator=gen))
-    return cache
+        region.arena.tensor.copy_(torch.randn(region.arena.tensor.shape, generator=gen))
+    return region
 
 
-def test_move_rows_is_one_slice_copy_per_run_over_every_layer() -> None:
-    cache = _static_cache(layers=5)
-    assert shared_arena(cache.layers) is not None
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+def _kv(region, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys[:, :, :slots].clone(), layer.values[:, :, :slots].clone()) for layer in region.arena.layers()]
+
+
+def test_moves_are_one_slice_copy_per_run_over_every_layer() -> None:
+    region = _random_region(layers=5)
+    before = _kv(region, 16)
     with _Ops() as counted:
-        move_rows(cache, [9, 10, 3], [2, 3, 3])  # 3 -> 3 stays; 10 is read before 3 is written
+        region.move([9, 10, 3], [2, 3, 3])  # 3 -> 3 stays; 10 is read before 3 is written
+        region.arena.flush()
     assert counted.ops["copy_"] == 1 and counted.ops["index_copy_"] == 0, counted.ops
-    for layer, (keys, values) in zip(cache.layers, before, strict=True):
+    for layer, (keys, values) in zip(region.arena.layers(), before, strict=True):
         want_k, want_v = keys.clone(), values.clone()
         want_k[:, :, [2, 3]], want_v[:, :, [2, 3]] = keys[:, :, [9, 10]], values[:, :, [9, 10]]
-        assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)
+        assert torch.equal(layer.keys[:, :, :16], want_k) and torch.equal(layer.values[:, :, :16], want_v)
 
 
-def test_a_layer_that_grew_out_of_its_arena_moves_layer_by_layer() -> None:
-    cache = _static_cache(layers=3)
-    with torch.inference_mode():
-        cache.layers[1].reserve(300)  # a scratch cache may grow: that layer now has buffers of its own
-    assert cache.layers[1].arena is None and shared_arena(cache.layers) is None
-    before = [(layer.keys[:, :, :16].clone(), layer.values[:, :, :16].clone()) for layer in cache.layers]
-    with _Ops() as counted:
-        move_rows(cache, [7], [1])
-    assert counted.ops["copy_"] == 2 * 3  # keys and values of every layer
-    for layer, (keys, values) in zip(cache.layers, before, strict=True):
-        assert torch.equal(layer.keys[:, :, 1], keys[:, :, 7]) and torch.equal(layer.values[:, :, 1], values[:, :, 7])
-
-
-@pytest.mark.parametrize("arena", [True, False])
-def test_move_rows_equals_reading_every_source_before_any_write(arena: bool) -> None:
+def test_moves_equal_reading_every_source_before_any_write() -> None:
     """Random moves (runs, overlapping shifts left and right, scattered rows, a slot that is both a source and a
     later destination) give the bits of gathering every source, then scattering: the commit's contract."""
     import random
 
     rng = random.Random(7)
     for case in range(200):
-        cache = _static_cache(layers=2, capacity=24)
-        if not arena:
-            with torch.inference_mode():
-                cache.layers[0].reserve(300)  # layers with buffers of their own: the per-layer path
+        region = _random_region(layers=2, size=24)
         n = rng.randint(1, 6)
         if case % 3 == 0:  # one run shifted by a small offset either way (overlapping when |offset| < n)
             start, offset = rng.randint(4, 12), rng.choice([-3, -2, -1, 1, 2, 3])
@@ -94,85 +80,101 @@ def test_move_rows_equals_reading_every_source_before_any_write(arena: bool) -> 
         else:
             src = rng.sample(range(24), n)
             dst = rng.sample(range(24), n)
-        before = [(layer.keys[:, :, :24].clone(), layer.values[:, :, :24].clone()) for layer in cache.layers]
-        move_rows(cache, src, dst)
-        for layer, (keys, values) in zip(cache.layers, before, strict=True):
+        before = _kv(region, 24)
+        region.move(src, dst)
+        after = [(region.keys(i), region.values(i)) for i in range(2)]
+        for (keys, values), (got_k, got_v) in zip(before, after, strict=True):
             want_k, want_v = keys.clone(), values.clone()
             want_k[:, :, dst], want_v[:, :, dst] = keys[:, :, src], values[:, :, src]
-            assert torch.equal(layer.keys[:, :, :24], want_k), (case, src, dst)
-            assert torch.equal(layer.values[:, :, :24], want_v), (case, src, dst)
+            assert torch.equal(got_k, want_k[:, :, :24]), (case, src, dst)
+            assert torch.equal(got_v, want_v[:, :, :24]), (case, src, dst)
 
 
 def test_arena_views_are_the_layers_own_contiguous_buffers() -> None:
-    layers = [StaticBufferLayer(32) for _ in range(3)]
-    arena = allocate_arena(layers, 2, 8, torch.float32, torch.device("cpu"))
-    assert arena.shape == (3, 2, 1, 2, 32, 8)
-    for i, layer in enumerate(layers):
-        assert layer.keys.is_contiguous() and layer.keys.data_ptr() == arena[i, 0].data_ptr()
-        assert layer.values.data_ptr() == arena[i, 1].data_ptr() and layer.arena is arena
-    with pytest.raises(ValueError, match="one capacity"):
-        allocate_arena([StaticBufferLayer(32), StaticBufferLayer(64)], 2, 8, torch.float32, torch.device("cpu"))
+    adapter = ModelAdapter(tiny_model("llama", num_hidden_layers=3))
+    arena = adapter.new_arena(32)
+    assert arena.tensor.shape == (3, 2, 1, *adapter.kv_shape[:1], 256, adapter.kv_shape[1])
+    for i, layer in enumerate(arena.layers()):
+        assert layer.keys.is_contiguous() and layer.keys.data_ptr() == arena.tensor[i, 0].data_ptr()
+        assert layer.values.data_ptr() == arena.tensor[i, 1].data_ptr()
+    assert arena.cache.layers == arena.layers()  # every layer of a plain attention model holds K/V here
 
 
-def test_a_fixed_layer_refuses_to_grow_a_scratch_layer_grows() -> None:
-    fixed, scratch = StaticBufferLayer(256, fixed=True), StaticBufferLayer(256)
-    for layer in (fixed, scratch):
-        layer.allocate(2, 8, torch.float32, torch.device("cpu"))
-    fixed.reserve(256)  # within its capacity: nothing to do
-    with pytest.raises(KVCapacityError, match="needs 300 K/V slots, past the generation's fixed capacity of 256"):
-        fixed.reserve(300)
+def test_a_job_region_refuses_to_grow_a_scratch_region_grows() -> None:
+    adapter = ModelAdapter(tiny_model("llama"))
+    job = adapter.new_arena(256)
+    region = job.region(240)
+    region.reserve(240)  # within its size: nothing to do
+    with pytest.raises(KVCapacityError, match="needs 300 K/V slots, past its generation's region of 240"):
+        region.reserve(300)
+    scratch = adapter.new_cache(16)
+    scratch.length = 3
+    with torch.inference_mode():
+        scratch.arena.tensor[..., :3, :] = 1.5
     scratch.reserve(300)
-    assert scratch.capacity == 512 and scratch.keys.shape[2] == 512
+    assert scratch.size >= 300 and scratch.arena.capacity == 512 and scratch.arena.growths == 1
+    assert torch.equal(scratch.keys(0), torch.full_like(scratch.keys(0), 1.5))  # carried into the new arena
 
 
-def test_engine_generation_caches_are_fixed_and_never_move() -> None:
-    """The CPU's default static path (native layers over native products): every round of a generation on the
-    buffers allocated at its start; the output still HF greedy's."""
+def test_engine_generations_keep_one_arena_across_rounds_and_runs() -> None:
+    """The CPU's default path (native layers over native products): every round of a generation on the arena
+    claimed at its start, the next run on the same arena (the adapter holds it); the output HF greedy's."""
     stock = tiny_model("llama")
     if native_unavailable_reason(stock, default_cache_dir()) is not None:
         pytest.skip("no native kernel here")
     model = copy.deepcopy(stock)
     apply_prepack(model, "native")
     adapter = ModelAdapter(model)
-    assert adapter.backend.whole_layers and adapter.static_cache
+    assert adapter.backend.whole_layers
     seen = []
-    real = adapter.forward
+    real = adapter.run
 
-    def recording(ids, positions, visibility, cache, logit_rows):
-        seen.append((id(cache), tuple(layer.keys.data_ptr() for layer in cache.layers), cache.layers[0].fixed))
-        return real(ids, positions, visibility, cache, logit_rows)
+    def recording(rounds, regions):
+        seen.append((id(regions[0]), regions[0].arena.tensor.data_ptr()))
+        return real(rounds, regions)
 
-    adapter.forward = recording
+    adapter.run = recording
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     prompt = random_prompt(12, 3) * 2
-    result = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=40), []).generate(prompt)
-    assert result.output_ids == hf_greedy(stock, prompt, 40)
-    assert len(seen) > 5 and len({entry[:2] for entry in seen}) == 1 and all(entry[2] for entry in seen)
+    engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=40), [])
+    assert engine.generate(prompt).output_ids == hf_greedy(stock, prompt, 40)
+    first = len(seen)
+    assert first > 5 and len(set(seen)) == 1
+    assert engine.generate(prompt).output_ids == hf_greedy(stock, prompt, 40)
+    assert {ptr for _, ptr in seen[first:]} == {seen[0][1]}  # the second run: the same arena
 
 
-def test_static_cache_with_moves_equals_the_ordinary_one() -> None:
-    """Arena moves inside rounds against the AppendBuffer path's: the same logits round after round."""
-    model = tiny_model("qwen2")
-    ours, ref = ModelAdapter(model, static_cache=True), ModelAdapter(model)
-    caches = {id(a): a.new_cache(64, fixed=a is ours) for a in (ours, ref)}
+@pytest.mark.parametrize("family", ["qwen2", "mistral-sliding", "gemma2"])
+def test_a_region_anywhere_in_the_arena_equals_one_at_slot_0(family: str) -> None:
+    """Rounds with moves and crops in a region after another generation's (whose slots hold NaN): the logits of
+    the same rounds in a region at slot 0, round after round. gemma2 (softcapped eager attention) runs its own
+    attention under a 4-D mask, the others take the round's segments: either way a row reads its region only."""
+    model = tiny_model(family)
+    adapter = ModelAdapter(model)
+    arena = adapter.new_arena(256)
+    with torch.inference_mode():
+        arena.tensor.fill_(float("nan"))
+    other, ours = arena.region(64), arena.region(64)
+    assert ours.base == 64
+    ref = adapter.new_cache(64)
     tokens = torch.tensor(random_prompt(20, seed=2))
-    for a in (ours, ref):
-        a.forward(tokens, torch.arange(20), causal(20), caches[id(a)], torch.tensor([19]))
+    got, want = (adapter.forward(tokens, torch.arange(20), causal(20), kv, torch.tensor([19])) for kv in (ours, ref))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     t = 20
     for step in range(8):
         ids = torch.tensor(random_prompt(4, seed=step))
         positions = torch.arange(t, t + 4)
-        got, want = (a.forward(ids, positions, causal(4), caches[id(a)], torch.arange(4)) for a in (ours, ref))
+        got, want = (adapter.forward(ids, positions, causal(4), kv, torch.arange(4)) for kv in (ours, ref))
+        assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-        for a in (ours, ref):
-            move_rows(caches[id(a)], [t + 3, t + 2], [t, t + 1])
-            crop(caches[id(a)], t + 2)
+        for kv in (ours, ref):
+            kv.move([t + 3, t + 2], [t, t + 1])
+            kv.crop(t + 2)
         t += 2
+    assert other.length == 0
 
 
 def test_runs_groups_consecutive_moves() -> None:
-    from lp_runner.backends.kv_cache import runs
-
     assert runs([7, 8, 9, 3], [2, 3, 4, 5]) == [(7, 2, 3), (3, 5, 1)]  # the docstring's example
     assert runs([5, 6], [9, 11]) == [(5, 9, 1), (6, 11, 1)]  # sources consecutive, slots not: two runs
     assert runs([], []) == []

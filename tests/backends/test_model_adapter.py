@@ -14,15 +14,7 @@ import torch
 import transformers
 from helpers import FAMILIES, TINY_VOCAB, plain_cache, random_prompt
 
-from lp_runner.backends.adapter import (
-    AppendBufferLayer,
-    ModelAdapter,
-    UnsupportedModelError,
-    attention_windows,
-    cache_length,
-    crop,
-    move_rows,
-)
+from lp_runner.backends.adapter import ModelAdapter, UnsupportedModelError, attention_windows
 
 VERSION = transformers.__version__
 # the installed transformers version is part of every test id, so a CI log says which version passed
@@ -63,7 +55,7 @@ def test_forward_matches_plain_forward_and_fills_our_cache(tiny, family: str) ->
     with torch.inference_mode():
         ref = model(input_ids=torch.tensor([tokens])).logits[0]  # [T, vocab]
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
-    assert cache_length(cache) == len(tokens), f"transformers {VERSION}: the adapter's cache was not filled"
+    assert cache.length == len(tokens), f"transformers {VERSION}: the adapter's cache was not filled"
 
     # decoding on from that cache equals a plain forward of the longer sequence: the cache really is used
     nxt = int(ref[-1].argmax())
@@ -72,7 +64,7 @@ def test_forward_matches_plain_forward_and_fills_our_cache(tiny, family: str) ->
     with torch.inference_mode():
         ref2 = model(input_ids=torch.tensor([[*tokens, nxt]])).logits[0, -1]
     torch.testing.assert_close(step[0], ref2, atol=1e-5, rtol=1e-5)
-    assert cache_length(cache) == t + 1
+    assert cache.length == t + 1
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
@@ -87,6 +79,25 @@ def test_logit_rows_select_exactly_those_rows(tiny, family: str) -> None:
         torch.testing.assert_close(some, full[rows], atol=1e-6, rtol=1e-6)
 
 
+def _hf_round(adapter: ModelAdapter, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A causal continuation through the model's own forward on transformers' own cache: logits of every row."""
+    with torch.inference_mode():
+        out = adapter.model(
+            input_ids=ids[None], position_ids=positions[None], use_cache=True, **{adapter._cache_kw: cache}
+        )
+    return out.logits[0]  # [Q, vocab]
+
+
+def _hf_move(cache, src: list[int], dst: list[int]) -> None:
+    """Copy positions ``src`` to ``dst`` in every layer of transformers' cache, every source read first."""
+    with torch.inference_mode():
+        for layer in cache.layers:
+            layer.keys[:, :, dst], layer.values[:, :, dst] = (
+                layer.keys[:, :, src].clone(),
+                layer.values[:, :, src].clone(),
+            )
+
+
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 def test_crop(tiny, family: str) -> None:
     model = tiny(family)
@@ -94,143 +105,82 @@ def test_crop(tiny, family: str) -> None:
     tokens = random_prompt(12, seed=5)
     cache, _ = prefill(adapter, tokens, [11])
     ref = plain_cache(model, tokens[:7])
-    crop(cache, 12)  # no-op
-    assert cache_length(cache) == 12
-    crop(cache, 7)
-    assert cache_length(cache) == 7
-    for layer, ref_layer in zip(cache.layers, ref.layers, strict=True):
-        torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-5, rtol=0)  # (B, H, 7, D)
-        torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="cannot crop a cache of 7 positions to 9"):
-        crop(cache, 9)
-    crop(cache, 0)
-    assert cache_length(cache) == 0
+    cache.crop(12)  # no-op
+    assert cache.length == 12
+    cache.crop(7)
+    assert cache.length == 7
+    for i, ref_layer in enumerate(ref.layers):
+        torch.testing.assert_close(cache.keys(i), ref_layer.keys, atol=1e-5, rtol=0)  # (B, H, 7, D)
+        torch.testing.assert_close(cache.values(i), ref_layer.values, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="cannot crop a region of 7 positions to 9"):
+        cache.crop(9)
+    cache.crop(0)
+    assert cache.length == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 def test_move_rows(tiny, family: str) -> None:
     model = tiny(family)
-    cache = plain_cache(model, random_prompt(9, seed=6))
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-    move_rows(cache, [7, 8], [3, 4])
-    for layer, (k0, v0) in zip(cache.layers, before, strict=True):
-        torch.testing.assert_close(layer.keys[:, :, [3, 4]], k0[:, :, [7, 8]], atol=0, rtol=0)
-        torch.testing.assert_close(layer.values[:, :, [3, 4]], v0[:, :, [7, 8]], atol=0, rtol=0)
+    adapter = ModelAdapter(model)
+    cache, _ = prefill(adapter, random_prompt(9, seed=6), [8])
+    layers = range(len(cache.arena.layers()))
+    before = [(cache.keys(i).clone(), cache.values(i).clone()) for i in layers]
+    cache.move([7, 8], [3, 4])
+    for i, (k0, v0) in zip(layers, before, strict=True):
+        torch.testing.assert_close(cache.keys(i)[:, :, [3, 4]], k0[:, :, [7, 8]], atol=0, rtol=0)
+        torch.testing.assert_close(cache.values(i)[:, :, [3, 4]], v0[:, :, [7, 8]], atol=0, rtol=0)
         untouched = [0, 1, 2, 5, 6, 7, 8]
-        torch.testing.assert_close(layer.keys[:, :, untouched], k0[:, :, untouched], atol=0, rtol=0)
-    move_rows(cache, [], [])  # nothing to copy is fine
+        torch.testing.assert_close(cache.keys(i)[:, :, untouched], k0[:, :, untouched], atol=0, rtol=0)
+    cache.move([], [])  # nothing to copy is fine
     with pytest.raises(ValueError, match="equal length"):
-        move_rows(cache, [1, 2], [3])
+        cache.move([1, 2], [3])
     # positions moved onto themselves stay, beside a real move: the same as that move alone
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-    move_rows(cache, [5, 2, 6], [5, 0, 6])
-    for layer, (k0, v0) in zip(cache.layers, before, strict=True):
+    before = [(cache.keys(i).clone(), cache.values(i).clone()) for i in layers]
+    cache.move([5, 2, 6], [5, 0, 6])
+    for i, (k0, v0) in zip(layers, before, strict=True):
         expected_k, expected_v = k0.clone(), v0.clone()
         expected_k[:, :, 0], expected_v[:, :, 0] = k0[:, :, 2], v0[:, :, 2]
-        assert torch.equal(layer.keys, expected_k) and torch.equal(layer.values, expected_v)
+        assert torch.equal(cache.keys(i), expected_k) and torch.equal(cache.values(i), expected_v)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
-def test_append_buffer_cache_holds_the_bits_a_dynamic_cache_holds(tiny, family: str) -> None:
-    """The adapter's cache against transformers' own DynamicCache, round by round, past a buffer growth.
-
-    Rounds of 3 rows are cropped back by 0-2 rows (a rejected tail that the next round overwrites in place) and
-    K/V rows are moved (the commit of a verified branch); logits and every cached tensor must stay bit-equal.
-    """
+def test_the_arena_holds_what_a_dynamic_cache_holds(tiny, family: str) -> None:
+    """A region of the arena against transformers' own forward on its own DynamicCache: the same logits and
+    cached K/V to fp32 rounding (another attention call: not bit-equal), round by round, through crops (a
+    rejected tail that the next round overwrites in place), row moves (the commit of a verified branch) and a
+    growth of the arena past its first capacity; one-row rounds included (they take a mask too). The engine's
+    token identity with HF greedy is tested end to end."""
     from transformers import DynamicCache
+
+    from lp_runner.backends.kv_cache import MIN_CAPACITY
 
     model = tiny(family)
     adapter = ModelAdapter(model)
-    ours = adapter.new_cache()
-    ref = DynamicCache(config=model.config)
-    full = ours.layers  # sliding layers too: their window is a mask, not a rolling buffer
-    assert all(isinstance(layer, AppendBufferLayer) for layer in full)
-    tokens = random_prompt(200, seed=8)
-    for cache in (ours, ref):
-        adapter.forward(torch.tensor(tokens), torch.arange(200), causal(200), cache, torch.tensor([199]))
-    capacity = {id(layer): layer._key_buffer.shape[-2] for layer in full}
-    gen = torch.Generator().manual_seed(9)
-    for step in range(120):
-        t = cache_length(ref)
-        ids = torch.randint(0, TINY_VOCAB, (3,), generator=gen)
-        got = adapter.forward(ids, torch.arange(t, t + 3), causal(3), ours, torch.arange(3))
-        want = adapter.forward(ids, torch.arange(t, t + 3), causal(3), ref, torch.arange(3))
-        assert torch.equal(got, want), f"round {step}: logits differ"
-        if step % 5 == 0:
-            for cache in (ours, ref):
-                move_rows(cache, [t + 2], [t + 1])
-        keep = t + 3 - step % 3
-        for cache in (ours, ref):
-            crop(cache, keep)
-        assert cache_length(ours) == keep
-        for layer, ref_layer in zip(ours.layers, ref.layers, strict=True):
-            assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(layer.values, ref_layer.values), step
-    assert cache_length(ours) > 400
-    assert all(layer._key_buffer.shape[-2] > capacity[id(layer)] for layer in full), "the buffer never grew"
-
-
-@pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
-def test_static_cache_holds_the_bits_a_dynamic_cache_holds(tiny, family: str) -> None:
-    """Static-shape rounds (a fixed buffer written at slots, attention over every slot, the spare ones masked)
-    against transformers' DynamicCache: the same logits and cached K/V to fp32 rounding (attention sums over the
-    whole capacity, masked slots adding exact zeros in another order: not bit-equal, see ``kv_cache``), round by
-    round, through crops, row moves and a growth of the buffer past its first capacity; one-row rounds included
-    (they take a mask too). The engine's token identity with HF greedy on static rounds is tested end to end.
-    """
-    from transformers import DynamicCache
-
-    from lp_runner.backends.kv_cache import MIN_CAPACITY, StaticBufferLayer
-
-    model = tiny(family)
-    adapter = ModelAdapter(model, static_cache=True)
     ours = adapter.new_cache(capacity=40)
     ref = DynamicCache(config=model.config)
-    assert all(isinstance(layer, StaticBufferLayer) for layer in ours.layers)
-    tokens = random_prompt(200, seed=8)
-    for cache in (ours, ref):
-        adapter.forward(torch.tensor(tokens), torch.arange(200), causal(200), cache, torch.tensor([199]))
+    tokens = torch.tensor(random_prompt(200, seed=8))
+    adapter.forward(tokens, torch.arange(200), causal(200), ours, torch.tensor([199]))
+    _hf_round(adapter, ref, tokens, torch.arange(200))
     gen = torch.Generator().manual_seed(9)
     for step in range(90):
-        t = cache_length(ref)
+        t = ref.get_seq_length()
         rows = 1 + step % 4
         ids = torch.randint(0, TINY_VOCAB, (rows,), generator=gen)
         got = adapter.forward(ids, torch.arange(t, t + rows), causal(rows), ours, torch.arange(rows))
-        want = adapter.forward(ids, torch.arange(t, t + rows), causal(rows), ref, torch.arange(rows))
+        want = _hf_round(adapter, ref, ids, torch.arange(t, t + rows))
         torch.testing.assert_close(got, want, msg=f"round {step}: logits differ")
         if step % 5 == 0 and rows > 1:
-            for cache in (ours, ref):
-                move_rows(cache, [t + rows - 1], [t])
+            ours.move([t + rows - 1], [t])
+            _hf_move(ref, [t + rows - 1], [t])
         keep = t + rows - step % rows
-        for cache in (ours, ref):
-            crop(cache, keep)
-        assert cache_length(ours) == keep
-        for layer, ref_layer in zip(ours.layers, ref.layers, strict=True):
-            torch.testing.assert_close(layer.keys[:, :, :keep], ref_layer.keys, msg=f"round {step}")
-            torch.testing.assert_close(layer.values[:, :, :keep], ref_layer.values, msg=f"round {step}")
-    assert cache_length(ours) > MIN_CAPACITY, "the buffer never grew"
-    assert all(layer.capacity == 2 * MIN_CAPACITY for layer in ours.layers)
-
-
-def test_append_buffer_survives_a_rebound_tensor(tiny) -> None:
-    """Inherited DynamicLayer methods (beam reorder, batch select, offload) rebind keys to a new tensor."""
-    from transformers import DynamicCache
-
-    model = tiny("llama")
-    adapter = ModelAdapter(model)
-    ours, ref = adapter.new_cache(), DynamicCache(config=model.config)
-    tokens = torch.tensor(random_prompt(9, seed=2))
-    for cache in (ours, ref):
-        adapter.forward(tokens, torch.arange(9), causal(9), cache, torch.tensor([8]))
-        for layer in cache.layers:
-            layer.batch_select_indices(torch.tensor([0]))  # same contents, a new tensor
-        move_rows(cache, [8], [2])  # written into the new tensor only
-        crop(cache, 7)
-    nxt = torch.tensor([5, 6])
-    got = adapter.forward(nxt, torch.arange(7, 9), causal(2), ours, torch.arange(2))
-    want = adapter.forward(nxt, torch.arange(7, 9), causal(2), ref, torch.arange(2))
-    assert torch.equal(got, want)
-    for layer, ref_layer in zip(ours.layers, ref.layers, strict=True):
-        assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(layer.values, ref_layer.values)
+        ours.crop(keep)
+        if keep < t + rows:
+            ref.crop(keep - (t + rows))  # a negative count: valid on every 5.x
+        assert ours.length == keep == ref.get_seq_length()
+        for i, ref_layer in enumerate(ref.layers):
+            torch.testing.assert_close(ours.keys(i), ref_layer.keys, msg=f"round {step}")
+            torch.testing.assert_close(ours.values(i), ref_layer.values, msg=f"round {step}")
+    assert ours.length > MIN_CAPACITY and ours.arena.growths == 1, "the arena never grew"
 
 
 def test_model_without_a_cache_keyword_is_refused() -> None:

@@ -1,8 +1,9 @@
 """Bucketed static rounds (``static_rounds.StaticRounds``): the GPU's round path, run here on the CPU minus the capture.
 
 Oracles: the adapter's ordinary eager forward for single rounds (the same logits to fp32 rounding, the same
-argmax), HF greedy ``generate`` for whole generations, ``attention.additive_mask`` and ``sliding_window_mask`` for
-the round mask slot by slot, and the compiled rounds against the eager static ones at every bucket boundary.
+argmax), HF greedy ``generate`` for whole generations, ``batch.pack_round``'s segment mask (placed at the region's
+slots) for the round mask slot by slot, and the compiled rounds against the eager static ones at every bucket
+boundary.
 What a CPU cannot show: the CUDA graphs themselves (inductor's graph trees skip the capture on a CPU and run the
 same compiled code); ``benchmarks/gpu_check.sh`` measures them where a GPU exists. The compiling tests are slow
 (one compilation of a tiny model: some 20 s on two cores).
@@ -17,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 
 from lp_runner.backends import static_rounds
-from lp_runner.backends.adapter import ModelAdapter, causal, crop, move_rows
-from lp_runner.backends.attention import additive_mask, sliding_window_mask
+from lp_runner.backends.adapter import ModelAdapter, causal
+from lp_runner.backends.batch import Rows, pack_round
 from lp_runner.backends.buckets import BucketLadder
-from lp_runner.backends.kv_cache import MIN_CAPACITY, KVCapacityError, StaticBufferLayer
+from lp_runner.backends.kv_cache import MIN_CAPACITY, KVCapacityError
 from lp_runner.backends.round_mask import ROUND_ATTENTION, round_attention, round_mask
 from lp_runner.backends.static_rounds import StagedInputs, stage
 from lp_runner.config import GenerationConfig, LookaheadConfig
@@ -69,21 +70,26 @@ def test_a_ladder_must_increase_from_two(rows) -> None:
 
 
 @pytest.mark.parametrize("window", [None, 3, 8])
-@pytest.mark.parametrize("past, rows, width, capacity", [(0, 2, 8, 8), (5, 4, 16, 32), (20, 8, 32, 32), (3, 3, 8, 64)])
-def test_round_mask_is_the_eager_mask_cut_to_the_live_width(window, past, rows, width, capacity) -> None:
-    """Slot for slot the eager path's full-capacity mask (with its per-row sliding window), cut to ``width``."""
-    gen = torch.Generator().manual_seed(past * 100 + rows)
+@pytest.mark.parametrize(
+    "lo, past, rows, width, capacity", [(0, 0, 2, 8, 8), (0, 5, 4, 16, 32), (0, 20, 8, 32, 32), (0, 3, 3, 8, 64),
+                                        (16, 5, 4, 32, 64), (40, 0, 3, 64, 64)]
+)  # fmt: skip
+def test_round_mask_is_the_segment_mask_at_the_regions_slots(window, lo, past, rows, width, capacity) -> None:
+    """Slot for slot the packed round's segment mask (``pack_round``, its per-row sliding window included)
+    placed at the region's slots (lo .. lo + past + rows - 1), every other slot hidden, cut to ``width``."""
+    gen = torch.Generator().manual_seed(past * 100 + rows + lo)
     visibility = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
     positions = past + torch.randint(0, 4, (rows,), generator=gen)  # siblings share positions
-    eager = additive_mask(visibility, past, torch.float32, width=capacity)  # [1, 1, Q, capacity]
-    if window is not None:
-        keys = torch.cat([torch.arange(past), positions, torch.arange(past + rows, capacity)])
-        eager = sliding_window_mask(eager, positions, keys, window)
-    got = round_mask(visibility, torch.tensor([past]), positions, torch.arange(width), window, torch.float32)
+    segment = Rows(torch.zeros(rows, dtype=torch.long), positions, visibility, torch.arange(rows))
+    packed = pack_round([segment], [lo], [past], [window], torch.float32)
+    want = torch.full((rows, capacity), torch.finfo(torch.float32).min)
+    want[:, lo : lo + past + rows] = packed.segment_mask(window, 0)
+    region = torch.tensor([lo, past])
+    got = round_mask(visibility, region, positions, torch.arange(width), window, torch.float32)
     assert got.shape == (1, 1, rows, width)
-    assert torch.equal(got, eager[..., :width])
-    tiled = round_mask(visibility, torch.tensor([past]), positions, torch.arange(width), window, torch.float32, 3)
-    assert torch.equal(tiled[0, 0], eager[0, 0, :, :width].repeat(3, 1))  # packed row g * Q + i reads row i
+    assert torch.equal(got[0, 0], want[:, :width])
+    tiled = round_mask(visibility, region, positions, torch.arange(width), window, torch.float32, 3)
+    assert torch.equal(tiled[0, 0], want[:, :width].repeat(3, 1))  # packed row g * Q + i reads row i
 
 
 def test_round_attention_reads_the_live_width_only() -> None:
@@ -95,7 +101,8 @@ def test_round_attention_reads_the_live_width_only() -> None:
     key = torch.randn(1, kv_heads, capacity, dim, generator=gen)
     value = torch.randn(1, kv_heads, capacity, dim, generator=gen)
     visibility = torch.ones(rows, rows, dtype=torch.bool).tril()
-    mask = round_mask(visibility, torch.tensor([10]), torch.arange(10, 13), torch.arange(width), None, torch.float32, 3)
+    region = torch.tensor([0, 10])
+    mask = round_mask(visibility, region, torch.arange(10, 13), torch.arange(width), None, torch.float32, 3)
     got, _ = round_attention(None, query, key, value, mask, scaling=dim**-0.5)
     key[:, :, width:], value[:, :, width:] = float("nan"), float("nan")
     again, _ = round_attention(None, query, key, value, mask, scaling=dim**-0.5)
@@ -111,14 +118,14 @@ def test_round_attention_reads_the_live_width_only() -> None:
 
 def test_stage_writes_every_input_once_padded_to_the_bucket() -> None:
     visibility = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    host = stage(4, torch.tensor([7, 8, 9]), torch.tensor([5, 6, 6]), visibility, torch.tensor([0, 2]), 5, False)
-    assert host.dtype == torch.uint8 and host.numel() == StagedInputs.nbytes(4) == 8 * 17 + 16
+    host = stage(4, torch.tensor([7, 8, 9]), torch.tensor([5, 6, 6]), visibility, torch.tensor([0, 2]), 32, 5, False)
+    assert host.dtype == torch.uint8 and host.numel() == StagedInputs.nbytes(4) == 8 * 18 + 16
     staged = StagedInputs.views(host.clone(), 4)
     assert staged.input_ids.tolist() == [7, 8, 9, 9]  # the filler repeats the last row
     assert staged.position_ids.tolist() == [5, 6, 6, 6]
     assert staged.logit_rows.tolist() == [0, 2, 0, 0]  # filler logit rows read row 0 and are dropped
-    assert staged.write_slots.tolist() == [5, 6, 7, 8]
-    assert staged.past.tolist() == [5]
+    assert staged.write_slots.tolist() == [37, 38, 39, 40]  # the region's slots after its 5 cached positions
+    assert staged.region.tolist() == [32, 5]
     want = torch.zeros(4, 4, dtype=torch.bool)
     want[:3, :3] = visibility
     want[3, 3] = True  # the filler sees itself only, and no real row sees it
@@ -128,14 +135,24 @@ def test_stage_writes_every_input_once_padded_to_the_bucket() -> None:
 # ---------------------------------------------------------------------------------------------- eager rounds
 
 
-def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, capacity: int = 128):
-    """Single rounds of each row count through ``static`` and the ordinary eager adapter on the same prefix,
-    cropped back after each: yields (rows, static logits, ordinary logits)."""
+def _job_region(adapter: ModelAdapter, need: int):
+    """A generation's region in the adapter's job arena (as the round loop makes it: rounds replay graphs there)."""
+    size = adapter.region_size(need)
+    return adapter.claim_arena(size).region(size)
+
+
+def _free(adapter: ModelAdapter, region) -> None:
+    region.arena.release(region)
+    adapter.release_arena(region.arena)
+
+
+def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, capacity: int = 64):
+    """Single rounds of each row count through ``static`` (in its job arena) and the ordinary eager adapter on
+    the same prefix, cropped back after each: yields (rows, static logits, ordinary logits)."""
     ref = ModelAdapter(model)
     prefix = random_prompt(prefix_len, seed=5)
-    caches = {}
+    caches = {id(ref): ref.new_cache(capacity), id(static): _job_region(static, capacity)}
     for adapter in (ref, static):
-        caches[id(adapter)] = adapter.new_cache(capacity, fixed=True)
         adapter.forward(
             torch.tensor(prefix), torch.arange(prefix_len), causal(prefix_len), caches[id(adapter)], torch.tensor([0])
         )
@@ -148,7 +165,8 @@ def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, c
         )
         yield rows, got, want
         for adapter in (ref, static):
-            crop(caches[id(adapter)], prefix_len)
+            caches[id(adapter)].crop(prefix_len)
+    _free(static, caches[id(static)])
 
 
 BOUNDARIES = sorted({1, *(b for b in (2, 4, 8, 16, 32)), *(b + 1 for b in (2, 4, 8, 16, 32))})
@@ -156,7 +174,7 @@ BOUNDARIES = sorted({1, *(b for b in (2, 4, 8, 16, 32)), *(b + 1 for b in (2, 4,
 
 @pytest.mark.parametrize("family", FAMILIES + WINDOWED)
 def test_eager_static_rounds_equal_the_ordinary_forward(family: str) -> None:
-    """At every bucket boundary (rows = bucket and bucket + 1), padded and run on the pooled arena with the round
+    """At every bucket boundary (rows = bucket and bucket + 1), padded and run on the job arena with the round
     mask and the live width: the ordinary forward's logits to fp32 rounding, its argmax exactly."""
     model = tiny_model(family)
     static = ModelAdapter(model, bucketed=True)
@@ -170,17 +188,21 @@ def test_eager_static_rounds_equal_the_ordinary_forward(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES + WINDOWED)
 def test_bucketed_engine_equals_hf_greedy(family: str) -> None:
     """Whole generations (window, candidates, accepted rows moved) through bucketed eager rounds: HF greedy's
-    tokens. The rounds reuse one pooled arena generation after generation."""
+    tokens. The rounds reuse the adapter's one job arena generation after generation."""
     model = tiny_model(family)
     adapter = ModelAdapter(model, bucketed=True)
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=40), [])
+    arenas = set()
     for seed in (3, 4):
         prompt = random_prompt(12, seed) * 2
         result = engine.generate(prompt)
         assert result.output_ids == hf_greedy(model, prompt, 40), (family, seed)
         assert result.stats.forwards < 40  # candidates were accepted: multi-row rounds and row moves ran
-    assert adapter.rounds.pool_allocations == 1  # the second generation reused the first one's arena
+        arena = adapter.claim_arena(1)
+        arenas.add(arena.tensor.data_ptr())
+        adapter.release_arena(arena)
+    assert len(arenas) == 1  # the second generation reused the first one's arena
 
 
 # --------------------------------------------------------------------------------------- the mask, the copy
@@ -229,11 +251,11 @@ class _Copies(TorchDispatchMode):
 
 
 def test_a_round_inputs_arrive_in_one_copy(monkeypatch) -> None:
-    """The ids, positions, logit rows, write slots, cached length and visibility the round function reads are
+    """The ids, positions, logit rows, write slots, region bounds and visibility the round function reads are
     views of one staging buffer, filled by exactly one copy per round."""
     model = tiny_model("llama")
     adapter = ModelAdapter(model, bucketed=True)
-    cache = adapter.new_cache(64, fixed=True)
+    cache = _job_region(adapter, 64)
     adapter.forward(torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
     staging = adapter.rounds._staging(8)
     received = []
@@ -249,14 +271,14 @@ def test_a_round_inputs_arrive_in_one_copy(monkeypatch) -> None:
     assert copies.count == 1
     storage = staging.buffer.untyped_storage().data_ptr()
     inputs = [t for t in received if t.untyped_storage().data_ptr() == storage]
-    assert len(inputs) == 5  # ids, positions, logit rows, cached length, visibility (the key slots are fixed)
-    assert all(layer.write_slots.untyped_storage().data_ptr() == storage for layer in cache.layers)
+    assert len(inputs) == 5  # ids, positions, logit rows, region bounds, visibility (the key slots are fixed)
+    assert all(layer.write_slots.untyped_storage().data_ptr() == storage for layer in cache.arena.layers())
 
 
 # ---------------------------------------------------------------------------------------- fixed addresses
 
 
-def test_a_generation_buffer_never_moves_and_cannot_be_outrun() -> None:
+def test_a_generation_region_never_moves_and_cannot_be_outrun() -> None:
     model = tiny_model("llama")
     adapter = ModelAdapter(model, bucketed=True)
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
@@ -264,37 +286,36 @@ def test_a_generation_buffer_never_moves_and_cannot_be_outrun() -> None:
     addresses = set()
     real = adapter.rounds.forward
 
-    def recording(ids, positions, visibility, cache, logit_rows):
-        addresses.add(tuple(layer.keys.data_ptr() for layer in cache.layers))
-        return real(ids, positions, visibility, cache, logit_rows)
+    def recording(rows, region):
+        addresses.add(tuple(layer.keys.data_ptr() for layer in region.arena.layers()))
+        return real(rows, region)
 
     adapter.rounds.forward = recording
     for seed in (1, 2):
         engine.generate(random_prompt(12, seed) * 2)
-    assert len(addresses) == 1  # every round of both generations on the same buffers
-    cache = adapter.new_cache(10, fixed=True)
-    rows = cache.layers[0].capacity + 1
-    with pytest.raises(KVCapacityError, match="fixed capacity"):
+    assert len(addresses) == 1  # every round of both generations on the same arena
+    cache = _job_region(adapter, 10)
+    rows = cache.size + 1
+    with pytest.raises(KVCapacityError, match="past its generation's region"):
         adapter.forward(torch.zeros(rows, dtype=torch.long), torch.arange(rows), causal(rows), cache, torch.tensor([0]))
 
 
-def test_only_the_pooled_cache_is_fixed_in_address_a_second_one_runs_beside_it() -> None:
-    """A second cache alive at once (a probe, a scratch measurement) gets buffers of its own and the same results;
-    the pooled arena goes to the next generation once released."""
+def test_a_second_loop_at_once_gets_an_arena_of_its_own() -> None:
+    """A second round loop alive at once (LP ranks on threads over one adapter) gets an arena of its own and the
+    same results; the job arena goes to the next loop once released; a scratch region grows its own arena."""
     model = tiny_model("llama")
     adapter = ModelAdapter(model, bucketed=True)
-    first = adapter.new_cache(40, fixed=True)
-    second = adapter.new_cache(40, fixed=True)
-    assert adapter.rounds._pooled(first) and not adapter.rounds._pooled(second)
+    first, second = _job_region(adapter, 40), _job_region(adapter, 40)
+    assert first.arena is not second.arena
     tokens = torch.tensor(random_prompt(9, seed=1))
     a, b = (adapter.forward(tokens, torch.arange(9), causal(9), c, torch.arange(9)) for c in (first, second))
     assert torch.equal(a, b)
-    adapter.release_cache(first)
-    third = adapter.new_cache(40, fixed=True)
-    assert adapter.rounds._pooled(third) and third.layers[0].keys.data_ptr() == first.layers[0].keys.data_ptr()
-    scratch = adapter.new_cache()  # not fixed: grows when outrun, like every scratch cache
-    adapter.forward(torch.zeros(300, dtype=torch.long), torch.arange(300), causal(300), scratch, torch.tensor([0]))
-    assert isinstance(scratch.layers[0], StaticBufferLayer) and scratch.layers[0].capacity == 512
+    _free(adapter, first)
+    third = _job_region(adapter, 40)
+    assert third.arena is first.arena and third.base == first.base
+    scratch = adapter.new_cache()  # grows when outrun, like every scratch region
+    adapter.forward(torch.zeros(800, dtype=torch.long), torch.arange(800), causal(800), scratch, torch.tensor([0]))
+    assert scratch.arena.growths == 1 and scratch.length == 800
 
 
 # ------------------------------------------------------------------------------------------- compiled rounds
@@ -304,7 +325,7 @@ def test_only_the_pooled_cache_is_fixed_in_address_a_second_one_runs_beside_it()
 @pytest.mark.parametrize("family", ["llama", "qwen2-hybrid"])
 def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: str) -> None:
     """Compiled (torch.compile, mode reduce-overhead, as on a GPU minus the capture): after the warm-up every bucket
-    boundary at three K/V widths (the widest the power of two the arena is built on), two generations and a pooled
+    boundary at three K/V widths (the widest the power of two the arena is built on), two generations and a job
     arena grown between them run without a recompilation (``error_on_recompile``), each round with the eager static
     round's argmax; whole generations give HF greedy's tokens. The K/V arena and the staged inputs are marked static
     in address."""
@@ -317,9 +338,11 @@ def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: s
     eager = ModelAdapter(model, bucketed=True)
     assert compiled.warm_up(64) > 0
     assert set(compiled.rounds.capture_s) == set(compiled.rounds.ladder.rows)
-    arena = compiled.rounds._arena
-    for keys, values in compiled.rounds._views:
-        assert keys._dynamo_static_input_type == values._dynamo_static_input_type == "unguarded"
+    arena = compiled.claim_arena(1)
+    compiled.release_arena(arena)
+    first = arena.tensor
+    for layer in arena.layers():
+        assert layer.keys._dynamo_static_input_type == layer.values._dynamo_static_input_type == "unguarded"
     with torch._dynamo.config.patch(error_on_recompile=True):
         # K/V widths 256, 1024 and 2048, the second on a larger arena; at 1100 the widest width is the power of two
         # the arena is built on (a graph of its own while the arena was that power of two)
@@ -328,7 +351,7 @@ def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: s
             for rows, got, want in pairs:
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=f"{rows} rows after {prefix_len}")
                 assert torch.equal(got.argmax(-1), want.argmax(-1)), (rows, prefix_len)
-        assert compiled.rounds._arena is not arena  # the second prefix needed a larger arena: no recompilation
+        assert arena.tensor is not first and arena.allocations == 2  # grown: no recompilation
         la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
         engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=40), [])
         for seed in (3, 4):
@@ -338,7 +361,7 @@ def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: s
     # every static input unguarded, whatever the torch's default (``guard=True`` before 2.10): a guard on a
     # staging buffer's or key-slot vector's identity would make each (bucket, width) pair a recompilation
     staged = [t for s in compiled.rounds._staged.values() for t in (s.input_ids, s.position_ids, s.logit_rows,
-                                                                   s.write_slots, s.past, s.visibility)]  # fmt: skip
+                                                                   s.write_slots, s.region, s.visibility)]  # fmt: skip
     assert len(compiled.rounds._key_slots) >= 2 and len(staged) == 6 * len(compiled.rounds.ladder.rows)
     for tensor in (*staged, *compiled.rounds._key_slots.values()):
         assert tensor._dynamo_static_input_type == "unguarded"
@@ -347,27 +370,28 @@ def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: s
 def test_warm_up_at_the_jobs_arena_is_the_arena_its_generations_run_on() -> None:
     """Warmed up at the job's need (``LookaheadEngine.capacity`` of its longest prompt, as the worker does), a
     generation of a long prompt runs on the arena the warm-up made (on a GPU, where its graphs were captured);
-    warmed at a small arena, the same prompt reallocates it mid-job (every graph recorded again)."""
+    warmed at a small arena, the same prompt grows it mid-job (every graph recorded again)."""
     model = tiny_model("llama", max_position_embeddings=2048)
-    prompt = random_prompt(700, seed=5)
+    prompt = random_prompt(900, seed=5)
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     for warm, allocations in ((None, 1), (64, 2)):
         adapter = ModelAdapter(model, bucketed=True)
         engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=20), [])
-        adapter.rounds.warm_up(engine.capacity(len(prompt)) if warm is None else warm, max_rows=4)
+        size = adapter.region_size(engine.capacity(len(prompt)) if warm is None else warm)
+        arena = adapter.claim_arena(size)
+        adapter.rounds.warm_up(arena, size, max_rows=4)
+        adapter.release_arena(arena)
         assert engine.generate(prompt).output_ids == hf_greedy(model, prompt, 20)
-        assert adapter.rounds.pool_allocations == allocations, warm
+        assert arena.allocations == allocations, warm
 
 
 def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_len: int):
     prefix = random_prompt(prefix_len, seed=5)
-    caches = {}
+    caches = {id(a): _job_region(a, prefix_len + 40) for a in (compiled, eager)}
     for adapter in (compiled, eager):
-        caches[id(adapter)] = adapter.new_cache(prefix_len + 40, fixed=True)
         adapter.forward(
             torch.tensor(prefix), torch.arange(prefix_len), causal(prefix_len), caches[id(adapter)], torch.tensor([0])
         )
-    assert compiled.rounds._pooled(caches[id(compiled)])
     out = []
     for rows in BOUNDARIES:
         ids = torch.tensor(random_prompt(rows, seed=rows))
@@ -377,11 +401,11 @@ def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_l
             for adapter in (compiled, eager)
         )
         out.append((rows, got, want))
-        if rows > 2:  # a commit's row move on the pooled arena between rounds
+        if rows > 2:  # a commit's row move on the job arena between rounds
             for adapter in (compiled, eager):
-                move_rows(caches[id(adapter)], [prefix_len + rows - 1], [prefix_len])
+                caches[id(adapter)].move([prefix_len + rows - 1], [prefix_len])
         for adapter in (compiled, eager):
-            crop(caches[id(adapter)], prefix_len)
+            caches[id(adapter)].crop(prefix_len)
     for adapter in (compiled, eager):
-        adapter.release_cache(caches[id(adapter)])
+        _free(adapter, caches[id(adapter)])
     return out

@@ -30,14 +30,12 @@ from dist_helpers import (
 from helpers import hf_greedy, random_prompt, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter, causal
-from lp_runner.backends.batch import Segments
+from lp_runner.backends.batch import Segments, pack_round
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, prepack_linears
-from lp_runner.backends.slot_cache import SlotCache
 from lp_runner.config import ConfigError, GenerationConfig, LookaheadConfig, load_config
-from lp_runner.decoding.batch_round import pack_round
+from lp_runner.decoding.batch_round import batch_support
 from lp_runner.decoding.engine import Job, LookaheadEngine
-from lp_runner.decoding.forwards import batch_support
 from lp_runner.decoding.layout import compile_round
 from lp_runner.decoding.metrics import batch_figures
 from lp_runner.models.loading import default_cache_dir
@@ -86,7 +84,7 @@ def assert_batched(results: dict, batch: int) -> None:
 
 
 def test_pack_round_worked_example() -> None:
-    """batch_forward's docstring: A (past 5, live key + one candidate token) in slots 0.., B (past 3) in 64.."""
+    """backends.batch's docstring: A (past 5, live key + one candidate token) in slots 0.., B (past 3) in 64.."""
     a = compile_round([11], 5, [[]], (0, 0), [[12]])
     b = compile_round([21], 3, [[]], (0, 0), [])
     batch = pack_round([a, b], [0, 64], [5, 3], [None], torch.float32)
@@ -114,24 +112,28 @@ def test_segments_worked_example() -> None:
     assert (seg.start.tolist(), seg.moff.tolist(), seg.mask_size) == ([0, 2, 5], [0, 200], 320)
 
 
-def test_slot_cache_first_fit_compaction_and_growth(tiny) -> None:
-    """slot_cache's docstring example, with the K/V carried through the compaction and the growth."""
+def test_arena_first_fit_compaction_and_growth(tiny) -> None:
+    """kv_cache's docstring example, with the K/V carried through the compaction and the growth (every layer's
+    views re-made on the grown arena)."""
     adapter = ModelAdapter(tiny("llama"))
-    slots = SlotCache.allocate(adapter.model, adapter.kv_shape, adapter.dtype, adapter.device, 128)
-    first, second = slots.region(48), slots.region(32)
-    assert (first.base, second.base) == (0, 48)
-    keys = slots.layers()[0].keys
-    keys[:, :, 48:58] = torch.arange(10.0)[None, None, :, None]  # the second region's cached positions
+    arena = adapter.new_arena(256)
+    first, second = arena.region(96), arena.region(64)
+    assert (arena.capacity, first.base, second.base) == (256, 0, 96)
+    keys = arena.layers()[0].keys
+    with torch.inference_mode():  # the arena is an inference tensor
+        keys[:, :, 96:106] = torch.arange(10.0)[None, None, :, None]  # the second region's cached positions
     second.length = 10
     second.move([3], [9])  # queued: applied with every region's moves before the next forward
-    assert keys[0, 0, 57, 0] == 9.0
-    slots.release(first)
-    third = slots.region(64)
-    assert (second.base, third.base, slots.compactions) == (0, 32, 1)
-    assert slots.layers()[0].keys[0, 0, :10, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]  # carried, moved
-    fourth = slots.region(64)
-    assert (slots.capacity, fourth.base, slots.growths) == (256, 96, 1)
-    assert slots.layers()[0].keys[0, 0, :10, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]
+    assert keys[0, 0, 105, 0] == 9.0 and keys[0, 0, 99, 0] == 3.0
+    arena.release(first)
+    third = arena.region(128)
+    assert (second.base, third.base, arena.compactions) == (0, 64, 1)
+    assert arena.layers()[0].keys[0, 0, :10, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]  # carried, moved
+    fourth = arena.region(128)
+    assert (arena.capacity, fourth.base, arena.growths, arena.allocations) == (512, 192, 1, 2)
+    assert arena.layers()[0].keys[0, 0, :10, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]
+    assert second.keys(0)[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]
+    assert all(layer.keys.data_ptr() == arena.tensor[i, 0].data_ptr() for i, layer in enumerate(arena.layers()))
 
 
 def test_batched_curve_worked_example() -> None:
@@ -236,19 +238,15 @@ def test_batched_round_equals_isolated_forwards(path: str, family: str) -> None:
     model = native_model(stock) if path == "native" else stock
     adapter = ModelAdapter(model)
     assert (adapter.backend.whole_layers > 0) == (path == "native")
-    slots = SlotCache.allocate(adapter.model, adapter.kv_shape, adapter.dtype, adapter.device, 192)
-    for layer in slots.layers():
-        layer.keys.fill_(float("nan"))
-        layer.values.fill_(float("nan"))
+    arena = adapter.new_arena(192)
+    with torch.inference_mode():  # the arena is an inference tensor
+        arena.tensor.fill_(float("nan"))
     gen = torch.Generator().manual_seed(7)
     prefixes = [random_prompt(n, seed=10 + n) for n in (30, 5, 17)]
-    regions = [slots.region(64) for _ in prefixes]
+    regions = [arena.region(64) for _ in prefixes]
     own = [adapter.new_cache(64) for _ in prefixes]
     prefill = [compile_round(p, 0, [[]], (0, 0), []) for p in prefixes]
-    batch = pack_round(
-        prefill, [r.base for r in regions], [0, 0, 0], list(adapter.mask_windows.values()), adapter.dtype
-    )
-    adapter.forward_batch(batch, slots.cache)
+    adapter.run(prefill, regions)
     for p, cache in zip(prefixes, own, strict=True):
         adapter.forward(torch.tensor(p), torch.arange(len(p)), causal(len(p)), cache, torch.tensor([len(p) - 1]))
     levels = [torch.randint(0, 90, (3,), generator=gen).tolist(), torch.randint(0, 90, (4,), generator=gen).tolist()]
@@ -258,11 +256,9 @@ def test_batched_round_equals_isolated_forwards(path: str, family: str) -> None:
         compile_round(prefixes[2][-1:], 17, [[]], (0, 0), []),  # the live key alone
     ]
     past = [29, 5, 17]
-    from lp_runner.backends.adapter import crop
-
-    crop(own[0], 29)  # the first re-feeds its last cached position
-    batch = pack_round(layouts, [r.base for r in regions], past, list(adapter.mask_windows.values()), adapter.dtype)
-    got = adapter.forward_batch(batch, slots.cache).split(batch.logit_counts)
+    own[0].crop(29)  # the first re-feeds its last cached position
+    regions[0].crop(29)
+    got = adapter.run(layouts, regions).split([len(layout.logit_rows) for layout in layouts])
     for b, (layout, cache) in enumerate(zip(layouts, own, strict=True)):
         alone = adapter.forward(layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows)
         assert torch.isfinite(got[b]).all(), b
@@ -271,16 +267,16 @@ def test_batched_round_equals_isolated_forwards(path: str, family: str) -> None:
         else:
             torch.testing.assert_close(got[b], alone, rtol=1e-5, atol=1e-5)
         end = past[b] + layout.num_rows
-        for layer, own_layer in zip(slots.layers(), cache.layers, strict=True):
-            region = layer.keys[:, :, regions[b].base : regions[b].base + end]
-            torch.testing.assert_close(region, own_layer.keys[:, :, :end], rtol=1e-5, atol=1e-5)
+        for i, layer in enumerate(arena.layers()):
+            torch.testing.assert_close(regions[b].keys(i), cache.keys(i), rtol=1e-5, atol=1e-5)
+            assert regions[b].length == end
             assert torch.isnan(layer.keys[:, :, regions[b].base + end : regions[b].base + 64]).all()  # untouched
 
 
 def test_probe_refuses_a_model_that_attends_across_generations(monkeypatch) -> None:
-    """``forwards.batch_support`` compares a batched round with separate forwards: masks that let the second generation
-    see the first's keys are caught (the run then keeps one prompt at a time)."""
-    import lp_runner.decoding.batch_round as bf
+    """``batch_round.batch_support`` compares a batched round with separate forwards: masks that let the second
+    generation see the first's keys are caught (the run then keeps one prompt at a time)."""
+    import lp_runner.backends.adapter as bf
 
     real = bf.pack_round
 
@@ -297,7 +293,14 @@ def test_probe_refuses_a_model_that_attends_across_generations(monkeypatch) -> N
         rows = (seg.start[1:] - seg.start[:-1]).tolist()
         wide = Segments.of(rows, [0] * seg.count, (seg.width + seg.base).tolist())
         return bf.BatchRound(
-            batch.input_ids, batch.position_ids, batch.slots, wide, masks, batch.logit_rows, batch.logit_counts
+            batch.input_ids,
+            batch.position_ids,
+            batch.slots,
+            wide,
+            masks,
+            batch.logit_rows,
+            batch.logit_counts,
+            batch.past,
         )
 
     adapter = ModelAdapter(tiny_model("llama"))

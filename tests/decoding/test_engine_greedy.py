@@ -224,35 +224,45 @@ def test_failed_round_leaves_no_trace_on_a_fresh_generate(layer: int) -> None:
 @pytest.mark.parametrize(
     "where",
     [
-        "lm_head",  # every layer already appended this round's K/V
-        "layer1",  # layer 0 appended this round's K/V, layer 1 did not: each layer is cropped by its own length
+        "lm_head",  # every layer already wrote this round's K/V
+        "layer1",  # layer 0 wrote this round's K/V, layer 1 did not
     ],
 )
 def test_failed_round_restores_the_cache(where: str) -> None:
     """DESIGN: 'a failure inside a round leaves output, cache, window and pool as they were'.
 
-    The engine's cache is only reachable through what the model receives, so a pre-hook on layer 0 records it
-    (and every layer's length when the failing round started).
-    """
+    A spy on the adapter's one forward records each round's K/V regions and their lengths when it started; after
+    the failure the region holds the committed prefix again (the round's rows written past it are overwritten by
+    the next), its slots are free and the job arena is back with the adapter for the next run."""
     model = tiny_model("llama")
     engine = make_engine(model, 5, 4, 5, True, NEW_TOKENS)
-    spy = CacheSpy()
+    calls: list[list[tuple[object, int]]] = []
+    run = engine.adapter.run
+
+    def spy(rounds, regions):
+        calls.append([(region, region.length) for region in regions])
+        return run(rounds, regions)
+
+    def fail_in_round_6(module, *_) -> None:
+        if len(calls) == 6:
+            raise Boom("injected failure in round 6")
+
+    engine.adapter.run = spy
     failing = model.lm_head if where == "lm_head" else model.model.layers[1]
-    handles = [
-        model.model.layers[0].register_forward_pre_hook(spy, with_kwargs=True),
-        failing.register_forward_pre_hook(fail_when(spy, 6)),
-    ]
+    handle = failing.register_forward_pre_hook(fail_in_round_6)
     try:
         with pytest.raises(Boom):
             engine.generate(random_prompt(PROMPT_LEN, 0))
     finally:
-        for h in handles:
-            h.remove()
-    cache, lengths_at_start = spy.calls[-1]
-    assert lengths_at_start[0] > PROMPT_LEN  # the failing round was not the prefill
-    assert len(set(lengths_at_start)) == 1  # every layer held the committed prefix
-    now = layer_lengths(cache)
-    assert now == lengths_at_start, f"cache length per layer after the failed round {now}, before {lengths_at_start}"
+        handle.remove()
+        del engine.adapter.run
+    ((region, length_at_start),) = calls[-1]
+    assert length_at_start > PROMPT_LEN  # the failing round was not the prefill
+    assert region.length == length_at_start
+    assert region not in region.arena.regions  # its slots are free
+    arena = engine.adapter.claim_arena(1)
+    assert arena is region.arena  # released to the adapter: the next run reuses it
+    engine.adapter.release_arena(arena)
 
 
 @pytest.mark.parametrize(
@@ -265,7 +275,7 @@ def test_failed_round_restores_the_cache(where: str) -> None:
 )
 def test_sliding_window_model_is_exact_past_the_window(family: str, window: dict) -> None:
     """Window 8, text 12 + 40 tokens and rounds of up to 66 rows: every row sees only its own last 8 positions
-    (``sliding_window_mask``), so the output equals HF greedy, which masks and rolls the window itself.
+    (``batch.pack_round``'s per-row window), so the output equals HF greedy, which masks and rolls the window itself.
     More families and hybrid layouts: ``test_families.py``."""
     model = tiny_model(family, **window)
     prompt = random_prompt(PROMPT_LEN, 0)

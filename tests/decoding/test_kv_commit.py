@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import FAMILIES, TINY_VOCAB, plain_cache
 
-from lp_runner.backends.adapter import ModelAdapter, cache_length, crop, move_rows
+from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.decoding.engine import CommitPlan, kv_commit_plan
 from lp_runner.decoding.layout import compile_round
 from lp_runner.decoding.verify.greedy import greedy_verify
@@ -39,7 +39,10 @@ def test_plan_without_hits_only_crops() -> None:
 
 
 def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]  # each (B, H, T, D)
+    """Every layer's cached (keys, values), each [1, H_kv, T, D]: a region of an arena, or transformers' own cache."""
+    if hasattr(cache, "arena"):
+        return [(cache.keys(i), cache.values(i)) for i in range(len(cache.arena.layers()))]
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -83,7 +86,7 @@ def test_commit_equals_plain_forward(tiny, family: str, num_ordinary: int, targe
     verdict = greedy_verify(
         preds[layout.ordinary_logit], candidates, [[preds[i] for i in rows] for rows in layout.verify_logits]
     )
-    assert cache_length(cache) == t + layout.num_rows
+    assert cache.length == t + layout.num_rows
     if target_hits:
         assert (verdict.candidate, verdict.hits) == (1, target_hits)  # the packed round really verified it
     else:
@@ -91,9 +94,9 @@ def test_commit_equals_plain_forward(tiny, family: str, num_ordinary: int, targe
     assert verdict.emitted == tuple(z[: target_hits + 1])  # packed predictions equal plain greedy
 
     plan = kv_commit_plan(t, layout, verdict.candidate, verdict.hits)
-    move_rows(cache, plan.src, plan.dst)
-    crop(cache, plan.length)
-    assert cache_length(cache) == len(committed) + target_hits
+    cache.move(plan.src, plan.dst)
+    cache.crop(plan.length)
+    assert cache.length == len(committed) + target_hits
 
     expected = plain_cache(model, committed + z[:target_hits])  # K/V rows belong to their input tokens
     got, ref = cache_tensors(cache), cache_tensors(expected)
@@ -113,16 +116,19 @@ def test_commit_equals_plain_forward(tiny, family: str, num_ordinary: int, targe
             torch.tensor([t - 1]),
         )
         adapter.forward(layout.input_ids, layout.position_ids, layout.visibility, stale, layout.logit_rows)
-        crop(stale, plan.length)
+        stale.crop(plan.length)
         assert not torch.allclose(cache_tensors(stale)[0][0], ref[0][0], atol=1e-5)
 
 
 def test_move_rows_reads_sources_before_writing(tiny) -> None:
     # overlapping src/dst (shift left by one): every destination must get the *old* source value
-    model = tiny("llama")
-    cache = plain_cache(model, list(range(10)))
+    adapter = ModelAdapter(tiny("llama"))
+    cache = adapter.new_cache()
+    adapter.forward(
+        torch.arange(10), torch.arange(10), torch.ones(10, 10, dtype=torch.bool).tril(), cache, torch.tensor([9])
+    )
     before = [k.clone() for k, _ in cache_tensors(cache)]
-    move_rows(cache, [3, 4, 5], [2, 3, 4])
+    cache.move([3, 4, 5], [2, 3, 4])
     for (k, _), k0 in zip(cache_tensors(cache), before, strict=True):
         torch.testing.assert_close(k[:, :, 2:5], k0[:, :, 3:6], atol=0, rtol=0)
         torch.testing.assert_close(k[:, :, 5:], k0[:, :, 5:], atol=0, rtol=0)

@@ -15,8 +15,7 @@ import pytest
 import torch
 from helpers import FAMILIES, TINY_VOCAB
 
-from lp_runner.backends.adapter import ModelAdapter, cache_length, crop
-from lp_runner.backends.attention import additive_mask
+from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.decoding import layout as layout_module
 from lp_runner.decoding.layout import (
     ROLE_LOOKAHEAD,
@@ -85,16 +84,6 @@ def test_visibility_is_one_per_shape_and_each_caller_owns_its_copy() -> None:
     assert layout_module._visibility.cache_info().hits > hits
     first.visibility.fill_(False)
     assert torch.equal(layout_module.visibility_mask(again.rows), computed) and computed.any()
-
-
-def test_additive_mask_prefix_visible_and_blocked_entries_are_min() -> None:
-    lay = worked_example()
-    mask = additive_mask(lay.visibility, past_len=4, dtype=torch.float32)  # [1, 1, Q, 4 + Q]
-    assert mask.shape == (1, 1, 8, 12)
-    assert (mask[0, 0, :, :4] == 0).all()  # the cached prefix is visible to every row
-    block = mask[0, 0, :, 4:]
-    assert torch.equal(block == 0, lay.visibility)
-    assert (block[~lay.visibility] == torch.finfo(torch.float32).min).all()
 
 
 def test_compile_round_rejects_bad_rounds() -> None:
@@ -250,7 +239,7 @@ def fill_prefix(adapter: ModelAdapter, prefix: list[int]):
     t = len(prefix)
     causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
     adapter.forward(torch.tensor(prefix), torch.arange(t), causal, cache, torch.tensor([t - 1]))
-    assert cache_length(cache) == t
+    assert cache.length == t
     return cache
 
 
@@ -277,7 +266,7 @@ def test_packed_forward_equals_separate_forwards(tiny, family: str) -> None:
         all_rows = torch.arange(lay.num_rows)
         packed = adapter.forward(lay.input_ids, lay.position_ids, lay.visibility, cache, all_rows)  # [Q, vocab]
         assert packed.shape == (lay.num_rows, model.config.vocab_size)
-        assert cache_length(cache) == past + lay.num_rows
+        assert cache.length == past + lay.num_rows
         for i, row in enumerate(lay.rows):
             ref = plain_last_logits(model, branch_of(rnd, row))
             err = (packed[i] - ref).abs().max().item()
@@ -285,7 +274,7 @@ def test_packed_forward_equals_separate_forwards(tiny, family: str) -> None:
             rows_checked[row.role] += 1
 
         # the engine's call: only the logit rows; they must be exactly those rows of the full forward
-        crop(cache, past)
+        cache.crop(past)
         some = adapter.forward(lay.input_ids, lay.position_ids, lay.visibility, cache, lay.logit_rows)
         assert some.shape == (len(lay.logit_rows), model.config.vocab_size)
         torch.testing.assert_close(some, packed[lay.logit_rows], atol=1e-5, rtol=1e-5)
@@ -295,7 +284,7 @@ def test_packed_forward_equals_separate_forwards(tiny, family: str) -> None:
         last = lay.num_rows - 1
         hidden = [k for k in range(last) if lay.visibility[last, k]]
         if hidden:
-            crop(cache, past)
+            cache.crop(past)
             wrong = lay.visibility.clone()
             wrong[last, hidden[-1]] = False
             bad = adapter.forward(lay.input_ids, lay.position_ids, wrong, cache, torch.tensor([last]))

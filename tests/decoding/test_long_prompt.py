@@ -21,21 +21,17 @@ CONTEXT = 2048
 
 
 def _spy_rows(monkeypatch) -> list[int]:
-    """Every forward's row count, recorded on the way into the real forwards (nothing replaced)."""
+    """Every forward's row count, recorded on the way into the real forward (nothing replaced)."""
     rows: list[int] = []
-    plain, batched = ModelAdapter.forward, ModelAdapter.forward_batch
+    real = ModelAdapter.run
 
-    def forward(self, input_ids, position_ids, visibility, cache, logit_rows):
-        assert visibility.shape == (len(input_ids), len(input_ids))
-        rows.append(len(input_ids))
-        return plain(self, input_ids, position_ids, visibility, cache, logit_rows)
+    def run(self, rounds, regions):
+        for r in rounds:
+            assert r.visibility.shape == (len(r.input_ids), len(r.input_ids))
+        rows.append(sum(len(r.input_ids) for r in rounds))
+        return real(self, rounds, regions)
 
-    def forward_batch(self, batch, cache):
-        rows.append(len(batch.input_ids))
-        return batched(self, batch, cache)
-
-    monkeypatch.setattr(ModelAdapter, "forward", forward)
-    monkeypatch.setattr(ModelAdapter, "forward_batch", forward_batch)
+    monkeypatch.setattr(ModelAdapter, "run", run)
     return rows
 
 
@@ -56,7 +52,7 @@ def test_long_prompt_is_chunked_and_exact(family, monkeypatch):
 
 
 def test_long_prompt_in_a_batch(monkeypatch):
-    """A long prompt joining a batch: its chunks run alone on its region of the slot cache, then its first round
+    """A long prompt joining a batch: its chunks run alone on its region of the job's arena, then its first round
     rides with the other generation's; both outputs are HF greedy's."""
     model = tiny_model("llama", max_position_embeddings=CONTEXT)
     prompts = [random_prompt(40, seed=3), random_prompt(LONG, seed=12)]

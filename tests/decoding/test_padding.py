@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import AMD_MS, FAMILIES, TINY_VOCAB, curve_from_ms, hf_greedy, make_engine, random_prompt
 
-from lp_runner.backends.adapter import ModelAdapter, crop, move_rows
+from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.decoding.engine import kv_commit_plan
 from lp_runner.decoding.layout import ROLE_PAD, compile_round, pad_layout
 from lp_runner.tuning.costmodel import RowPlan, predict
@@ -59,9 +59,9 @@ def test_padded_round_same_logits_and_committed_kv(tiny, family: str, extra: int
         logits = adapter.forward(layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows)
         assert logits.shape[0] == len(layout.logit_rows)  # [R, vocab]: no logits for the fillers
         plan = kv_commit_plan(t, layout, 0, 2)  # commit candidate 0's first two rows, as a winner would
-        move_rows(cache, plan.src, plan.dst)
-        crop(cache, plan.length)
-        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        cache.move(plan.src, plan.dst)
+        cache.crop(plan.length)
+        kv = [(cache.keys(i).clone(), cache.values(i).clone()) for i in range(len(cache.arena.layers()))]
         results.append((logits, kv))
     (logits0, kv0), (logits1, kv1) = results
     assert torch.equal(logits0.argmax(-1), logits1.argmax(-1))

@@ -41,9 +41,9 @@ class TaggingAdapter(ModelAdapter):
 
     forwards = 0
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
+    def run(self, *args, **kwargs) -> torch.Tensor:
         TaggingAdapter.forwards += 1
-        return super().forward(*args, **kwargs).as_subclass(Tracked)
+        return super().run(*args, **kwargs).as_subclass(Tracked)
 
 
 def _run(gen: GenerationConfig, tagged: bool) -> list[int]:

@@ -112,7 +112,7 @@ def test_smoke_mode_runs_every_step(tmp_path):
         assert data["compile"]["compilations"] == 1 and data["compile"]["ok"]
         job = data["job"]  # the second prompt needs a larger arena; the warm-up at the longer one made it once
         assert job["arena_slots"][1] > job["arena_slots"][0]
-        assert job["pool_allocations_before"] == job["pool_allocations_after"] == 1 and job["ok"]
+        assert job["arena_allocations_before"] == job["arena_allocations_after"] == 1 and job["ok"]
         assert job["capture_s_before"] == job["capture_s_after"] and len(job["captured_s"]) == 2
         prefill = data["prefill"]  # longer than one chunk: cached in chunks before the first round
         assert prefill["tokens"] > prefill["chunk_rows"] == 512

@@ -1,6 +1,5 @@
-"""The native attention for packed rounds on transformers' layers, registered as ``NATIVE_GQA``: what the CPU
-backend's models on native products attend with (``backend.CpuBackend.attention``), one segment of a batched round
-included (``segment_attention``).
+"""The native attention for a round's segments on transformers' layers: what the CPU backend's models on native
+products attend with (``backend.CpuBackend.segment_attention``, under ``attention.batched_attention``).
 
 It packs the query heads per K/V head as ``backends.attention.packed_gqa_sdpa`` does and calls the native loop
 (``native.attention``, ``csrc/attention.c``) instead of sdpa, up to ``NATIVE_MAX_ROWS`` packed rows.
@@ -10,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lp_runner.backends.attention import pack_heads, packed_gqa_sdpa, register, special_attention, unpack_heads
+from lp_runner.backends.attention import pack_heads, packed_gqa_sdpa, special_attention, unpack_heads
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.ops import define_op
 
@@ -85,7 +84,3 @@ def native_gqa_attention(
     op = packed_attention_op if torch.compiler.is_compiling() else packed_attention
     out = op(pack_heads(query, key.shape[1])[0], key[0], value[0], attention_mask[0, 0], scale)
     return unpack_heads(out, query.shape), None
-
-
-NATIVE_GQA = "lp_runner_native_gqa"
-register(NATIVE_GQA, native_gqa_attention)

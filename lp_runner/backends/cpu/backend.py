@@ -15,11 +15,11 @@ import weakref
 
 import torch
 
-from lp_runner.backends.attention import PACKED_GQA, packed_gqa_sdpa
+from lp_runner.backends.attention import packed_gqa_sdpa
 from lp_runner.backends.base import ForwardBackend
 from lp_runner.backends.batch import Segments
 from lp_runner.backends.cpu import native, native_layers
-from lp_runner.backends.cpu.attention import NATIVE_GQA, native_gqa_attention
+from lp_runner.backends.cpu.attention import native_gqa_attention
 from lp_runner.backends.cpu.native_layers import NATIVE_LAYERS_SUFFIX, LayerWeights, native_layer_weights
 from lp_runner.backends.cpu.prepack import KERNELS, NATIVE_KERNELS, PrepackChoice, apply_prepack, packed_choice
 from lp_runner.backends.torch_backend import TorchBackend
@@ -43,7 +43,6 @@ class CpuBackend:
         self.stacks: native_layers.Stacks = weakref.WeakKeyDictionary()  # the layers bound to each live cache
         self.native = KERNELS[choice.kernel] in NATIVE_KERNELS
         self.kernels = choice.kernels + (NATIVE_LAYERS_SUFFIX if layer_weights else "")  # each forward: its curve
-        self.attention = NATIVE_GQA if self.native else PACKED_GQA
         self.segment_attention = native_gqa_attention if self.native else packed_gqa_sdpa
 
     def key(self) -> dict[str, str]:
@@ -59,7 +58,7 @@ class CpuBackend:
         mask,
         cache,
         logit_rows: torch.Tensor,
-        segments: Segments | None = None,
+        segments: Segments,
     ) -> torch.Tensor | None:
         if not self.layer_weights:
             return None

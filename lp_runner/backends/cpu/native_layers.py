@@ -15,9 +15,10 @@ convention, grouped-query attention, SiLU-gated MLP, optional q/k/v biases) whos
 native ``SharedInputProduct``s and whose o/down products are native ``PackedLinear``s. Anything else keeps its
 own forward.
 
-When: the adapter's own rounds (``forward_model``, the CPU backend's, which also replaces transformers' model loop
-around the layers) at batch 1 on a static K/V buffer (``StaticBufferLayer``, whose slots the adapter sets) with the
-adapter's additive mask, of any number of rows: the prompt's prefill too, which ran 1.2-1.7x faster natively
+When: the adapter's eager rounds (``forward_model``, the CPU backend's, which also replaces transformers' model loop
+around the layers) on the K/V arena (``kv_cache.ArenaLayer``s, whose write slots the adapter sets), one or more
+segments (generations) per round, each reading its own region through its own mask, of any number of rows: a
+prompt's prefill too, which ran 1.2-1.7x faster natively
 than through transformers' layers on the same products (16-1200 rows of the embedded model, 2 threads; torch's
 sdpa there attends over the whole buffer, the native loop only up to each row's last visible key). The model
 itself is not changed (the layers' weights are held by the backend, not stored on the modules), so every other
@@ -40,7 +41,7 @@ import torch
 from lp_runner.backends.batch import Segments
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.prepack import NATIVE_KERNELS, PackedLinear, ProductSlice, SharedInputProduct
-from lp_runner.backends.kv_cache import StaticBufferLayer
+from lp_runner.backends.kv_cache import ArenaLayer
 
 # decoder layer and norm classes whose forward is the one lp_native_llama_layer computes (checked by name: the
 # classes live in each model's own transformers module)
@@ -153,10 +154,10 @@ def forward_model(
     stacks: Stacks,  # the caller's stacks of bound layers, per cache (``_stack``)
     input_ids: torch.Tensor,  # [R]
     position_ids: torch.Tensor,  # [R]
-    mask,  # [1, 1, R, C] additive, or {layer type: such a mask}
-    cache,  # the adapter's DynamicCache of StaticBufferLayers, write slots set
+    mask,  # [mask_size] flat additive masks, segment after segment, or {layer type: such a mask}
+    cache,  # the arena's DynamicCache of ArenaLayers, write slots set
     logit_rows: torch.Tensor,  # [L]
-    segments: Segments | None = None,
+    segments: Segments,
 ) -> torch.Tensor | None:  # [L, vocab], or None: not this kind of forward (the caller runs the model's own)
     """A whole round through the native layers without transformers' model loop: the embedding, the rotary
     tables, one C call for all the layers, the final norm and the output layer on the logit rows, each the module or
@@ -168,8 +169,8 @@ def forward_model(
     scale, no logit soft-cap) whose layers are ``layer_weights`` (``native_layer_weights``); None otherwise, and
     for rounds it does not serve (another cache or mask), which the model's own forward runs.
 
-    ``segments``: a batched round of several generations (``batch_forward.py``); each mask is then flat
-    ([mask_size]: every segment's rows over its own keys) and the C call attends per segment."""
+    ``segments``: the round's generations (``backends.batch``): each mask is flat ([mask_size]: every segment's
+    rows over its own keys) and the C call attends per segment."""
     if type(model).__name__ not in MODEL_CLASSES or torch.compiler.is_compiling():
         return None
     base = model.model
@@ -179,7 +180,7 @@ def forward_model(
     if layers is None or not weights or len(weights) != len(layers) or len(layers) != len(cache.layers):
         return None
     cached = cache.layers
-    if not all(isinstance(c, StaticBufferLayer) and c.is_initialized and c.write_slots is not None for c in cached):
+    if not all(isinstance(c, ArenaLayer) and c.write_slots is not None for c in cached):
         return None
     # each layer's attention type, as the model's own loop reads it (Qwen2: config.layer_types; None: one mask)
     types_ = list(getattr(model.config, "layer_types", None) or [None] * len(layers))
@@ -190,14 +191,9 @@ def forward_model(
         m = mask if isinstance(mask, torch.Tensor) else (mask or {}).get(key)
         if not isinstance(m, torch.Tensor) or m.dtype != torch.float32:
             return None
-        if segments is not None:
-            if m.shape != (segments.mask_size,):
-                return None
-            masks[key] = m.contiguous()
-            continue
-        if m.dim() != 4 or tuple(m.shape[:3]) != (1, 1, rows) or m.shape[3] != cached[0].keys.shape[2]:
+        if m.shape != (segments.mask_size,):
             return None
-        masks[key] = m[0, 0].contiguous()
+        masks[key] = m.contiguous()
     slots = {id(c.write_slots): c.write_slots for c in cached}  # the adapter sets one for all
     if len(slots) != 1:
         return None

@@ -21,7 +21,7 @@ from dist_helpers import env_with_repo, make_tiny_folder, write_prompts
 from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead
 from transformers import AutoModelForCausalLM
 
-from lp_runner.backends.adapter import ModelAdapter, causal, crop
+from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.prepack import (
     KERNELS,
@@ -152,11 +152,11 @@ def test_rounds_are_the_float32_rounds_of_the_rounded_model(tiny, family: str) -
             a.forward(ids, positions, vis, c, torch.arange(rows)) for a, c in zip((halves, floats), caches, strict=True)
         ]
         assert torch.equal(*logits), rows
-        for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        for a, b in zip(caches[0].arena.layers(), caches[1].arena.layers(), strict=True):
             assert torch.equal(a.keys[:, :, : 40 + rows], b.keys[:, :, : 40 + rows])
             assert torch.equal(a.values[:, :, : 40 + rows], b.values[:, :, : 40 + rows])
         for cache in caches:
-            crop(cache, 40)
+            cache.crop(40)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

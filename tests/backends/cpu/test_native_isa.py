@@ -23,7 +23,7 @@ import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
 from helpers import hf_greedy, random_prompt, run_lookahead
 
-from lp_runner.backends.adapter import ModelAdapter, causal, crop
+from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, prepack_linears
 from lp_runner.models.loading import default_cache_dir
@@ -134,7 +134,7 @@ def test_rounds_on_each_build(tiny, build: str, routed_to) -> None:
             ids = torch.randint(0, 50, (rows,), generator=torch.Generator().manual_seed(rows))
             positions = torch.arange(30, 30 + rows)
             logits[name].append(adapter.forward(ids, positions, causal(rows), cache, torch.arange(rows)))
-            crop(cache, 30)
+            cache.crop(30)
     for got, want in zip(logits[build], logits["default"], strict=True):
         if bitwise:
             assert torch.equal(got, want)

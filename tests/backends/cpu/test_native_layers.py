@@ -18,7 +18,7 @@ import torch
 from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead, tiny_model
 
 from lp_runner.backends import detect_backend
-from lp_runner.backends.adapter import ModelAdapter, causal, crop
+from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu import native, native_layers
 from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, prepack_linears
 from lp_runner.models.loading import default_cache_dir, weights_checksum
@@ -53,7 +53,7 @@ def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> No
     layers give them (same products, same static cache), to fp32 rounding, with every argmax the same."""
     model = _native_model(tiny(family))
     layers = model.config.num_hidden_layers
-    reference = ModelAdapter(model, backend=detect_backend(model).transformers_layers(), static_cache=True)
+    reference = ModelAdapter(model, backend=detect_backend(model).transformers_layers())
     fast = ModelAdapter(model)
     assert fast.backend.whole_layers == layers and fast.backend.kernels.endswith(native_layers.NATIVE_LAYERS_SUFFIX)
     assert reference.backend.whole_layers == 0
@@ -83,12 +83,12 @@ def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> No
         assert calls[before:] == [rows] * layers
         torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-4, atol=1e-4)
         assert torch.equal(fast_logits.argmax(-1), ref_logits.argmax(-1))
-        for ref_layer, fast_layer in zip(caches[0].layers, caches[1].layers, strict=True):
+        for ref_layer, fast_layer in zip(caches[0].arena.layers(), caches[1].arena.layers(), strict=True):
             for name in ("keys", "values"):
                 got, want = getattr(fast_layer, name)[:, :, : 40 + rows], getattr(ref_layer, name)[:, :, : 40 + rows]
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         for cache in caches:
-            crop(cache, 40)
+            cache.crop(40)
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "mistral-sliding", "qwen2-hybrid"])
@@ -185,15 +185,15 @@ def _native_rounds(model: torch.nn.Module) -> list[torch.Tensor]:
             vis = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
             vis = vis.tril()
             out.append(adapter.forward(ids, prefix + vis.sum(1) - 1, vis, cache, torch.arange(rows)))
-            crop(cache, prefix)
+            cache.crop(prefix)
     grown = caches[0]
-    capacity = grown.layers[0].keys.shape[2]
+    capacity = grown.arena.layers()[0].keys.shape[2]
     for step in range(3):
         past = prefix + 8 * step
         ids = torch.randint(0, 50, (8,), generator=gen)
         out.append(adapter.forward(ids, torch.arange(past, past + 8), causal(8), grown, torch.arange(8)))
-    assert grown.layers[0].keys.shape[2] > capacity, "the cache did not grow"
-    return out + [t.clone() for c in caches for layer in c.layers for t in (layer.keys, layer.values)]
+    assert grown.arena.layers()[0].keys.shape[2] > capacity, "the cache did not grow"
+    return out + [t.clone() for c in caches for layer in c.arena.layers() for t in (layer.keys, layer.values)]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral-sliding", "qwen2-hybrid"])
@@ -249,7 +249,7 @@ def test_a_finished_generations_buffers_are_freed_with_its_cache(tiny, calls) ->
     adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
     adapter.forward(torch.tensor([5, 6]), torch.tensor([8, 9]), causal(2), cache, torch.arange(2))
     assert 2 in calls, "the round did not run on a layer stack"
-    buffers = [weakref.ref(t) for c in cache.layers for t in (c.keys, c.values)]
+    buffers = [weakref.ref(t) for c in cache.arena.layers() for t in (c.keys, c.values)]
     del cache
     gc.collect()
     assert all(ref() is None for ref in buffers)
@@ -265,7 +265,7 @@ def test_each_layer_of_a_stack_reads_its_own_mask_and_buffers() -> None:
         adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
     weights = list(adapter.backend.layer_weights)
     first = weights[0]
-    capacity, dim = caches[0].layers[0].keys.shape[2:]
+    capacity, dim = caches[0].arena.layers()[0].keys.shape[2:]
     gen = torch.Generator().manual_seed(6)
     rows = 3
     hidden = torch.randn(rows, model.config.hidden_size, generator=gen)
@@ -278,17 +278,18 @@ def test_each_layer_of_a_stack_reads_its_own_mask_and_buffers() -> None:
         masks.append(mask)
     stacked, per_layer = hidden.clone(), hidden.clone()
     native.LayerStack(
-        [w.as_args() for w in weights], [c.keys[0] for c in caches[0].layers], [c.values[0] for c in caches[0].layers],
+        [w.as_args() for w in weights], [c.keys[0] for c in caches[0].arena.layers()],
+        [c.values[0] for c in caches[0].arena.layers()],
         first.heads, first.intermediate, first.scale,
     ).run(stacked, cos, sin, slots, masks)  # fmt: skip
-    for w, mask, c in zip(weights, masks, caches[1].layers, strict=True):
+    for w, mask, c in zip(weights, masks, caches[1].arena.layers(), strict=True):
         native.llama_layer(per_layer, w.as_args(), cos, sin, slots, mask, c.keys[0], c.values[0], w.heads,
                            w.intermediate, w.scale)  # fmt: skip
     assert torch.equal(stacked, per_layer) and not torch.equal(stacked, hidden)
-    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+    for a, b in zip(caches[0].arena.layers(), caches[1].arena.layers(), strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     shared = hidden.clone()  # one mask for every layer gives other values: the masks were read per layer
-    for w, c in zip(weights, caches[1].layers, strict=True):
+    for w, c in zip(weights, caches[1].arena.layers(), strict=True):
         native.llama_layer(shared, w.as_args(), cos, sin, slots, masks[0], c.keys[0], c.values[0], w.heads,
                            w.intermediate, w.scale)  # fmt: skip
     assert not torch.equal(shared, stacked)
@@ -301,16 +302,18 @@ def test_a_slot_outside_the_buffer_is_refused_before_any_write(tiny) -> None:
     adapter = ModelAdapter(model)
     cache = adapter.new_cache(64)
     adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
-    layer, weights = cache.layers[0], adapter.backend.layer_weights[0]
+    layer, weights = cache.arena.layers()[0], adapter.backend.layer_weights[0]
     all_weights = list(adapter.backend.layer_weights)
     stack = native.LayerStack(
-        [w.as_args() for w in all_weights], [c.keys[0] for c in cache.layers], [c.values[0] for c in cache.layers],
+        [w.as_args() for w in all_weights],
+        [c.keys[0] for c in cache.arena.layers()],
+        [c.values[0] for c in cache.arena.layers()],
         weights.heads, weights.intermediate, weights.scale,
     )  # fmt: skip
     capacity, dim = layer.keys.shape[2], layer.keys.shape[3]
     hidden = torch.randn(2, model.config.hidden_size)
     before = hidden.clone()
-    buffers = [t.clone() for c in cache.layers for t in (c.keys, c.values)]
+    buffers = [t.clone() for c in cache.arena.layers() for t in (c.keys, c.values)]
     cos, sin = torch.ones(2, dim), torch.zeros(2, dim)
     mask = torch.zeros(2, capacity)
     for slots in (torch.tensor([8, capacity]), torch.tensor([-1, 9])):
@@ -327,10 +330,10 @@ def test_a_slot_outside_the_buffer_is_refused_before_any_write(tiny) -> None:
         with pytest.raises(ValueError, match="do not fit"):  # refused in Python: the C call would read past them
             stack.run(*bad[:4], bad[4] * len(all_weights))
     assert torch.equal(hidden, before)
-    after = [t for c in cache.layers for t in (c.keys, c.values)]
+    after = [t for c in cache.arena.layers() for t in (c.keys, c.values)]
     assert all(torch.equal(t, b) for t, b in zip(after, buffers, strict=True))
     stack.run(hidden, cos, sin, good, [mask] * len(all_weights))  # the same call, slots inside
-    assert not torch.equal(hidden, before) and not torch.equal(cache.layers[-1].keys, buffers[-2])
+    assert not torch.equal(hidden, before) and not torch.equal(cache.arena.layers()[-1].keys, buffers[-2])
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
