@@ -205,11 +205,11 @@ def test_resources_bundle_and_capacity():
         parse_resources("accel")
 
 
-def test_a_loss_after_the_lanes_prompt_was_written_is_still_a_recovery(caplog):
-    """The race the killed-group test can land in: the actor dies after rank 0 reported prompt i's record (between
-    its last poll and the end of ``run``). The lane rebuilds its group all the same, so the loss counts against
-    ``advanced.max_restarts`` and is reported on the next prompt the lane takes (from token 0); with the queue
-    empty it is only a warning. The driver's bookkeeping, no cluster (``group=None``: nothing to drain)."""
+def test_a_loss_after_the_lanes_claim_was_written_is_still_a_recovery(caplog):
+    """The race the killed-group test can land in: the actor dies after rank 0 reported every record of its claim
+    (between its last poll and the end of ``run``). The lane rebuilds its group all the same, so the loss counts
+    against ``advanced.max_restarts`` and is reported on the next prompt the lane claims (from token 0); with the
+    queue empty it is only a warning. The driver's bookkeeping, no cluster (``group=None``: nothing to drain)."""
     from lp_runner.errors import DistributedError
     from lp_runner.jobs.prompts import PromptSpec
     from lp_runner.jobs.ray import _Driver
@@ -217,19 +217,48 @@ def test_a_loss_after_the_lanes_prompt_was_written_is_still_a_recovery(caplog):
     cfg = load_config(None, ["parallel.groups=2", "advanced.max_restarts=1"])
     specs = [PromptSpec(id=str(i), prompt="x") for i in range(3)]
     driver = _Driver(None, cfg, specs, None, single=False)
-    assert driver._claim() == 0 and driver._claim() == 1  # lane 0 holds prompt 0, lane 1 prompt 1
+    assert driver._claim(1) == [0] and driver._claim(1) == [1]  # lane 0 holds prompt 0, lane 1 prompt 1
     driver.progress.committed[0] = [5, 6]
     driver.progress.records[1] = {"id": "1"}  # lane 1's prompt was written before its actor died
-    assert driver._recover_lane(None, 1, 1, "worker rank 0 was lost", 1) == 2  # the lane's next prompt
-    assert driver.queue == [] and len(driver.recoveries) == 1
+    held, loss = driver._recover_lane(None, 1, [1], "worker rank 0 was lost", 1)
+    assert held == [2] and driver.queue == [] and driver.recoveries == [loss]  # the lane's next prompt
     (event,) = driver.progress.recovery[2]
-    assert event["lost"] == "group 1: worker rank 0 was lost" and event["resumed_at_token"] == 0
-    assert "its prompt was written; starting prompt '2' at token 0 (recovery 1/1)" in caplog.text
+    assert loss == [event] and event["lost"] == "group 1: worker rank 0 was lost" and event["resumed_at_token"] == 0
+    assert "its claim was written; starting prompt '2' at token 0 (recovery 1/1)" in caplog.text
     with pytest.raises(DistributedError, match="gave up after 1 recoveries .* group 0: worker rank 0 was lost"):
-        driver._recover_lane(None, 0, 0, "worker rank 0 was lost", 1)  # a held prompt, over the bound
+        driver._recover_lane(None, 0, [0], "worker rank 0 was lost", 1)  # a held prompt, over the bound
     driver.progress.records[2] = {"id": "2"}
-    assert driver._recover_lane(None, 1, 2, "worker rank 0 was lost", 1) is None  # written, queue empty
+    assert driver._recover_lane(None, 1, [2], "worker rank 0 was lost", 1) == ([], [])  # written, queue empty
     assert len(driver.recoveries) == 1 and "nothing left to run" in caplog.text
+
+
+def test_a_lost_claim_resumes_each_unfinished_prompt(caplog):
+    """A lane's claim of several prompts (``run.batch`` 3) when its group is lost: the prompts already written
+    stay written, every other one is run again by the rebuilt group, and each that had committed a round gets its
+    own recovery event at its own prefix, all of one loss (one recovery counted). The bookkeeping alone, as if
+    rank 0's messages had been taken: no cluster."""
+    from lp_runner.jobs.prompts import PromptSpec
+    from lp_runner.jobs.ray import _Driver
+    from lp_runner.jobs.report import resumed_prompts
+
+    cfg = load_config(None, ["parallel.groups=2", "run.batch=3", "advanced.max_restarts=2"])
+    specs = [PromptSpec(id=f"p{i}", prompt="x") for i in range(5)]
+    driver = _Driver(None, cfg, specs, None, single=False)
+    claim = driver._claim(3)
+    assert claim == [0, 1, 2] and driver.queue == [3, 4]
+    driver._take([("tokens", 0, [7, 8]), ("tokens", 1, [9]), ("record", 1, {"id": "p1"}), ("tokens", 0, [6])])
+    # p2 joined the batch but committed no round before the loss
+    held, loss = driver._recover_lane(None, 0, claim, "worker rank 1 was lost", 2)
+    assert held == [0, 2] and driver.queue == [3, 4]  # p1 is written: not run again; nothing new claimed
+    assert [(e["prompt"], e["resumed_at_token"], e["rounds_before"]) for e in loss] == [("p0", 3, 2)]
+    assert driver.recoveries == [loss] and driver.progress.recovery == {0: loss}
+    assert "group 0: worker rank 1 was lost; resuming prompt 'p0' at token 3 (recovery 1/2)" in caplog.text
+    # a second loss splits both: one recovery, two events
+    driver._take([("tokens", 0, [5]), ("tokens", 2, [4, 3])])
+    held, loss = driver._recover_lane(None, 0, held, "worker rank 0 was lost", 2)
+    assert held == [0, 2] and len(driver.recoveries) == 2 and len(loss) == 2
+    assert resumed_prompts(loss) == "prompts 'p0' at token 4, 'p2' at token 2"
+    assert [len(driver.progress.recovery[i]) for i in (0, 2)] == [2, 1]
 
 
 def test_missing_ray_is_a_clear_error(monkeypatch, capsys, tmp_path):
@@ -238,18 +267,6 @@ def test_missing_ray_is_a_clear_error(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError, as when not installed
     assert main(["--prompt", "hi", "--set", "parallel.backend=ray", "--output", str(tmp_path / "o.jsonl")]) == 2
     assert capsys.readouterr().err == "error: parallel.backend=ray needs ray: pip install 'lp_runner[ray]'\n"
-
-
-def test_run_batch_under_ray_says_it_runs_as_one(tmp_path):
-    """Ray runs one prompt per group (a recovery resumes the one prompt a lost worker held): a run.batch it does not
-    apply is one warning line, before anything is started (here an unreachable cluster ends the run next)."""
-    proc = _cli(
-        ["--prompt", "hi", "--set", "parallel.backend=ray", "--set", "run.batch=4"], 60, RAY_ADDRESS="127.0.0.1:9"
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.splitlines()
-    assert lines[0].startswith("warning: run.batch=4 runs as 1 under parallel.backend=ray"), proc.stderr
-    assert lines[1].startswith("error: cannot reach the Ray cluster at 127.0.0.1:9") and len(lines) == 2, proc.stderr
 
 
 def test_resume_from_committed_prefix_gives_the_same_record(tiny_dir):
