@@ -353,6 +353,32 @@ def test_job_embedded_model_matcheshf_greedy_of(cluster, tmp_path):
         assert rec["output_ids"] == hf_greedy_of(embedded_model_dir(), rec["prompt_ids"], 24), rec["id"]
 
 
+@pytest.mark.slow
+def test_group_runs_its_batch_together_and_matches_hf_greedy(cluster, tmp_path):
+    """run.batch=3 on a P = 2 group of the embedded model: up to three prompts share each forward of the Ray
+    actors (``run_prompts``' in-flight loop, as under torchrun), and every output is HF greedy's token for token.
+
+    Keywords: ``preset=off`` runs the window as written on both ranks (no per-process calibration);
+    ``rounds / forward_share`` is the generations a prompt's forwards held on average (1.0 one at a time), so it
+    fails if the group ran one prompt per forward; the summary's ``batch 3:`` line says the same from the job's side.
+    """
+    from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model
+
+    fetch_embedded_model()
+    texts = ["def fibonacci(n):\n", "The capital of France is", "Once upon a time,", "import numpy as np\n"]
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": t} for i, t in enumerate(texts)])
+    extra = ("--set", "run.batch=3", *_ray_args(2))
+    proc = _cli(_args("embedded", prompts, tmp_path / "o.jsonl", 24, *extra), 400, RAY_ADDRESS=cluster.gcs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "runs as 1" not in proc.stderr and "batch 3: " in proc.stderr, proc.stderr[-3000:]
+    records = read_jsonl(tmp_path / "o.jsonl")
+    assert sorted(r["id"] for r in records) == [f"p{i}" for i in range(len(texts))]
+    assert all(r["workers"] == 2 and r["stats"]["collectives"] == r["stats"]["rounds"] for r in records)
+    assert max(r["stats"]["rounds"] / r["stats"]["forward_share"] for r in records) > 1.5  # forwards were shared
+    for rec in records:
+        assert rec["output_ids"] == hf_greedy_of(embedded_model_dir(), rec["prompt_ids"], 24), rec["id"]
+
+
 def _run_and_kill_rank1(
     cluster, tiny_dir: Path, prompts: Path, out: Path, *extra: str, sig: int = signal.SIGKILL, rank: int = 1
 ) -> tuple[int, str]:
@@ -504,6 +530,80 @@ def test_two_groups_one_killed_resumes_alone_and_output_is_identical(cluster, ti
     assert [n for n in ours if "-d0-" in n] == [f"lp_runner-{run_id}-d0-g0-rank0"], ours
     assert "warning: group 1: worker rank 0 was lost" in err and "recoveries 1 (lost workers" in err
     assert "groups 2: busy" in err  # the job line's per-group utilisation
+
+
+def _kill_group1_mid_claim(cluster, args: list[str], out: Path) -> tuple[int, str]:
+    """Run the CLI (``args``: D = 2 lanes of P = 1) against the cluster; once group 1's actor is inside its first
+    ``Replica.run`` (Ray's state API lists the task as running), let it commit CLAIM_RUN_S of rounds, then SIGKILL
+    it: the loss lands in the middle of a claim, with every prompt of it part-generated. Returns (exit code,
+    stderr)."""
+    from ray.util.state import list_actors, list_tasks
+
+    proc = subprocess.Popen(
+        lp_runner_cmd(*args),
+        env=env_with_repo(RAY_ADDRESS=cluster.gcs),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline, victim = time.monotonic() + 150, []
+        while not victim:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            alive = list_actors(address=cluster.url, filters=[("state", "=", "ALIVE")], limit=1000)
+            actor = [a for a in alive if (a.name or "").endswith("-d1-g0-rank0")]  # lp_runner-<run>-d<group>-g<gen>
+            if actor:
+                running = list_tasks(address=cluster.url, filters=[("state", "=", "RUNNING")], limit=1000)
+                runs = {t.actor_id for t in running if t.name == "Replica.run"}
+                victim = [a for a in actor if a.actor_id in runs]
+            time.sleep(0.05)
+        time.sleep(CLAIM_RUN_S)
+        os.kill(victim[0].pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+# The mid-claim kill: generations long enough (about 2.5 s a claim of two on this machine's tiny model, more under
+# load) that CLAIM_RUN_S after its run started, both prompts of the claim have committed rounds and neither is done.
+CLAIM_TOKENS, CLAIM_RUN_S = 1500, 0.5
+
+
+@pytest.mark.slow
+def test_two_groups_of_batched_claims_one_killed_mid_claim_resume_every_prompt_once(cluster, tiny_dir, tmp_path):
+    """parallel.groups=2 x workers=1 with run.batch=2: each lane claims two prompts at a time and runs them
+    together. Group 1's actor is SIGKILLed in the middle of its first claim: its rebuilt group resumes both
+    prompts of the claim, each from its own committed prefix (one recovery, an event on each), nothing is run
+    twice or lost, and every record equals the uninterrupted single worker's and HF greedy."""
+    specs = [{"id": str(i), "prompt": f"story {i} story {i} story {i}"} for i in range(6)]
+    prompts, out = write_prompts(tmp_path / "p.jsonl", specs), tmp_path / "o.jsonl"
+    extra = (*_ray_args(1), "--set", "parallel.groups=2", "--set", "run.batch=2")
+    rc, err = _kill_group1_mid_claim(cluster, _args(tiny_dir, prompts, out, CLAIM_TOKENS, *extra), out)
+    assert rc == 0, err[-3000:]
+    records = read_jsonl(out)
+    expected = {r["id"]: r for r in _uninterrupted(tiny_dir, prompts, CLAIM_TOKENS)}
+    assert sorted(r["id"] for r in records) == sorted(expected)  # every prompt exactly once
+    assert {r["group"] for r in records} == {0, 1}
+    assert max(r["stats"]["rounds"] / r["stats"]["forward_share"] for r in records) > 1.5  # claims ran together
+    hit = [r for r in records if "recovery" in r]
+    assert len(hit) == 2 and all(r["group"] == 1 for r in hit), [(r["id"], r["group"]) for r in hit]
+    events = [r["recovery"][0] for r in hit]
+    assert len({e["lost"] for e in events}) == 1 and all(len(r["recovery"]) == 1 for r in hit)  # one loss
+    assert all(0 < e["resumed_at_token"] < CLAIM_TOKENS and e["rounds_before"] > 0 for e in events), events
+    ignore = frozenset({"group", "forwards", "tokens_per_forward"})
+    for rec in records:
+        _same_generation([rec], [expected[rec["id"]]], ignore)
+    assert records[0]["new_tokens"] == CLAIM_TOKENS  # guard: long generations, not an early EOS
+    for rec in hit:  # the resumed ones against the oracle itself; the whole generation is counted
+        assert rec["output_ids"] == hf_greedy_of(tiny_dir, rec["prompt_ids"], CLAIM_TOKENS), rec["id"]
+        assert rec["stats"]["new_tokens"] == rec["new_tokens"] == len(rec["output_ids"])
+        assert rec["forwards"] == rec["stats"]["forwards"] > rec["recovery"][0]["rounds_before"]
+    warning = [line for line in err.splitlines() if line.startswith("warning: group 1: worker rank 0 was lost")]
+    assert len(warning) == 1 and "resuming prompts " in warning[0] and "(recovery 1/2)" in warning[0], err[-3000:]
+    assert "recoveries 1 (lost workers" in err
 
 
 @pytest.mark.slow
