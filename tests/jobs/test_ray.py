@@ -441,6 +441,27 @@ def test_killed_actor_is_replaced_and_output_is_identical(cluster, tiny_dir, tmp
 
 
 @pytest.mark.slow
+def test_killed_actor_of_a_batched_group_resumes_every_prompt_in_flight(cluster, tiny_dir, tmp_path):
+    """D = 1, P = 2 with run.batch=2: the group keeps two prompts in flight over the whole job. Rank 1 is killed
+    mid-job: the rebuilt group resumes each prompt the loss split from its own prefix (one recovery, an event on
+    each), and the records equal the uninterrupted single worker's, none repeated."""
+    prompts, out = _many_prompts(tmp_path), tmp_path / "o.jsonl"
+    rc, err = _run_and_kill_rank1(cluster, tiny_dir, prompts, out, "--set", "run.batch=2")
+    assert rc == 0, err[-3000:]
+    records, expected = read_jsonl(out), {r["id"]: r for r in _uninterrupted(tiny_dir, prompts, MANY_TOKENS)}
+    assert sorted(r["id"] for r in records) == sorted(expected)  # every prompt exactly once
+    assert max(r["stats"]["rounds"] / r["stats"]["forward_share"] for r in records) > 1.5  # forwards were shared
+    hit = [r for r in records if "recovery" in r]
+    assert 1 <= len(hit) <= 2 and len({r["recovery"][0]["lost"] for r in hit}) == 1, [r["id"] for r in hit]
+    for rec in records:
+        _same_generation([rec], [expected[rec["id"]]], frozenset({"forwards", "tokens_per_forward"}))
+    for rec in hit:
+        assert rec["output_ids"] == hf_greedy_of(tiny_dir, rec["prompt_ids"], MANY_TOKENS), rec["id"]
+        assert rec["stats"]["new_tokens"] == rec["new_tokens"] == len(rec["output_ids"])
+    assert "warning: worker rank 1 was lost" in err and "recoveries 1 (lost workers" in err
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_stalled_actor_is_one_warning_line(cluster, tiny_dir, tmp_path, rank):
     """A stopped (SIGSTOP) actor: the other rank's collective times out after parallel.timeout_s (and, for rank 0,
