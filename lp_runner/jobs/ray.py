@@ -13,13 +13,17 @@ Elastic recovery, worked example (P = 2, prompts a b c, the rank-1 actor is kill
     group 1   as many workers as the cluster now holds (P, or fewer after a node loss) run [b, c] with
               committed = [b's 37 tokens, []]; greedy output is a function of the prefix, so b's record equals the
               uninterrupted one. The record gains a ``recovery`` list; the summary counts the events and seconds.
-At most ``advanced.max_restarts`` recoveries, then the run fails with the last cause.
+With ``run.batch`` B > 1 the group keeps B prompts in flight (``run_prompts``, as under torchrun); every one that
+had committed a round when the group was lost gets its event and resumes from its own prefix (b at 37 and c at
+12, say). At most ``advanced.max_restarts`` recoveries, then the run fails with the last cause.
 
-D > 1 groups (``parallel.groups``), worked example (D = 2, P = 1, prompts a b c d): the driver runs two lanes,
-each a thread with its own placement group, actors and torch group. Lane 0 takes a, lane 1 takes b; lane 1
-finishes first and takes c; lane 0 then takes d. Records are written as they finish (b a c d), each with its
-``group``. If lane 1's actor dies during c, lane 1 alone rebuilds (generation 1) and resumes c from its committed
-prefix; lane 0 goes on with d meanwhile.
+D > 1 groups (``parallel.groups``), worked example (D = 2, P = 1, B = 2, prompts a b c d e f): the driver runs two
+lanes, each a thread with its own placement group, actors and torch group. Each lane claims B prompts from the
+driver's queue and runs them together in one ``Replica.run``: lane 0 claims [a, b], lane 1 [c, d]; lane 1 finishes
+first and claims [e, f]; lane 0 then finds the queue empty and leaves. Records are written as they finish (d c a b
+f e), each with its ``group``. If lane 1's actor dies during [e, f], lane 1 alone rebuilds (generation 1) and
+resumes e and f from their committed prefixes (a prompt of the claim already written is not run again); lane 0
+goes on meanwhile. B = 1 is the same loop with claims of one prompt.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from lp_runner.config import Config, ParallelConfig, config_from_dict
 from lp_runner.errors import ConfigError, DistributedError, LPError, first_line
 from lp_runner.jobs.output import OutputFile
 from lp_runner.jobs.prompts import PromptSpec
-from lp_runner.jobs.report import Report
+from lp_runner.jobs.report import Report, resumed_prompts
 from lp_runner.logs import LEVEL_ENV, level_name, log, setup_logging
 from lp_runner.outfiles import write_stdout
 
@@ -188,8 +192,10 @@ class Replica:
             info = self.node()
             raise ModelError(f"worker rank {rank} on node {info['ip']} ({info['host']}): {exc}") from None
 
-    def start(self, cfg_data: dict, env: dict[str, str]) -> float:
-        """Join the group and load the replica: exactly what a torchrun worker does. Returns the load seconds."""
+    def start(self, cfg_data: dict, env: dict[str, str]) -> tuple[float, int]:
+        """Join the group and load the replica: exactly what a torchrun worker does. Returns the load seconds and
+        the generations its policy keeps in flight (``run.batch``, 1 where the model cannot batch): the driver
+        claims that many prompts per ``run``."""
         from lp_runner.collector import worker_start_up
         from lp_runner.jobs.worker import start_worker
 
@@ -200,7 +206,7 @@ class Replica:
         import torch
 
         self.threads = torch.get_num_threads()
-        return self.worker.load_s
+        return self.worker.load_s, self.worker.policy.batch
 
     def share_threads(self, node_ranks: int, idle_mask: int, index: int) -> None:
         """Groups of this job on this node have no more work (the driver's ``_share_cores``): from the next round
@@ -300,6 +306,7 @@ class _Group:
     pg: Any
     actors: list[Any]
     load_s: float = 0.0
+    batch: int = 1  # prompts run together in one ``Replica.run`` (its policy's ``run.batch``)
     ips: list[str] = field(default_factory=list)  # each rank's node
     unread: list[Any] = field(default_factory=list)  # calls given up on before they answered (read at teardown)
 
@@ -370,12 +377,6 @@ def run_on_ray(
     text) defaults to "one prompt given with --prompt" (the CLI names it 'prompt'). SIGTERM to the driver ends
     the run like Ctrl-C (KeyboardInterrupt): the actors are killed and a local instance is stopped."""
     ray = _import_ray()
-    if cfg.run.batch > 1:  # see _Driver's start of a group
-        log.warning(
-            "run.batch=%d runs as 1 under parallel.backend=ray: one prompt in flight per group, so that a lost "
-            "worker's recovery resumes the one prompt it held (run.batch applies under torchrun and to one process)",
-            cfg.run.batch,
-        )
     if single is None:
         single = len(specs) == 1 and specs[0].id == "prompt"
     opened = isinstance(output, (str, Path))
@@ -453,11 +454,11 @@ class _Driver:
         self.resumed = output.finished_outputs([s.id for s in specs]) if output is not None else []
         self.stream = single and cfg.run.stream
         self.progress = _Progress(len(self.specs))
-        self.recoveries: list[dict] = []
+        self.recoveries: list[list[dict]] = []  # per lost group: the recovery events of the prompts it split
         self.run_id = uuid.uuid4().hex[:8]
         # D > 1 groups (lanes): one driver thread per lane; progress, the report and the queue under one lock
         self.lock = threading.RLock()
-        self.queue = list(range(len(self.specs)))  # job order; a free lane takes the first
+        self.queue = list(range(len(self.specs)))  # job order; a free lane claims the first ones
         self.lanes: dict[int, _Group] = {}  # the lanes' current groups (torn down by the main thread on a stop)
         self.lane_finished: dict[int, list[tuple[list[int], list[int]]]] = {}  # per lane: its store's content
         self.node_slots: dict[str, list[tuple[int, int]]] = {}  # per node: (lane, rank) of every actor placed there
@@ -491,7 +492,7 @@ class _Driver:
                 if generation == 0 and self.output is not None and self.output.done:
                     self.output.check_weights(self.ray.get(group.actors[0].fingerprint.remote()))
                 if lost_at is not None:
-                    self.recoveries[-1].update(seconds=round(time.monotonic() - lost_at, 3), workers_after=group.size)
+                    _rebuilt(self.recoveries[-1], lost_at, group.size)
                     lost_at = None
                 self._run_group(group)
             except _WorkerLost as lost:
@@ -545,18 +546,26 @@ class _Driver:
                 self.errors.append(exc)
             self.stop.set()
 
-    def _claim(self) -> int | None:
+    def _claim(self, count: int) -> list[int]:
+        """Up to ``count`` prompts from the front of the queue (none once the run is stopping)."""
         with self.lock:
-            return self.queue.pop(0) if self.queue and not self.stop.is_set() else None
+            if self.stop.is_set() or count <= 0:
+                return []
+            claim, self.queue[:count] = self.queue[:count], []
+            return claim
 
     def _lane(self, lane: int) -> None:
-        """One LP group's elastic loop: take a prompt, run it, repeat. A lost actor rebuilds this lane's group only
-        (the other lanes go on) and resumes the prompt it held from its committed prefix, as with D = 1."""
+        """One LP group's elastic loop: claim as many prompts as the group runs together (its ``batch``), run them
+        in one ``Replica.run``, repeat. A lost actor rebuilds this lane's group only (the other lanes go on), which
+        resumes every unfinished prompt of the claim from its committed prefix, as with D = 1.
+
+        The first claim is one prompt, taken before the group starts: a lane that finds the queue empty starts
+        nothing. Once the group has said its batch, each claim is topped up to it."""
         par = self.cfg.parallel
-        current = self._claim()
-        if current is None:
+        held = self._claim(1)  # the prompts of this lane's claim not yet written
+        if not held:
             return
-        workers, generation, lost_at = par.workers, 0, None
+        workers, generation, lost_at, loss = par.workers, 0, None, []
         self.lane_finished[lane] = list(self.resumed)
         while True:
             group = None
@@ -571,18 +580,17 @@ class _Driver:
                     check = not self.weights_checked and self.output is not None and bool(self.output.done)
                     self.weights_checked = True
                     if lost_at is not None:
-                        self.progress.recovery[current][-1].update(
-                            seconds=round(time.monotonic() - lost_at, 3), workers_after=group.size
-                        )
+                        _rebuilt(loss, lost_at, group.size)
                         lost_at = None
                 if check:
                     self.output.check_weights(self.ray.get(group.actors[0].fingerprint.remote()))
                 self._share_cores()  # a rebuilt group on a node that other lanes have left
                 finished = self.lane_finished[lane]  # a rebuilt group's store starts from what this lane ran
-                while current is not None:
-                    self._run_one(group, lane, current, finished)
+                while held:
+                    held += self._claim(group.batch - len(held))
+                    self._run_claim(group, lane, held, finished)
                     finished = []
-                    current = self._claim()
+                    held = self._claim(group.batch)  # the run returned: every prompt of the claim is written
                 if lane == 0 and self.cfg.run.pool_out:
                     self.ray.get(group.actors[0].save_store.remote(self.cfg.run.pool_out))
                 with self.lock:
@@ -593,8 +601,8 @@ class _Driver:
                 if self.stop.is_set():
                     raise _Stopped from None
                 lost_at = time.monotonic()
-                current = self._recover_lane(group, lane, current, str(lost), workers)
-                if current is None:  # the lost group had written its prompt and the queue is empty
+                held, loss = self._recover_lane(group, lane, held, str(lost), workers)
+                if not held:  # the lost group had written its claim and the queue is empty
                     return
                 workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
             finally:
@@ -632,15 +640,16 @@ class _Driver:
             with contextlib.suppress(Exception):  # a rank lost meanwhile: its lane's recovery deals with it
                 group.get(ref, self.cfg.parallel.timeout_s)
 
-    def _run_one(self, group: _Group, lane: int, i: int, finished: list) -> None:
-        """Prompt i on the lane's group, from its committed prefix (empty unless a lost group began it)."""
+    def _run_claim(self, group: _Group, lane: int, held: list[int], finished: list) -> None:
+        """The prompts ``held`` on the lane's group, together (``run_prompts`` keeps ``group.batch`` in flight),
+        each from its committed prefix (empty unless a lost group began it); records come in the order they
+        finish."""
         with self.lock:
-            committed, printed = list(self.progress.committed.get(i, [])), self.progress.printed.get(i, 0)
-        # one prompt per call, groups taking turns: how many more this group will run is not known here
-        refs = [
-            a.run.remote([self.specs[i]], [i], [committed], [printed], self.stream, finished, later=None)
-            for a in group.actors
-        ]
+            committed = [list(self.progress.committed.get(i, [])) for i in held]
+            printed = [self.progress.printed.get(i, 0) for i in held]
+        specs = [self.specs[i] for i in held]
+        # groups take claims in turn: how many more prompts this group will run is not known here
+        refs = [a.run.remote(specs, held, committed, printed, self.stream, finished, later=None) for a in group.actors]
 
         def tick() -> None:
             if self.stop.is_set():
@@ -649,88 +658,87 @@ class _Driver:
 
         self._gather(group, refs, "the run", None, tick=tick)
 
-    def _recover_lane(self, group: _Group | None, lane: int, i: int, reason: str, workers: int) -> int | None:
-        """``_recover`` for one lane: account for the loss of the group that held prompt i and return the prompt
-        its rebuilt group runs. That is i, from its committed prefix; or, when the loss came after prompt i's
-        record was written (the actor died between its last poll and the end of its run), the next prompt from
-        the queue, from token 0: the group is rebuilt all the same, so the loss is counted and reported on the
-        prompt that paid for it. None when the queue is empty too (nothing to rebuild for)."""
+    def _recover_lane(
+        self, group: _Group | None, lane: int, held: list[int], reason: str, workers: int
+    ) -> tuple[list[int], list[dict]]:
+        """``_recover`` for one lane: account for the loss of the group that held the claim ``held`` and return
+        (the prompts its rebuilt group runs, the loss's recovery events). Those are the claim's unfinished
+        prompts, from their committed prefixes; or, when the loss came after every record of the claim was
+        written (the actor died between its last poll and the end of its run), the next prompt from the queue,
+        from token 0: the group is rebuilt all the same, so the loss is counted and reported on the prompt that
+        paid for it. ([], []) when the queue is empty too (nothing to rebuild for)."""
+        self._drain(group, lane)
+        with self.lock:
+            held = [i for i in held if i not in self.progress.records]
+            written = not held
+            if written:
+                held = self._claim(1)
+                if not held:
+                    log.warning("group %d: %s after its claim was written; nothing left to run", lane, reason)
+                    return [], []
+            loss = self._note_loss(group, held, f"group {lane}: {reason}", workers)
+        say = "its claim was written; starting" if written else "resuming"
+        self._warn_loss(loss, say)
+        return held, loss
+
+    def _recover(self, group: _Group | None, reason: str, workers: int) -> bool:
+        """Account for a lost worker before the group is rebuilt; False when nothing is left to run."""
+        self._drain(group, None)
+        todo = self.progress.todo()
+        if not todo:  # lost after rank 0 had reported every record: nothing to redo
+            return False
+        self._warn_loss(self._note_loss(group, todo, reason, workers), "resuming")
+        return True
+
+    def _drain(self, group: _Group | None, lane: int | None) -> None:
+        """Rank 0's messages sent after the driver's last poll: the tokens it committed before the loss (it cannot
+        pass the round its peer failed in), and records it finished."""
         if group is not None and group.actors:
             with contextlib.suppress(Exception):
                 self._take(group.get(group.actors[0].poll.remote(), min(5.0, self.cfg.parallel.timeout_s)), lane)
-        with self.lock:
-            written = i in self.progress.records
-            if written:
-                i = self._claim()
-                if i is None:
-                    log.warning("group %d: %s after its last prompt was written; nothing left to run", lane, reason)
-                    return None
-            limit = self.cfg.parallel.max_restarts
-            if len(self.recoveries) >= limit:
-                raise DistributedError(
-                    f"gave up after {len(self.recoveries)} recoveries (advanced.max_restarts={limit}); last "
-                    f"failure: group {lane}: {reason}"
-                )
-            event = {
-                "lost": f"group {lane}: {reason}",
+
+    def _note_loss(self, group: _Group | None, todo: list[int], lost: str, workers: int) -> list[dict]:
+        """Count a lost group against ``advanced.max_restarts`` and return its recovery events: one per prompt of
+        ``todo`` (the unfinished prompts the rebuilt group runs, in order) whose generation it split, i.e. that
+        had committed a round; the first of ``todo`` when none had (a loss between prompts or before the first
+        round). Each event goes on its prompt's record (``_write``).
+
+        Example: a claim [a, b, c] of a batch-3 group, a written, b at 37 tokens, c not started (the group lost
+        before c's first round): events for b only (``resumed_at_token`` 37); c starts over from token 0, losing
+        nothing it had committed. Call under the lock (lanes)."""
+        limit = self.cfg.parallel.max_restarts
+        if len(self.recoveries) >= limit:
+            raise DistributedError(
+                f"gave up after {len(self.recoveries)} recoveries (advanced.max_restarts={limit}); last failure: {lost}"
+            )
+        progress = self.progress
+        split = [i for i in todo if progress.rounds.get(i, 0)] or todo[:1]
+        loss = [
+            {
+                "lost": lost,
                 "prompt": self.specs[i].id,
-                "resumed_at_token": len(self.progress.committed.get(i, [])),
-                "rounds_before": self.progress.rounds.get(i, 0),
+                "resumed_at_token": len(progress.committed.get(i, [])),
+                "rounds_before": progress.rounds.get(i, 0),
                 "workers_before": group.size if group is not None else workers,
                 "workers_after": None,
                 "seconds": None,
             }
-            self.recoveries.append(event)
-            self.progress.recovery.setdefault(i, []).append(event)
-            count = len(self.recoveries)
-        log.warning(
-            "group %d: %s; %s prompt '%s' at token %d (recovery %d/%d)",
-            lane,
-            reason,
-            "its prompt was written; starting" if written else "resuming",
-            event["prompt"],
-            event["resumed_at_token"],
-            count,
-            limit,
-        )
-        return i
+            for i in split
+        ]
+        self.recoveries.append(loss)
+        for i, event in zip(split, loss, strict=True):
+            progress.recovery.setdefault(i, []).append(event)
+        return loss
 
-    def _recover(self, group: _Group | None, reason: str, workers: int) -> bool:
-        """Account for a lost worker before the group is rebuilt; False when nothing is left to run."""
-        if group is not None and group.actors:
-            # tokens rank 0 committed after the last poll (it cannot pass the round its peer failed in)
-            with contextlib.suppress(Exception):
-                self._take(group.get(group.actors[0].poll.remote(), min(5.0, self.cfg.parallel.timeout_s)))
-        todo = self.progress.todo()
-        if not todo:  # lost after rank 0 had reported every record: nothing to redo
-            return False
-        limit = self.cfg.parallel.max_restarts
-        if len(self.recoveries) >= limit:
-            raise DistributedError(
-                f"gave up after {len(self.recoveries)} recoveries (advanced.max_restarts={limit}); last failure: "
-                f"{reason}"
-            )
-        at = todo[0]
-        event = {
-            "lost": reason,
-            "prompt": self.specs[at].id,
-            "resumed_at_token": len(self.progress.committed.get(at, [])),
-            "rounds_before": self.progress.rounds.get(at, 0),
-            "workers_before": group.size if group is not None else workers,
-            "workers_after": None,
-            "seconds": None,
-        }
-        self.recoveries.append(event)
-        self.progress.recovery.setdefault(at, []).append(event)
+    def _warn_loss(self, loss: list[dict], say: str) -> None:
         log.warning(
-            "%s; resuming prompt '%s' at token %d (recovery %d/%d)",
-            reason,
-            event["prompt"],
-            event["resumed_at_token"],
+            "%s; %s %s (recovery %d/%d)",
+            loss[0]["lost"],
+            say,
+            resumed_prompts(loss),
             len(self.recoveries),
-            limit,
+            self.cfg.parallel.max_restarts,
         )
-        return True
 
     # -- one group
 
@@ -788,12 +796,9 @@ class _Driver:
             cfg_data = self.cfg.to_dict()
             cfg_data["parallel"]["workers"] = workers
             cfg_data["model"]["threads"] = actor_threads(self.cfg.model.threads, self.bundle)
-            # one prompt in flight per group: a lost worker's recovery resumes the one prompt it held (run.batch
-            # applies to torchrun and single-process jobs)
-            cfg_data["run"]["batch"] = 1
             if lane is not None:
                 cfg_data["parallel"]["groups"] = 1
-                cfg_data["run"]["pool_out"] = ""  # run_prompts would save it after every prompt
+                cfg_data["run"]["pool_out"] = ""  # run_prompts would save it after every claim
             refs = []
             for rank, actor in enumerate(group.actors):
                 same_node = [r for r, info in enumerate(infos) if info["ip"] == infos[rank]["ip"]]
@@ -808,7 +813,7 @@ class _Driver:
                     LEVEL_ENV: level_name(),
                 }
                 refs.append(actor.start.remote(cfg_data, env))
-            group.load_s = self._gather(group, refs, "start", None)[0]
+            group.load_s, group.batch = self._gather(group, refs, "start", None)[0]
             group.ips = [info["ip"] for info in infos]
         except BaseException:
             group.teardown()
@@ -902,13 +907,17 @@ class _Driver:
         raise exc
 
     def _run_group(self, group: _Group) -> None:
-        """Run every unfinished prompt on the group; resumed ones start from their committed prefix."""
+        """Run every unfinished prompt on the group (D = 1: one claim of the whole job, so ``run_prompts`` refills
+        its ``run.batch`` in flight from all of it); resumed ones start from their committed prefix.
+
+        The rebuilt store takes the written outputs in the order they were written (``progress.records``' order),
+        as the lost group's store took them: with ``run.batch`` > 1 that is the order prompts finished."""
         progress = self.progress
         todo = progress.todo()
         specs = [self.specs[i] for i in todo]
         committed = [progress.committed.get(i, []) for i in todo]
         printed = [progress.printed.get(i, 0) for i in todo]
-        finished = [(r["prompt_ids"], r["output_ids"]) for _, r in sorted(progress.records.items()) if "error" not in r]
+        finished = [(r["prompt_ids"], r["output_ids"]) for r in progress.records.values() if "error" not in r]
         finished = [*self.resumed, *finished]  # --resume: the records the output already held come first
         refs = [a.run.remote(specs, todo, committed, printed, self.stream, finished) for a in group.actors]
         poll = lambda: self._take(self._poll(group, self.cfg.parallel.timeout_s))  # noqa: E731
@@ -965,6 +974,12 @@ class _Driver:
 
     def _nodes(self) -> list[dict[str, float]]:
         return [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
+
+
+def _rebuilt(loss: list[dict], lost_at: float, workers: int) -> None:
+    """The rebuilt group started: every event of its loss gains the seconds it took and its size (mutates)."""
+    for event in loss:
+        event.update(seconds=round(time.monotonic() - lost_at, 3), workers_after=workers)
 
 
 def whole_generation(rec: dict, rounds_before: int) -> None:

@@ -207,7 +207,9 @@ class Report:
             self.bar.close()
             self.bar = None
 
-    def finish(self, load_s: float, workers: int, recoveries: Sequence[dict] = (), groups: int = 1) -> None:
+    def finish(self, load_s: float, workers: int, recoveries: Sequence[Sequence[dict]] = (), groups: int = 1) -> None:
+        """The summary on stderr. ``recoveries`` (Ray): per lost group, the recovery events of the prompts it
+        split (one line each loss)."""
         self.close_bar()
         if not self.cfg.run.summary:
             return
@@ -226,12 +228,16 @@ class Report:
                 f"(run.on_error={self.cfg.run.on_error})",
             )
         if recoveries:
-            spent = sum(r["seconds"] or 0.0 for r in recoveries)
+            spent = sum(loss[0]["seconds"] or 0.0 for loss in recoveries)
             lines.insert(-1, f"recoveries {len(recoveries)} (lost workers, {spent:.2f} s to rebuild)")
-            for r in recoveries:
-                lines.insert(
-                    -1,
-                    f"  {r['lost'][:80]} -> prompt '{r['prompt']}' resumed at token {r['resumed_at_token']} "
-                    f"on {r['workers_after']} workers",
-                )
+            for loss in recoveries:
+                lost, workers = loss[0]["lost"][:80], loss[0]["workers_after"]
+                lines.insert(-1, f"  {lost} -> resumed {resumed_prompts(loss)} on {workers} workers")
         log.info("\n".join(lines))  # stderr: stdout carries only results (streamed text)
+
+
+def resumed_prompts(loss: Sequence[dict]) -> str:
+    """The prompts one lost group's recovery resumed, for the warning and the summary: "prompt 'b' at token 37",
+    or with several in flight "prompts 'b' at token 37, 'c' at token 12"."""
+    at = ", ".join(f"'{event['prompt']}' at token {event['resumed_at_token']}" for event in loss)
+    return f"prompt{'s' if len(loss) > 1 else ''} {at}"
