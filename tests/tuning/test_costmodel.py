@@ -171,6 +171,25 @@ def test_measure_curve_on_a_real_model():
     assert curve.seconds(4, kv_len=16) > 0
 
 
+def test_measure_curve_times_the_rounds_a_job_runs_where_it_runs_them():
+    """On a bucketed adapter (a GPU's path, eager here) every timed round runs in the adapter's job arena, the one
+    whose rounds replay captured graphs (a scratch arena's run eager: a compiled job would be priced at eager
+    costs); the arena is handed back after, with no region left."""
+    adapter = ModelAdapter(shared_tiny_model("llama"), bucketed=True)
+    seen = []
+    real = adapter.rounds.forward
+
+    def recording(rows, region):
+        seen.append(region.arena)
+        return real(rows, region)
+
+    adapter.rounds.forward = recording
+    measure_curve(adapter, [8, 24], [1, 3], reps=1)
+    job = adapter.claim_arena(1)
+    assert seen and all(arena is job for arena in seen) and not job.growable and not job.regions
+    adapter.release_arena(job)
+
+
 def test_coordinate_search_finds_a_known_optimum():
     """A separable objective with its minimum at G=3, context_tokens=6, no window: reached from the base."""
     calls = []
