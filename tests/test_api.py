@@ -217,8 +217,9 @@ def test_one_dimensional_prompt_and_model_left_as_it_was(tiny) -> None:
 
 
 def test_adapter_is_kept_across_calls_and_freed_with_the_model() -> None:
-    """Later calls on the same model reuse its adapter (no new probe forward, the same K/V arena on a GPU), a
-    change of dtype makes a new one, and the model is still freed once the caller drops it."""
+    """Later calls on the same model reuse its adapter (no new probe forward) and its K/V arena (allocated once,
+    grown when a call needs more), a change of dtype makes a new one, and the model is still freed once the caller
+    drops it."""
     import gc
     import weakref
 
@@ -238,8 +239,15 @@ def test_adapter_is_kept_across_calls_and_freed_with_the_model() -> None:
     ModelAdapter.__init__ = counting
     try:
         first = lp_runner.generate(model, ids, max_new_tokens=8)
+        arena = made[0].claim_arena(1)
+        made[0].release_arena(arena)
         assert torch.equal(lp_runner.generate(model, ids, max_new_tokens=8), first)
-        assert len(made) == 1
+        assert len(made) == 1 and arena.allocations == 1 and made[0].claim_arena(1) is arena
+        made[0].release_arena(arena)
+        long = torch.cat([ids, _ids(400, seed=5)], dim=1)  # past the first arena: the same arena grows
+        lp_runner.generate(model, long, max_new_tokens=8)
+        assert made[0].claim_arena(1) is arena and arena.allocations == 2
+        made[0].release_arena(arena)
         model.to(torch.float64)
         lp_runner.generate(model, ids.clone(), max_new_tokens=8)
         assert len(made) == 2 and made[1].dtype == torch.float64
