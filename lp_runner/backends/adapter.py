@@ -64,8 +64,8 @@ class ModelAdapter:
         """``compile``: rounds through ``torch.compile`` at row buckets (``static_rounds.StaticRounds``; CUDA
         graphs on a GPU); eager stays the fallback and the oracle. ``backend``: the kernels the forward runs on,
         chosen at load (``backends.select_backend``); default: the model's own (``backends.detect_backend``).
-        ``bucketed`` (None: on a CUDA device, or compiled): every one-generation round at a row bucket on the
-        arena's fixed addresses; a batch of generations runs eager (its segments differ round to round)."""
+        ``bucketed`` (None: on a CUDA device, or compiled): every round, of one generation or several, at a row
+        bucket on the arena's fixed addresses, its mask built on the device (``round_mask``)."""
         self.model = model
         self.compiled = compile
         params = inspect.signature(model.forward).parameters
@@ -252,11 +252,12 @@ class ModelAdapter:
         arena.flush()  # last round's K/V moves, every generation's at once
         past = [r.length for r in regions]
         rows = [r.input_ids.shape[0] for r in rounds]
-        bucket = self.rounds is not None and len(regions) == 1
         for region, p, q in zip(regions, past, rows, strict=True):
-            region.reserve(p + (self.rounds.ladder.rows_for(q) if bucket else q))
-        if bucket:
-            logits = self.rounds.forward(rounds[0], regions[0])
+            region.reserve(p + q)
+        if self.rounds is not None:
+            pad = self.rounds.ladder.rows_for(sum(rows)) - sum(rows)  # the fillers' slots, after the last segment's
+            regions[-1].reserve(past[-1] + rows[-1] + pad)
+            logits = self.rounds.forward(rounds, regions)
         else:
             windows = list(self.mask_windows.values())
             logits = self._eager(pack_round(rounds, [r.base for r in regions], past, windows, self.dtype), arena)

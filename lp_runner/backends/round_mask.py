@@ -8,20 +8,22 @@ positions. It is built once, already tiled for the packed heads, only as wide as
 (``buckets.BucketLadder.kv_width``), and every layer reads that one tensor: ``round_attention`` cuts the K/V buffer to
 the mask's width, so attention reads the live part of the capacity, not all of it.
 
-Slot k of the arena, for a round of B rows of a generation whose region starts at slot ``lo`` and caches
-``past`` positions (slots lo .. lo + past - 1; e = lo + past), is seen by row i when
-    lo <= k < e                                  (the cached prefix; every row sees all of it)
-    e <= k < e + B and visibility[i, k - e]      (the round's own rows, as its layout says)
-and, for a layer with a sliding window w, when also position[i] - position(k) < w, where position(k) is k - lo
-for a cached slot and the row's position for an in-round one (transformers' rule, per row, as ``batch.
-pack_round`` cuts it). Other generations' slots and slots past the round are hidden. This is the segment mask
-of ``batch.pack_round`` (and its sliding overlay) placed at the region's slots and cut to the live width, the
-same values slot for slot.
+Slot k of the arena is seen by row i, whose generation's region caches its prefix in slots first[i] .. end[i] - 1
+(its cached positions 0 .. end[i] - first[i] - 1), when
+    first[i] <= k < end[i]                           (its cached prefix; every row of the generation sees all of it)
+    k = write_slot[j] and visibility[i, j]           (a row of the round, as the round's visibility says)
+and, for a layer with a sliding window w, when also position[i] - position(k) < w, where position(k) is k - first[i]
+for a cached slot and row j's position for the slot row j writes (transformers' rule, per row, as ``batch.
+pack_round`` cuts it). Other generations' slots and slots past the round are hidden: the visibility is
+block-diagonal, one block per generation. This is each segment's mask of ``batch.pack_round`` placed at its region's
+slots and cut to the live width, the same values slot for slot.
 
-Example: lo = 0, past = 2, B = 2 rows at positions [2, 3] with visibility [[1, 0], [1, 1]], width 4:
+Example: one generation, first = 0, past = 2, B = 2 rows at positions [2, 3] writing slots [2, 3] with visibility
+[[1, 0], [1, 1]], width 4:
     row 0 sees slots 0, 1, 2      -> [0, 0, 0, min]
     row 1 sees slots 0, 1, 2, 3   -> [0, 0, 0, 0]
-The same round in a region at lo = 1 reads width 5 and hides slot 0 in both rows.
+The same round in a region at slot 1 reads width 5 and hides slot 0 in both rows; beside it, a second
+generation's rows see their own region's slots and none of these.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ ROUND_ATTENTION = "lp_runner_round_sdpa"
 
 def round_mask(
     visibility: torch.Tensor,  # [B, B] bool: in-round row i attends to in-round row j
-    region: torch.Tensor,  # [2] int64: the region's first slot lo, and its cached positions (slots lo .. lo+past-1)
+    cached_from: torch.Tensor,  # [B] int64: the first slot of row i's region
+    cached_to: torch.Tensor,  # [B] int64: past its cached prefix
     positions: torch.Tensor,  # [B] int64: each row's position
+    write_slots: torch.Tensor,  # [B] int64: the slot each row's K/V is written to (all below K)
     key_slots: torch.Tensor,  # [K] int64: 0 .. K-1, the slots the round reads (its live width)
     window: int | None,  # a sliding window's size, None for full attention
     dtype: torch.dtype,
@@ -45,15 +49,17 @@ def round_mask(
     """The round's mask for one window (see the module doc), tiled ``groups`` times along the rows (packed row
     g * B + i reads row i). Pure tensor ops on the inputs' device, no host read: it runs inside a captured graph."""
     rows = visibility.shape[0]
-    lo = region[:1]  # [1]
-    rel = key_slots - (lo + region[1:])  # [K]: the in-round row a slot holds (negative: cached; >= B: past the round)
-    in_round = (rel >= 0) & (rel < rows)  # [K]
-    row_of_slot = rel.clamp(0, rows - 1)  # [K]
-    seen = visibility.index_select(1, row_of_slot) & in_round  # [B, K]
-    visible = seen | ((rel < 0) & (key_slots >= lo))  # [B, K]
+    # the round's row that writes each slot (-1: none); a gather of the visibility then says who sees it
+    writer = torch.full_like(key_slots, -1).scatter(0, write_slots, torch.arange(rows, device=key_slots.device))  # [K]
+    in_round = writer >= 0  # [K]
+    seen = visibility.index_select(1, writer.clamp(min=0)) & in_round  # [B, K]
+    cached = (key_slots >= cached_from[:, None]) & (key_slots < cached_to[:, None])  # [B, K]
+    visible = seen | cached  # [B, K]
     if window is not None:
-        key_positions = torch.where(in_round, positions.index_select(0, row_of_slot), key_slots - lo)  # [K]
-        visible = visible & (positions[:, None] - key_positions[None, :] < window)  # [B, K]
+        key_positions = torch.where(
+            in_round, positions.index_select(0, writer.clamp(min=0)), key_slots - cached_from[:, None]
+        )  # [B, K]
+        visible = visible & (positions[:, None] - key_positions < window)  # [B, K]
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
         ~visible, torch.finfo(dtype).min
     )  # [B, K]

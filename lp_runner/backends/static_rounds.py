@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -48,68 +48,75 @@ from lp_runner.backends.round_mask import register_round_attention, round_mask
 from lp_runner.device import pins_host_memory, synchronizer
 
 CAPTURE_CALLS = 3  # calls per bucket at warm-up: CUDA graph trees run a new shape once, record it, then replay
-_INT_FIELDS = 4  # int64 vectors of B in the staging buffer: input ids, positions, logit rows, write slots
-_TAIL = 2  # int64 scalars after them: the region's first slot and its cached positions
+_INT_FIELDS = 6  # int64 vectors of B in the staging buffer: ids, positions, logit rows, write slots, first, end
 
 
 @dataclass(frozen=True)
 class StagedInputs:
     """One bucket's device inputs: views of one staging buffer that a round's single copy fills.
 
-    Byte layout for B rows: int64 [ids (B) | positions (B) | logit rows (B) | write slots (B) | region's first
-    slot, cached positions (2)], then the [B, B] visibility as bytes (bool). Example, B = 2: 8 x 10 = 80 bytes of
-    integers, 4 of visibility, 84 in all."""
+    Byte layout for B rows: int64 [ids | positions | logit rows | write slots | cached from | cached to] (B each),
+    then the [B, B] visibility as bytes (bool). Row i sees the cached slots ``cached_from[i]`` .. ``cached_to[i]
+    - 1`` (its generation's region's cached prefix) and the in-round rows its visibility row names. Example, B = 2:
+    8 x 12 = 96 bytes of integers, 4 of visibility, 100 in all."""
 
     buffer: torch.Tensor  # [nbytes] uint8
     input_ids: torch.Tensor  # [B] int64
     position_ids: torch.Tensor  # [B] int64
     logit_rows: torch.Tensor  # [B] int64
     write_slots: torch.Tensor  # [B] int64
-    region: torch.Tensor  # [2] int64: first slot, cached positions
+    cached_from: torch.Tensor  # [B] int64: the first slot of the row's region
+    cached_to: torch.Tensor  # [B] int64: past its cached prefix
     visibility: torch.Tensor  # [B, B] bool
 
     @staticmethod
     def nbytes(rows: int) -> int:
-        return 8 * (_INT_FIELDS * rows + _TAIL) + rows * rows
+        return 8 * _INT_FIELDS * rows + rows * rows
 
     @classmethod
     def views(cls, buffer: torch.Tensor, rows: int) -> StagedInputs:
-        ints = buffer[: 8 * (_INT_FIELDS * rows + _TAIL)].view(torch.int64)  # [4B + 2]
-        vis = buffer[8 * (_INT_FIELDS * rows + _TAIL) :].view(torch.bool).view(rows, rows)  # [B, B]
+        ints = buffer[: 8 * _INT_FIELDS * rows].view(torch.int64)  # [6B]
+        vis = buffer[8 * _INT_FIELDS * rows :].view(torch.bool).view(rows, rows)  # [B, B]
         fields = (ints[k * rows : (k + 1) * rows] for k in range(_INT_FIELDS))
-        return cls(buffer, *fields, ints[_INT_FIELDS * rows :], vis)
+        return cls(buffer, *fields, vis)
 
 
 def stage(
     rows: int,
-    input_ids: torch.Tensor,  # [Q] int64, host
-    position_ids: torch.Tensor,  # [Q] int64, host
-    visibility: torch.Tensor,  # [Q, Q] bool, host
-    logit_rows: torch.Tensor,  # [R] int64, host
-    base: int,
-    past: int,
+    segments: Sequence[tuple[RoundRows, int, int]],  # each segment's rows, its region's first slot, cached positions
     pin: bool,
 ) -> torch.Tensor:  # [StagedInputs.nbytes(rows)] uint8, host (pinned when ``pin``)
-    """The round's inputs padded to ``rows`` rows, written once into one host tensor (``StagedInputs``' layout).
+    """The round's inputs, segment after segment, padded to ``rows`` rows, written once into one host tensor
+    (``StagedInputs``' layout).
 
     Filler rows repeat the last row's token and position, see only themselves and are seen by no one (so every
-    real row computes what it would without them); their K/V goes to the slots after the round's, past
-    anything the round commits. Filler logit rows read row 0 and are dropped. A fresh host tensor per round:
-    torch's pinned-memory allocator keeps a block from reuse until the copy that reads it has run."""
-    q, r = len(input_ids), len(logit_rows)
+    real row computes what it would without them); their K/V goes to the slots after the last segment's rows, in
+    its region (``ModelAdapter.region_size`` leaves the ladder's top there), past anything the round commits.
+    Filler logit rows read row 0 and are dropped. A fresh host tensor per round: torch's pinned-memory allocator
+    keeps a block from reuse until the copy that reads it has run.
+
+    Example: segments (2 rows, region at 0, past 5) and (1 row, region at 64, past 3) in a bucket of 4: write
+    slots [5, 6, 67, 68], cached from [0, 0, 64, 0], cached to [5, 5, 67, 0], visibility block-diagonal with the
+    filler seeing itself."""
     host = torch.empty(StagedInputs.nbytes(rows), dtype=torch.uint8, pin_memory=pin)
     raw = host.numpy()
-    ints = raw[: 8 * (_INT_FIELDS * rows + _TAIL)].view(np.int64)  # [4B + 2]
-    ids, pos = _host(input_ids), _host(position_ids)
-    ints[:q], ints[q:rows] = ids, ids[-1]
-    ints[rows : rows + q], ints[rows + q : 2 * rows] = pos, pos[-1]
-    ints[2 * rows : 2 * rows + r], ints[2 * rows + r : 3 * rows] = _host(logit_rows), 0
-    ints[3 * rows : 4 * rows] = np.arange(base + past, base + past + rows)
-    ints[4 * rows], ints[4 * rows + 1] = base, past
-    vis = raw[8 * (_INT_FIELDS * rows + _TAIL) :].reshape(rows, rows)  # [B, B]
+    ints = raw[: 8 * _INT_FIELDS * rows].view(np.int64).reshape(_INT_FIELDS, rows)  # [6, B]
+    vis = raw[8 * _INT_FIELDS * rows :].reshape(rows, rows)  # [B, B]
+    ids, pos, logits, writes, first, end = ints
     vis[:] = 0
-    vis[:q, :q] = _host(visibility)
-    vis[np.arange(q, rows), np.arange(q, rows)] = 1  # a filler sees itself only
+    r = n = 0  # rows and logit rows so far
+    for seg, base, past in segments:
+        q, k = seg.input_ids.shape[0], seg.logit_rows.shape[0]
+        ids[r : r + q], pos[r : r + q] = _host(seg.input_ids), _host(seg.position_ids)
+        logits[n : n + k] = _host(seg.logit_rows) + r
+        writes[r : r + q] = np.arange(base + past, base + past + q)
+        first[r : r + q], end[r : r + q] = base, base + past
+        vis[r : r + q, r : r + q] = _host(seg.visibility)
+        r, n = r + q, n + k
+    ids[r:], pos[r:], logits[n:] = ids[r - 1], pos[r - 1], 0
+    writes[r:] = np.arange(writes[r - 1] + 1, writes[r - 1] + 1 + rows - r)
+    first[r:] = end[r:] = 0  # no cached key
+    vis[np.arange(r, rows), np.arange(r, rows)] = 1  # a filler sees itself only
     return host
 
 
@@ -183,19 +190,25 @@ class StaticRounds:
 
     # ------------------------------------------------------------------------------------------------ rounds
 
-    def forward(self, rows: RoundRows, region: KVRegion) -> torch.Tensor:  # [R, vocab]
-        """One round of the generation in ``region`` (its length: the positions cached before the round),
-        staged in one copy and run at its bucket (compiled when it can replay a graph). The caller reserved the
-        region for the bucket's rows and advances its length."""
-        arena = region.arena
-        q, past, base = rows.input_ids.shape[0], region.length, region.base
-        bucket = self.ladder.rows_for(q)
-        width = self.ladder.kv_width(base + past + bucket, arena.capacity) if self.live_width else arena.capacity
-        host = stage(bucket, rows.input_ids, rows.position_ids, rows.visibility, rows.logit_rows, base, past, self.pin)
+    def forward(self, rounds: Sequence[RoundRows], regions: Sequence[KVRegion]) -> torch.Tensor:  # [sum R, vocab]
+        """One round of the generations in ``regions`` (each region's length: the positions cached before the
+        round), staged in one copy and run at its bucket (compiled when it can replay a graph). The caller
+        reserved the regions for their rows, the last one also for the bucket's fillers, and advances their
+        lengths."""
+        arena = regions[0].arena
+        rows = [r.input_ids.shape[0] for r in rounds]
+        bucket = self.ladder.rows_for(sum(rows))
+        ends = [region.base + region.length + q for region, q in zip(regions, rows, strict=True)]
+        live = max(max(ends), ends[-1] + bucket - sum(rows))  # the fillers write after the last segment's rows
+        width = self.ladder.kv_width(live, arena.capacity) if self.live_width else arena.capacity
+        segments = [(r, region.base, region.length) for r, region in zip(rounds, regions, strict=True)]
+        host = stage(bucket, segments, self.pin)
         staged = self._staging(bucket)
         staged.buffer.copy_(host, non_blocking=True)  # the round's one host->device copy
+        single = len(regions) == 1
         for layer in arena.layers():
-            layer.write_slots, layer.read_slots, layer.length = staged.write_slots, None, base + past
+            layer.write_slots, layer.read_slots = staged.write_slots, None
+            layer.length = regions[0].base + regions[0].length if single else 0
         graph = self.compiled is not None and self.ladder.captured(bucket) and self._replays(arena)
         if graph:
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs may be overwritten now
@@ -205,19 +218,23 @@ class StaticRounds:
                 staged.input_ids,
                 staged.position_ids,
                 staged.logit_rows,
-                staged.region,
+                staged.write_slots,
+                staged.cached_from,
+                staged.cached_to,
                 staged.visibility,
                 self._slots(width),
                 arena.cache,
             )
-        return logits[: rows.logit_rows.shape[0]]
+        return logits[: sum(r.logit_rows.shape[0] for r in rounds)]
 
     def _round(
         self,
         input_ids: torch.Tensor,  # [B]
         position_ids: torch.Tensor,  # [B]
         logit_rows: torch.Tensor,  # [B]
-        region: torch.Tensor,  # [2]: first slot, cached positions
+        write_slots: torch.Tensor,  # [B]
+        cached_from: torch.Tensor,  # [B]
+        cached_to: torch.Tensor,  # [B]
         visibility: torch.Tensor,  # [B, B] bool
         key_slots: torch.Tensor,  # [K]
         cache,  # the arena's DynamicCache
@@ -225,7 +242,17 @@ class StaticRounds:
         """The round itself, the function that is compiled: its masks (one per window, shared by every layer of
         that window), then the model's forward."""
         masks = {
-            window: round_mask(visibility, region, position_ids, key_slots, window, self.dtype, self.groups)
+            window: round_mask(
+                visibility,
+                cached_from,
+                cached_to,
+                position_ids,
+                write_slots,
+                key_slots,
+                window,
+                self.dtype,
+                self.groups,
+            )
             for window in set(self.mask_windows.values())
         }
         per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
@@ -250,13 +277,16 @@ class StaticRounds:
             staged = StagedInputs.views(buffer, rows)
             if not self.ladder.captured(rows):
                 return staged
-            for field in (staged.input_ids, staged.position_ids, staged.logit_rows, staged.write_slots):
+            for field in (
+                staged.input_ids,
+                staged.position_ids,
+                staged.logit_rows,
+                staged.write_slots,
+                staged.cached_from,
+                staged.cached_to,
+                staged.visibility,
+            ):
                 static_address(field)
-            static_address(staged.region)
-            # its length (2) is a constant, not a symbol: dynamo's duck sizing would otherwise give it the row
-            # count's symbol at a round of 2 rows, and the next bucket would recompile
-            torch._dynamo.mark_static(staged.region, 0)
-            static_address(staged.visibility)
             self._staged[rows] = staged
         return staged
 
@@ -287,7 +317,7 @@ class StaticRounds:
             causal = torch.ones(rows, rows, dtype=torch.bool).tril()
             for _ in range(CAPTURE_CALLS):
                 ids, positions = torch.zeros(rows, dtype=torch.long), torch.arange(rows)
-                self.forward(Rows(ids, positions, causal, torch.arange(rows)), region)
+                self.forward([Rows(ids, positions, causal, torch.arange(rows))], [region])
             if self.sync is not None:
                 self.sync()
             self.capture_s[rows] = time.perf_counter() - t

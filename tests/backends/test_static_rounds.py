@@ -69,26 +69,57 @@ def test_a_ladder_must_increase_from_two(rows) -> None:
 # ------------------------------------------------------------------------------------------------ round mask
 
 
-@pytest.mark.parametrize("window", [None, 3, 8])
-@pytest.mark.parametrize(
-    "lo, past, rows, width, capacity", [(0, 0, 2, 8, 8), (0, 5, 4, 16, 32), (0, 20, 8, 32, 32), (0, 3, 3, 8, 64),
-                                        (16, 5, 4, 32, 64), (40, 0, 3, 64, 64)]
-)  # fmt: skip
-def test_round_mask_is_the_segment_mask_at_the_regions_slots(window, lo, past, rows, width, capacity) -> None:
-    """Slot for slot the packed round's segment mask (``pack_round``, its per-row sliding window included)
-    placed at the region's slots (lo .. lo + past + rows - 1), every other slot hidden, cut to ``width``."""
-    gen = torch.Generator().manual_seed(past * 100 + rows + lo)
+def _masks_of(segments, window, capacity: int):
+    """(round_mask's inputs for ``segments`` = [(rows, region base, past)], the masks it must give: each segment's
+    ``pack_round`` mask placed at its region's slots, every other slot hidden) -> [sum rows, capacity]."""
+    packed = pack_round([r for r, _, _ in segments], [b for _, b, _ in segments], [p for _, _, p in segments],
+                        [window], torch.float32)  # fmt: skip
+    total = sum(r.input_ids.shape[0] for r, _, _ in segments)
+    want = torch.full((total, capacity), torch.finfo(torch.float32).min)
+    visibility = torch.zeros(total, total, dtype=torch.bool)
+    first, end, writes = (torch.zeros(total, dtype=torch.long) for _ in range(3))
+    row = 0
+    for b, (rows, base, past) in enumerate(segments):
+        q = rows.input_ids.shape[0]
+        want[row : row + q, base : base + past + q] = packed.segment_mask(window, b)
+        visibility[row : row + q, row : row + q] = rows.visibility
+        first[row : row + q], end[row : row + q] = base, base + past
+        writes[row : row + q] = torch.arange(base + past, base + past + q)
+        row += q
+    positions = torch.cat([r.position_ids for r, _, _ in segments])
+    return (visibility, first, end, positions, writes), want
+
+
+def _segment(rows: int, past: int, seed: int) -> Rows:
+    gen = torch.Generator().manual_seed(seed)
     visibility = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
     positions = past + torch.randint(0, 4, (rows,), generator=gen)  # siblings share positions
-    segment = Rows(torch.zeros(rows, dtype=torch.long), positions, visibility, torch.arange(rows))
-    packed = pack_round([segment], [lo], [past], [window], torch.float32)
-    want = torch.full((rows, capacity), torch.finfo(torch.float32).min)
-    want[:, lo : lo + past + rows] = packed.segment_mask(window, 0)
-    region = torch.tensor([lo, past])
-    got = round_mask(visibility, region, positions, torch.arange(width), window, torch.float32)
-    assert got.shape == (1, 1, rows, width)
+    return Rows(torch.zeros(rows, dtype=torch.long), positions, visibility, torch.arange(rows))
+
+
+@pytest.mark.parametrize("window", [None, 3, 8])
+@pytest.mark.parametrize(
+    "segments, width, capacity",
+    [
+        ([(2, 0, 0)], 8, 8),
+        ([(4, 0, 5)], 16, 32),
+        ([(8, 0, 20)], 32, 32),
+        ([(3, 0, 3)], 8, 64),
+        ([(4, 16, 5)], 32, 64),  # a region past slot 0
+        ([(3, 40, 0)], 64, 64),
+        ([(2, 0, 5), (1, 64, 3), (4, 32, 10)], 128, 128),  # three generations, regions out of order
+    ],
+)
+def test_round_mask_is_each_segments_mask_at_its_regions_slots(window, segments, width, capacity) -> None:
+    """Slot for slot each segment's packed mask (``pack_round``, its per-row sliding window included) placed at
+    its region's slots, every other slot (other generations', past the round) hidden, cut to ``width``."""
+    segs = [(_segment(q, past, seed=10 * k + q), base, past) for k, (q, base, past) in enumerate(segments)]
+    (visibility, first, end, positions, writes), want = _masks_of(segs, window, capacity)
+    keys = torch.arange(width)
+    got = round_mask(visibility, first, end, positions, writes, keys, window, torch.float32)
+    assert got.shape == (1, 1, len(positions), width)
     assert torch.equal(got[0, 0], want[:, :width])
-    tiled = round_mask(visibility, region, positions, torch.arange(width), window, torch.float32, 3)
+    tiled = round_mask(visibility, first, end, positions, writes, keys, window, torch.float32, 3)
     assert torch.equal(tiled[0, 0], want[:, :width].repeat(3, 1))  # packed row g * Q + i reads row i
 
 
@@ -101,8 +132,8 @@ def test_round_attention_reads_the_live_width_only() -> None:
     key = torch.randn(1, kv_heads, capacity, dim, generator=gen)
     value = torch.randn(1, kv_heads, capacity, dim, generator=gen)
     visibility = torch.ones(rows, rows, dtype=torch.bool).tril()
-    region = torch.tensor([0, 10])
-    mask = round_mask(visibility, region, torch.arange(10, 13), torch.arange(width), None, torch.float32, 3)
+    first, end, writes = torch.zeros(rows, dtype=torch.long), torch.full((rows,), 10), torch.arange(10, 13)
+    mask = round_mask(visibility, first, end, torch.arange(10, 13), writes, torch.arange(width), None, torch.float32, 3)
     got, _ = round_attention(None, query, key, value, mask, scaling=dim**-0.5)
     key[:, :, width:], value[:, :, width:] = float("nan"), float("nan")
     again, _ = round_attention(None, query, key, value, mask, scaling=dim**-0.5)
@@ -117,17 +148,21 @@ def test_round_attention_reads_the_live_width_only() -> None:
 
 
 def test_stage_writes_every_input_once_padded_to_the_bucket() -> None:
-    visibility = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    host = stage(4, torch.tensor([7, 8, 9]), torch.tensor([5, 6, 6]), visibility, torch.tensor([0, 2]), 32, 5, False)
-    assert host.dtype == torch.uint8 and host.numel() == StagedInputs.nbytes(4) == 8 * 18 + 16
+    """The docstring's example: segments (2 rows, region at 0, past 5) and (1 row, region at 64, past 3) in a
+    bucket of 4."""
+    a_vis = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    a = Rows(torch.tensor([7, 8]), torch.tensor([5, 6]), a_vis, torch.tensor([0, 1]))
+    b = Rows(torch.tensor([9]), torch.tensor([3]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([0]))
+    host = stage(4, [(a, 0, 5), (b, 64, 3)], False)
+    assert host.dtype == torch.uint8 and host.numel() == StagedInputs.nbytes(4) == 8 * 24 + 16
     staged = StagedInputs.views(host.clone(), 4)
     assert staged.input_ids.tolist() == [7, 8, 9, 9]  # the filler repeats the last row
-    assert staged.position_ids.tolist() == [5, 6, 6, 6]
-    assert staged.logit_rows.tolist() == [0, 2, 0, 0]  # filler logit rows read row 0 and are dropped
-    assert staged.write_slots.tolist() == [37, 38, 39, 40]  # the region's slots after its 5 cached positions
-    assert staged.region.tolist() == [32, 5]
+    assert staged.position_ids.tolist() == [5, 6, 3, 3]
+    assert staged.logit_rows.tolist() == [0, 1, 2, 0]  # each segment's own, shifted; the filler's reads row 0
+    assert staged.write_slots.tolist() == [5, 6, 67, 68]  # the filler after the last segment's rows
+    assert staged.cached_from.tolist() == [0, 0, 64, 0] and staged.cached_to.tolist() == [5, 5, 67, 0]
     want = torch.zeros(4, 4, dtype=torch.bool)
-    want[:3, :3] = visibility
+    want[:2, :2], want[2, 2] = a_vis, True
     want[3, 3] = True  # the filler sees itself only, and no real row sees it
     assert torch.equal(staged.visibility, want)
 
@@ -271,7 +306,7 @@ def test_a_round_inputs_arrive_in_one_copy(monkeypatch) -> None:
     assert copies.count == 1
     storage = staging.buffer.untyped_storage().data_ptr()
     inputs = [t for t in received if t.untyped_storage().data_ptr() == storage]
-    assert len(inputs) == 5  # ids, positions, logit rows, region bounds, visibility (the key slots are fixed)
+    assert len(inputs) == 7  # ids, positions, logit rows, write slots, cached from / to, visibility
     assert all(layer.write_slots.untyped_storage().data_ptr() == storage for layer in cache.arena.layers())
 
 
@@ -286,9 +321,9 @@ def test_a_generation_region_never_moves_and_cannot_be_outrun() -> None:
     addresses = set()
     real = adapter.rounds.forward
 
-    def recording(rows, region):
-        addresses.add(tuple(layer.keys.data_ptr() for layer in region.arena.layers()))
-        return real(rows, region)
+    def recording(rounds, regions):
+        addresses.add(tuple(layer.keys.data_ptr() for layer in regions[0].arena.layers()))
+        return real(rounds, regions)
 
     adapter.rounds.forward = recording
     for seed in (1, 2):
@@ -361,10 +396,38 @@ def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: s
     # every static input unguarded, whatever the torch's default (``guard=True`` before 2.10): a guard on a
     # staging buffer's or key-slot vector's identity would make each (bucket, width) pair a recompilation
     staged = [t for s in compiled.rounds._staged.values() for t in (s.input_ids, s.position_ids, s.logit_rows,
-                                                                   s.write_slots, s.region, s.visibility)]  # fmt: skip
-    assert len(compiled.rounds._key_slots) >= 2 and len(staged) == 6 * len(compiled.rounds.ladder.rows)
+                                                                   s.write_slots, s.cached_from, s.cached_to,
+                                                                   s.visibility)]  # fmt: skip
+    assert len(compiled.rounds._key_slots) >= 2 and len(staged) == 7 * len(compiled.rounds.ladder.rows)
     for tensor in (*staged, *compiled.rounds._key_slots.values()):
         assert tensor._dynamo_static_input_type == "unguarded"
+
+
+@pytest.mark.slow
+def test_compiled_batched_rounds_are_the_same_graph_and_exact() -> None:
+    """Rounds of several generations (``run.batch`` 3: prompts joining as others end, prefills riding with other
+    generations' rounds) through the one compiled round function after its warm-up: no recompilation
+    (``error_on_recompile``), one graph in all, every output HF greedy's."""
+    from torch._dynamo.utils import counters
+
+    from lp_runner.decoding.engine import Job
+
+    model = tiny_model("qwen2-hybrid")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = ModelAdapter(model, bucketed=True, compile=True)
+    la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+    engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=30), [])
+    prompts = [random_prompt(n, seed) * 2 for n, seed in ((12, 0), (3, 1), (20, 2), (7, 3), (9, 4))]
+    compiled.warm_up(3 * engine.capacity(max(map(len, prompts))))
+    done: dict = {}
+    jobs = iter([Job(p, tag=i) for i, p in enumerate(prompts)])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        engine.run(lambda: next(jobs, None), lambda job, result: done.__setitem__(job.tag, result), batch=3)
+    for i, prompt in enumerate(prompts):
+        assert done[i].output_ids == hf_greedy(model, prompt, 30), i
+    assert max(rec.batch_size for r in done.values() for rec in r.stats.records) == 3  # rounds were shared
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_warm_up_at_the_jobs_arena_is_the_arena_its_generations_run_on() -> None:

@@ -179,9 +179,9 @@ def test_measure_curve_times_the_rounds_a_job_runs_where_it_runs_them():
     seen = []
     real = adapter.rounds.forward
 
-    def recording(rows, region):
-        seen.append(region.arena)
-        return real(rows, region)
+    def recording(rounds, regions):
+        seen.extend(region.arena for region in regions)
+        return real(rounds, regions)
 
     adapter.rounds.forward = recording
     measure_curve(adapter, [8, 24], [1, 3], reps=1)
