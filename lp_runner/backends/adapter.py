@@ -341,7 +341,7 @@ class ModelAdapter:
         """Why this model's layers cannot take a round of several generations (one line), or None where they
         may: the backend's whole layers, or transformers' sdpa layers that hand the forward's keywords down to
         their attention over plain attention cache layers. Whether they then compute it exactly is the decoding
-        side's probe (``decoding.forwards.batch_support``)."""
+        side's probe (``decoding.batch_round.batch_support``)."""
         if not (self.backend.whole_layers or self.segmented):
             return f"{type(self.model).__name__} runs {self.model.config._attn_implementation} attention"
         if not all(_is_attention_layer(layer) for layer in DynamicCache(config=self.model.config).layers):

@@ -74,7 +74,7 @@ def packed_gqa_sdpa(
 
 @dataclass(frozen=True)
 class SegmentedRound:
-    """What ``batched_attention`` needs of a batched round (``batch_forward.BatchRound``) besides the tensors:
+    """What ``batched_attention`` needs of a round (``batch.BatchRound``) besides the tensors:
     each segment's rows and keys, its masks per sliding window (on the model's device), and each layer's window."""
 
     rows: tuple[tuple[int, int], ...]  # per segment: [first, stop) round rows
@@ -87,7 +87,7 @@ class SegmentedRound:
 def batched_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, R, D]: every segment's rows
-    key: torch.Tensor,  # [1, H_kv, C, D]: the whole slot buffer (``slot_cache``)
+    key: torch.Tensor,  # [1, H_kv, C, D]: the whole arena layer (``kv_cache.ArenaLayer``)
     value: torch.Tensor,  # [1, H_kv, C, D]
     attention_mask,  # a placeholder: the masks are the segments' own (``lp_batch``)
     dropout: float = 0.0,
@@ -99,8 +99,8 @@ def batched_attention(
     """A batched round's attention on transformers' layers: each segment's rows attend to its own region of the
     buffer only, through its own mask, with the attention a round of that generation alone runs (``inner``), one
     call per segment. The model's forward hands ``lp_batch`` down to here as a keyword; a model whose layers do
-    not (or that calls another attention) fails loudly instead, on the placeholder mask's width (``ModelAdapter.
-    supports_batch`` finds out once, against separate forwards)."""
+    not (or that calls another attention) fails loudly instead, on the placeholder mask's width (the adapter's
+    construction probe finds out, and takes a 4-D mask instead)."""
     if lp_batch is None:
         raise RuntimeError("batched attention called without its round (the model did not pass lp_batch down)")
     masks = lp_batch.masks[lp_batch.layer_windows[module.layer_idx]]

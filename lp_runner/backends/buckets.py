@@ -4,11 +4,11 @@ A CUDA graph replays fixed shapes at fixed addresses, so a round of any row coun
 counts (vLLM pads its token counts to its captured sizes, ``pad_for_cudagraph``), and its attention must read one
 of a few K/V widths. Here both ladders are powers of two:
 
-* rows: 2, 4, 8, ..., ``MAX_BUCKET_ROWS``. Padding costs little where this matters: on a GPU a forward of 1 to
-  ~100 rows costs about what one row does (the weights are read once either way), and a power-of-two ladder pads
-  a round by less than 2x. The ladder starts at 2, not 1: a compiled graph is specialised to size-1 dimensions,
-  so a one-row bucket would be a second compilation (the CPU's compiled rounds run one row as two for the same
-  reason). A round of more rows than the ladder's top (a long prompt's prefill) runs at its own count, eager.
+* rows: 2, 4, 8, ..., ``MAX_BUCKET_ROWS``. Padding costs little where this matters: on a GPU a forward of 1 to ~100
+  rows costs about what one row does (the weights are read once either way), and a power-of-two ladder pads a round by
+  less than 2x. The ladder starts at 2, not 1: a compiled graph is specialised to size-1 dimensions, so a one-row
+  bucket would be a second compilation. A round of more rows than the ladder's top (a long prompt's prefill) runs at
+  its own count, eager.
 * K/V width: the smallest power of two from ``MIN_CAPACITY`` that holds the cached positions and the round's
   rows, never past the buffer's capacity: attention reads that much of the buffer, not all of it, and a job's
   rounds take a handful of widths (log2 of capacity / 256).

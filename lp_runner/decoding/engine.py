@@ -112,9 +112,9 @@ class LookaheadEngine:
     ) -> None:
         """Generate for every job ``next_job`` hands out (None: no more), up to ``batch`` at a time in one forward
         per round, each joining as soon as a generation finishes; ``on_done`` gets each as it finishes (on every
-        rank, in the same order). ``batch`` 1 runs each generation on its own cache through the adapter's plain
-        forward (compiled where the adapter is); more share one K/V buffer and the batched forward
-        (``batch_forward.py``). Every rank of an LP group must hand out the same jobs in the same order."""
+        rank, in the same order). Every round is one ``ModelAdapter.run`` over the generations in flight, each on its
+        region of the adapter's job arena (``batch`` 1: one segment). Every rank of an LP group must hand out the
+        same jobs in the same order."""
         RoundLoop(self, batch).run(next_job, on_done)
 
     def exchange_comm(self) -> Communicator | None:

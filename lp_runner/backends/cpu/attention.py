@@ -11,7 +11,6 @@ import torch
 
 from lp_runner.backends.attention import pack_heads, packed_gqa_sdpa, special_attention, unpack_heads
 from lp_runner.backends.cpu import native
-from lp_runner.backends.cpu.ops import define_op
 
 # packed rows (query heads per K/V head x round rows) up to which the native loop runs. Call by call against torch's
 # sdpa on the embedded model's heads (benchmarks/attention_kernels.py; 2 threads) the loop took 0.42-0.87x
@@ -29,25 +28,15 @@ def packed_attention(
     mask: torch.Tensor,  # [Q, K] additive; packed row r reads row r % Q
     scale: float,
 ) -> torch.Tensor:  # [H_kv, M, D]
-    """The packed rows' attention, its kernel chosen by their number when it runs: the native loop up to
-    ``NATIVE_MAX_ROWS`` packed rows, torch's sdpa beyond, on the same inputs ``packed_gqa_sdpa`` gives it (the
-    mask tiled per query head). The choice lives here, not in the model's code, so that a compiled graph has no
-    branch on the row count: one graph serves every round (a branch in the graph compiled a second one at the
-    first round on the other side of the bound, 40 s into the job)."""
+    """The packed rows' attention, its kernel chosen by their number: the native loop up to ``NATIVE_MAX_ROWS``
+    packed rows, torch's sdpa beyond, on the same inputs ``packed_gqa_sdpa`` gives it (the mask tiled per query
+    head)."""
     if query.shape[1] <= NATIVE_MAX_ROWS:
         return native.attention(query, key, value, mask, scale)
     tiled = mask.repeat(query.shape[1] // mask.shape[0], 1)  # [M, K]
     return torch.nn.functional.scaled_dot_product_attention(
         query[None], key[None], value[None], attn_mask=tiled[None, None], scale=scale
     )[0]
-
-
-packed_attention_op = define_op(  # the graph holds the call, not the choice
-    "packed_attention",
-    "(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor",
-    packed_attention,
-    lambda query, key, value, mask, scale: torch.empty_like(query),
-)
 
 
 def native_gqa_attention(
@@ -62,8 +51,9 @@ def native_gqa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # ([B, Q, H, D], no weights)
     """``packed_gqa_sdpa`` with lp_runner's native attention (``native.attention``) for rounds of a few rows: the
-    same packing, the same mask, softmax over the visible keys only. Models whose products are native use it (the
-    CPU backend's ``attention``: the library is then built and probed). Rounds of more than ``NATIVE_MAX_ROWS``
+    same packing, the same mask, softmax over the visible keys only. Models whose products are native use it for
+    each segment of a round on transformers' layers (the CPU backend's ``segment_attention``: the library is then
+    built and probed). Rounds of more than ``NATIVE_MAX_ROWS``
     packed rows run torch's sdpa (``packed_attention`` chooses); batches, other dtypes and special attention
     (softcap, position bias) keep ``packed_gqa_sdpa``."""
     batch, _, _, dim = query.shape
@@ -81,6 +71,5 @@ def native_gqa_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     scale = scaling if scaling is not None else dim**-0.5
-    op = packed_attention_op if torch.compiler.is_compiling() else packed_attention
-    out = op(pack_heads(query, key.shape[1])[0], key[0], value[0], attention_mask[0, 0], scale)
+    out = packed_attention(pack_heads(query, key.shape[1])[0], key[0], value[0], attention_mask[0, 0], scale)
     return unpack_heads(out, query.shape), None
