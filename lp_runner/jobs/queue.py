@@ -1,6 +1,7 @@
 """One job over D LP groups (``parallel.groups = D > 1``): the prompt loop of each group, fed by the work queue.
 
-``run_prompts`` (runner.py) runs a list of prompts in order on one LP group; ``run_queued`` is its D-group form:
+``worker.run_prompts`` runs a list of prompts in order on one LP group; ``run_queued`` is its D-group form, the same
+job loop (``worker.run_jobs``) fed from the job's queue:
 every rank tokenizes and checks every prompt (the same answer everywhere), then each group takes the next prompt
 from the job's queue (``parallel.groups``: longest first, whichever group is free) until none is left. The
 engine, the round protocol and the policy are those of a one-group job, so every prompt's greedy output is the
@@ -15,17 +16,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-from lp_runner.decoding.engine import GenerationResult, Job
 from lp_runner.errors import DistributedError, first_line
 from lp_runner.jobs.prompts import PromptSpec
 from lp_runner.jobs.worker import (
+    JobFeed,
     TextStreamer,
     Worker,
-    chain_callbacks,
     check_prompts,
     job_engine,
     make_error_record,
-    make_record,
+    run_jobs,
     save_store,
 )
 from lp_runner.parallel.cores import CoreShare
@@ -77,28 +77,21 @@ def run_queued(
 
     claimed = [0]  # prompts of the job claimed by every group so far, as this group last saw (its ranks alike)
 
-    def next_job() -> Job | None:  # a claim whenever the group has room: every rank of it takes the leader's
+    def next_index() -> int | None:  # a claim whenever the group has room: every rank of it takes the leader's
         k = claim_for_group(queue, worker.comm)
         claimed[0] = min(k + 1, len(order))
-        if k >= len(order):
-            return None
-        i = order[k]
+        return order[k] if k < len(order) else None
+
+    def remaining() -> int:  # this group's share of the unclaimed prompts
+        return -(-(len(order) - claimed[0]) // layout.groups)
+
+    def callbacks_for(i: int) -> list:
         streamer = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
-        on_commit = chain_callbacks([hook for hook in (streamer, cores) if hook is not None])
-        return Job(prompt_ids[i], sample_key=f"id:{specs[i].id}", on_commit=on_commit, tag=i)
+        return [hook for hook in (streamer, cores) if hook is not None]
 
-    def on_done(job: Job, result: GenerationResult) -> None:
-        i = job.tag
-        if queue is not None:
-            queue.post(make_record(worker, specs[i], prompt_ids[i], result))  # with the setting that ran
-        remaining = -(-(len(order) - claimed[0]) // layout.groups)  # this group's share of the unclaimed prompts
-        if policy.observe(
-            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead, remaining
-        ):  # the group's ranks see the same tokens
-            engine.set_lookahead(policy.lookahead)
-
+    feed = JobFeed(next_index, remaining, callbacks_for, post=queue.post if queue is not None else None)
     try:
-        engine.run(next_job, on_done, batch=policy.batch)  # run.batch generations in flight per group
+        run_jobs(worker, engine, policy, specs, prompt_ids, [[] for _ in specs], feed)  # run.batch in flight
         if cores is not None:
             cores.leave()
         if queue is not None:

@@ -456,44 +456,82 @@ def run_prompts(
         if on_record is not None:
             on_record(rec)
 
-    queue = iter(range(len(specs)))
-    good_from = [0] * (len(specs) + 1)  # good_from[k]: prompts from index k on that will run
+    later_good = [0] * (len(specs) + 1)  # later_good[k]: prompts from index k on that will run
     for k in reversed(range(len(specs))):
-        good_from[k] = good_from[k + 1] + (problems[k] is None)
+        later_good[k] = later_good[k + 1] + (problems[k] is None)
     started = [0]  # the index past the last prompt handed out
 
+    def next_index() -> int | None:  # in file order; a bad prompt gets its error record in its place
+        for i in range(started[0], len(specs)):
+            started[0] = i + 1
+            if problems[i] is None:
+                return i
+            if worker.is_main:  # every rank skips it alike
+                deliver(make_error_record(worker, specs[i], f"{specs[i].describe()}: {problems[i]}"))
+        return None
+
     def remaining() -> int | None:  # generations still to start on this worker, the same on every rank
-        return None if later is None else good_from[started[0]] + later
+        return None if later is None else later_good[started[0]] + later
+
+    def callbacks_for(i: int) -> list[Callable[[Sequence[int]], None]]:
+        if not worker.is_main:
+            return []
+        callbacks: list[Callable[[Sequence[int]], None]] = []
+        if stream:
+            callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefixes[i]))
+        if on_commit is not None:
+            callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
+        return callbacks
+
+    feed = JobFeed(next_index, remaining, callbacks_for, post=deliver if worker.is_main else None)
+    run_jobs(worker, engine, policy, specs, prompt_ids, prefixes, feed)
+    save_store(worker)
+    return records
+
+
+@dataclass(frozen=True)
+class JobFeed:
+    """Where a group's prompts come from and where their records go: what differs between the prompt loops
+    (``run_prompts``: a list in file order; ``queue.run_queued``: the D groups' shared queue). ``next_index``: the
+    next prompt to run (the same on every rank of the group), None when none is left; ``remaining``: generations
+    still to start on this group (None: not known), for the auto preset; ``callbacks``: prompt i's per-round
+    callbacks (streaming, progress); ``post``: where prompt i's record goes (None: this rank writes none)."""
+
+    next_index: Callable[[], int | None]
+    remaining: Callable[[], int | None]
+    callbacks: Callable[[int], list[Callable[[Sequence[int]], None]]]
+    post: Callable[[dict], None] | None
+
+
+def run_jobs(
+    worker: Worker,
+    engine: LookaheadEngine,
+    policy: RoundPolicy,
+    specs: Sequence[PromptSpec],
+    prompt_ids: Sequence[Sequence[int]],
+    prefixes: Sequence[Sequence[int]],
+    feed: JobFeed,
+) -> None:
+    """The one job loop every launcher runs (one process, torchrun ranks, D groups, Ray actors): the prompts
+    ``feed`` hands out, ``policy.batch`` in flight through ``engine.run`` (``scheduler.RoundLoop``), each from its
+    committed prefix, its sampling streams named by its id; as each finishes, its record (with the setting that
+    ran) goes to ``feed.post`` and the policy observes it (every rank the same tokens, in one order)."""
 
     def next_job() -> Job | None:
-        for i in queue:
-            started[0] = i + 1
-            spec, prefix = specs[i], prefixes[i]
-            if problems[i] is not None:  # every rank skips it alike
-                if worker.is_main:
-                    deliver(make_error_record(worker, spec, f"{spec.describe()}: {problems[i]}"))
-                continue
-            callbacks: list[Callable[[Sequence[int]], None]] = []
-            if stream and worker.is_main:
-                callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefix))
-            if on_commit is not None and worker.is_main:
-                callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
-            return Job(prompt_ids[i], prefix, f"id:{spec.id}", chain_callbacks(callbacks), tag=i)
-        return None
+        i = feed.next_index()
+        if i is None:
+            return None
+        on_commit = chain_callbacks(feed.callbacks(i))
+        return Job(prompt_ids[i], prefixes[i], f"id:{specs[i].id}", on_commit, tag=i)
 
     def on_done(job: Job, result: GenerationResult) -> None:
         i = job.tag
-        rec = make_record(worker, specs[i], prompt_ids[i], result) if worker.is_main else {}
-        if policy.observe(
-            prompt_ids[i], result.output_ids, result.stats.records, result.lookahead, remaining()
-        ):  # every rank observes the same tokens, in one order
+        if feed.post is not None:
+            feed.post(make_record(worker, specs[i], prompt_ids[i], result))
+        if policy.observe(prompt_ids[i], result.output_ids, result.stats.records, result.lookahead, feed.remaining()):
             engine.set_lookahead(policy.lookahead)
-        if worker.is_main:
-            deliver(rec)
 
     engine.run(next_job, on_done, batch=policy.batch)
-    save_store(worker)
-    return records
 
 
 def job_engine(worker: Worker, policy: RoundPolicy) -> LookaheadEngine:
