@@ -348,13 +348,14 @@ class ModelAdapter:
             return "its cache has layers that are not plain attention layers"
         return None
 
-    def warm_up(self, capacity: int) -> float:
-        """Compile before the job (a compiled round compiles on its first call): every row bucket on an arena
-        of ``capacity`` slots, the job's. Returns the seconds it took (0 when eager)."""
+    def warm_up(self, capacity: int, batch: int = 1) -> float:
+        """Compile before the job (a compiled round compiles on its first call): every row bucket on the job
+        arena, at the size the job's round loop claims (``batch`` generations of at most ``capacity`` positions),
+        so the job's rounds replay what this records. Returns the seconds it took (0 when eager)."""
         if not self.compiled:
             return 0.0
         size = self.region_size(capacity)
-        arena = self.claim_arena(size)
+        arena = self.claim_arena(size * batch)
         try:
             return self.rounds.warm_up(arena, size)
         finally:

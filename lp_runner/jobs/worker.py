@@ -160,12 +160,12 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         prompt_ids, _ = check_prompts(worker, checker, prompts)  # on_error=stop: the first bad prompt raises here
         arena_tokens = checker.capacity(max(map(len, prompt_ids), default=0))  # the job's longest generation
     job_tokens = len(prompts) * cfg.generation.max_new_tokens
-    compile_choice = choose_forward(
-        worker, job_tokens, cache_root, say=_log if worker.is_main else None, arena_tokens=arena_tokens
-    )
     batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(prompts))
     if why_not and worker.is_main:
         log.warning(why_not)
+    compile_choice = choose_forward(
+        worker, job_tokens, cache_root, say=_log if worker.is_main else None, arena_tokens=arena_tokens, batch=batch
+    )
     worker.policy = RoundPolicy.build(
         cfg,
         worker.adapter,
@@ -329,15 +329,18 @@ def _device_label(device: torch.device) -> str:
     return device_name(device)  # reads /proc/cpuinfo on a CPU: once per process
 
 
-def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None, arena_tokens: int = 0) -> CompileChoice:
+def choose_forward(
+    worker: Worker, job_tokens: int, cache_root: Path, say=None, arena_tokens: int = 0, batch: int = 1
+) -> CompileChoice:
     """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 decides, every rank of
     the group follows; a compiled adapter replaces ``worker.adapter`` after compiling (timed). With ``on`` (or
     ``auto`` capturing a CUDA device's first long job), rank 0 records what compiling cost and saved on this device
     (when it has no record, or on ``--recalibrate``), which is what ``auto`` decides from next time; each row
     bucket's capture seconds go to the job's records (``CompileChoice.capture_s``). ``arena_tokens``: the K/V
-    positions the job's longest generation can hold (``LookaheadEngine.capacity``); the warm-up compiles and
-    captures on K/V buffers of that size, the one the job's rounds then run on, so no prompt of the job regrows it
-    mid-generation (new buffers mean every captured graph recorded again, while the other ranks wait)."""
+    positions the job's longest generation can hold (``LookaheadEngine.capacity``), ``batch`` of them in flight;
+    the warm-up compiles and captures on the job arena at that size, the one the job's rounds then run on, so no
+    prompt of the job grows it mid-generation (a new arena means every captured graph recorded again, while the
+    other ranks wait)."""
     mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
     if mode == "off":
         return CompileChoice(mode, False, "off")
@@ -354,7 +357,7 @@ def choose_forward(worker: Worker, job_tokens: int, cache_root: Path, say=None, 
         say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
     fast = ModelAdapter(adapter.model, compile=True, backend=adapter.backend)
     try:
-        compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens))
+        compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens), batch)
     except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback
         reason = f"{reason}: compilation failed ({first_line(exc)}), eager"
         log.warning("model.compile: %s", reason)

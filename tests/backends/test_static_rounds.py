@@ -419,7 +419,7 @@ def test_compiled_batched_rounds_are_the_same_graph_and_exact() -> None:
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=30), [])
     prompts = [random_prompt(n, seed) * 2 for n, seed in ((12, 0), (3, 1), (20, 2), (7, 3), (9, 4))]
-    compiled.warm_up(3 * engine.capacity(max(map(len, prompts))))
+    compiled.warm_up(engine.capacity(max(map(len, prompts))), batch=3)  # the arena the job's loop claims
     done: dict = {}
     jobs = iter([Job(p, tag=i) for i, p in enumerate(prompts)])
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -428,6 +428,9 @@ def test_compiled_batched_rounds_are_the_same_graph_and_exact() -> None:
         assert done[i].output_ids == hf_greedy(model, prompt, 30), i
     assert max(rec.batch_size for r in done.values() for rec in r.stats.records) == 3  # rounds were shared
     assert counters["stats"]["unique_graphs"] == 1
+    arena = compiled.claim_arena(1)
+    assert arena.allocations == 1  # the job ran on the arena the warm-up recorded its graphs on
+    compiled.release_arena(arena)
 
 
 def test_warm_up_at_the_jobs_arena_is_the_arena_its_generations_run_on() -> None:
