@@ -267,7 +267,7 @@ class ModelAdapter:
 
     def _eager(self, batch: BatchRound, arena: KVArena) -> torch.Tensor:  # [L, vocab]
         """A packed round, eager: the backend's whole layers where it has them (one call over the segments),
-        else transformers' layers attending per segment, else (one segment) under a 4-D mask over the arena."""
+        else transformers' layers attending per segment, else (one segment) under a 4-D mask over its region."""
         device = self.device
         slots = batch.slots.to(device)
         seg = batch.segments
