@@ -163,7 +163,7 @@ class Generation:
             RoundRecord(
                 rows=layout.num_rows - layout.num_padding,
                 padded_rows=layout.num_padding,
-                logit_rows=len(layout.logit_rows),
+                logit_rows=layout.num_logit_rows,
                 candidates=len(plan.assignment[self.rank]),
                 hits=decision.hits,
                 emitted=len(self._emitted),
