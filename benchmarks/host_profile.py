@@ -2,6 +2,7 @@
 
     python benchmarks/host_profile.py                       # calibration8's first 4 prompts, 128 new tokens
     python benchmarks/host_profile.py --prompts 8 --repeat 3 --top 40
+    PYTHONPATH=../other python benchmarks/host_profile.py --wall-only   # another checkout's lp_runner, same job
 
 Runs ``lp_runner.generate`` (the API: the auto preset and its padded rows, as the default job) on the embedded
 model for prompts that ``host_time.py``'s bench16 does not hold (``benchmarks/results/calibration8.jsonl``), once
@@ -136,6 +137,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--top", type=int, default=30, help="functions listed by own time (forward excluded)")
+    ap.add_argument("--wall-only", action="store_true", help="the timed repeats only, no cProfile run")
     ap.add_argument("--dump", help="write the cProfile statistics here (pstats, e.g. for print_callees)")
     args = ap.parse_args()
 
@@ -154,6 +156,8 @@ def main() -> None:
     print(f"  loop (wall)    {1e6 * best_loop:8.1f} µs/round")
     print(f"  outputs digest {hash(tuple(map(tuple, outputs))) & 0xFFFFFFFF:08x} (equal between checkouts)")
 
+    if args.wall_only:
+        return
     prof = cProfile.Profile()
     t = time.perf_counter()
     prof_rounds, *_ = Job(model, tokenizer, args.max_new_tokens).run(prompts, prof)
