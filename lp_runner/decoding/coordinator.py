@@ -175,6 +175,6 @@ def cap_rows(merged: list[Proposal], max_rows: int) -> list[Proposal]:
         cut = p.tokens[:left]
         if any(kept.tokens[: len(cut)] == cut for kept in out):  # a prefix of a kept one: verified already
             continue
-        out.append(dataclasses.replace(p, tokens=cut))
+        out.append(p if len(cut) == len(p.tokens) else dataclasses.replace(p, tokens=cut))  # most are kept whole
         left -= len(cut)
     return out

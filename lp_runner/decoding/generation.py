@@ -130,8 +130,10 @@ class Generation:
         )
         self._result = result
         v = result.verdict
+        # the digest proves replicas of the coordinator agree; one rank has no other replica to check
+        digest = self._plan.digest if self.coord.world_size > 1 else 0
         return Entry(
-            self._plan.digest,
+            digest,
             v.hits,
             tuple(v.emitted),
             result.candidate,
@@ -163,7 +165,7 @@ class Generation:
             RoundRecord(
                 rows=layout.num_rows - layout.num_padding,
                 padded_rows=layout.num_padding,
-                logit_rows=len(layout.logit_rows),
+                logit_rows=layout.num_logit_rows,
                 candidates=len(plan.assignment[self.rank]),
                 hits=decision.hits,
                 emitted=len(self._emitted),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -54,33 +54,176 @@ class Row:
     offset: int = NO_INDEX
 
 
+RowShape = tuple[int, int, int, int, int]  # a row's (role, level, column, candidate, offset): what its mask reads
+
+
+@dataclass(frozen=True, eq=False)
+class RoundShape:
+    """What a round's layout is besides its tokens and positions, for the round cut to its live key (row 0): the
+    same for every round of the same sizes, so ``round_shape`` computes it once per shape. ``eq=False``: one object
+    per shape (the cache hands out the same one), compared and hashed by identity.
+
+    Example (the module docstring's round): rows (ORD), (LA, 0, 1), (LA, 0, 2), (LA, 1, 0), (LA, 1, 1), (LA, 1, 2),
+    (VER, c0, s0), (VER, c0, s1); offsets 0, 1, 2, 1, 2, 3, 1, 2; logit_rows 0, 3, 4, 5, 6, 7.
+    """
+
+    key: tuple[tuple[int, int], int, tuple[int, ...]]  # (columns, depth, candidate lengths): ``round_shape``'s
+    rows: tuple[RowShape, ...]  # [num_rows]: the key of the mask cache (``_visibility``)
+    offsets: tuple[int, ...]  # [num_rows]: position - the live key's position
+    logit_rows: tuple[int, ...]  # rows whose logits are computed (row indices of the cut round)
+    column_logits: tuple[int, ...]  # indices into logit_rows, as ``RoundLayout.column_logits``
+    verify_logits: tuple[tuple[int, ...], ...]  # indices into logit_rows, as ``RoundLayout.verify_logits``
+    candidate_starts: tuple[int, ...]  # row of each candidate's first token (of the cut round)
+    num_lookahead: int
+    num_padding: int
+
+    @functools.cached_property
+    def logit_rows_tensor(self) -> torch.Tensor:
+        """[num_logit_rows] int64, shared by every one-ordinary-row round of this shape: read only."""
+        return torch.tensor(self.logit_rows, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=512)
+def round_shape(columns: tuple[int, int], depth: int, lengths: tuple[int, ...], padding: int = 0) -> RoundShape:
+    """The ``RoundShape`` of a round with one ordinary row (the live key), own ``columns`` of a window ``depth``
+    levels deep, candidates of ``lengths`` and ``padding`` filler rows; computed once per shape (an LRU of 512:
+    a setting's rounds take a few dozen shapes)."""
+    lo, hi = columns
+    rows: list[RowShape] = [(ROLE_ORDINARY, NO_INDEX, NO_INDEX, NO_INDEX, NO_INDEX)]
+    offsets = [0]
+    column_rows: list[int] = []
+    if hi > lo:
+        for j in range(1, hi):  # base stripe context and own level-0 rows
+            rows.append((ROLE_LOOKAHEAD, 0, j, NO_INDEX, NO_INDEX))
+            offsets.append(j)
+            if depth == 0 and j >= lo:
+                column_rows.append(len(rows) - 1)
+        if depth == 0 and lo == 0:
+            column_rows.insert(0, 0)  # column 0's level-0 token is the live key itself
+        for level in range(1, depth + 1):
+            for j in range(lo, hi):
+                rows.append((ROLE_LOOKAHEAD, level, j, NO_INDEX, NO_INDEX))
+                offsets.append(j + level)
+                if level == depth:
+                    column_rows.append(len(rows) - 1)
+    num_lookahead = len(rows) - 1
+    verify_rows: list[list[int]] = []
+    for c, n in enumerate(lengths):
+        verify_rows.append(list(range(len(rows), len(rows) + n)))
+        rows.extend((ROLE_VERIFY, NO_INDEX, NO_INDEX, c, s) for s in range(n))
+        offsets.extend(range(1, n + 1))
+    rows.extend((ROLE_PAD, NO_INDEX, NO_INDEX, NO_INDEX, NO_INDEX) for _ in range(padding))
+    offsets.extend(0 for _ in range(padding))  # a filler repeats the live key's token and position
+
+    # Logit rows: the live key, then own-column outputs, then all verification rows (each row once).
+    logit_rows = [0, *(r for r in column_rows if r != 0), *(r for rs in verify_rows for r in rs)]
+    where = {r: i for i, r in enumerate(logit_rows)}
+    return RoundShape(
+        key=(columns, depth, lengths),
+        rows=tuple(rows),
+        offsets=tuple(offsets),
+        logit_rows=tuple(logit_rows),
+        column_logits=tuple(where[r] for r in column_rows),
+        verify_logits=tuple(tuple(where[r] for r in rs) for rs in verify_rows),
+        candidate_starts=tuple(rs[0] for rs in verify_rows),
+        num_lookahead=num_lookahead,
+        num_padding=padding,
+    )
+
+
 @dataclass(frozen=True)
 class RoundLayout:
-    """The contract of one packed forward; every tensor is derived from ``rows`` once."""
+    """The contract of one packed forward: the round's tokens and positions, its ordinary rows and its shape
+    (``RoundShape``: the rest of the round, shared by every round of its sizes); every tensor is derived from
+    them once, when first read, so a layout that is only padded (``pad_layout``) never builds any."""
 
-    rows: tuple[Row, ...]
-    input_ids: torch.Tensor  # [num_rows] int64
-    position_ids: torch.Tensor  # [num_rows] int64
-    visibility: torch.Tensor  # [num_rows, num_rows] bool, True = row i may attend to row k
-    logit_rows: torch.Tensor  # [num_logit_rows] int64, rows whose LM-head output is computed
+    tokens: tuple[int, ...]  # [num_rows] each row's input token
+    positions: tuple[int, ...]  # [num_rows] each row's position
     num_ordinary: int
-    num_lookahead: int
-    num_candidates: int
-    candidate_starts: tuple[int, ...]  # row index of each candidate's first token
-    # indices into the logit rows (not into rows):
-    ordinary_logit: int  # prediction z0 after the live key
-    column_logits: tuple[int, ...]  # one per own column, in column order: its new trajectory token
-    verify_logits: tuple[tuple[int, ...], ...]  # [num_candidates][len(candidate)]: prediction after g_c[s]
+    shape: RoundShape  # the round cut to its live key: rows 1.. of the shape are rows num_ordinary.. here
+
+    @functools.cached_property
+    def rows(self) -> tuple[Row, ...]:
+        """Every row with its role and place (for inspection and tests; the round itself reads the tensors)."""
+        k = self.num_ordinary - 1
+        ordinary = [Row(ROLE_ORDINARY, t, p) for t, p in zip(self.tokens[: k + 1], self.positions, strict=False)]
+        rest = [
+            Row(role, self.tokens[k + i], self.positions[k + i], *place)
+            for i, (role, *place) in enumerate(self.shape.rows[1:], start=1)
+        ]
+        return (*ordinary, *rest)
+
+    @functools.cached_property
+    def input_ids(self) -> torch.Tensor:
+        return torch.tensor(self.tokens, dtype=torch.long)  # [num_rows]
+
+    @functools.cached_property
+    def position_ids(self) -> torch.Tensor:
+        return torch.tensor(self.positions, dtype=torch.long)  # [num_rows]
+
+    @functools.cached_property
+    def visibility(self) -> torch.Tensor:
+        """[num_rows, num_rows] bool, True = row i may attend to row k (``visibility_mask``); this layout's own."""
+        return _pasted(self.num_ordinary, self.shape.rows)
+
+    @functools.cached_property
+    def logit_rows(self) -> torch.Tensor:
+        """[num_logit_rows] int64: rows whose LM-head output is computed (read only: a one-ordinary-row round
+        shares its shape's)."""
+        if self.num_ordinary == 1:
+            return self.shape.logit_rows_tensor
+        k = self.num_ordinary - 1
+        return torch.tensor([r + k for r in self.shape.logit_rows], dtype=torch.long)
+
+    def built(self) -> RoundLayout:
+        """This layout, its forward's tensors made: the round loop makes them while it lays out the round, so that
+        they count as the round's host time rather than its forward's."""
+        _ = self.input_ids, self.position_ids, self.visibility, self.logit_rows
+        return self
 
     @property
     def num_rows(self) -> int:
-        return len(self.rows)
+        return len(self.tokens)
+
+    @property
+    def num_lookahead(self) -> int:
+        return self.shape.num_lookahead
+
+    @property
+    def num_candidates(self) -> int:
+        return len(self.shape.candidate_starts)
 
     @property
     def num_padding(self) -> int:
         """Rows appended by ``pad_layout``: they follow every real row, so their K/V lies past anything a round
         commits and the next crop drops it."""
-        return sum(1 for r in self.rows if r.role == ROLE_PAD)
+        return self.shape.num_padding
+
+    @property
+    def num_logit_rows(self) -> int:
+        return len(self.shape.logit_rows)
+
+    @property
+    def candidate_starts(self) -> tuple[int, ...]:
+        """Row index of each candidate's first token."""
+        k = self.num_ordinary - 1
+        return tuple(r + k for r in self.shape.candidate_starts) if k else self.shape.candidate_starts
+
+    # indices into the logit rows (not into rows):
+    @property
+    def ordinary_logit(self) -> int:
+        """Prediction z0 after the live key: always the first logit row."""
+        return 0
+
+    @property
+    def column_logits(self) -> tuple[int, ...]:
+        """One per own column, in column order: its new trajectory token."""
+        return self.shape.column_logits
+
+    @property
+    def verify_logits(self) -> tuple[tuple[int, ...], ...]:
+        """[num_candidates][len(candidate)]: prediction after g_c[s]."""
+        return self.shape.verify_logits
 
     @property
     def first_verify_row(self) -> int:
@@ -88,7 +231,7 @@ class RoundLayout:
 
     def verify_row(self, candidate: int, offset: int) -> int:
         """Row index (within the round) of candidate ``candidate``'s input at ``offset``."""
-        return self.candidate_starts[candidate] + offset
+        return self.shape.candidate_starts[candidate] + self.num_ordinary - 1 + offset
 
 
 def compile_round(
@@ -104,62 +247,28 @@ def compile_round(
     levels: the full window (levels[0] has W-1 tokens, deeper levels W); the deepest present level is output.
     columns: [lo, hi) this rank computes (empty when lo == hi); it also feeds level-0 context for columns 1..lo-1.
     candidates: non-empty suffixes (any lengths) to verify, all following the live key.
+
+    Only the tokens and positions are this round's own; the rest is its shape's (``round_shape``), in the row
+    order of the module docstring: level-0 context b_1..b_{hi-1}, then levels 1..depth of columns [lo, hi).
     """
     if not ordinary:
         raise ValueError("a round needs at least one ordinary row (the live key)")
-    lo, hi = columns
-    depth = len(levels) - 1
-    p = start_position + len(ordinary) - 1  # position of the live key b_0
-    rows: list[Row] = [Row(ROLE_ORDINARY, tok, start_position + i) for i, tok in enumerate(ordinary)]
-    live = len(rows) - 1
-    logit_rows: list[int] = [live]
-    column_rows: list[int] = []
-
-    if hi > lo:
-        for j in range(1, hi):  # base stripe context and own level-0 rows
-            rows.append(Row(ROLE_LOOKAHEAD, levels[0][j - 1], p + j, level=0, column=j))
-            if depth == 0 and j >= lo:
-                column_rows.append(len(rows) - 1)
-        if depth == 0 and lo == 0:
-            column_rows.insert(0, live)  # column 0's level-0 token is the live key itself
-        for level in range(1, depth + 1):
-            for j in range(lo, hi):
-                rows.append(Row(ROLE_LOOKAHEAD, levels[level][j], p + j + level, level=level, column=j))
-                if level == depth:
-                    column_rows.append(len(rows) - 1)
-    num_lookahead = len(rows) - len(ordinary)
-
-    verify_rows: list[list[int]] = []
     for c, suffix in enumerate(candidates):
         if not suffix:
             raise ValueError(f"candidate {c} is empty")
-        verify_rows.append([])
-        for s, tok in enumerate(suffix):
-            rows.append(Row(ROLE_VERIFY, tok, p + 1 + s, candidate=c, offset=s))
-            verify_rows[-1].append(len(rows) - 1)
-
-    # Logit rows: the live key, then own-column outputs, then all verification rows (each row once).
-    for r in column_rows:
-        if r != live:
-            logit_rows.append(r)
-    for rs in verify_rows:
-        logit_rows.extend(rs)
-    where = {r: i for i, r in enumerate(logit_rows)}
-
-    return RoundLayout(
-        rows=tuple(rows),
-        input_ids=torch.tensor([r.token for r in rows], dtype=torch.long),
-        position_ids=torch.tensor([r.position for r in rows], dtype=torch.long),
-        visibility=visibility_mask(rows),
-        logit_rows=torch.tensor(logit_rows, dtype=torch.long),
-        num_ordinary=len(ordinary),
-        num_lookahead=num_lookahead,
-        num_candidates=len(candidates),
-        candidate_starts=tuple(rs[0] for rs in verify_rows),
-        ordinary_logit=0,
-        column_logits=tuple(where[r] for r in column_rows),
-        verify_logits=tuple(tuple(where[r] for r in rs) for rs in verify_rows),
-    )
+    lo, hi = columns
+    depth = len(levels) - 1
+    shape = round_shape(columns, depth, tuple(len(c) for c in candidates))
+    tokens = list(ordinary)
+    if hi > lo:
+        tokens.extend(levels[0][: hi - 1])
+        for level in levels[1:]:
+            tokens.extend(level[lo:hi])
+    for suffix in candidates:
+        tokens.extend(suffix)
+    p = start_position + len(ordinary) - 1  # position of the live key b_0
+    positions = [*range(start_position, p + 1), *(p + o for o in shape.offsets[1:])]
+    return RoundLayout(tuple(tokens), tuple(positions), len(ordinary), shape)
 
 
 def round_size(
@@ -209,15 +318,11 @@ def pad_layout(layout: RoundLayout, num_rows: int) -> RoundLayout:
         raise ValueError(f"cannot pad a round of {layout.num_rows} rows down to {num_rows}")
     if extra == 0:
         return layout
-    live = layout.rows[layout.num_ordinary - 1]
-    rows = layout.rows + tuple(Row(ROLE_PAD, live.token, live.position) for _ in range(extra))
-    return replace(
-        layout,
-        rows=rows,
-        input_ids=torch.cat([layout.input_ids, layout.input_ids.new_full((extra,), live.token)]),  # [num_rows]
-        position_ids=torch.cat([layout.position_ids, layout.position_ids.new_full((extra,), live.position)]),
-        visibility=visibility_mask(rows),  # [num_rows, num_rows]
-    )
+    live = layout.num_ordinary - 1
+    shape = round_shape(*layout.shape.key, layout.num_padding + extra)
+    tokens = layout.tokens + (layout.tokens[live],) * extra
+    positions = layout.positions + (layout.positions[live],) * extra
+    return RoundLayout(tokens, positions, layout.num_ordinary, shape)
 
 
 def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
@@ -237,10 +342,17 @@ def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
     ordinary = 0
     while ordinary < len(rows) and rows[ordinary].role == ROLE_ORDINARY:
         ordinary += 1
+    shape = tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows[max(ordinary - 1, 0) :])
+    return _pasted(ordinary, shape)
+
+
+def _pasted(ordinary: int, cut_shape: tuple[RowShape, ...]) -> torch.Tensor:
+    """[Q, Q] bool: ``visibility_mask`` of ``ordinary`` ordinary rows followed by rows 1.. of ``cut_shape`` (the
+    round cut to its live key; all of it when ``ordinary`` is 0 or 1), the caller's own copy."""
+    cut = _visibility(cut_shape)
     if ordinary <= 1:  # nothing to paste: a decode round (one ordinary row), or a round of fillers only
-        return _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows)).clone()
-    cut = _visibility(tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows[ordinary - 1 :]))
-    q = len(rows)
+        return cut.clone()
+    q = ordinary - 1 + len(cut_shape)
     vis = torch.zeros(q, q, dtype=torch.bool)  # [Q, Q]
     vis[:ordinary, :ordinary] = torch.ones(ordinary, ordinary, dtype=torch.bool).tril()
     vis[ordinary - 1 :, ordinary - 1 :] = cut  # the live key's row and everything after it

@@ -72,7 +72,9 @@ class GenerationStats:
         self.forward_s += forward_s
 
     def count_source(self, name: str, key: str, value: int) -> None:
-        entry = self.sources.setdefault(name, {"proposed": 0, "verified": 0, "accepted": 0})
+        entry = self.sources.get(name)
+        if entry is None:  # a source's first count (setdefault would build this dict on every call)
+            entry = self.sources[name] = {"proposed": 0, "verified": 0, "accepted": 0}
         entry[key] += value
 
     def add(self, rec: RoundRecord) -> None:

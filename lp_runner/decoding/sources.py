@@ -118,7 +118,12 @@ class ContextSource:
         index, top = self._index, self.max_ngram
         for end in range(self._indexed, len(history)):
             for k in range(1, min(top, end + 1) + 1):
-                index[k].setdefault(tuple(history[end - k + 1 : end + 1]), []).append(end)
+                key = tuple(history[end - k + 1 : end + 1])
+                ends = index[k].get(key)
+                if ends is None:  # a new k-gram (setdefault would build a list for every known one too)
+                    index[k][key] = [end]
+                else:
+                    ends.append(end)
         self._indexed = len(history)
 
     def feedback(self, fb: Feedback) -> None:
