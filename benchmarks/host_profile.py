@@ -38,7 +38,7 @@ PROMPTS = REPO / "benchmarks/results/calibration8.jsonl"
 # (label, pstats key suffix "file:function"): the host steps of a round, as ``scheduler.RoundLoop._round`` runs them.
 STEPS = (
     ("round (all)", "decoding/scheduler.py", "_round"),
-    ("  forward", "decoding/forwards.py", "run"),
+    ("  forward", "backends/adapter.py", "run"),
     ("  read_back_many", "verify/verifier.py", "read_back_many"),
     ("  Generation.lay_out", "decoding/generation.py", "lay_out"),
     ("    Coordinator.plan", "decoding/coordinator.py", "plan"),
@@ -175,7 +175,7 @@ def main() -> None:
     print(f"  {'host part + record':28s} {host + by['Generation.record']:9.1f}")
 
     # Own time outside the forward: every function's calls from callers outside the forward's subtree.
-    forward_keys = {k for k in stats.stats if k[0].endswith("decoding/forwards.py") and k[2] == "run"}
+    forward_keys = {k for k in stats.stats if k[0].endswith("backends/adapter.py") and k[2] == "run"}
     inside = set()
     frontier = list(forward_keys)
     callees: dict = {}
