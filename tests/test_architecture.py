@@ -229,7 +229,7 @@ def _grep(pattern: str) -> list[str]:
 def test_one_kv_layer_kind_one_arena_one_forward_one_round_loop() -> None:
     """The round path is one path: one kind of K/V cache layer (``kv_cache.ArenaLayer``, views of one arena),
     one K/V store (``kv_cache.KVArena``, the only maker of caches the rounds run on), the model's forward called
-    from the adapter's one round function and the bucketed round it compiles only, and one round loop
+    through one ``model_call.ModelCall`` by the eager and the bucketed (compiled) rounds alike, and one round loop
     (``scheduler.RoundLoop``, made by the engine that every launcher's prompt loop runs)."""
     layer_classes = _grep(r"^class \w+\((?:\w+\.)?(?:DynamicLayer|DynamicSlidingWindowLayer|CacheLayerMixin|Cache)\)")
     assert [entry.split(":")[0] for entry in layer_classes] == ["lp_runner/backends/kv_cache.py"]
@@ -238,7 +238,9 @@ def test_one_kv_layer_kind_one_arena_one_forward_one_round_loop() -> None:
     # the arena's cache; the adapter's probes (which layers slide, what shape the layers cache) on throwaway ones
     assert caches == {"lp_runner/backends/kv_cache.py", "lp_runner/backends/adapter.py"}
     model_calls = {entry.split(":")[0] for entry in _grep(r"\bself\.model\(|\bmodel\(\s*input_ids")}
-    assert model_calls == {"lp_runner/backends/adapter.py", "lp_runner/backends/static_rounds.py"}
+    # every round through ``model_call.ModelCall``; the adapter's one-token probe of the K/V shape beside it
+    assert model_calls == {"lp_runner/backends/model_call.py", "lp_runner/backends/adapter.py"}
+    assert len(_grep(r"\bself\.model\(")) == 2
     assert [entry.split(":")[0] for entry in _grep(r"\bRoundLoop\(")] == ["lp_runner/decoding/engine.py"]
     runs = {entry.split(":")[0] for entry in _grep(r"\badapter\.run\(")}
     assert "lp_runner/decoding/scheduler.py" in runs

@@ -40,6 +40,7 @@ from lp_runner.backends.attention import BATCHED, SegmentedRound, packed_gqa, su
 from lp_runner.backends.base import ForwardBackend
 from lp_runner.backends.batch import BatchRound, RoundRows, Rows, pack_round
 from lp_runner.backends.kv_cache import MIN_CAPACITY, KVArena, KVRegion
+from lp_runner.backends.model_call import ModelCall
 from lp_runner.backends.static_rounds import StaticRounds
 from lp_runner.errors import LPError
 
@@ -81,6 +82,7 @@ class ModelAdapter:
             self.mask_windows, self.mask_per_type = attention_windows(model.config, DynamicCache(config=model.config))
         except UnsupportedModelError as exc:
             raise UnsupportedModelError(f"{type(model).__name__} cannot run under lp_runner: {exc}") from None
+        self.call = ModelCall(model, self._cache_kw, self.mask_windows, self.mask_per_type)  # every round's
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         backend = detect_backend(model) if backend is None else backend
@@ -93,18 +95,7 @@ class ModelAdapter:
         self.segmented = supports_packed_gqa(model.config)
         bucketed = (self.device.type == "cuda" or compile) if bucketed is None else bucketed or compile
         self.rounds = (
-            StaticRounds(
-                model,
-                self._cache_kw,
-                self.dtype,
-                self.device,
-                self.mask_windows,
-                self.mask_per_type,
-                self.kv_shape,
-                compile=compile,
-            )
-            if bucketed
-            else None
+            StaticRounds(self.call, self.dtype, self.device, self.kv_shape, compile=compile) if bucketed else None
         )
         self._arena: KVArena | None = None  # the job's arena, held across jobs and calls (``claim_arena``)
         self._claimed = False
@@ -279,7 +270,7 @@ class ModelAdapter:
         if self.backend.whole_layers:
             masks = {window: m.to(device) for window, m in batch.masks.items()}
             logits = self.backend.forward_model(
-                self.model, ids, positions, self._per_type(masks), arena.cache, logit_rows, segments=seg
+                self.model, ids, positions, self.call.mask(masks), arena.cache, logit_rows, segments=seg
             )
             if logits is not None:
                 return logits
@@ -303,13 +294,8 @@ class ModelAdapter:
             # slot), so an attention that is not ``batched_attention`` fails instead of reading other segments' keys
             placeholder = torch.zeros(1, 1, len(ids), 0, dtype=self.dtype, device=device)
             with packed_gqa(self.model.config, BATCHED):
-                return self._call(
-                    ids,
-                    positions,
-                    self._per_type(dict.fromkeys(batch.masks, placeholder)),
-                    arena,
-                    logit_rows,
-                    lp_batch=rnd,
+                return self.call(
+                    ids, positions, dict.fromkeys(batch.masks, placeholder), arena.cache, logit_rows, lp_batch=rnd
                 )
         if not single:
             raise ValueError(f"{type(self.model).__name__}'s attention takes one generation per round")
@@ -318,24 +304,7 @@ class ModelAdapter:
         for layer in arena.layers():
             layer.read_slots = (base, base + width)
         masks = {window: batch.segment_mask(window, 0).to(device)[None, None] for window in batch.masks}
-        return self._call(ids, positions, self._per_type(masks), arena, logit_rows)
-
-    def _per_type(self, masks: dict):
-        """The masks per window as the model takes them: one per layer type (a hybrid model) or one for all."""
-        per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
-        return per_type if self.mask_per_type else next(iter(per_type.values()))
-
-    def _call(self, ids, positions, mask, arena: KVArena, logit_rows, **kwargs) -> torch.Tensor:  # [L, vocab]
-        out = self.model(
-            input_ids=ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=logit_rows,
-            **{self._cache_kw: arena.cache},
-            **kwargs,
-        )
-        return out.logits[0]  # [L, vocab]
+        return self.call(ids, positions, masks, arena.cache, logit_rows)
 
     def batch_structure(self) -> str | None:
         """Why this model's layers cannot take a round of several generations (one line), or None where they

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -44,6 +44,7 @@ from lp_runner.backends.attention import packed_gqa, supports_packed_gqa
 from lp_runner.backends.batch import RoundRows, Rows
 from lp_runner.backends.buckets import BucketLadder
 from lp_runner.backends.kv_cache import KVArena, KVRegion
+from lp_runner.backends.model_call import ModelCall
 from lp_runner.backends.round_mask import register_round_attention, round_mask
 from lp_runner.device import pins_host_memory, synchronizer
 
@@ -72,6 +73,19 @@ class StagedInputs:
     @staticmethod
     def nbytes(rows: int) -> int:
         return 8 * _INT_FIELDS * rows + rows * rows
+
+    @property
+    def round_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The views the round function reads, in its parameters' order (``StaticRounds._round``)."""
+        return (
+            self.input_ids,
+            self.position_ids,
+            self.logit_rows,
+            self.write_slots,
+            self.cached_from,
+            self.cached_to,
+            self.visibility,
+        )
 
     @classmethod
     def views(cls, buffer: torch.Tensor, rows: int) -> StagedInputs:
@@ -141,28 +155,23 @@ class StaticRounds:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        cache_kw: str,
+        call: ModelCall,
         dtype: torch.dtype,
         device: torch.device,
-        mask_windows: Mapping[str, int | None],
-        mask_per_type: bool,
         kv_shape: tuple[int, int],
         compile: bool = False,
         ladder: BucketLadder | None = None,
     ) -> None:
-        """``cache_kw``, ``mask_windows`` / ``mask_per_type``, ``kv_shape``: as the adapter resolved them.
-        ``compile``: rounds on a job's arena at a bucket run through ``torch.compile`` (CUDA graphs on a GPU);
-        otherwise eager, at the same shapes."""
-        self.model, self.cache_kw = model, cache_kw
-        self.dtype, self.device = dtype, device
-        self.mask_windows, self.mask_per_type = dict(mask_windows), mask_per_type
+        """``call``: the model's forward as the adapter resolved it (cache keyword, masks per layer type);
+        ``kv_shape``: (K/V heads, head dim). ``compile``: rounds on a job's arena at a bucket run through
+        ``torch.compile`` (CUDA graphs on a GPU); otherwise eager, at the same shapes."""
+        self.call, self.dtype, self.device = call, dtype, device
         self.ladder = ladder or BucketLadder()
-        config = model.config.get_text_config()
+        config = call.model.config
         # plain sdpa models attend through ``round_attention`` (live width, packed heads, the mask tiled once);
         # others keep their own attention over the whole buffer with an untiled mask
-        self.live_width = supports_packed_gqa(model.config)
-        self.groups = config.num_attention_heads // kv_shape[0] if self.live_width else 1
+        self.live_width = supports_packed_gqa(config)
+        self.groups = config.get_text_config().num_attention_heads // kv_shape[0] if self.live_width else 1
         self.attention = register_round_attention() if self.live_width else None
         self.pin = pins_host_memory(device)
         self.sync = synchronizer(device)
@@ -213,18 +222,8 @@ class StaticRounds:
         if graph:
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs may be overwritten now
         call = self.compiled if graph else self._round
-        with packed_gqa(self.model.config, self.attention) if self.attention else nullcontext():
-            logits = call(
-                staged.input_ids,
-                staged.position_ids,
-                staged.logit_rows,
-                staged.write_slots,
-                staged.cached_from,
-                staged.cached_to,
-                staged.visibility,
-                self._slots(width),
-                arena.cache,
-            )
+        with packed_gqa(self.call.model.config, self.attention) if self.attention else nullcontext():
+            logits = call(*staged.round_inputs, self._slots(width), arena.cache)
         return logits[: sum(r.logit_rows.shape[0] for r in rounds)]
 
     def _round(
@@ -253,19 +252,9 @@ class StaticRounds:
                 self.dtype,
                 self.groups,
             )
-            for window in set(self.mask_windows.values())
+            for window in set(self.call.mask_windows.values())
         }
-        per_type = {layer_type: masks[window] for layer_type, window in self.mask_windows.items()}
-        mask = per_type if self.mask_per_type else next(iter(per_type.values()))
-        out = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=position_ids.unsqueeze(0),
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=logit_rows,
-            **{self.cache_kw: cache},
-        )
-        return out.logits[0]  # [B, vocab]
+        return self.call(input_ids, position_ids, masks, cache, logit_rows)  # [B, vocab]
 
     def _staging(self, rows: int) -> StagedInputs:
         """The device staging buffer of a bucket (made once, static: a graph reads it in place), or a new one for
@@ -277,15 +266,7 @@ class StaticRounds:
             staged = StagedInputs.views(buffer, rows)
             if not self.ladder.captured(rows):
                 return staged
-            for field in (
-                staged.input_ids,
-                staged.position_ids,
-                staged.logit_rows,
-                staged.write_slots,
-                staged.cached_from,
-                staged.cached_to,
-                staged.visibility,
-            ):
+            for field in staged.round_inputs:
                 static_address(field)
             self._staged[rows] = staged
         return staged
