@@ -153,6 +153,17 @@ def _cli(args: list[str], timeout: float = 240, **env: str) -> subprocess.Comple
     return run_job(args, timeout=timeout, check=False, **env)
 
 
+def _start_cli(cluster, args: list[str]) -> subprocess.Popen:
+    """``python -m lp_runner ARGS`` against the cluster, in the background (a test acts on it while it runs)."""
+    return subprocess.Popen(
+        lp_runner_cmd(*args),
+        env=env_with_repo(RAY_ADDRESS=cluster.gcs),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def _submit(cluster, args: list[str], timeout: float = 240) -> str:
     """Submit ``python -m lp_runner ARGS`` as a Ray job with the repo as working_dir; returns the job's logs."""
     from ray.job_submission import JobStatus
@@ -386,10 +397,7 @@ def _run_and_kill_rank1(
     (SIGKILL: as an OOM kill or a lost node would; SIGSTOP: a stalled worker). Returns (exit code, stderr)."""
     from ray.util.state import list_actors
 
-    cmd = lp_runner_cmd(*_args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2), *extra))
-    proc = subprocess.Popen(
-        cmd, env=env_with_repo(RAY_ADDRESS=cluster.gcs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = _start_cli(cluster, _args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(2), *extra))
     try:
         deadline = time.monotonic() + 150
         while not (out.exists() and len(out.read_text().splitlines()) >= 2):  # generation is under way
@@ -498,13 +506,7 @@ def _run_two_groups_and_kill_group1(cluster, tiny_dir: Path, prompts: Path, out:
     from ray.util.state import list_actors
 
     args = _args(tiny_dir, prompts, out, MANY_TOKENS, *_ray_args(1), "--set", "parallel.groups=2", *extra)
-    proc = subprocess.Popen(
-        lp_runner_cmd(*args),
-        env=env_with_repo(RAY_ADDRESS=cluster.gcs),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start_cli(cluster, args)
     try:
         deadline = time.monotonic() + 150
         while not (out.exists() and len(out.read_text().splitlines()) >= 2):  # both groups are generating
@@ -561,13 +563,7 @@ def _kill_group1_mid_claim(cluster, args: list[str], out: Path) -> tuple[int, st
     actor's process has ended, and then nothing was lost)."""
     from ray.util.state import list_actors, list_tasks
 
-    proc = subprocess.Popen(
-        lp_runner_cmd(*args),
-        env=env_with_repo(RAY_ADDRESS=cluster.gcs),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start_cli(cluster, args)
     try:
         deadline, victim = time.monotonic() + 150, []
         while not victim:
