@@ -125,10 +125,11 @@ def _adapter_for(model: PreTrainedModel) -> ModelAdapter:
     """The model's adapter, made on its first call and reused by the later ones while the model's device, dtype
     and attention stay as they were (else made anew).
 
-    Making one runs a probe forward, and on a GPU it owns the K/V buffers its rounds replay graphs on: a new adapter
-    per call paid both on every call. It lives on the model itself, as transformers keeps a static cache on the
-    model (``GenerationMixin._cache``): a table keyed by the model would keep it alive through the adapter's own
-    reference to it, while model -> adapter -> model is a cycle the collector frees with the model."""
+    Making one runs probe forwards, and it holds the K/V arena every call's rounds run on (on a GPU, the one its
+    captured graphs replay on): a new adapter per call paid both on every call. It lives on the model itself, as
+    transformers keeps a static cache on the model (``GenerationMixin._cache``): a table keyed by the model would
+    keep it alive through the adapter's own reference to it, while model -> adapter -> model is a cycle the
+    collector frees with the model."""
     param = next(model.parameters())
     key = (param.device, param.dtype, model.config._attn_implementation)
     held = model.__dict__.get(_ADAPTER_ATTRIBUTE)
