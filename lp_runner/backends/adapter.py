@@ -224,10 +224,10 @@ class ModelAdapter:
         position_ids: torch.Tensor,  # [Q]
         visibility: torch.Tensor,  # [Q, Q] bool, in-round rows only; the cached prefix is always visible
         kv: KVRegion,
-        logit_rows: torch.Tensor,  # [R]
+        logit_rows: torch.Tensor | Sequence[int],  # [R]
     ) -> torch.Tensor:  # [R, vocab]
         """One generation's round: ``run`` with one segment."""
-        return self.run([Rows(input_ids, position_ids, visibility, logit_rows)], [kv])
+        return self.run([Rows.of(input_ids, position_ids, visibility, logit_rows)], [kv])
 
     @torch.inference_mode()
     def run(self, rounds: Sequence[RoundRows], regions: Sequence[KVRegion]) -> torch.Tensor:  # [sum R_b, vocab]
@@ -242,7 +242,7 @@ class ModelAdapter:
             raise ValueError("the segments of a round must hold regions of one arena")
         arena.flush()  # last round's K/V moves, every generation's at once
         past = [r.length for r in regions]
-        rows = [r.input_ids.shape[0] for r in rounds]
+        rows = [len(r.tokens) for r in rounds]
         for region, p, q in zip(regions, past, rows, strict=True):
             region.reserve(p + q)
         if self.rounds is not None:

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -49,14 +50,7 @@ class Segments:
     @classmethod
     def of(cls, rows: Sequence[int], base: Sequence[int], width: Sequence[int]) -> Segments:
         """From each segment's row count, first slot and key count (the mask's rows packed in segment order)."""
-        start = [0]
-        moff = []
-        offset = 0
-        for r, w in zip(rows, width, strict=True):
-            start.append(start[-1] + r)
-            moff.append(offset)
-            offset += r * w
-        return cls(*(torch.tensor(list(x), dtype=torch.long) for x in (start, base, width, moff)))
+        return cls(*_segment_fields(rows, base, width))
 
     @property
     def count(self) -> int:
@@ -97,22 +91,47 @@ class BatchRound:
 
 
 class RoundRows(Protocol):
-    """One segment's rows of a round (``decoding.layout.RoundLayout`` is one)."""
+    """One segment's rows of a round (``decoding.layout.RoundLayout`` is one): host values, which the backend stages
+    once for every segment of the round (``pack_round`` here, ``static_rounds.stage`` for bucketed rounds)."""
 
-    input_ids: torch.Tensor  # [q] int64
-    position_ids: torch.Tensor  # [q] int64
-    visibility: torch.Tensor  # [q, q] bool: in-round row i attends to in-round row j
-    logit_rows: torch.Tensor  # [r] int64 into the q rows
+    tokens: Sequence[int]  # [q] each row's input token
+    positions: Sequence[int]  # [q] each row's position
+    visibility: torch.Tensor  # [q, q] bool, host, read only: in-round row i attends to in-round row j
+    logit_rows: Sequence[int]  # [r] into the q rows
 
 
 @dataclass(frozen=True)
 class Rows:
-    """``RoundRows`` from plain tensors (tests, probes, scratch measurements)."""
+    """``RoundRows`` from plain values (tests, probes, scratch measurements)."""
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
+    tokens: Sequence[int]
+    positions: Sequence[int]
     visibility: torch.Tensor
-    logit_rows: torch.Tensor
+    logit_rows: Sequence[int]
+
+    @classmethod
+    def of(cls, input_ids, position_ids, visibility: torch.Tensor, logit_rows) -> Rows:
+        """From tensors on any device or integer sequences: [q], [q], [q, q] bool, [r]."""
+        ints = (x.tolist() if isinstance(x, torch.Tensor) else x for x in (input_ids, position_ids, logit_rows))
+        tokens, positions, logits = ints
+        return cls(tokens, positions, visibility.cpu(), logits)
+
+
+def _segment_lists(
+    rows: Sequence[int], base: Sequence[int], width: Sequence[int]
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``Segments``' start, base, width and mask offsets, as lists."""
+    start, moff, offset = [0], [], 0
+    for r, w in zip(rows, width, strict=True):
+        start.append(start[-1] + r)
+        moff.append(offset)
+        offset += r * w
+    return start, list(base), list(width), moff
+
+
+def _segment_fields(rows: Sequence[int], base: Sequence[int], width: Sequence[int]) -> list[torch.Tensor]:
+    lists = _segment_lists(rows, base, width)
+    return list(torch.tensor([v for x in lists for v in x], dtype=torch.long).split([len(x) for x in lists]))
 
 
 def pack_round(
@@ -122,38 +141,75 @@ def pack_round(
     windows: Sequence[int | None],  # the model's sliding windows (None: full attention), ``ModelAdapter.mask_windows``
     dtype: torch.dtype,
 ) -> BatchRound:
-    """The round of these segments (see the module docstring's example). Host tensors; no structure is larger
-    than a segment's rows times its keys (a long prompt's chunk: chunk rows x (past + chunk rows))."""
-    hidden = torch.finfo(dtype).min
-    ids, positions, slots, logit_rows, counts, masks = [], [], [], [], [], {w: [] for w in set(windows)}
+    """The round of these segments (see the module docstring's example). Host tensors, made in two steps: every
+    integer of the round in one tensor (its fields are views of it) and each window's flat mask written in one
+    array; no structure is larger than a segment's rows times its keys (a long prompt's chunk: chunk rows x
+    (past + chunk rows)).
+
+    Why so few tensors: a round's host work runs right after a forward that has streamed the weights through
+    every cache, so each torch operation before the next forward costs far more than its arithmetic; the round's
+    values are Python integers already, and a mask is written fastest in place."""
+    qs = [len(r.tokens) for r in rounds]
+    widths = [p + q for p, q in zip(past_lens, qs, strict=True)]
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logit_rows: list[int] = []
     row = 0
-    for rows, base, past in zip(rounds, bases, past_lens, strict=True):
-        q = rows.input_ids.shape[0]
-        ids.append(rows.input_ids)
-        positions.append(rows.position_ids)
-        slots.append(torch.arange(base + past, base + past + q))
-        logit_rows.append(rows.logit_rows + row)
-        counts.append(rows.logit_rows.shape[0])
-        full = torch.zeros(q, past + q, dtype=dtype)  # [q, past + q]: the cached prefix visible
-        full[:, past:].masked_fill_(~rows.visibility, hidden)  # the round's own rows as the layout says
-        for window in masks:
-            m = full
-            if window is not None:  # transformers' rule: the query at p sees keys at p - window < k <= p
-                keys = torch.cat([torch.arange(past), rows.position_ids])  # [past + q] cached slot j is position j
-                m = full.masked_fill(rows.position_ids[:, None] - keys[None, :] >= window, hidden)
-            masks[window].append(m.reshape(-1))
+    for rows, base, past, q in zip(rounds, bases, past_lens, qs, strict=True):
+        ids.extend(rows.tokens)
+        positions.extend(rows.positions)
+        slots.extend(range(base + past, base + past + q))
+        logit_rows.extend([r + row for r in rows.logit_rows] if row else rows.logit_rows)
         row += q
+    seg = _segment_lists(qs, bases, widths)
+    fields = (ids, positions, slots, logit_rows, *seg)
+    ints = torch.tensor([v for field in fields for v in field], dtype=torch.long)  # the round's one int tensor
+    input_ids, position_ids, slot_ids, logit_ids, *segments = ints.split([len(f) for f in fields])
     return BatchRound(
-        input_ids=torch.cat(ids),
-        position_ids=torch.cat(positions),
-        slots=torch.cat(slots),
-        segments=Segments.of(
-            [r.input_ids.shape[0] for r in rounds],
-            bases,
-            [p + r.input_ids.shape[0] for p, r in zip(past_lens, rounds, strict=True)],
-        ),
-        masks={w: torch.cat(parts) for w, parts in masks.items()},
-        logit_rows=torch.cat(logit_rows),
-        logit_counts=tuple(counts),
+        input_ids=input_ids,
+        position_ids=position_ids,
+        slots=slot_ids,
+        segments=Segments(*segments),
+        masks=_masks(rounds, past_lens, qs, widths, set(windows), dtype),
+        logit_rows=logit_ids,
+        logit_counts=tuple(len(r.logit_rows) for r in rounds),
         past=tuple(past_lens),
     )
+
+
+def _masks(
+    rounds: Sequence[RoundRows],
+    past_lens: Sequence[int],
+    qs: Sequence[int],
+    widths: Sequence[int],
+    windows: set[int | None],
+    dtype: torch.dtype,
+) -> dict[int | None, torch.Tensor]:
+    """Each window's flat additive mask ([mask_size], segment after segment): a segment's [q, past + q] block sees
+    its cached prefix and its own rows as its layout's visibility says; a sliding window (transformers' rule: the
+    query at p sees keys at p - window < k <= p) hides the keys more than ``window - 1`` positions back. Written in
+    a host array (float32, float64 for a float64 model: every half type's ``finfo.min`` is a float32 exactly) and
+    made the model's dtype once."""
+    hidden = _HIDDEN.get(dtype) or _HIDDEN.setdefault(dtype, torch.finfo(dtype).min)
+    full = np.zeros(sum(q * w for q, w in zip(qs, widths, strict=True)), _HOST_DTYPE.get(dtype, np.float32))
+    at = 0
+    for rows, past, q, w in zip(rounds, past_lens, qs, widths, strict=True):
+        np.copyto(full[at : at + q * w].reshape(q, w)[:, past:], hidden, where=~rows.visibility.numpy())
+        at += q * w
+    out = {}
+    for window in windows:
+        m = full
+        if window is not None:
+            m, at = full.copy(), 0
+            for rows, past, q, w in zip(rounds, past_lens, qs, widths, strict=True):
+                pos = np.asarray(rows.positions)  # [q]
+                keys = np.concatenate([np.arange(past), pos])  # [past + q]: cached slot j is position j
+                m[at : at + q * w].reshape(q, w)[pos[:, None] - keys[None, :] >= window] = hidden
+                at += q * w
+        out[window] = torch.from_numpy(m) if dtype in _HOST_DTYPE else torch.from_numpy(m).to(dtype)
+    return out
+
+
+_HOST_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}  # masks a host array holds in their dtype
+_HIDDEN: dict[torch.dtype, float] = {}  # dtype -> its finfo.min, the additive mask's hidden value

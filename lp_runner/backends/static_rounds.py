@@ -120,12 +120,13 @@ def stage(
     vis[:] = 0
     r = n = 0  # rows and logit rows so far
     for seg, base, past in segments:
-        q, k = seg.input_ids.shape[0], seg.logit_rows.shape[0]
-        ids[r : r + q], pos[r : r + q] = _host(seg.input_ids), _host(seg.position_ids)
-        logits[n : n + k] = _host(seg.logit_rows) + r
+        q, k = len(seg.tokens), len(seg.logit_rows)
+        ids[r : r + q], pos[r : r + q] = seg.tokens, seg.positions
+        logits[n : n + k] = seg.logit_rows
+        logits[n : n + k] += r
         writes[r : r + q] = np.arange(base + past, base + past + q)
         first[r : r + q], end[r : r + q] = base, base + past
-        vis[r : r + q, r : r + q] = _host(seg.visibility)
+        vis[r : r + q, r : r + q] = seg.visibility.numpy()
         r, n = r + q, n + k
     ids[r:], pos[r:], logits[n:] = ids[r - 1], pos[r - 1], 0
     writes[r:] = np.arange(writes[r - 1] + 1, writes[r - 1] + 1 + rows - r)
@@ -143,11 +144,6 @@ def static_address(t: torch.Tensor) -> None:
     ``fullgraph`` compile fails. Unguarded, one compilation serves every (bucket, width) pair on every admitted
     torch, and CUDA graph trees record a new graph when an address changes instead of recompiling."""
     torch._dynamo.mark_static_address(t, guard=False)
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """A host tensor's values (the round's inputs are host tensors made by its layout)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 class StaticRounds:
@@ -205,7 +201,7 @@ class StaticRounds:
         reserved the regions for their rows, the last one also for the bucket's fillers, and advances their
         lengths."""
         arena = regions[0].arena
-        rows = [r.input_ids.shape[0] for r in rounds]
+        rows = [len(r.tokens) for r in rounds]
         bucket = self.ladder.rows_for(sum(rows))
         ends = [region.base + region.length + q for region, q in zip(regions, rows, strict=True)]
         live = max(max(ends), ends[-1] + bucket - sum(rows))  # the fillers write after the last segment's rows
@@ -224,7 +220,7 @@ class StaticRounds:
         call = self.compiled if graph else self._round
         with packed_gqa(self.call.model.config, self.attention) if self.attention else nullcontext():
             logits = call(*staged.round_inputs, self._slots(width), arena.cache)
-        return logits[: sum(r.logit_rows.shape[0] for r in rounds)]
+        return logits[: sum(len(r.logit_rows) for r in rounds)]
 
     def _round(
         self,
@@ -297,8 +293,7 @@ class StaticRounds:
             t = time.perf_counter()
             causal = torch.ones(rows, rows, dtype=torch.bool).tril()
             for _ in range(CAPTURE_CALLS):
-                ids, positions = torch.zeros(rows, dtype=torch.long), torch.arange(rows)
-                self.forward([Rows(ids, positions, causal, torch.arange(rows))], [region])
+                self.forward([Rows([0] * rows, range(rows), causal, range(rows))], [region])
             if self.sync is not None:
                 self.sync()
             self.capture_s[rows] = time.perf_counter() - t

@@ -77,11 +77,6 @@ class RoundShape:
     num_lookahead: int
     num_padding: int
 
-    @functools.cached_property
-    def logit_rows_tensor(self) -> torch.Tensor:
-        """[num_logit_rows] int64, shared by every one-ordinary-row round of this shape: read only."""
-        return torch.tensor(self.logit_rows, dtype=torch.long)
-
 
 @functools.lru_cache(maxsize=512)
 def round_shape(columns: tuple[int, int], depth: int, lengths: tuple[int, ...], padding: int = 0) -> RoundShape:
@@ -153,33 +148,27 @@ class RoundLayout:
         ]
         return (*ordinary, *rest)
 
-    @functools.cached_property
+    @property
     def input_ids(self) -> torch.Tensor:
-        return torch.tensor(self.tokens, dtype=torch.long)  # [num_rows]
+        """[num_rows] int64 (probes and inspection; a round reads ``tokens``: the backend stages them once)."""
+        return torch.tensor(self.tokens, dtype=torch.long)
 
-    @functools.cached_property
+    @property
     def position_ids(self) -> torch.Tensor:
-        return torch.tensor(self.positions, dtype=torch.long)  # [num_rows]
+        """[num_rows] int64 (probes and inspection; a round reads ``positions``)."""
+        return torch.tensor(self.positions, dtype=torch.long)
 
     @functools.cached_property
     def visibility(self) -> torch.Tensor:
-        """[num_rows, num_rows] bool, True = row i may attend to row k (``visibility_mask``); this layout's own."""
+        """[num_rows, num_rows] bool, True = row i may attend to row k (``visibility_mask``). Read only: a round of
+        one ordinary row (every decode round) shares its shape's mask, made once per shape."""
         return _pasted(self.num_ordinary, self.shape.rows)
 
-    @functools.cached_property
-    def logit_rows(self) -> torch.Tensor:
-        """[num_logit_rows] int64: rows whose LM-head output is computed (read only: a one-ordinary-row round
-        shares its shape's)."""
-        if self.num_ordinary == 1:
-            return self.shape.logit_rows_tensor
+    @property
+    def logit_rows(self) -> tuple[int, ...]:
+        """Rows whose LM-head output is computed, in logit order."""
         k = self.num_ordinary - 1
-        return torch.tensor([r + k for r in self.shape.logit_rows], dtype=torch.long)
-
-    def built(self) -> RoundLayout:
-        """This layout, its forward's tensors made: the round loop makes them while it lays out the round, so that
-        they count as the round's host time rather than its forward's."""
-        _ = self.input_ids, self.position_ids, self.visibility, self.logit_rows
-        return self
+        return tuple(r + k for r in self.shape.logit_rows) if k else self.shape.logit_rows
 
     @property
     def num_rows(self) -> int:
@@ -343,15 +332,15 @@ def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
     while ordinary < len(rows) and rows[ordinary].role == ROLE_ORDINARY:
         ordinary += 1
     shape = tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in rows[max(ordinary - 1, 0) :])
-    return _pasted(ordinary, shape)
+    return _pasted(ordinary, shape).clone()  # the caller's own
 
 
 def _pasted(ordinary: int, cut_shape: tuple[RowShape, ...]) -> torch.Tensor:
     """[Q, Q] bool: ``visibility_mask`` of ``ordinary`` ordinary rows followed by rows 1.. of ``cut_shape`` (the
-    round cut to its live key; all of it when ``ordinary`` is 0 or 1), the caller's own copy."""
+    round cut to its live key; all of it when ``ordinary`` is 0 or 1: then the shape's own mask, read only)."""
     cut = _visibility(cut_shape)
     if ordinary <= 1:  # nothing to paste: a decode round (one ordinary row), or a round of fillers only
-        return cut.clone()
+        return cut
     q = ordinary - 1 + len(cut_shape)
     vis = torch.zeros(q, q, dtype=torch.bool)  # [Q, Q]
     vis[:ordinary, :ordinary] = torch.ones(ordinary, ordinary, dtype=torch.bool).tril()

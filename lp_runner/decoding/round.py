@@ -59,13 +59,14 @@ class RoundResult:
 
 
 def lay_out(state: RoundState, plan: RoundPlan, rank: int, row_plan: RowCounts | None) -> RoundLayout:
-    """This rank's share of ``plan`` as one packed round (padded to the row count ``row_plan`` says, if any), its
-    tensors made (only the padded round's: ``compile_round`` and ``pad_layout`` make none)."""
+    """This rank's share of ``plan`` as one packed round (padded to the row count ``row_plan`` says, if any): its
+    tokens and positions, and its shape's mask and logit rows (made once per shape). It makes no tensor: the
+    backend stages every generation's rows of the round at once (``backends.batch``)."""
     columns, candidates = plan.for_rank(rank)
     layout = compile_round(state.pending, state.past_len, state.window.levels, columns, candidates)
     if row_plan is not None:
         layout = pad_layout(layout, row_plan.rows_for(layout.num_rows, state.past_len))
-    return layout.built()
+    return layout
 
 
 def take_verdict(

@@ -74,19 +74,19 @@ def _masks_of(segments, window, capacity: int):
     ``pack_round`` mask placed at its region's slots, every other slot hidden) -> [sum rows, capacity]."""
     packed = pack_round([r for r, _, _ in segments], [b for _, b, _ in segments], [p for _, _, p in segments],
                         [window], torch.float32)  # fmt: skip
-    total = sum(r.input_ids.shape[0] for r, _, _ in segments)
+    total = sum(len(r.tokens) for r, _, _ in segments)
     want = torch.full((total, capacity), torch.finfo(torch.float32).min)
     visibility = torch.zeros(total, total, dtype=torch.bool)
     first, end, writes = (torch.zeros(total, dtype=torch.long) for _ in range(3))
     row = 0
     for b, (rows, base, past) in enumerate(segments):
-        q = rows.input_ids.shape[0]
+        q = len(rows.tokens)
         want[row : row + q, base : base + past + q] = packed.segment_mask(window, b)
         visibility[row : row + q, row : row + q] = rows.visibility
         first[row : row + q], end[row : row + q] = base, base + past
         writes[row : row + q] = torch.arange(base + past, base + past + q)
         row += q
-    positions = torch.cat([r.position_ids for r, _, _ in segments])
+    positions = torch.tensor([p for r, _, _ in segments for p in r.positions])
     return (visibility, first, end, positions, writes), want
 
 
@@ -94,7 +94,7 @@ def _segment(rows: int, past: int, seed: int) -> Rows:
     gen = torch.Generator().manual_seed(seed)
     visibility = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
     positions = past + torch.randint(0, 4, (rows,), generator=gen)  # siblings share positions
-    return Rows(torch.zeros(rows, dtype=torch.long), positions, visibility, torch.arange(rows))
+    return Rows([0] * rows, positions.tolist(), visibility, list(range(rows)))
 
 
 @pytest.mark.parametrize("window", [None, 3, 8])
@@ -151,8 +151,8 @@ def test_stage_writes_every_input_once_padded_to_the_bucket() -> None:
     """The docstring's example: segments (2 rows, region at 0, past 5) and (1 row, region at 64, past 3) in a
     bucket of 4."""
     a_vis = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
-    a = Rows(torch.tensor([7, 8]), torch.tensor([5, 6]), a_vis, torch.tensor([0, 1]))
-    b = Rows(torch.tensor([9]), torch.tensor([3]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([0]))
+    a = Rows((7, 8), (5, 6), a_vis, (0, 1))
+    b = Rows((9,), (3,), torch.ones(1, 1, dtype=torch.bool), (0,))
     host = stage(4, [(a, 0, 5), (b, 64, 3)], False)
     assert host.dtype == torch.uint8 and host.numel() == StagedInputs.nbytes(4) == 8 * 24 + 16
     staged = StagedInputs.views(host.clone(), 4)

@@ -63,7 +63,7 @@ def test_worked_example_rows_positions_and_mask() -> None:
     )
     assert torch.equal(lay.visibility, expected)
     # logits: b0 (z0), the deepest level's three columns, both verification rows
-    assert lay.logit_rows.tolist() == [0, 3, 4, 5, 6, 7]
+    assert lay.logit_rows == (0, 3, 4, 5, 6, 7)
     assert lay.ordinary_logit == 0
     assert lay.column_logits == (1, 2, 3)
     assert lay.verify_logits == ((4, 5),)
@@ -71,19 +71,22 @@ def test_worked_example_rows_positions_and_mask() -> None:
     assert lay.verify_row(0, 1) == 7
 
 
-def test_visibility_is_one_per_shape_and_each_caller_owns_its_copy() -> None:
+def test_visibility_is_one_per_shape_shared_by_rounds_and_copied_for_callers() -> None:
     """The mask depends on the rows' roles and places only: rounds of the same shape with other tokens and
-    positions get the same mask, computed once; a caller that writes into its mask changes no other's."""
+    positions share one mask, computed once (the round path reads it only); ``visibility_mask`` hands a caller its
+    own copy, so writing into it changes no round's."""
     first = worked_example()
     hits = layout_module._visibility.cache_info().hits
     again = compile_round(ordinary=[7], start_position=40, levels=[[8, 9], [10, 11, 12]], columns=(0, 3),
                           candidates=[[13, 14]])  # fmt: skip
     shape = tuple((r.role, r.level, r.column, r.candidate, r.offset) for r in first.rows)
     computed = layout_module._visibility.__wrapped__(shape)  # what the cache holds, computed afresh
-    assert torch.equal(first.visibility, computed) and torch.equal(again.visibility, computed)
+    assert torch.equal(first.visibility, computed) and again.visibility is first.visibility
     assert layout_module._visibility.cache_info().hits > hits
-    first.visibility.fill_(False)
-    assert torch.equal(layout_module.visibility_mask(again.rows), computed) and computed.any()
+    own = layout_module.visibility_mask(again.rows)
+    assert torch.equal(own, computed)
+    own.fill_(False)
+    assert torch.equal(first.visibility, computed) and computed.any()
 
 
 def test_compile_round_rejects_bad_rounds() -> None:
@@ -208,9 +211,9 @@ def test_random_layout_logit_bookkeeping() -> None:
         lay = rnd.compile()
         depth = len(rnd.levels) - 1
         lo, hi = rnd.columns
-        assert sorted(lay.logit_rows.tolist()) == sorted(expected_logit_rows(lay, depth, rnd.columns))
-        assert len(set(lay.logit_rows.tolist())) == len(lay.logit_rows)  # each row once
-        rows_of = lay.logit_rows.tolist()  # logit index -> row index
+        assert sorted(lay.logit_rows) == sorted(expected_logit_rows(lay, depth, rnd.columns))
+        assert len(set(lay.logit_rows)) == len(lay.logit_rows)  # each row once
+        rows_of = lay.logit_rows  # logit index -> row index
         assert rows_of[lay.ordinary_logit] == lay.num_ordinary - 1
         assert len(lay.column_logits) == hi - lo
         for k, li in enumerate(lay.column_logits):
@@ -277,7 +280,7 @@ def test_packed_forward_equals_separate_forwards(tiny, family: str) -> None:
         cache.crop(past)
         some = adapter.forward(lay.input_ids, lay.position_ids, lay.visibility, cache, lay.logit_rows)
         assert some.shape == (len(lay.logit_rows), model.config.vocab_size)
-        torch.testing.assert_close(some, packed[lay.logit_rows], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(some, packed[list(lay.logit_rows)], atol=1e-5, rtol=1e-5)
 
         # negative control: hiding one in-round token from the last row must move its logits past the
         # tolerance, or the comparison above could not have caught a wrong mask

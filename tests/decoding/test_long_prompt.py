@@ -85,7 +85,7 @@ def test_visibility_masks_are_cached_without_the_prompt():
 
     layout._visibility.cache_clear()
     for n in range(1, 300, 7):
-        layout.compile_round(list(range(n)), 0, [[1, 2], [3, 4, 5]], (0, 3), [[7, 8]]).built()  # its mask made
+        _ = layout.compile_round(list(range(n)), 0, [[1, 2], [3, 4, 5]], (0, 3), [[7, 8]]).visibility  # its mask made
     info = layout._visibility.cache_info()
     assert info.currsize == 1 and info.hits == len(range(1, 300, 7)) - 1, info
 

@@ -30,7 +30,7 @@ def test_pad_layout_rows_and_mask() -> None:
     # a filler row sees itself only (one visible key keeps its softmax finite)
     assert torch.equal(padded.visibility[q:, :], torch.eye(q + 3, dtype=torch.bool)[q:, :])
     # logits and the verification bookkeeping are untouched: no logits for fillers, same commit plan
-    assert torch.equal(padded.logit_rows, layout.logit_rows)
+    assert padded.logit_rows == layout.logit_rows
     assert padded.verify_logits == layout.verify_logits and padded.candidate_starts == layout.candidate_starts
     assert kv_commit_plan(10, padded, 0, 2) == kv_commit_plan(10, layout, 0, 2)
     assert pad_layout(layout, q) is layout
