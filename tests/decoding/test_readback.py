@@ -102,3 +102,22 @@ def test_tracked_counts_every_kind_of_read() -> None:
     t.to("cpu")
     (t * 2).argmax().tolist()  # derived tensors stay tagged
     assert Tracked.reads == 9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_host_argmax_is_torchs_first_maximum(dtype) -> None:
+    """``argmax_rows`` (numpy's argmax for host logits) against torch's argmax, which ``generate``'s greedy step
+    uses: ties to the first maximum, a NaN as the maximum (the first one), infinities, strided rows."""
+    from lp_runner.decoding.verify.verifier import argmax_rows
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 3001, generator=gen).to(dtype)
+    logits[0, [10, 2000]] = float("nan")
+    logits[1, [3, 700, 2999]] = 100.0  # a three-way tie
+    logits[2] = float("-inf")
+    logits[3, 5], logits[3, 6] = float("inf"), float("nan")
+    logits[4, [17, 18]] = float("inf")
+    logits[5] = logits[5].round()  # many ties
+    with torch.inference_mode():
+        for rows in (logits, logits[::3], logits[:, 1:]):
+            assert argmax_rows(rows) == rows.argmax(-1).tolist()
