@@ -40,8 +40,17 @@ class RoundPlan:
         """Which source proposed each candidate."""
         return tuple(p.source for p in self.proposals)
 
-    def for_rank(self, rank: int) -> tuple[tuple[int, int], list[Suffix]]:
-        return self.columns[rank], [self.candidates[c] for c in self.assignment[rank]]
+    @cached_property
+    def shares(self) -> tuple[tuple[tuple[int, int], tuple[Suffix, ...]], ...]:
+        """Per rank: its columns and its candidates (made once a round: layout, verification and verdict read
+        them)."""
+        candidates = self.candidates
+        return tuple(
+            (cols, tuple(candidates[c] for c in own)) for cols, own in zip(self.columns, self.assignment, strict=True)
+        )
+
+    def for_rank(self, rank: int) -> tuple[tuple[int, int], tuple[Suffix, ...]]:
+        return self.shares[rank]
 
     @property
     def digest(self) -> int:
