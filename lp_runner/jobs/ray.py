@@ -192,17 +192,17 @@ class Replica:
             info = self.node()
             raise ModelError(f"worker rank {rank} on node {info['ip']} ({info['host']}): {exc}") from None
 
-    def start(self, cfg_data: dict, env: dict[str, str]) -> tuple[float, int]:
+    def start(self, cfg_data: dict, env: dict[str, str], prompts: int = 0) -> tuple[float, int]:
         """Join the group and load the replica: exactly what a torchrun worker does. Returns the load seconds and
-        the generations its policy keeps in flight (``run.batch``, 1 where the model cannot batch): the driver
-        claims that many prompts per ``run``."""
+        the generations its policy keeps in flight (``run.batch``, never more than the job's ``prompts``, 1 where
+        the model cannot batch): the driver claims that many prompts per ``run``."""
         from lp_runner.collector import worker_start_up
         from lp_runner.jobs.worker import start_worker
 
         os.environ.update(env)
         setup_logging(env.get(LEVEL_ENV, "INFO"))  # the driver's --log-level; lines reach the driver's stderr
         with worker_start_up():  # the actor's one worker: its start-up's objects out of later collections
-            self.worker = start_worker(config_from_dict(cfg_data))
+            self.worker = start_worker(config_from_dict(cfg_data), prompt_count=prompts)
         import torch
 
         self.threads = torch.get_num_threads()
@@ -812,7 +812,7 @@ class _Driver:
                     "MASTER_PORT": str(port),
                     LEVEL_ENV: level_name(),
                 }
-                refs.append(actor.start.remote(cfg_data, env))
+                refs.append(actor.start.remote(cfg_data, env, len(self.specs)))
             group.load_s, group.batch = self._gather(group, refs, "start", None)[0]
             group.ips = [info["ip"] for info in infos]
         except BaseException:

@@ -101,11 +101,13 @@ def distributed_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
+def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = (), prompt_count: int = 0) -> Worker:
     """Join the process group, load the model, and check that all ranks agree.
 
     ``prompts``: with ``run.on_error=stop``, checked (tokenized, against the model's context) as soon as the
     tokenizer is loaded, so a bad prompt file fails before the start-up calibration is measured.
+    ``prompt_count``: the job's number of prompts where ``prompts`` are not given here (a Ray actor: the driver
+    holds them); the batch never exceeds the job's prompts (``scheduler.batch_for``).
 
     Under a launcher (torchrun or the Ray backend: MASTER_ADDR is set) the process group is formed even with one
     rank, so ``torchrun --nproc-per-node=1`` runs the same collective path as P > 1 (NCCL on a GPU); a plain
@@ -160,7 +162,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = ()) -> Worker:
         prompt_ids, _ = check_prompts(worker, checker, prompts)  # on_error=stop: the first bad prompt raises here
         arena_tokens = checker.capacity(max(map(len, prompt_ids), default=0))  # the job's longest generation
     job_tokens = len(prompts) * cfg.generation.max_new_tokens
-    batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(prompts))
+    batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(prompts) or prompt_count)
     if why_not and worker.is_main:
         log.warning(why_not)
     compile_choice = choose_forward(

@@ -786,10 +786,12 @@ def test_local_instance_declares_the_real_cores(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_single_prompt_streams_on_a_local_instance(tiny_dir, tmp_path):
-    """No address: the backend starts a local Ray instance, streams the text like the torchrun path, stops it."""
+    """No address: the backend starts a local Ray instance, streams the text like the torchrun path, stops it.
+    A job of one prompt runs one generation at a time whatever ``run.batch`` says (the actors are told the job's
+    prompt count), as it does under torchrun."""
     args = [
         "--prompt", PROMPTS[0]["prompt"], "--output", str(tmp_path / "o.jsonl"), "--set", f"model.path={tiny_dir}",
-        "--set", "model.threads=1", "--set", "generation.max_new_tokens=40", *_ray_args(2),
+        "--set", "model.threads=1", "--set", "generation.max_new_tokens=40", "--set", "run.batch=3", *_ray_args(2),
     ]  # fmt: skip
     env = env_with_repo()
     env.pop("RAY_ADDRESS", None)
@@ -799,6 +801,7 @@ def test_single_prompt_streams_on_a_local_instance(tiny_dir, tmp_path):
     (record,) = read_jsonl(tmp_path / "o.jsonl")
     assert proc.stdout == record["text"] + "\n"
     assert record["workers"] == 2 and proc.stderr.count("  new tokens ") == 1
+    assert record["policy"]["batch"] == 1
 
 
 @pytest.mark.slow
