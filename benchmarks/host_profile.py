@@ -4,7 +4,7 @@
     python benchmarks/host_profile.py --prompts 8 --repeat 3 --top 40
     PYTHONPATH=../other python benchmarks/host_profile.py --wall-only   # another checkout's lp_runner, same job
 
-Runs ``lp_runner.generate`` (the API: the auto preset and its padded rows, as the default job) on the embedded
+Runs the default job (the auto preset and its padded rows, the CPU backend a CLI job selects) on the embedded
 model for prompts that ``host_time.py``'s bench16 does not hold (``benchmarks/results/calibration8.jsonl``), once
 to build the round policy, then ``--repeat`` times timed. Reports per round:
 
@@ -12,6 +12,9 @@ to build the round policy, then ``--repeat`` times timed. Reports per round:
   included, and its collective; the record itself is made after that clock stops);
 * ``loop`` (wall): a generation's wall time less its forwards and collectives, over its rounds: the record, the
   start and the close included, i.e. everything a CPU spends between forwards;
+* ``adapter before launch`` (wall): the forward's own host part, from ``ModelAdapter.run``'s entry to the native
+  layers' one C call (packing, masks, embedding, rotary tables), which the records count as forward time; with
+  ``host`` it is the whole read-back-to-launch path (CPU native layers only: elsewhere there is no such call);
 * under cProfile: each host step's cumulative time and calls per round, the host part of ``RoundLoop._round``
   (its cumulative time less the forward and read-back), and the functions with the most own time outside the
   forward.
@@ -78,7 +81,7 @@ class Job:
         from lp_runner.tuning.policy import RoundPolicy
 
         self.cfg = load_config(REPO / "configs/default.yaml", [f"generation.max_new_tokens={max_new_tokens}"])
-        adapter = ModelAdapter(model)
+        adapter = ModelAdapter(model)  # the backend ``prepare_backend`` applied to the model
         self.policy = RoundPolicy.build(
             self.cfg, adapter, SoloCommunicator(), default_cache_dir(), lambda: weights_checksum(model)
         )
@@ -118,6 +121,45 @@ class Job:
         return totals["rounds"], totals["host"], totals["loop"], outputs
 
 
+def prepare_backend(model) -> None:
+    """The kernels a CLI job runs (``model.backend: auto``, as ``jobs.worker`` selects them at load): on a CPU the
+    plug-in's native layers, so the forward and the K/V path are the job's own, not transformers' layers."""
+    from lp_runner.backends import select_backend
+    from lp_runner.models.loading import default_cache_dir
+
+    select_backend("auto", model, torch.device("cpu"), cache_root=default_cache_dir())
+
+
+class LaunchClock:
+    """Per round, the wall time from ``ModelAdapter.run``'s entry to the native layers' C call (the launch): the
+    adapter's host part of a forward. Wraps the two methods for the benchmark's life."""
+
+    def __init__(self) -> None:
+        from lp_runner.backends.adapter import ModelAdapter
+        from lp_runner.backends.cpu import native
+
+        self.total_ns = self.launches = 0
+        entry = [0]
+        run, stack_run = ModelAdapter.run, native.LayerStack.run
+
+        def timed_run(adapter, *a, **k):
+            entry[0] = time.perf_counter_ns()
+            return run(adapter, *a, **k)
+
+        def timed_launch(stack, *a, **k):
+            self.total_ns += time.perf_counter_ns() - entry[0]
+            self.launches += 1
+            return stack_run(stack, *a, **k)
+
+        ModelAdapter.run, native.LayerStack.run = timed_run, timed_launch
+
+    def take(self) -> float | None:
+        """Seconds per launch since the last take (None: no native launch)."""
+        out = self.total_ns / self.launches / 1e9 if self.launches else None
+        self.total_ns = self.launches = 0
+        return out
+
+
 def step_rows(stats: pstats.Stats, rounds: int) -> list[tuple[str, float, float]]:
     """(label, cumulative µs per round, calls per round) of each of ``STEPS`` (summed over same-named matches)."""
     out = []
@@ -144,16 +186,22 @@ def main() -> None:
     from lp_runner.models.loading import fetch_embedded_model, load_model_and_tokenizer
 
     model, tokenizer, _ = load_model_and_tokenizer(fetch_embedded_model(), dtype=torch.float32, device="cpu")
+    prepare_backend(model)
     prompts = load_prompts(tokenizer, args.prompts)
     Job(model, tokenizer, 16).run(prompts[:1])  # a warm-up
 
-    best_host = best_loop = float("inf")
+    clock = LaunchClock()
+    best_host = best_loop = best_launch = float("inf")
     for _ in range(args.repeat):
+        clock.take()
         rounds, host, loop, outputs = Job(model, tokenizer, args.max_new_tokens).run(prompts)
+        launch = clock.take()
         best_host, best_loop = min(best_host, host / rounds), min(best_loop, loop / rounds)
+        best_launch = min(best_launch, launch if launch is not None else float("nan"))
     print(f"{len(prompts)} prompts, {rounds} rounds ({rounds / len(prompts):.1f} per prompt), min of {args.repeat}:")
-    print(f"  host (records) {1e6 * best_host:8.1f} µs/round")
-    print(f"  loop (wall)    {1e6 * best_loop:8.1f} µs/round")
+    print(f"  host (records)          {1e6 * best_host:8.1f} µs/round")
+    print(f"  loop (wall)             {1e6 * best_loop:8.1f} µs/round")
+    print(f"  adapter before launch   {1e6 * best_launch:8.1f} µs/round")
     print(f"  outputs digest {hash(tuple(map(tuple, outputs))) & 0xFFFFFFFF:08x} (equal between checkouts)")
 
     if args.wall_only:
