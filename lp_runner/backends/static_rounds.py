@@ -16,9 +16,10 @@ replay each decode step as a CUDA graph, which needs every input at a fixed shap
   copy; the mask is built from them inside the round (``round_mask``: once per round, every layer reads it, only
   the live width);
 * compiled (``compile``): ``torch.compile(mode="reduce-overhead", dynamic=True)`` of the whole round. One
-  compilation serves every bucket (rows and width are symbols); inductor's CUDA graph trees record one graph per
-  distinct shape on its first calls and replay it after. On a CPU the same call compiles the same graph and
-  skips the capture (nothing to capture there): tests run this path on a CPU, minus the capture.
+  compilation serves every bucket (rows and width are symbols; the model's floats are constants,
+  ``constant_floats``); inductor's CUDA graph trees record one graph per distinct shape on its first calls and
+  replay it after. On a CPU the same call compiles the same graph and skips the capture (nothing to capture
+  there): tests run this path on a CPU, minus the capture.
 
 Rounds that cannot replay a graph run the same round function eagerly on the same buffers: a round of more rows
 than the ladder's top, and any round on a scratch arena (``KVArena.growable``: probes, measurements), whose
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -146,6 +147,20 @@ def static_address(t: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(t, guard=False)
 
 
+def constant_floats(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``compiled`` with every compilation it makes taking the floats the round reads off the model (norm
+    epsilons, attention scales) as constants, guarded by value: a model whose floats differ compiles its own graph.
+
+    Spelled out for torch 2.7: it compiles such a float as a constant the first time and, when a later model of
+    the same class brings another value to the same round function (SmolLM2's norm epsilon after a tiny Llama's,
+    in one process), recompiles it as a graph input, which the ``fullgraph`` compile rejects ("Data dependent
+    operator"): the second model's compilation failed and its job ran eager. Newer torch takes such floats as
+    inputs from the first compilation (``dynamic=True``); constants serve it as well, one compilation per distinct
+    set of floats. Every call enters the patch: a compilation happens inside whichever call misses dynamo's
+    cache."""
+    return torch._dynamo.config.patch(specialize_float=True)(compiled)
+
+
 class StaticRounds:
     """One generation's rounds at fixed shapes on fixed buffers, eager or compiled (see the module doc)."""
 
@@ -172,7 +187,9 @@ class StaticRounds:
         self.pin = pins_host_memory(device)
         self.sync = synchronizer(device)
         self.compiled = (
-            torch.compile(self._round, dynamic=True, mode="reduce-overhead", fullgraph=True) if compile else None
+            constant_floats(torch.compile(self._round, dynamic=True, mode="reduce-overhead", fullgraph=True))
+            if compile
+            else None
         )
         self.capture_s: dict[int, float] = {}  # per row bucket: the seconds of its warm-up calls (compile, capture)
         self._marked: dict[int, weakref.ref] = {}  # id -> arena tensor whose layers' views are marked static
