@@ -176,7 +176,6 @@ def forward_model(
     base = model.model
     layers = _decoder_layers(model)
     weights = list(layer_weights)
-    rows = input_ids.shape[0]
     if layers is None or not weights or len(weights) != len(layers) or len(layers) != len(cache.layers):
         return None
     cached = cache.layers
@@ -200,14 +199,71 @@ def forward_model(
     hidden = base.embed_tokens(input_ids[None])  # [1, R, E]
     if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
         return None
-    cos, sin = (
-        t.reshape(rows, t.shape[-1]).to(torch.float32).contiguous() for t in base.rotary_emb(hidden, position_ids[None])
-    )
+    cos, sin = rotary_rows(base.rotary_emb, hidden, position_ids, cached[0].keys.shape[-2])
     h = hidden[0].contiguous()
     stack = _stack(stacks, cache, weights)
     stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_], segments)
     h = base.norm(h[None])[0]
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
+
+
+# rope types whose angles at a position depend on that position alone (the dynamic ones rescale with the length)
+STATIC_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RotaryTable:
+    """The model's own rotary cos and sin rows ([positions, D] float32) for positions 0, 1, ..."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+# rotary module -> its RotaryTable, or None where a round computes its own rows (see ``rotary_rows``)
+_ROTARY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rotary_rows(
+    rotary: torch.nn.Module,
+    hidden: torch.Tensor,  # [1, R, E]: the round's embeddings (their dtype and device)
+    position_ids: torch.Tensor,  # [R]
+    positions: int,  # how many positions the K/V holds: every position of the round is below it
+) -> tuple[torch.Tensor, torch.Tensor]:  # [R, D] float32 cos, sin
+    """The round's rotary cos and sin rows: rows of a table the model's own rotary module computed once for every
+    position the K/V holds (made again when the K/V grows), else its own call.
+
+    Why: the module's call is a handful of small tensor operations a round (its angles, a concatenation, a cosine
+    and a sine), a few hundred microseconds on a CPU right after a forward has streamed the weights through the
+    caches, where a table's rows are two index_selects. Exact: a static rope type's angle at a position is an
+    elementwise function of that position, so a table row is what the call computes for it; the table is checked
+    against the module's own call on several sets of positions when it is made, bit for bit, and not used
+    (the module's call every round) where any differs or the rope type rescales with the length."""
+    table = _ROTARY.get(rotary, False)
+    if table is False or (table is not None and table.cos.shape[0] < positions):
+        table = _ROTARY[rotary] = _rotary_table(rotary, hidden, positions)
+    if table is None:
+        return _rotary_call(rotary, hidden, position_ids)
+    return table.cos.index_select(0, position_ids), table.sin.index_select(0, position_ids)
+
+
+def _rotary_call(rotary, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = position_ids.shape[0]
+    cos, sin = rotary(hidden, position_ids[None])
+    return tuple(t.reshape(rows, t.shape[-1]).to(torch.float32).contiguous() for t in (cos, sin))
+
+
+def _rotary_table(rotary, hidden: torch.Tensor, positions: int) -> RotaryTable | None:
+    """The table for ``positions`` positions, or None where the rope type is not static or a probe differs."""
+    if getattr(rotary, "rope_type", None) not in STATIC_ROPE:
+        return None
+    table = RotaryTable(*_rotary_call(rotary, hidden, torch.arange(positions)))
+    last = positions - 1
+    probes = (torch.tensor([last]), torch.arange(0, positions, 97)[:13], torch.arange(min(5, last), min(69, positions)))
+    for ids in probes:
+        cos, sin = _rotary_call(rotary, hidden, ids)
+        if not (torch.equal(cos, table.cos[ids]) and torch.equal(sin, table.sin[ids])):
+            return None
+    return table
 
 
 # cache -> (the native.LayerStack of its buffers, the LayerWeights and the K/V buffer tensors it was built on): held

@@ -364,3 +364,27 @@ def test_the_layers_silu_gate_is_silu_times_up_to_a_few_ulps() -> None:
         assert torch.isfinite(act).all() and (act[~normal].abs() <= 1e-30).all()
         assert torch.equal(act[gate < -87.3], torch.zeros(int((gate < -87.3).sum())))
     assert lib.lp_native_silu_gate_f32(gu.data_ptr(), act.data_ptr(), 0, width) == -1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rotary_rows_are_the_models_own_call_bit_for_bit(family: str) -> None:
+    """A round's rotary rows come from a table of every position the K/V holds, made by the model's own rotary
+    module: bit for bit what its call gives for the round's positions (any order, repeats, the last position),
+    made again when the K/V grows; a rope type that rescales with the length gets no table (its own call)."""
+    model = tiny_model(family)
+    rotary = model.model.rotary_emb
+    hidden = torch.zeros(1, 3, model.config.hidden_size)
+    gen = torch.Generator().manual_seed(3)
+    for capacity in (512, 2048):
+        for ids in (torch.tensor([capacity - 1, 0, 7, 7]), torch.randint(0, capacity, (37,), generator=gen)):
+            got = native_layers.rotary_rows(rotary, hidden, ids, capacity)
+            want = native_layers._rotary_call(rotary, hidden, ids)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        table = native_layers._ROTARY[rotary]
+        assert table is not None and table.cos.shape[0] == capacity  # grown with the K/V
+    dynamic = copy.deepcopy(rotary)
+    dynamic.rope_type = "dynamic"
+    ids = torch.arange(5)
+    got = native_layers.rotary_rows(dynamic, hidden, ids, 64)
+    assert native_layers._ROTARY[dynamic] is None
+    assert all(torch.equal(g, w) for g, w in zip(got, native_layers._rotary_call(dynamic, hidden, ids), strict=True))
