@@ -260,15 +260,20 @@ class ModelAdapter:
         """A packed round, eager: the backend's whole layers where it has them (one call over the segments),
         else transformers' layers attending per segment, else (one segment) under a 4-D mask over its region."""
         device = self.device
-        slots = batch.slots.to(device)
+        moved = device.type != "cpu"  # the round's host tensors go to the model's device (a CPU's are there)
+
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device) if moved else t
+
+        slots = to(batch.slots)
         seg = batch.segments
         single = seg.count == 1
         for layer in arena.layers():
             layer.write_slots, layer.read_slots = slots, None
             layer.length = batch.past[0] if single else 0  # what transformers may ask: the cached prefix
-        ids, positions, logit_rows = (t.to(device) for t in (batch.input_ids, batch.position_ids, batch.logit_rows))
+        ids, positions, logit_rows = to(batch.input_ids), to(batch.position_ids), to(batch.logit_rows)
         if self.backend.whole_layers:
-            masks = {window: m.to(device) for window, m in batch.masks.items()}
+            masks = {window: to(m) for window, m in batch.masks.items()}
             logits = self.backend.forward_model(
                 self.model, ids, positions, self.call.mask(masks), arena.cache, logit_rows, segments=seg
             )
@@ -277,7 +282,7 @@ class ModelAdapter:
         if self.segmented:
             starts, bases, widths = seg.start.tolist(), seg.base.tolist(), seg.width.tolist()
             masks = {
-                window: tuple(batch.segment_mask(window, b).to(device)[None, None] for b in range(seg.count))
+                window: tuple(to(batch.segment_mask(window, b))[None, None] for b in range(seg.count))
                 for window in batch.masks
             }
             layer_types = getattr(self.model.config.get_text_config(), "layer_types", None) or [""] * len(
@@ -303,7 +308,7 @@ class ModelAdapter:
         base, width = int(seg.base[0]), int(seg.width[0])
         for layer in arena.layers():
             layer.read_slots = (base, base + width)
-        masks = {window: batch.segment_mask(window, 0).to(device)[None, None] for window in batch.masks}
+        masks = {window: to(batch.segment_mask(window, 0))[None, None] for window in batch.masks}
         return self.call(ids, positions, masks, arena.cache, logit_rows)
 
     def batch_structure(self) -> str | None:

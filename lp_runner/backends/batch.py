@@ -46,21 +46,18 @@ class Segments:
     base: torch.Tensor  # [n] int64
     width: torch.Tensor  # [n] int64
     moff: torch.Tensor  # [n] int64
+    mask_size: int  # floats of the flat mask: sum of rows x width
 
     @classmethod
     def of(cls, rows: Sequence[int], base: Sequence[int], width: Sequence[int]) -> Segments:
         """From each segment's row count, first slot and key count (the mask's rows packed in segment order)."""
-        return cls(*_segment_fields(rows, base, width))
+        lists = _segment_lists(rows, base, width)
+        fields = torch.tensor([v for x in lists for v in x], dtype=torch.long).split([len(x) for x in lists])
+        return cls(*fields, _mask_size(rows, width))
 
     @property
     def count(self) -> int:
         return self.base.shape[0]
-
-    @property
-    def mask_size(self) -> int:
-        """Floats of the flat mask."""
-        rows = self.start[1:] - self.start[:-1]
-        return int((rows * self.width).sum())
 
     def pointers(self) -> tuple[int, int, int, int, int]:
         return (self.count, *(t.data_ptr() for t in (self.start, self.base, self.width, self.moff)))
@@ -129,9 +126,8 @@ def _segment_lists(
     return start, list(base), list(width), moff
 
 
-def _segment_fields(rows: Sequence[int], base: Sequence[int], width: Sequence[int]) -> list[torch.Tensor]:
-    lists = _segment_lists(rows, base, width)
-    return list(torch.tensor([v for x in lists for v in x], dtype=torch.long).split([len(x) for x in lists]))
+def _mask_size(rows: Sequence[int], width: Sequence[int]) -> int:
+    return sum(r * w for r, w in zip(rows, width, strict=True))
 
 
 def pack_round(
@@ -170,7 +166,7 @@ def pack_round(
         input_ids=input_ids,
         position_ids=position_ids,
         slots=slot_ids,
-        segments=Segments(*segments),
+        segments=Segments(*segments, _mask_size(qs, widths)),
         masks=_masks(rounds, past_lens, qs, widths, set(windows), dtype),
         logit_rows=logit_ids,
         logit_counts=tuple(len(r.logit_rows) for r in rounds),
@@ -192,7 +188,7 @@ def _masks(
     a host array (float32, float64 for a float64 model: every half type's ``finfo.min`` is a float32 exactly) and
     made the model's dtype once."""
     hidden = _HIDDEN.get(dtype) or _HIDDEN.setdefault(dtype, torch.finfo(dtype).min)
-    full = np.zeros(sum(q * w for q, w in zip(qs, widths, strict=True)), _HOST_DTYPE.get(dtype, np.float32))
+    full = np.zeros(_mask_size(qs, widths), _HOST_DTYPE.get(dtype, np.float32))
     at = 0
     for rows, past, q, w in zip(rounds, past_lens, qs, widths, strict=True):
         np.copyto(full[at : at + q * w].reshape(q, w)[:, past:], hidden, where=~rows.visibility.numpy())
