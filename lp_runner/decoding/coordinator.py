@@ -142,18 +142,20 @@ class Coordinator:
         )
         return la.long_match_rows if long_match else la.max_verify_rows
 
+    def _blocks(self, depth: int | None) -> tuple[tuple[tuple[int, int], ...], list[int]]:
+        """Each rank's window columns at ``depth`` (None: the lookahead branch is off) and the rows they cost it."""
+        if depth is None:
+            return (NO_COLUMNS,) * self.world_size, [0] * self.world_size
+        blocks = column_blocks(self.la.window_size, self.world_size, depth)
+        return blocks, [lookahead_rows(b, depth) for b in blocks]
+
     def plan(self, history: Sequence[int], depth: int | None) -> RoundPlan:
         """depth None: the lookahead branch is off (no window rows on any rank)."""
         budget = self.la.verification_set_size
         named = self.job_ahead([(src.name, src.propose(history, budget)) for src in self.sources])
         merged = merge_candidates([p for _, props in named for p in props], budget)
         merged = cap_rows(merged, self.row_cap(merged))
-        if depth is None:
-            blocks = (NO_COLUMNS,) * self.world_size
-            base = [0] * self.world_size
-        else:
-            blocks = column_blocks(self.la.window_size, self.world_size, depth)
-            base = [lookahead_rows(b, depth) for b in blocks]
+        blocks, base = self._blocks(depth)
         groups = [p.tokens[0] for p in merged] if self.group_by_first_token else None
         assignment = assign_candidates([len(p.tokens) for p in merged], base, groups)
         return RoundPlan(

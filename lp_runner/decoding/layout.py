@@ -229,6 +229,7 @@ def compile_round(
     levels: Sequence[Sequence[int]],
     columns: tuple[int, int],
     candidates: Sequence[Sequence[int]],
+    padding: int = 0,
 ) -> RoundLayout:
     """Build the round for one rank.
 
@@ -236,6 +237,7 @@ def compile_round(
     levels: the full window (levels[0] has W-1 tokens, deeper levels W); the deepest present level is output.
     columns: [lo, hi) this rank computes (empty when lo == hi); it also feeds level-0 context for columns 1..lo-1.
     candidates: non-empty suffixes (any lengths) to verify, all following the live key.
+    padding: filler rows after every real row (``pad_layout``'s, made in the same step).
 
     Only the tokens and positions are this round's own; the rest is its shape's (``round_shape``), in the row
     order of the module docstring: level-0 context b_1..b_{hi-1}, then levels 1..depth of columns [lo, hi).
@@ -247,7 +249,9 @@ def compile_round(
             raise ValueError(f"candidate {c} is empty")
     lo, hi = columns
     depth = len(levels) - 1
-    shape = round_shape(columns, depth, tuple(len(c) for c in candidates))
+    if padding < 0:
+        raise ValueError(f"padding must be >= 0, got {padding}")
+    shape = round_shape(columns, depth, tuple(len(c) for c in candidates), padding)
     tokens = list(ordinary)
     if hi > lo:
         tokens.extend(levels[0][: hi - 1])
@@ -255,6 +259,7 @@ def compile_round(
             tokens.extend(level[lo:hi])
     for suffix in candidates:
         tokens.extend(suffix)
+    tokens.extend([ordinary[-1]] * padding)  # a filler repeats the live key's token (its offset 0: its position)
     p = start_position + len(ordinary) - 1  # position of the live key b_0
     positions = [*range(start_position, p + 1), *(p + o for o in shape.offsets[1:])]
     return RoundLayout(tuple(tokens), tuple(positions), len(ordinary), shape)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lp_runner.decoding.coordinator import RoundPlan
-from lp_runner.decoding.layout import RoundLayout, RowCounts, compile_round, pad_layout
+from lp_runner.decoding.layout import RoundLayout, RowCounts, compile_round, round_size
 from lp_runner.decoding.verify.greedy import Verdict
 from lp_runner.decoding.verify.verifier import ReadBack, Verifier
 from lp_runner.decoding.window import JacobiWindow
@@ -63,10 +63,12 @@ def lay_out(state: RoundState, plan: RoundPlan, rank: int, row_plan: RowCounts |
     tokens and positions, and its shape's mask and logit rows (made once per shape). It makes no tensor: the
     backend stages every generation's rows of the round at once (``backends.batch``)."""
     columns, candidates = plan.for_rank(rank)
-    layout = compile_round(state.pending, state.past_len, state.window.levels, columns, candidates)
+    levels = state.window.levels
+    padding = 0
     if row_plan is not None:
-        layout = pad_layout(layout, row_plan.rows_for(layout.num_rows, state.past_len))
-    return layout
+        rows, _ = round_size(len(state.pending), columns, len(levels) - 1, [len(c) for c in candidates])
+        padding = row_plan.rows_for(rows, state.past_len) - rows
+    return compile_round(state.pending, state.past_len, levels, columns, candidates, padding)
 
 
 def take_verdict(

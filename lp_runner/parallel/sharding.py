@@ -88,6 +88,8 @@ def assign_candidates(
     is never split across ranks.
     Example: 5 candidates of 4 rows, base rows [10, 4] -> [[2, 4], [0, 1, 3]] (loads 18 and 16).
     """
+    if len(base_rows) == 1:  # one rank: every candidate is its own
+        return [list(range(len(lengths)))]
     load = list(base_rows)
     out: list[list[int]] = [[] for _ in load]
     if groups is None:

@@ -18,6 +18,20 @@ from lp_runner.decoding.layout import ROLE_PAD, compile_round, pad_layout
 from lp_runner.tuning.costmodel import RowPlan, predict
 
 
+def test_compile_round_padding_is_pad_layout() -> None:
+    """The round loop pads as it compiles (``compile_round(..., padding)``): the same tokens, positions and shape
+    (one object per shape) as ``pad_layout`` of the unpadded round, one ordinary row or several."""
+    for ordinary in ([7], [5, 6, 7]):
+        for extra in (0, 1, 4):
+            args = (ordinary, 10, [[1, 2], [3, 4, 5]], (0, 3), [(8, 9), (8,)])
+            plain = compile_round(*args)
+            want, got = pad_layout(plain, plain.num_rows + extra), compile_round(*args, padding=extra)
+            assert (got.tokens, got.positions, got.num_ordinary) == (want.tokens, want.positions, want.num_ordinary)
+            assert got.shape is want.shape and got.num_padding == extra
+    with pytest.raises(ValueError, match="padding must be >= 0"):
+        compile_round([7], 10, [[1, 2]], (0, 0), [(8,)], padding=-1)
+
+
 def test_pad_layout_rows_and_mask() -> None:
     layout = compile_round([5, 6, 7], 10, [[1, 2], [3, 4, 5]], (0, 3), [(8, 9), (8,)])
     padded = pad_layout(layout, layout.num_rows + 3)
