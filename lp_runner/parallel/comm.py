@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -90,9 +91,19 @@ class TorchCommunicator:
         self.device = device
         self.timeout_s = timeout_s
         self.collectives = 0
+        self._pin = pins_host_memory(device)
+        self._payloads: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # length -> a host buffer and its numpy view
 
     def host_payload(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, pin_memory=pins_host_memory(self.device))  # [L]
+        """One host buffer per payload length, kept and rewritten each round (through its numpy view: no tensor
+        made a round, no pinned allocation). Reusing it is safe: ``all_gather`` returns only after its collective,
+        and so its copy from this buffer, has completed."""
+        held = self._payloads.get(len(values))
+        if held is None:
+            buffer = torch.empty(len(values), dtype=torch.long, pin_memory=self._pin)  # [L]
+            held = self._payloads[len(values)] = (buffer, buffer.numpy())
+        held[1][:] = values
+        return held[0]
 
     def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
         """[L] int64 on the host (``host_payload``) -> [P, L] on the host: one copy in (asynchronous from pinned
