@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -54,9 +55,16 @@ class RoundPlan:
 
     @property
     def digest(self) -> int:
-        """A 31-bit fingerprint of the plan, small enough for the int64 payload."""
-        blob = repr((self.live_key, self.candidates, self.columns, self.assignment)).encode()
-        return zlib.crc32(blob) & 0x7FFFFFFF
+        """A 31-bit fingerprint of the plan, small enough for the int64 payload: the CRC-32 of its integers (the
+        live key; each candidate, each rank's columns and assignment, each with its length) as int64 bytes."""
+        flat = [self.live_key]
+        for candidate in self.candidates:
+            flat += (len(candidate), *candidate)
+        for cols in self.columns:
+            flat += cols
+        for own in self.assignment:
+            flat += (len(own), *own)
+        return zlib.crc32(array("q", flat)) & 0x7FFFFFFF
 
 
 def make_sources(la: LookaheadConfig, prompt_ids: Sequence[int], pool: NGramPool, store: JobPool | StoreView | None):
