@@ -12,7 +12,9 @@ every record's ``stats`` splits it (``scheduler.RoundLoop._round``): planning, l
 path; on a GPU the part after the next launch would overlap the forward.
 
 ``--baseline DIR`` runs another checkout's code (``PYTHONPATH=DIR``) on the same jobs, each setup's two runs back
-to back in alternating order, so the ratio is measured in one run. Records the CPU (``lscpu``'s model name).
+to back in alternating order, so the ratio is measured in one run; ``--repeat R`` runs each setup R times per
+checkout, alternating, and reports each checkout's median run (a job's host time moves by a tenth or more between
+runs on a shared machine). Records the CPU (``lscpu``'s model name).
 Writes OUT.json and OUT.md. Run it on a quiet machine.
 """
 
@@ -68,6 +70,12 @@ def run_job(code: Path, prompts: Path, workers: int, shape: str, max_new_tokens:
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run whose host time is the median of ``runs`` (the lower middle one for an even count): one whole run's
+    figures, so its host time, forward and tokens/s stay one measurement's."""
+    return sorted(runs, key=lambda r: r["host_us_per_round"])[(len(runs) - 1) // 2]
+
+
 def main() -> None:
     from prompt_sets import bench16
 
@@ -78,6 +86,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--shapes", default="default,7,5,7,15,5,15", help="'default' and W,N,G triples")
     ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each setup per checkout (the median is reported)")
     args = ap.parse_args()
     parts = args.shapes.split(",")
     shapes, i = [], 0
@@ -97,12 +106,17 @@ def main() -> None:
         flip = False
         for workers in (int(w) for w in args.workers.split(",")):
             for shape in shapes:
-                order = list(codes.items())[:: -1 if flip else 1]
-                flip = not flip
-                got = {name: run_job(code, prompts, workers, shape, args.max_new_tokens, work) for name, code in order}
-                row = {"workers": workers, "shape": shape}
+                runs: dict[str, list[dict]] = {name: [] for name in codes}
+                for _ in range(args.repeat):
+                    order = list(codes.items())[:: -1 if flip else 1]
+                    flip = not flip
+                    for name, code in order:
+                        runs[name].append(run_job(code, prompts, workers, shape, args.max_new_tokens, work))
+                got = {name: median_run(rs) for name, rs in runs.items()}
+                row = {"workers": workers, "shape": shape, "repeat": args.repeat}
                 for name, res in got.items():
                     row[name] = {k: v for k, v in res.items() if k != "outputs"}
+                    row[name]["host_us_per_round_runs"] = [r["host_us_per_round"] for r in runs[name]]
                 if "baseline" in got:
                     row["identical"] = got["baseline"]["outputs"] == got["this"]["outputs"]
                     row["host_ratio"] = got["this"]["host_us_per_round"] / got["baseline"]["host_us_per_round"]
@@ -111,10 +125,11 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     baseline = str(args.baseline) if args.baseline else None
     meta = {"date": str(date.today()), "cpu": cpu_model(), "prompts": f"bench16[:{args.prompts}]",
-            "max_new_tokens": args.max_new_tokens, "baseline": baseline}  # fmt: skip
+            "max_new_tokens": args.max_new_tokens, "baseline": baseline, "repeat": args.repeat}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    lines = [f"{meta['date']}, {meta['cpu']}, {meta['prompts']}, {args.max_new_tokens} new tokens", ""]
+    lines = [f"{meta['date']}, {meta['cpu']}, {meta['prompts']}, {args.max_new_tokens} new tokens, median of "
+             f"{args.repeat} run(s) per setup and checkout", ""]  # fmt: skip
     names = list(codes)
     head = "| P | shape | " + " | ".join(f"{n} host us/round | {n} rows/round | {n} forward ms" for n in names)
     lines += [head + (" | host this / baseline | tokens/s this / baseline | identical |" if len(names) > 1 else " |")]
