@@ -121,6 +121,21 @@ def _policy_for(model: PreTrainedModel, adapter: ModelAdapter, cfg: Config) -> R
 _ADAPTER_ATTRIBUTE = "_lp_runner_adapter"
 
 
+class _AdapterSlot:
+    """Where a model keeps its adapter (``_adapter_for``) and the (device, dtype, attention) it was made for. A copy
+    or a pickle of the model gets an empty slot: the adapter holds a lock and the K/V arena, which neither
+    ``copy.deepcopy(model)`` nor ``torch.save(model)`` can take, and a copied model makes its own on its first
+    call."""
+
+    __slots__ = ("key", "adapter")
+
+    def __init__(self, key: tuple | None = None, adapter: ModelAdapter | None = None) -> None:
+        self.key, self.adapter = key, adapter
+
+    def __reduce__(self) -> tuple:
+        return (_AdapterSlot, ())
+
+
 def _adapter_for(model: PreTrainedModel) -> ModelAdapter:
     """The model's adapter, made on its first call and reused by the later ones while the model's device, dtype
     and attention stay as they were (else made anew).
@@ -133,10 +148,9 @@ def _adapter_for(model: PreTrainedModel) -> ModelAdapter:
     param = next(model.parameters())
     key = (param.device, param.dtype, model.config._attn_implementation)
     held = model.__dict__.get(_ADAPTER_ATTRIBUTE)
-    if held is None or held[0] != key:
-        held = (key, ModelAdapter(model))
-        model.__dict__[_ADAPTER_ATTRIBUTE] = held
-    return held[1]
+    if held is None or held.adapter is None or held.key != key:
+        held = model.__dict__[_ADAPTER_ATTRIBUTE] = _AdapterSlot(key, ModelAdapter(model))
+    return held.adapter
 
 
 def generate(

@@ -260,6 +260,24 @@ def test_adapter_is_kept_across_calls_and_freed_with_the_model() -> None:
     assert alive() is None
 
 
+def test_a_model_that_kept_its_adapter_can_be_copied_and_pickled() -> None:
+    """The adapter a model keeps (a lock, the K/V arena) does not travel: ``copy.deepcopy`` and pickling (what
+    ``torch.save(model)`` does) work after a call, and the copy makes its own adapter, with the same tokens."""
+    import copy
+    import io
+
+    from helpers import tiny_model
+
+    model = tiny_model("llama")
+    ids = _ids(12, seed=6)
+    first = lp_runner.generate(model, ids, max_new_tokens=8)
+    twin = copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    assert torch.equal(lp_runner.generate(twin, ids, max_new_tokens=8), first)
+    kept = lp_runner.api._ADAPTER_ATTRIBUTE
+    assert twin.__dict__[kept].adapter is not model.__dict__[kept].adapter
+
+
 def test_import_is_lazy() -> None:
     """``import lp_runner`` (the CLI, fetch) does not import the API and, through it, transformers."""
     import subprocess
