@@ -247,17 +247,6 @@ def arena_slots(adapter: ModelAdapter, capacity: int) -> int:
     return static_capacity(adapter.region_size(capacity)) + MIN_CAPACITY
 
 
-def job_region(adapter: ModelAdapter, need: int):
-    """A generation's region in the adapter's job arena, where captured rounds replay their graphs."""
-    size = adapter.region_size(need)
-    return adapter.claim_arena(size).region(size)
-
-
-def free_region(adapter: ModelAdapter, region) -> None:
-    region.arena.release(region)
-    adapter.release_arena(region.arena)
-
-
 def arena_allocations(adapter: ModelAdapter) -> int:
     """The tensors the adapter's job arena has been allocated as (one more each time a job grew it)."""
     arena = adapter.claim_arena(1)
@@ -296,7 +285,7 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
     caches = {}
     prefix = torch.arange(args.prefix) % 97
     for adapter in (eager, captured):
-        caches[id(adapter)] = cache = job_region(adapter, args.prefix + max(args.rows))
+        caches[id(adapter)] = cache = adapter.job_region(args.prefix + max(args.rows))
         adapter.forward(prefix, torch.arange(args.prefix), causal(args.prefix), cache, torch.arange(1))
     rows_out = {}
     for rows in args.rows:
@@ -341,7 +330,7 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
             f"{row['captured_ms']:8.3f} ms (host {row['captured_host_us']} us)  argmax same {same}/{rows}"
         )
     for adapter in (eager, captured):
-        free_region(adapter, caches[id(adapter)])
+        adapter.release_region(caches[id(adapter)])
     return rows_out
 
 

@@ -205,6 +205,18 @@ class ModelAdapter:
             if arena is self._arena:
                 self._claimed = False
 
+    def job_region(self, need: int) -> KVRegion:
+        """One generation's region of ``need`` positions in the job arena, claimed for it alone until
+        ``release_region`` (a measurement's or a probe's round loop of one generation: compiled rounds replay their
+        graphs there, as a job's do)."""
+        size = self.region_size(need)
+        return self.claim_arena(size).region(size)
+
+    def release_region(self, region: KVRegion) -> None:
+        """``job_region``'s region freed and its arena handed back."""
+        region.arena.release(region)
+        self.release_arena(region.arena)
+
     def region_size(self, need: int) -> int:
         """The slots a generation of at most ``need`` positions (its prompt, its budget and one round) holds:
         a bucketed round pads its rows to the bucket, and the fillers' K/V lands past the round's rows."""

@@ -112,12 +112,10 @@ def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecor
     from lp_runner.backends.adapter import causal
 
     times: dict[int, list[float]] = {id(eager): [], id(compiled): []}
-    caches, arenas = {}, {}
+    caches = {}
     prefix = torch.arange(RECORD_KV) % 97
     for adapter in (eager, compiled):  # in each adapter's job arena: compiled rounds replay their graphs there
-        size = adapter.region_size(RECORD_KV + max(RECORD_ROWS))
-        arenas[id(adapter)] = arena = adapter.claim_arena(size)
-        cache = arena.region(size)
+        cache = adapter.job_region(RECORD_KV + max(RECORD_ROWS))
         adapter.forward(prefix, torch.arange(RECORD_KV), causal(RECORD_KV), cache, torch.tensor([RECORD_KV - 1]))
         caches[id(adapter)] = cache
     for rows in RECORD_ROWS:
@@ -139,7 +137,6 @@ def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecor
         for k, v in per.items():
             times[k].append(sorted(v[1:])[len(v[1:]) // 2])
     for adapter in (eager, compiled):
-        arenas[id(adapter)].release(caches[id(adapter)])
-        adapter.release_arena(arenas[id(adapter)])
+        adapter.release_region(caches[id(adapter)])
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     return CompileRecord(round(compile_s, 3), mean[id(eager)], mean[id(compiled)])

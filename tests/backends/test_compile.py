@@ -129,7 +129,7 @@ def test_two_models_of_one_class_run_their_own_graphs() -> None:
     caches = {}
     for eager, compiled in pairs:
         for adapter in (eager, compiled):
-            caches[id(adapter)] = _job_region(adapter, 64)
+            caches[id(adapter)] = adapter.job_region(64)
             adapter.forward(torch.arange(20), torch.arange(20), causal(20), caches[id(adapter)], torch.tensor([19]))
     for rows in (1, 2, 5, 9):
         for eager, compiled in pairs:
@@ -143,19 +143,12 @@ def test_two_models_of_one_class_run_their_own_graphs() -> None:
                 caches[id(adapter)].crop(20)
 
 
-def _job_region(adapter: ModelAdapter, need: int):
-    """A generation's region in the adapter's job arena: where a compiled adapter's rounds replay their graph (a
-    scratch region's rounds run eager)."""
-    size = adapter.region_size(need)
-    return adapter.claim_arena(size).region(size)
-
-
 def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter, compiled: ModelAdapter) -> None:
     # single rounds on both sides of every bucket: rows = bucket and bucket + 1 (one row runs as two)
     prefix = random_prompt(40, seed=5)
     caches = {}
     for adapter in (eager, compiled):
-        caches[id(adapter)] = _job_region(adapter, 128)
+        caches[id(adapter)] = adapter.job_region(128)
         adapter.forward(torch.tensor(prefix), torch.arange(40), causal(40), caches[id(adapter)], torch.tensor([39]))
     for rows in sorted({1, *BUCKETS, *(b + 1 for b in BUCKETS)}):
         ids = torch.tensor(random_prompt(rows, seed=rows))
@@ -171,8 +164,7 @@ def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter
         for adapter in (eager, compiled):
             caches[id(adapter)].crop(40)
     for adapter in (eager, compiled):
-        caches[id(adapter)].arena.release(caches[id(adapter)])
-        adapter.release_arena(caches[id(adapter)].arena)
+        adapter.release_region(caches[id(adapter)])
     # whole generations: window and candidates, padded to the buckets, against HF greedy
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     prompt = random_prompt(12, 3) * 2

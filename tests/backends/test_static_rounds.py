@@ -170,23 +170,12 @@ def test_stage_writes_every_input_once_padded_to_the_bucket() -> None:
 # ---------------------------------------------------------------------------------------------- eager rounds
 
 
-def _job_region(adapter: ModelAdapter, need: int):
-    """A generation's region in the adapter's job arena (as the round loop makes it: rounds replay graphs there)."""
-    size = adapter.region_size(need)
-    return adapter.claim_arena(size).region(size)
-
-
-def _free(adapter: ModelAdapter, region) -> None:
-    region.arena.release(region)
-    adapter.release_arena(region.arena)
-
-
 def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, capacity: int = 64):
     """Single rounds of each row count through ``static`` (in its job arena) and the ordinary eager adapter on
     the same prefix, cropped back after each: yields (rows, static logits, ordinary logits)."""
     ref = ModelAdapter(model)
     prefix = random_prompt(prefix_len, seed=5)
-    caches = {id(ref): ref.new_cache(capacity), id(static): _job_region(static, capacity)}
+    caches = {id(ref): ref.new_cache(capacity), id(static): static.job_region(capacity)}
     for adapter in (ref, static):
         adapter.forward(
             torch.tensor(prefix), torch.arange(prefix_len), causal(prefix_len), caches[id(adapter)], torch.tensor([0])
@@ -201,7 +190,7 @@ def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, c
         yield rows, got, want
         for adapter in (ref, static):
             caches[id(adapter)].crop(prefix_len)
-    _free(static, caches[id(static)])
+    static.release_region(caches[id(static)])
 
 
 BOUNDARIES = sorted({1, *(b for b in (2, 4, 8, 16, 32)), *(b + 1 for b in (2, 4, 8, 16, 32))})
@@ -290,7 +279,7 @@ def test_a_round_inputs_arrive_in_one_copy(monkeypatch) -> None:
     views of one staging buffer, filled by exactly one copy per round."""
     model = tiny_model("llama")
     adapter = ModelAdapter(model, bucketed=True)
-    cache = _job_region(adapter, 64)
+    cache = adapter.job_region(64)
     adapter.forward(torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
     staging = adapter.rounds._staging(8)
     received = []
@@ -329,7 +318,7 @@ def test_a_generation_region_never_moves_and_cannot_be_outrun() -> None:
     for seed in (1, 2):
         engine.generate(random_prompt(12, seed) * 2)
     assert len(addresses) == 1  # every round of both generations on the same arena
-    cache = _job_region(adapter, 10)
+    cache = adapter.job_region(10)
     rows = cache.size + 1
     with pytest.raises(KVCapacityError, match="past its generation's region"):
         adapter.forward(torch.zeros(rows, dtype=torch.long), torch.arange(rows), causal(rows), cache, torch.tensor([0]))
@@ -340,13 +329,13 @@ def test_a_second_loop_at_once_gets_an_arena_of_its_own() -> None:
     same results; the job arena goes to the next loop once released; a scratch region grows its own arena."""
     model = tiny_model("llama")
     adapter = ModelAdapter(model, bucketed=True)
-    first, second = _job_region(adapter, 40), _job_region(adapter, 40)
+    first, second = adapter.job_region(40), adapter.job_region(40)
     assert first.arena is not second.arena
     tokens = torch.tensor(random_prompt(9, seed=1))
     a, b = (adapter.forward(tokens, torch.arange(9), causal(9), c, torch.arange(9)) for c in (first, second))
     assert torch.equal(a, b)
-    _free(adapter, first)
-    third = _job_region(adapter, 40)
+    adapter.release_region(first)
+    third = adapter.job_region(40)
     assert third.arena is first.arena and third.base == first.base
     scratch = adapter.new_cache()  # grows when outrun, like every scratch region
     adapter.forward(torch.zeros(800, dtype=torch.long), torch.arange(800), causal(800), scratch, torch.tensor([0]))
@@ -453,7 +442,7 @@ def test_warm_up_at_the_jobs_arena_is_the_arena_its_generations_run_on() -> None
 
 def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_len: int):
     prefix = random_prompt(prefix_len, seed=5)
-    caches = {id(a): _job_region(a, prefix_len + 40) for a in (compiled, eager)}
+    caches = {id(a): a.job_region(prefix_len + 40) for a in (compiled, eager)}
     for adapter in (compiled, eager):
         adapter.forward(
             torch.tensor(prefix), torch.arange(prefix_len), causal(prefix_len), caches[id(adapter)], torch.tensor([0])
@@ -473,5 +462,5 @@ def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_l
         for adapter in (compiled, eager):
             caches[id(adapter)].crop(prefix_len)
     for adapter in (compiled, eager):
-        _free(adapter, caches[id(adapter)])
+        adapter.release_region(caches[id(adapter)])
     return out
