@@ -47,7 +47,6 @@ STEPS = (
     ("    Coordinator.plan", "decoding/coordinator.py", "plan"),
     ("    round.lay_out", "decoding/round.py", "lay_out"),
     ("      compile_round", "decoding/layout.py", "compile_round"),
-    ("      pad_layout", "decoding/layout.py", "pad_layout"),
     ("      visibility_mask", "decoding/layout.py", "visibility_mask"),
     ("  verifier.prepare", "verify/verifier.py", "prepare"),
     ("  Generation.verdict", "decoding/generation.py", "verdict"),

@@ -5,7 +5,7 @@ replay each decode step as a CUDA graph, which needs every input at a fixed shap
 ``StaticRounds`` gives the adapter's forward exactly that, one round at a time:
 
 * shapes: the round runs at its row bucket (``buckets.BucketLadder``: filler rows that see only themselves, seen
-  by no one, their K/V past the round, as ``layout.pad_layout``'s) and reads a power-of-two live K/V width;
+  by no one, their K/V past the round, as ``layout.compile_round``'s padding) and reads a power-of-two live K/V width;
   its logit rows are padded to the bucket too (filler logits are dropped), so a (rows, width) pair is one shape;
 * addresses: the K/V is the job's arena (``kv_cache.KVArena``, allocated once per job at the job's need; each
   generation a region of it), its layers' views marked static for the compiler (``torch._dynamo.

@@ -39,7 +39,7 @@ from lp_runner.errors import ConfigError
 ROLE_ORDINARY = 0
 ROLE_LOOKAHEAD = 1
 ROLE_VERIFY = 2
-ROLE_PAD = 3  # filler that makes a round a cheaper row count (``pad_layout``): sees itself only, seen by no one
+ROLE_PAD = 3  # filler making a round a cheaper row count (``compile_round``'s padding): sees itself, seen by no one
 NO_INDEX = -1  # level / column / candidate / offset of a row that has none
 
 
@@ -130,7 +130,7 @@ def round_shape(columns: tuple[int, int], depth: int, lengths: tuple[int, ...], 
 class RoundLayout:
     """The contract of one packed forward: the round's tokens and positions, its ordinary rows and its shape
     (``RoundShape``: the rest of the round, shared by every round of its sizes); every tensor is derived from
-    them once, when first read, so a layout that is only padded (``pad_layout``) never builds any."""
+    them once, when first read."""
 
     tokens: tuple[int, ...]  # [num_rows] each row's input token
     positions: tuple[int, ...]  # [num_rows] each row's position
@@ -184,8 +184,8 @@ class RoundLayout:
 
     @property
     def num_padding(self) -> int:
-        """Rows appended by ``pad_layout``: they follow every real row, so their K/V lies past anything a round
-        commits and the next crop drops it."""
+        """Filler rows (``compile_round``'s padding): they follow every real row, so their K/V lies past anything a
+        round commits and the next crop drops it."""
         return self.shape.num_padding
 
     @property
@@ -237,7 +237,17 @@ def compile_round(
     levels: the full window (levels[0] has W-1 tokens, deeper levels W); the deepest present level is output.
     columns: [lo, hi) this rank computes (empty when lo == hi); it also feeds level-0 context for columns 1..lo-1.
     candidates: non-empty suffixes (any lengths) to verify, all following the live key.
-    padding: filler rows after every real row (``pad_layout``'s, made in the same step).
+    padding: filler rows after every real row, each repeating the live key's token and position (any valid values
+    would do).
+
+    Why padding: a forward's cost is not monotone in its row count on every device (``benchmarks/forward_cost.py``
+    measures it), so a round is cheaper run at a larger row count that the calibrated curve says is cheaper
+    (``costmodel.RowPlan``). Exactness: a filler row attends to itself only (a
+    softmax needs one visible key) and no real row attends to it, so every real row computes what it would without
+    it; no logits are computed for it; its K/V sits after the round's own rows, beyond any committed position, and
+    the round's crop drops it. Example: a 3-row round (live key at position 9, one 2-token candidate) with padding
+    2 has two more rows of role ROLE_PAD at position 9; ``logit_rows``, ``verify_row`` and the commit plan are
+    those of the round without them.
 
     Only the tokens and positions are this round's own; the rest is its shape's (``round_shape``), in the row
     order of the module docstring: level-0 context b_1..b_{hi-1}, then levels 1..depth of columns [lo, hi).
@@ -292,31 +302,6 @@ def max_round_rows(la: LookaheadConfig) -> int:
     and G candidates of the longest length (the tuner sizes the curve it measures with it)."""
     window_rows = (la.window_size - 1) + la.window_size * (la.ngram_size - 2) if la.lookahead_branch else 0
     return 1 + window_rows + la.verification_set_size * longest_candidate(la)
-
-
-def pad_layout(layout: RoundLayout, num_rows: int) -> RoundLayout:
-    """The same round run as ``num_rows`` rows: filler rows appended after every real row.
-
-    Why: a forward's cost is not monotone in its row count on every device (one 2-core CPU measured 2-3 rows at
-    1.6-1.9x one row and 8 rows at 1.35x), so a round is cheaper run at a larger row count that the calibrated
-    curve says is cheaper (``costmodel.RowPlan``). Exactness: a filler row attends to itself only (a softmax
-    needs one visible key) and no real row attends to it, so every real row computes what it would without it;
-    no logits are computed for it; its K/V sits after the round's own rows, beyond any committed position, and
-    the round's crop drops it. Token and position repeat the live key's (any valid values would do).
-
-    Example: a 3-row round (live key at position 9, one 2-token candidate) padded to 5 rows appends two rows of
-    role ROLE_PAD at position 9; ``logit_rows``, ``verify_row`` and the commit plan are unchanged.
-    """
-    extra = num_rows - layout.num_rows
-    if extra < 0:
-        raise ValueError(f"cannot pad a round of {layout.num_rows} rows down to {num_rows}")
-    if extra == 0:
-        return layout
-    live = layout.num_ordinary - 1
-    shape = round_shape(*layout.shape.key, layout.num_padding + extra)
-    tokens = layout.tokens + (layout.tokens[live],) * extra
-    positions = layout.positions + (layout.positions[live],) * extra
-    return RoundLayout(tokens, positions, layout.num_ordinary, shape)
 
 
 def visibility_mask(rows: Sequence[Row]) -> torch.Tensor:
@@ -416,7 +401,7 @@ def check_model_fits(la: LookaheadConfig, gen: GenerationConfig, positions: int 
 
 
 class RowCounts(Protocol):
-    """The row count each round runs at (``pad_layout``'s target): the tuner's measured ``costmodel.RowPlan`` is
+    """The row count each round runs at (``compile_round`` pads to it): the tuner's measured ``costmodel.RowPlan`` is
     one. The decoding loop needs only these two answers, so it does not depend on how the plan was made."""
 
     def rows_for(self, rows: int, kv_len: int) -> int:

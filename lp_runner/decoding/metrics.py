@@ -26,7 +26,7 @@ class RoundRecord:
     depth: int = -1  # window depth, -1 when the lookahead branch is off
     plan_candidates: tuple[int, ...] = ()  # length of every candidate of the round, all ranks
     winner_candidate: int = -1  # global index of the winning candidate, -1 if none held
-    padded_rows: int = 0  # filler rows that made the round a cheaper row count (``layout.pad_layout``)
+    padded_rows: int = 0  # filler rows that made the round a cheaper row count (``layout.compile_round``'s padding)
     winner_rank: int = 0  # the rank whose verdict was published (LP: the others re-feed its tokens)
     plan_sources: tuple[str, ...] = ()  # the source of every candidate of the round
     proposed: tuple[tuple[str, int], ...] = ()  # per source: suffixes it proposed (before dedup and budget)

@@ -266,7 +266,7 @@ PAD_MARGIN = 0.05  # pad only where the curve says the larger row count is at le
 
 @dataclass(frozen=True)
 class RowPlan:
-    """The row count each round runs at: the cheapest measured count at or above its own (``layout.pad_layout``).
+    """The row count each round runs at: the cheapest measured count at or above its own (``compile_round`` pads).
 
     A forward's cost is not monotone in its rows on every device: on one 2-core CPU 2-3 rows cost 1.6-1.9x one
     row while 8 rows cost 1.35x, so a 3-row round is cheaper run as 8 rows. The filler rows compute no logits, so

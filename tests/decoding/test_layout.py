@@ -23,7 +23,6 @@ from lp_runner.decoding.layout import (
     ROLE_VERIFY,
     RoundLayout,
     compile_round,
-    pad_layout,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -335,7 +334,8 @@ def test_visibility_pasted_from_the_cut_round_equals_the_role_rules():
                 for columns in ((0, w), (0, 0), (1, w)):
                     for candidates in ([], [[1]], [[1, 2], [3]]):
                         layout = compile_round(list(range(ordinary)), 4, levels, columns, candidates)
-                        for padded in (layout, pad_layout(layout, layout.num_rows + 2)):
+                        padded_round = compile_round(list(range(ordinary)), 4, levels, columns, candidates, padding=2)
+                        for padded in (layout, padded_round):
                             assert torch.equal(padded.visibility, rules(padded.rows)), (ordinary, w, depth, columns)
                             checked += 1
     assert checked == 648

@@ -14,29 +14,19 @@ from helpers import AMD_MS, FAMILIES, TINY_VOCAB, curve_from_ms, hf_greedy, make
 
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.decoding.engine import kv_commit_plan
-from lp_runner.decoding.layout import ROLE_PAD, compile_round, pad_layout
+from lp_runner.decoding.layout import ROLE_PAD, compile_round
 from lp_runner.tuning.costmodel import RowPlan, predict
 
 
-def test_compile_round_padding_is_pad_layout() -> None:
-    """The round loop pads as it compiles (``compile_round(..., padding)``): the same tokens, positions and shape
-    (one object per shape) as ``pad_layout`` of the unpadded round, one ordinary row or several."""
-    for ordinary in ([7], [5, 6, 7]):
-        for extra in (0, 1, 4):
-            args = (ordinary, 10, [[1, 2], [3, 4, 5]], (0, 3), [(8, 9), (8,)])
-            plain = compile_round(*args)
-            want, got = pad_layout(plain, plain.num_rows + extra), compile_round(*args, padding=extra)
-            assert (got.tokens, got.positions, got.num_ordinary) == (want.tokens, want.positions, want.num_ordinary)
-            assert got.shape is want.shape and got.num_padding == extra
-    with pytest.raises(ValueError, match="padding must be >= 0"):
-        compile_round([7], 10, [[1, 2]], (0, 0), [(8,)], padding=-1)
-
-
-def test_pad_layout_rows_and_mask() -> None:
-    layout = compile_round([5, 6, 7], 10, [[1, 2], [3, 4, 5]], (0, 3), [(8, 9), (8,)])
-    padded = pad_layout(layout, layout.num_rows + 3)
+def test_padding_appends_fillers_that_change_no_real_row() -> None:
+    """``compile_round(..., padding)``: the round's own rows, then fillers repeating the live key's token and position;
+    the real rows' mask, logit rows and commit plan are the unpadded round's; one shape object per padded shape."""
+    args = ([5, 6, 7], 10, [[1, 2], [3, 4, 5]], (0, 3), [(8, 9), (8,)])
+    layout = compile_round(*args)
+    padded = compile_round(*args, padding=3)
     q = layout.num_rows
     assert padded.num_rows == q + 3 and padded.num_padding == 3 and layout.num_padding == 0
+    assert padded.tokens == layout.tokens + (7,) * 3 and padded.positions == layout.positions + (12,) * 3
     assert [r.role for r in padded.rows[q:]] == [ROLE_PAD] * 3
     # real rows see exactly what they saw, and never a filler row
     assert torch.equal(padded.visibility[:q, :q], layout.visibility)
@@ -47,9 +37,12 @@ def test_pad_layout_rows_and_mask() -> None:
     assert padded.logit_rows == layout.logit_rows
     assert padded.verify_logits == layout.verify_logits and padded.candidate_starts == layout.candidate_starts
     assert kv_commit_plan(10, padded, 0, 2) == kv_commit_plan(10, layout, 0, 2)
-    assert pad_layout(layout, q) is layout
-    with pytest.raises(ValueError):
-        pad_layout(layout, q - 1)
+    assert compile_round(*args, padding=3).shape is padded.shape
+    assert compile_round(*args, padding=0).shape is layout.shape
+    one = compile_round([7], 10, [[1, 2]], (0, 0), [(8,)], padding=2)  # one ordinary row: the decode round's case
+    assert one.tokens == (7, 8, 7, 7) and one.positions == (10, 11, 10, 10) and one.num_padding == 2
+    with pytest.raises(ValueError, match="padding must be >= 0"):
+        compile_round(*args, padding=-1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,8 +61,7 @@ def test_padded_round_same_logits_and_committed_kv(tiny, family: str, extra: int
         t = len(prefix)
         tril = torch.ones(t, t, dtype=torch.bool).tril()
         adapter.forward(torch.tensor(prefix), torch.arange(t), tril, cache, torch.tensor([t - 1]))
-        layout = compile_round([prefix[-1]], t, levels, (0, 4), candidates)
-        layout = pad_layout(layout, layout.num_rows + pad)
+        layout = compile_round([prefix[-1]], t, levels, (0, 4), candidates, padding=pad)
         logits = adapter.forward(layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows)
         assert logits.shape[0] == len(layout.logit_rows)  # [R, vocab]: no logits for the fillers
         plan = kv_commit_plan(t, layout, 0, 2)  # commit candidate 0's first two rows, as a winner would
