@@ -1,15 +1,16 @@
-"""Make ``lp_runner/tuning/data/acceptance.json``: the auto preset's shipped statistics (``tuning/preset.py``).
+"""Record a model's acceptance at LP's windows (``lp_runner.tuning.acceptance``) and write its table.
 
-On the calibration prompts (``benchmarks/results/calibration8.jsonl``: HumanEval 8-11 and four MT-bench second
-questions, apart from every benchmark prompt), with the embedded SmolLM2-135M-Instruct in fp32:
+Counts only: tokens per forward and rows per round do not depend on the machine's speed, so this runs for hours in
+the background (``nice``, one thread) and resumes where it stopped (one record per prompt and window in
+``OUT/records.jsonl``). Every window's output is checked equal to the prompt's greedy output.
 
-* ``samples``: each prompt's token ids and the model's greedy output (128 new tokens). The window-off settings
-  are simulated on these at start-up.
-* ``recorded``: the round shapes of a few Jacobi-window settings, from real runs (window rounds depend on the
-  model's own guesses and cannot be simulated). Timing plays no part: shapes depend only on the tokens.
+    python benchmarks/record_acceptance.py --model embedded --out benchmarks/results/acceptance/embedded
+    python benchmarks/record_acceptance.py --model qwen-coder --out benchmarks/results/acceptance/qwen-coder
+    python benchmarks/record_acceptance.py ... --table lp_runner/tuning/data/acceptance/NAME.json   # table only
 
-    python benchmarks/record_acceptance.py            # rewrites lp_runner/tuning/data/acceptance.json (a few minutes)
-    python benchmarks/record_acceptance.py --add      # keeps the file's samples and settings, records the missing
+``--model qwen-coder`` is Qwen2.5-Coder-0.5B-Instruct (``benchmarks/real_model.py`` fetches it); the prompts are
+bench16 (HumanEval 0-7 as code, the first MT-bench question of each category as chat) unless ``--prompts`` names
+a JSONL file.
 """
 
 from __future__ import annotations
@@ -24,98 +25,89 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
-from lp_runner.config import GenerationConfig, LookaheadConfig  # noqa: E402
-from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
-from lp_runner.jobs.prompts import encode, read_prompts  # noqa: E402
-from lp_runner.models.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
-from lp_runner.tuning.costmodel import shapes_from_records  # noqa: E402
+from lp_runner.tuning.acceptance import (  # noqa: E402
+    DEFAULT_WINDOWS,
+    PromptToRecord,
+    generation_config,
+    read_records,
+    record,
+    table,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-WINDOW_SETTINGS = {  # name -> (W, N, G); context lookup on, no row cap, pool from prompt and output
-    "window-4-4-4": (4, 4, 4),
-    "window-7-5-7": (7, 5, 7),
-    "window-15-5-15": (15, 5, 15),
-    "window-15-7-15": (15, 7, 15),
-    # larger windows: what one rank of several could afford on a device whose forward is flat up to a knee
-    # (the strong-scaling simulation, ``lp_runner/studies/simulate.py``, reads tokens per forward from these)
-    "window-23-6-23": (23, 6, 23),
-    "window-31-7-31": (31, 7, 31),
-}
+MODELS = {"embedded": "SmolLM2-135M-Instruct (embedded)", "qwen-coder": "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF)"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", default=str(ROOT / "benchmarks/results/calibration8.jsonl"))
-    ap.add_argument("--out", default=str(ROOT / "lp_runner/tuning/data/acceptance.json"))
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--add", action="store_true", help="keep --out's samples and settings; record only the missing")
+    ap.add_argument("--model", default="embedded", help="embedded, qwen-coder, or a model.path")
+    ap.add_argument("--prompts", default="bench16", help="bench16 or a prompts JSONL (ids containing 'HumanEval' are code)")
+    ap.add_argument("--out", required=True, type=Path, help="folder of records.jsonl and table.json")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--windows", default="", help="W-N-G,W-N-G,... (default: the module's grid)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--table", type=Path, default=None, help="also write the table here")
+    ap.add_argument("--table-only", action="store_true", help="write the table from the records, record nothing")
     args = ap.parse_args()
-    kept = json.loads(Path(args.out).read_text()) if args.add else None
-
-    model, tokenizer, _ = load_model_and_tokenizer(resolve_model_path("embedded"), dtype=torch.float32)
-    adapter = ModelAdapter(model)
-    eos = [tokenizer.eos_token_id]
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    specs = read_prompts(args.prompts)
-    prompts = [encode(tokenizer, s) for s in specs]
-
-    fast = LookaheadConfig(preset="off", lookahead_branch=False, verification_set_size=1, max_verify_rows=2)
-    samples = kept["samples"] if kept else []
-    engine = LookaheadEngine(adapter, fast, gen, eos)
-    for spec, ids in zip(specs, prompts, strict=True):
-        if kept:
-            break
-        out = engine.generate(ids).output_ids
-        samples.append({"id": spec.id, "prompt_ids": ids, "output_ids": out})
-        print(f"sample {spec.id}: {len(out)} tokens", file=sys.stderr)
-
-    recorded = kept["recorded"] if kept else []
-    for name, (w, n, g) in WINDOW_SETTINGS.items():
-        if any(r["name"] == name for r in recorded):
-            continue
-        la = LookaheadConfig(preset="off", window_size=w, ngram_size=n, verification_set_size=g)
-        engine = LookaheadEngine(adapter, la, gen, eos)
-        start, shapes = time.perf_counter(), []
-        for s, ids in zip(samples, prompts, strict=True):
-            res = engine.generate(ids)
-            if res.output_ids != s["output_ids"]:
-                raise SystemExit(f"{name}: output differs from the greedy sample on {s['id']} (not exact?)")
-            shapes.append([list(_row(x)) for x in shapes_from_records(res.stats.records, w)])
-        tpf = sum(len(s["output_ids"]) for s in samples) / sum(len(p) for p in shapes)
-        print(f"{name}: {tpf:.2f} tokens/forward ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-        recorded.append({"name": name, "lookahead": _lookahead_dict(la), "shapes": shapes})
-
-    data = {
-        "format": 1,
-        "model": "SmolLM2-135M-Instruct (embedded), fp32, greedy",
-        "prompts": Path(args.prompts).name,
-        "max_new_tokens": args.max_new_tokens,
-        "samples": samples,
-        "recorded": recorded,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
-    print(f"wrote {args.out}", file=sys.stderr)
+    windows = [tuple(map(int, w.split("-"))) for w in args.windows.split(",")] if args.windows else DEFAULT_WINDOWS
+    name = MODELS.get(args.model, args.model)
+    records_file = args.out / "records.jsonl"
+    if not args.table_only:
+        torch.set_num_threads(args.threads)
+        run, tokenizer = _runner(args.model, args.max_new_tokens)
+        prompts = _prompts(args.prompts, tokenizer)
+        start = time.time()
+        record(run, prompts, windows, records_file, log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(f"recorded in {time.time() - start:.0f} s", file=sys.stderr)
+    data = table(read_records(records_file), f"{name}, fp32, greedy", args.prompts, args.max_new_tokens)
+    data["threads"] = args.threads
+    text = json.dumps(data, separators=(",", ":")) + "\n"
+    for path in [args.out / "table.json", *([args.table] if args.table else [])]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}", file=sys.stderr)
 
 
-def _row(shape) -> tuple:
-    """A RoundShape as the positional list ``preset.prior_from_dict`` reads back."""
-    return (
-        shape.kv_len,
-        shape.ordinary,
-        shape.window_size,
-        shape.depth,
-        list(shape.candidates),
-        shape.winner,
-        shape.emitted,
-    )
+def _runner(model_name: str, max_new_tokens: int):
+    """(run(lookahead, ids) -> (output ids, round records), tokenizer) on the CLI's CPU backend."""
+    from lp_runner.backends import select_backend
+    from lp_runner.backends.adapter import ModelAdapter
+    from lp_runner.decoding.engine import LookaheadEngine
+    from lp_runner.models.loading import load_model_and_tokenizer, resolve_model_path
+
+    spec = model_name
+    if model_name == "qwen-coder":
+        from benchmarks.real_model import qwen_coder_gguf
+
+        spec = str(qwen_coder_gguf())
+    model, tokenizer, _ = load_model_and_tokenizer(resolve_model_path(spec), dtype=torch.float32)
+    backend = select_backend("auto", model, torch.device("cpu"), agree=lambda ms: ms)
+    adapter = ModelAdapter(model, backend=backend)
+    gen = generation_config(max_new_tokens)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+
+    def run(la, ids):
+        res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))
+        return list(res.output_ids), list(res.stats.records)
+
+    return run, tokenizer
 
 
-def _lookahead_dict(la: LookaheadConfig) -> dict:
-    import dataclasses
+def _prompts(source: str, tokenizer) -> list[PromptToRecord]:
+    from lp_runner.jobs.prompts import PromptSpec, encode, read_prompts
 
-    return dataclasses.asdict(la)
+    if source == "bench16":
+        from benchmarks.prompt_sets import bench16
+
+        specs = [
+            PromptSpec(p["id"], p.get("prompt"), tuple(p["messages"]) if "messages" in p else None) for p in bench16()
+        ]
+    else:
+        specs = read_prompts(source)
+    return [
+        PromptToRecord(s.id, "code" if "humaneval" in s.id.lower() else "chat", tuple(encode(tokenizer, s)))
+        for s in specs
+    ]
 
 
 if __name__ == "__main__":

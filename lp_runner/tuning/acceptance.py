@@ -1,0 +1,278 @@
+"""A model's acceptance at LP's windows: recorded per prompt and window, resumable, and read as one table.
+
+What a window buys (tokens per forward) depends on the model and the prompt, never on the machine: greedy output
+is the same at every setting, and a round's plan is a function of the committed tokens and the model's own
+guesses. So a recording is counts, one JSON line per (prompt, window), appended as each finishes: a killed
+recording resumes where it stopped, and it can run for hours in the background at any speed.
+
+A recording's lines (``records.jsonl``), in the order they were made::
+
+    {"prompt": "HumanEval/0", "kind": "code", "window": [0, 0, 0], "prompt_ids": [...], "output_ids": [...], ...}
+    {"prompt": "HumanEval/0", "kind": "code", "window": [7, 5, 7], "forwards": 61, "rows": [...], "shapes": [...]}
+
+The first line of a prompt is its greedy output (window ``[0, 0, 0]``: no window, one candidate); every window's
+output must equal it (lookahead is exact; a difference stops the recording). ``rows`` are the packed rows of each
+round at P = 1, ``shapes`` the rounds as ``costmodel.RoundShape`` rows, which the auto preset and the study
+replay at any P.
+
+``table(...)`` turns a recording into what the preset and ``study --simulate`` read (``preset.prior_from_dict``'s
+format: the greedy samples and each window's shapes, plus per-prompt tokens per forward for the reports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.errors import InputError
+
+TABLE_FORMAT = 1
+GREEDY = (0, 0, 0)  # the record that holds a prompt's output: no window, one candidate
+# The default grid, cheapest first (rows per round at P = 1 grow with W x (N - 1) + G x (N - 1)): the Lookahead
+# paper's W = G shapes from 7-5-7 to 31-11-31, and W != G on both sides, so a fit can tell the window's columns
+# from its candidates and N from both.
+DEFAULT_WINDOWS: tuple[tuple[int, int, int], ...] = (
+    (7, 5, 7),
+    (15, 5, 7),
+    (7, 5, 15),
+    (15, 5, 15),
+    (15, 7, 15),
+    (23, 6, 23),
+    (31, 7, 15),
+    (15, 9, 31),
+    (31, 7, 31),
+    (31, 9, 31),
+    (31, 11, 31),
+    (47, 7, 47),
+    (63, 8, 63),
+    (47, 11, 47),
+)
+BOOTSTRAP_DRAWS = 2000
+
+
+@dataclass(frozen=True)
+class PromptToRecord:
+    id: str
+    kind: str  # "code" or "chat": reported separately (code repeats itself far more)
+    ids: tuple[int, ...]
+
+
+def window_label(window: Sequence[int]) -> str:
+    return "greedy" if tuple(window) == GREEDY else "-".join(map(str, window))
+
+
+def lookahead_for(window: Sequence[int]) -> LookaheadConfig:
+    """The fixed setting a window is recorded at: the window as given, nothing tuned (preset off, no row cap)."""
+    w, n, g = window
+    if tuple(window) == GREEDY:
+        return LookaheadConfig(preset="off", lookahead_branch=False, verification_set_size=1, max_verify_rows=2)
+    return LookaheadConfig(preset="off", window_size=w, ngram_size=n, verification_set_size=g)
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every whole line of a recording (a torn last line, from a kill mid-write, is skipped and rewritten)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def record(
+    run: Callable[[LookaheadConfig, Sequence[int]], tuple[list[int], list]],
+    prompts: Sequence[PromptToRecord],
+    windows: Iterable[Sequence[int]],
+    out: Path,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Record every (prompt, window) that ``out`` (a ``records.jsonl``) lacks, greedy first, then each window over
+    every prompt (so a stopped recording holds whole windows first); returns every record of ``out``.
+
+    ``run(lookahead, prompt_ids)`` generates once and returns (output ids, the generation's ``RoundRecord``s).
+    Each record is appended and flushed as it finishes."""
+    done = read_records(out)
+    _rewrite_whole(out, done)
+    have = {(r["prompt"], tuple(r["window"])) for r in done}
+    greedy = {r["prompt"]: r["output_ids"] for r in done if tuple(r["window"]) == GREEDY}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    order = [GREEDY, *(tuple(w) for w in windows if tuple(w) != GREEDY)]
+    with open(out, "a", encoding="utf-8") as f:
+        for window in order:
+            la = lookahead_for(window)
+            for p in prompts:
+                if (p.id, window) in have:
+                    continue
+                start = time.perf_counter()
+                output, rounds = run(la, p.ids)
+                seconds = time.perf_counter() - start
+                rec: dict = {"prompt": p.id, "kind": p.kind, "window": list(window)}
+                if window == GREEDY:
+                    greedy[p.id] = output
+                    rec.update(prompt_ids=list(p.ids), output_ids=list(output))
+                elif output != greedy[p.id]:
+                    raise RuntimeError(f"{p.id} at {window_label(window)}: output differs from greedy (not exact)")
+                rec.update(
+                    new_tokens=len(output),
+                    forwards=len(rounds),
+                    rows=[r.rows for r in rounds],
+                    shapes=[_shape_row(r, window[0]) for r in rounds],
+                    seconds=round(seconds, 2),
+                )
+                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                done.append(rec)
+                log(
+                    f"{p.id} {window_label(window)}: {len(output)} tokens in {len(rounds)} forwards "
+                    f"({len(output) / max(len(rounds), 1):.2f}/forward, {seconds:.0f} s)"
+                )
+    return done
+
+
+def _rewrite_whole(out: Path, whole: list[dict]) -> None:
+    """Drop a torn last line before appending (atomic replace: an interrupted rewrite loses nothing)."""
+    if not out.is_file():
+        return
+    text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in whole)
+    if out.read_text(encoding="utf-8") == text:
+        return
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out)
+
+
+def _shape_row(r, window_size: int) -> list:
+    """A ``RoundRecord`` as the positional ``RoundShape`` row ``preset.prior_from_dict`` reads."""
+    return [r.past_len, r.ordinary, window_size, r.depth, list(r.plan_candidates), r.winner_candidate, r.emitted]
+
+
+def table(records: Sequence[dict], model: str, prompts: str, max_new_tokens: int) -> dict:
+    """The acceptance table of a recording: the greedy samples, each window's shapes per prompt (only windows
+    recorded on every prompt that has a greedy record, so windows are compared on the same prompts), and a
+    per-window summary with bootstrap intervals."""
+    greedy = [r for r in records if tuple(r["window"]) == GREEDY]
+    ids = [r["prompt"] for r in greedy]
+    by_window: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        if tuple(r["window"]) != GREEDY:
+            by_window.setdefault(tuple(r["window"]), {})[r["prompt"]] = r
+    recorded, summary = [], []
+    for window, per in sorted(by_window.items(), key=lambda kv: _rows_hint(kv[0])):
+        if not all(i in per for i in ids):
+            continue
+        la = lookahead_for(window)
+        recorded.append(
+            {
+                "name": f"window-{window_label(window)}",
+                "lookahead": dataclasses.asdict(la),
+                "shapes": [per[i]["shapes"] for i in ids],
+            }
+        )
+        summary.append(window_summary(window, [per[i] for i in ids]))
+    return {
+        "format": TABLE_FORMAT,
+        "model": model,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "samples": [{"id": r["prompt"], "prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"]} for r in greedy],
+        "kinds": {r["prompt"]: r["kind"] for r in greedy},
+        "recorded": recorded,
+        "summary": summary,
+    }
+
+
+def _rows_hint(window: tuple) -> int:
+    w, n, g = window
+    return (w + g) * (n - 1)
+
+
+def decode_tpf(recs: Sequence[dict]) -> float:
+    """Tokens per forward over the decode rounds (each prompt's prefill round left out, as the study prices)."""
+    tokens = sum(sum(s[6] for s in r["shapes"][1:]) for r in recs)
+    forwards = sum(max(len(r["shapes"]) - 1, 0) for r in recs)
+    return tokens / forwards if forwards else 1.0
+
+
+def mean_rows(recs: Sequence[dict]) -> float:
+    rows = [x for r in recs for x in r["rows"][1:]]
+    return sum(rows) / len(rows) if rows else 0.0
+
+
+def bootstrap(recs: Sequence[dict], stat: Callable[[Sequence[dict]], float], seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of ``stat`` over prompts resampled with replacement (prompts are the unit: rounds
+    within a prompt are not independent)."""
+    rng = random.Random(seed)
+    draws = sorted(stat([recs[rng.randrange(len(recs))] for _ in recs]) for _ in range(BOOTSTRAP_DRAWS))
+    return draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
+
+
+def paired_difference(a: Sequence[dict], b: Sequence[dict], seed: int = 0) -> tuple[float, float, float]:
+    """Tokens per forward of window b minus window a on the same prompts (``a[i]`` and ``b[i]`` one prompt), with a
+    paired bootstrap 95% interval."""
+    rng = random.Random(seed)
+    n = len(a)
+
+    def diff(idx: Sequence[int]) -> float:
+        return decode_tpf([b[i] for i in idx]) - decode_tpf([a[i] for i in idx])
+
+    draws = sorted(diff([rng.randrange(n) for _ in range(n)]) for _ in range(BOOTSTRAP_DRAWS))
+    return diff(range(n)), draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
+
+
+def window_summary(window: Sequence[int], recs: Sequence[dict]) -> dict:
+    lo, hi = bootstrap(recs, decode_tpf)
+    out = {"window": list(window), "tokens_per_forward": round(decode_tpf(recs), 4), "interval": [lo, hi]}
+    out.update(rows_per_round=round(mean_rows(recs), 1), prompts=len(recs))
+    for kind in sorted({r["kind"] for r in recs}):
+        part = [r for r in recs if r["kind"] == kind]
+        out[kind] = {"tokens_per_forward": round(decode_tpf(part), 4), "interval": list(bootstrap(part, decode_tpf))}
+    out["interval"] = [round(x, 4) for x in out["interval"]]
+    return out
+
+
+def slope_per_doubling(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope of tokens per forward against log2(rows per round): tokens gained per doubling of rows.
+    Example: (60, 2.0), (120, 2.2), (240, 2.4) -> 0.2."""
+    if len(points) < 2:
+        raise InputError("a slope needs at least two windows")
+    xs = [math.log2(r) for r, _ in points]
+    ys = [t for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise InputError("a slope needs windows of different row counts")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+
+def slope_interval(by_window: dict[tuple, Sequence[dict]], seed: int = 0) -> tuple[float, float, float]:
+    """The slope per doubling of rows over every window, with a 95% interval from resampling prompts (the same
+    prompts in every window of a draw: the windows' values are paired by prompt)."""
+    windows = list(by_window)
+    n = len(next(iter(by_window.values())))
+
+    def fit(idx: Sequence[int]) -> float:
+        pts = []
+        for w in windows:
+            part = [by_window[w][i] for i in idx]
+            pts.append((mean_rows(part), decode_tpf(part)))
+        return slope_per_doubling(pts)
+
+    rng = random.Random(seed)
+    draws = sorted(fit([rng.randrange(n) for _ in range(n)]) for _ in range(BOOTSTRAP_DRAWS // 4))
+    return fit(range(n)), draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
+
+
+def generation_config(max_new_tokens: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens)
