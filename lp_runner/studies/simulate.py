@@ -10,7 +10,7 @@ per forward) whose share per rank sits at the knee. So for each P this module se
   come from the engine's own sharding (``costmodel.rank_rows``: ``column_blocks`` / ``assign_candidates``, with
   the LP re-feed of the last round's tokens on every rank that did not own its winner);
 * its tokens per forward come from acceptance recorded with a real model at that window (``acceptance``: the
-  shipped ``lp_runner/tuning/data/acceptance.json``, the embedded SmolLM2-135M on 8 calibration prompts);
+  shipped ``lp_runner/tuning/data/acceptance/``, the embedded SmolLM2-135M on 8 calibration prompts);
   beyond the recorded windows by a stated rule (``extend``): ``hold`` (default) keeps the largest recorded
   value that the window contains, so a window past the recording only costs; ``log`` extends the fitted line of
   tokens per forward against ln(rows of the window at P = 1) past the largest recorded window;

@@ -30,9 +30,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.errors import InputError
+
+if TYPE_CHECKING:
+    from lp_runner.tuning.preset import Prior
 
 TABLE_FORMAT = 1
 GREEDY = (0, 0, 0)  # the record that holds a prompt's output: no window, one candidate
@@ -158,7 +162,7 @@ def _shape_row(r, window_size: int) -> list:
     return [r.past_len, r.ordinary, window_size, r.depth, list(r.plan_candidates), r.winner_candidate, r.emitted]
 
 
-def table(records: Sequence[dict], model: str, prompts: str, max_new_tokens: int) -> dict:
+def table(records: Sequence[dict], model: str, prompts: str, max_new_tokens: int, weights: str | None = None) -> dict:
     """The acceptance table of a recording: the greedy samples, each window's shapes per prompt (only windows
     recorded on every prompt that has a greedy record, so windows are compared on the same prompts), and a
     per-window summary with bootstrap intervals."""
@@ -184,6 +188,7 @@ def table(records: Sequence[dict], model: str, prompts: str, max_new_tokens: int
     return {
         "format": TABLE_FORMAT,
         "model": model,
+        "weights": weights,
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
         "samples": [{"id": r["prompt"], "prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"]} for r in greedy],
@@ -276,3 +281,104 @@ def slope_interval(by_window: dict[tuple, Sequence[dict]], seed: int = 0) -> tup
 
 def generation_config(max_new_tokens: int) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=max_new_tokens)
+
+
+@dataclass(frozen=True)
+class Table:
+    """An acceptance table as the preset and the study read it: the ``preset.Prior`` and whose it is."""
+
+    prior: Prior
+    name: str  # the shipped table's name, or the file's path
+    model: str  # the model and precision it was recorded with
+    prompts: str  # the prompts it was recorded on
+    weights: str | None  # the model's ``fingerprint`` (None: not recorded; never matched to a model)
+    summary: tuple[dict, ...]  # per window: tokens per forward with interval (``window_summary``)
+
+    def label(self) -> str:
+        return f"{self.model} on {self.prompts} ({self.name})"
+
+
+SHIPPED_PACKAGE = "lp_runner.tuning"
+SHIPPED_FOLDER = "data/acceptance"
+
+
+def shipped_names() -> list[str]:
+    """The tables the package ships (``lp_runner/tuning/data/acceptance/NAME.json``)."""
+    from importlib import resources
+
+    folder = resources.files(SHIPPED_PACKAGE).joinpath(SHIPPED_FOLDER)
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_table(spec: str) -> Table:
+    """A table by shipped name (``shipped_names()``) or path; one ``InputError`` line for anything else."""
+    from importlib import resources
+
+    if spec in shipped_names():
+        text = resources.files(SHIPPED_PACKAGE).joinpath(f"{SHIPPED_FOLDER}/{spec}.json").read_text(encoding="utf-8")
+        name = spec
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise InputError(
+                f"acceptance table {spec!r}: no such file, and not a shipped table ({', '.join(shipped_names())})"
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read acceptance table {spec}: {exc}") from None
+        name = str(path)
+    return table_from_text(text, name)
+
+
+def table_from_text(text: str, name: str) -> Table:
+    from lp_runner.tuning.preset import prior_from_dict
+
+    try:
+        data = json.loads(text)
+        if data.get("format") != TABLE_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {TABLE_FORMAT}")
+        prior = prior_from_dict(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InputError(f"acceptance table {name}: not a table lp_runner wrote ({exc})") from None
+    return Table(
+        prior,
+        name,
+        str(data.get("model", "unknown model")),
+        str(data.get("prompts", "unknown prompts")),
+        data.get("weights"),
+        tuple(data.get("summary", ())),
+    )
+
+
+def table_for_model(weights: str) -> Table | None:
+    """The shipped table recorded with this model (its ``fingerprint``), if any."""
+    for name in shipped_names():
+        t = load_table(name)
+        if t.weights == weights:
+            return t
+    return None
+
+
+FINGERPRINT_SAMPLES = 64
+
+
+def fingerprint(model) -> str:
+    """Which checkpoint a model is, in the precisions it runs in: names, shapes and strided weight samples rounded
+    to bfloat16 (an fp32 and a bf16 load of one checkpoint agree; an fp16 load may not). A table recorded with a
+    model carries its fingerprint, so the preset prices a model's own acceptance and never another model's."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            h.update(f"{name}|{tuple(tensor.shape)}|".encode())
+            if flat.numel() == 0 or not flat.is_floating_point():
+                continue
+            stride = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+            sample = flat[::stride][:FINGERPRINT_SAMPLES].to(device="cpu", dtype=torch.bfloat16)
+            h.update(sample.to(torch.float32).numpy().tobytes())
+    return h.hexdigest()[:32]

@@ -13,7 +13,7 @@ setting on the model to learn its round shapes, is replaced where it can be by a
   milliseconds, so a coordinate search over dozens of settings fits in a second or two.
 * Jacobi-window rounds depend on the model's own trajectory guesses: they cannot be simulated. Where their
   payoff comes from, and why: the job's own window rounds. The start-up choice prices the window settings the
-  package ships recorded (``lp_runner/tuning/data/acceptance.json``, made by ``benchmarks/record_acceptance.py``
+  package ships recorded (``lp_runner/tuning/data/acceptance/``, made by ``benchmarks/record_acceptance.py``
   with the embedded model: W-N-G up to 31-7-31); they only decide whether the job *tries* the window. A job that
   runs a window records every round it runs (``observe(shapes=...)``), and each re-choice prices that window
   setting from this job's own rounds, on this model and these prompts, against the window-off settings
@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -69,6 +68,7 @@ ADAPT_AFTER_TOKENS = (256, 1024, 4096)  # re-choose from this job's outputs once
 # off on a flat curve, the other six the window)
 WINDOW_EVIDENCE_TOKENS = 1024
 MAX_SAMPLE_TOKENS = 4096  # the search reads at most this many recent output tokens (bounds its time)
+SHIPPED_DEFAULT = "embedded-calibration8"  # the embedded model's table (``tuning/acceptance.py``)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def _common_prefix(candidate: Sequence[int], out: Sequence[int], start: int) -> 
 
 @dataclass(frozen=True)
 class Recorded:
-    """A window setting's round shapes, recorded once with a real model (``lp_runner/tuning/data/acceptance.json``)."""
+    """A window setting's round shapes, recorded once with a real model (``lp_runner/tuning/data/acceptance/``)."""
 
     name: str
     lookahead: LookaheadConfig
@@ -154,8 +154,9 @@ class Prior:
 @lru_cache(maxsize=1)
 def shipped_prior() -> Prior:
     """The calibration data in the package (see the module docstring); read once per process."""
-    text = resources.files("lp_runner.tuning").joinpath("data/acceptance.json").read_text(encoding="utf-8")
-    return prior_from_dict(json.loads(text))
+    from lp_runner.tuning.acceptance import load_table
+
+    return load_table(SHIPPED_DEFAULT).prior
 
 
 def prior_from_dict(d: dict) -> Prior:
