@@ -55,7 +55,7 @@ def child(root: str, curves_file: str) -> None:
         curve = CostCurve.from_dict(d)
         plan = RowPlan.from_curve(curve) if la.pad_rows else RowPlan.identity()
         start = time.perf_counter()
-        auto = AutoPreset(la, cfg.pinned_lookahead(), curve, plan)
+        auto = AutoPreset(la, cfg.pinned_lookahead(), curve, plan, prior=shipped_prior())
         times = {"start-up": time.perf_counter() - start}
         tokens = 0
         for s in samples:

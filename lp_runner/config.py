@@ -51,6 +51,9 @@ class ModelConfig:
     huge_pages: bool = False  # its packed weights in transparent huge pages: faster forwards, a slower start-up
     native_layers: bool = True  # its Llama-family decoder layers in one call (false: transformers' layer code)
     cache_dir: str = ""  # where the embedded model lives; "" = $LP_RUNNER_CACHE or ~/.cache/lp_runner
+    # the acceptance table the auto preset prices (``tuning.acceptance``: a file ``study --record-acceptance`` wrote,
+    # or a shipped name); "" = the one recorded for this model (the cache's, else the package's), else none
+    acceptance: str = ""
 
 
 def _inert(when: typing.Callable[[LookaheadConfig], bool]) -> dict:
@@ -572,7 +575,7 @@ def validate(cfg: Config) -> None:
 
 
 # String settings that name a file or folder the run opens: checked against the system's path limits up front
-_PATHS = ("model.path", "model.cache_dir", "run.pool_in", "run.pool_out")
+_PATHS = ("model.path", "model.cache_dir", "model.acceptance", "run.pool_in", "run.pool_out")
 
 
 def check_texts(cfg: Config) -> None:

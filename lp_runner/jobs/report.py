@@ -83,11 +83,16 @@ def policy_lines(policy: dict | None) -> list[str]:
     choice, cal = policy["choice"], policy.get("calibration", {})
     if policy.get("pinned"):  # written keys win over the search, whatever their value: say which they were
         lines.append(f"pinned by the config (kept as written by the auto preset): {', '.join(policy['pinned'])}")
-    lines += [
-        f"preset auto ({choice['samples']} outputs, {choice['evaluated']} settings priced"
-        f"{', read from the cache' if choice.get('from_cache') else ''}): predicted "
-        f"{choice['predicted_ms_per_token']:.1f} ms/token, {choice['predicted_tokens_per_forward']:.2f} tokens/forward"
-    ]
+    whose = f"; window acceptance: {choice['acceptance']}" if choice.get("acceptance") else ""
+    if choice["samples"] == "none":  # nothing recorded for this model: nothing to predict from yet
+        lines.append(f"preset auto: {choice['reason']}{whose}")
+    else:
+        lines.append(
+            f"preset auto ({choice['samples']} outputs, {choice['evaluated']} settings priced"
+            f"{', read from the cache' if choice.get('from_cache') else ''}): predicted "
+            f"{choice['predicted_ms_per_token']:.1f} ms/token, "
+            f"{choice['predicted_tokens_per_forward']:.2f} tokens/forward{whose}"
+        )
     curve = choice.get("curve_body_ms", {})
     if curve:
         one = curve.get("1")

@@ -50,6 +50,7 @@ from lp_runner.parallel.comm import (
     strings_group,
 )
 from lp_runner.parallel.groups import GroupLayout, Heartbeat, form_groups, group_layout
+from lp_runner.tuning.acceptance import fingerprint
 from lp_runner.tuning.calibrate import device_name
 from lp_runner.tuning.compile_choice import (
     RECORD_KV,
@@ -137,6 +138,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = (), prompt_count: 
     )
     load_peak_mib = peak_host_mib()  # the weights went straight to the device: what loading cost the host
     _CHECKSUMS[model] = weights_checksum(model)  # of the checkpoint's weights, before a backend repacks them
+    model_fingerprint = fingerprint(model)  # likewise: it picks the model's own acceptance table (auto preset)
     cache_root = default_cache_dir() if not cfg.model.cache_dir else Path(cfg.model.cache_dir).expanduser()
     backend = select_backend(  # once, at load: nothing after this knows which kernels run
         cfg.model.backend,
@@ -176,6 +178,7 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = (), prompt_count: 
         weights_checksum=lambda: model_checksum(worker),
         log=_log if worker.is_main else None,
         batch=batch,
+        model_fingerprint=model_fingerprint,
     )
     worker.policy.compile = compile_choice.describe()
     worker.policy.backend = worker.adapter.backend.describe()  # the compiled adapter's where it compiled

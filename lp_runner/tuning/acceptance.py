@@ -351,15 +351,6 @@ def table_from_text(text: str, name: str) -> Table:
     )
 
 
-def table_for_model(weights: str) -> Table | None:
-    """The shipped table recorded with this model (its ``fingerprint``), if any."""
-    for name in shipped_names():
-        t = load_table(name)
-        if t.weights == weights:
-            return t
-    return None
-
-
 FINGERPRINT_SAMPLES = 64
 
 
@@ -382,3 +373,37 @@ def fingerprint(model) -> str:
             sample = flat[::stride][:FINGERPRINT_SAMPLES].to(device="cpu", dtype=torch.bfloat16)
             h.update(sample.to(torch.float32).numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+CACHE_FOLDER = "acceptance"  # under lp_runner's cache: tables ``record_for_model`` wrote, one per model fingerprint
+
+
+def cached_table_path(cache_root: Path, model_fingerprint: str) -> Path:
+    return cache_root / CACHE_FOLDER / f"{model_fingerprint}.json"
+
+
+def table_text_for(spec: str, model_fingerprint: str, cache_root: Path | None) -> tuple[str | None, str]:
+    """The text of the table the auto preset prices for the model of ``model_fingerprint`` (``fingerprint``, taken
+    before a backend repacks the weights) and where it came from.
+
+    ``spec`` (``model.acceptance``): a path or shipped name, used as given. Empty: the table recorded with this
+    model: the cache's (``study --record-acceptance`` writes it there), else the package's;
+    else ``(None, why)``: no other model's acceptance stands in for it."""
+    from importlib import resources
+
+    if spec:
+        t = load_table(spec)  # checks it, one line for a bad one
+        if t.name in shipped_names():
+            text = resources.files(SHIPPED_PACKAGE).joinpath(f"{SHIPPED_FOLDER}/{spec}.json").read_text("utf-8")
+            return text, f"shipped {spec} (model.acceptance)"
+        return Path(spec).read_text(encoding="utf-8"), f"{spec} (model.acceptance)"
+    mine = model_fingerprint
+    if cache_root is not None:
+        path = cached_table_path(cache_root, mine)
+        if path.is_file():
+            return path.read_text(encoding="utf-8"), f"recorded for this model ({path})"
+    for name in shipped_names():
+        text = resources.files(SHIPPED_PACKAGE).joinpath(f"{SHIPPED_FOLDER}/{name}.json").read_text("utf-8")
+        if json.loads(text).get("weights") == mine:
+            return text, f"shipped {name}"
+    return None, "none recorded for this model"

@@ -10,14 +10,16 @@ setting runs as written. Every input of a choice is shared by all ranks, so ever
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lp_runner.config import Config, LookaheadConfig, internal_key
+from lp_runner.tuning.acceptance import fingerprint, table_from_text, table_text_for
 from lp_runner.tuning.calibrate import CALIBRATION_LIMIT_S, Calibration, calibrate, shared_calibration
 from lp_runner.tuning.costmodel import RowPlan, as_one_rank, batched_curve, shapes_from_records
-from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset
+from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset, Prior
 from lp_runner.tuning.search import describe
 
 
@@ -47,9 +49,13 @@ class RoundPolicy:
         weights_checksum: Callable[[], str],
         log: Callable[[str], None] | None = None,
         batch: int = 1,
+        model_fingerprint: str | None = None,
     ) -> RoundPolicy:
         """``batch``: generations that share each forward (``run.batch``); the auto preset then prices a round of
-        one generation as its share of a forward of all of them (``costmodel.batched_curve``)."""
+        one generation as its share of a forward of all of them (``costmodel.batched_curve``).
+        ``model_fingerprint``: ``acceptance.fingerprint`` of the checkpoint, taken before a backend repacked its
+        weights (None: taken from the adapter's model, which must not be repacked); it picks the model's own
+        acceptance table."""
         la = cfg.lookahead
         if la.preset != "auto" and not la.pad_rows:
             return dataclasses.replace(cls.fixed(la), batch=batch)
@@ -69,7 +75,11 @@ class RoundPolicy:
         auto, pinned = None, ()
         if la.preset == "auto":
             curve = batched_curve(cal.curve, batch)
-            auto = AutoPreset(la, cfg.pinned_lookahead(), curve, plan_for_search, comm.world_size, cache_root, batch)
+            mine = model_fingerprint or fingerprint(adapter.model)
+            prior, whose = shared_prior(comm, lambda: table_text_for(cfg.model.acceptance, mine, cache_root))
+            auto = AutoPreset(
+                la, cfg.pinned_lookahead(), curve, plan_for_search, comm.world_size, cache_root, batch, prior, whose
+            )
             shape = {f"lookahead.{name}" for name in auto.pinned} - {f"lookahead.{n}" for n in NOT_ROUND_SHAPE}
             pinned = tuple(k for k in cfg.explicit if internal_key(k) in shape)
         return cls(auto.lookahead if auto else la, row_plan, cal, auto, pinned=pinned, batch=batch)
@@ -117,3 +127,12 @@ class RoundPolicy:
             padded = {q: t for q, t in enumerate(self.row_plan.targets[k], start=1) if t != q}
             out["padding"] = {"kv_len": self.row_plan.kv_lens[k], "rows_to": {str(q): t for q, t in padded.items()}}
         return out
+
+
+def shared_prior(comm, find: Callable[[], tuple[str | None, str]]) -> tuple[Prior | None, str]:
+    """Rank 0's acceptance table on every rank (one start-up all_gather of its text), so every rank prices the
+    same one even where their caches differ; ``find`` runs on rank 0 only."""
+    text, whose = find() if comm.rank == 0 else (None, "")
+    if comm.world_size > 1:
+        text, whose = json.loads(comm.all_gather_strings(json.dumps([text, whose]))[0])
+    return (None if text is None else table_from_text(text, whose).prior), whose

@@ -159,6 +159,13 @@ def shipped_prior() -> Prior:
     return load_table(SHIPPED_DEFAULT).prior
 
 
+def prior_digest(prior: Prior) -> str:
+    """What identifies a prior's content in the start-up cache key (a user's table lives outside the package,
+    which ``code_digest`` covers)."""
+    blob = repr((prior.model, prior.samples, [(r.name, r.shapes) for r in prior.recorded])).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
 def prior_from_dict(d: dict) -> Prior:
     samples = tuple(Sample(tuple(s["prompt_ids"]), tuple(s["output_ids"])) for s in d["samples"])
     recorded = tuple(
@@ -183,6 +190,7 @@ class Choice:
     evaluated: int  # distinct settings priced
     reason: str
     curve_ms: dict[int, float] = field(default_factory=dict)  # the curve points behind it: rows -> body ms
+    acceptance: str = ""  # whose window acceptance was priced (``acceptance.table_text_for``'s label)
 
     def to_dict(self) -> dict:
         la = self.lookahead
@@ -193,6 +201,7 @@ class Choice:
             "samples": self.samples,
             "evaluated": self.evaluated,
             "reason": self.reason,
+            "acceptance": self.acceptance,
             "curve_body_ms": {str(k): round(v, 2) for k, v in self.curve_ms.items()},
         }
 
@@ -366,14 +375,20 @@ class AutoPreset:
         world_size: int = 1,
         cache_root: Path | None = None,
         batch: int = 1,
+        prior: Prior | None = None,
+        acceptance: str = "the embedded model's (shipped)",
     ) -> None:
         """``batch`` > 1: ``curve`` is a batch's (``costmodel.batched_curve``) and the search moves the row cap
-        first (``BATCH_AUTO_SPACE``)."""
+        first (``BATCH_AUTO_SPACE``). ``prior``: the samples and window acceptance recorded for the model that
+        runs (``acceptance.table_text_for``), ``acceptance`` whose it is; None: nothing recorded for this model,
+        so the first choice is the config's setting as written (the window on at its W-N-G unless the config
+        turned it off) and the job's own rounds decide from the first re-choice on."""
         if base.preset != "auto":
             raise ConfigError(f"AutoPreset needs lookahead.preset=auto, got {base.preset!r}")
         self.base, self.pinned, self.curve, self.row_plan = base, tuple(pinned), curve, row_plan
         self.world_size = world_size
         self.space = BATCH_AUTO_SPACE if batch > 1 else AUTO_SPACE
+        self.prior, self.acceptance = prior, acceptance
         self.choice, self.from_cache = self._startup_choice(cache_root)
         self.history: list[Choice] = [self.choice]
         self._observed: list[Sample] = []
@@ -434,22 +449,30 @@ class AutoPreset:
     def _startup_choice(self, cache_root: Path | None) -> tuple[Choice, bool]:
         """The search over the shipped samples, or its result from the cache (a read-only cache costs the search
         again next time, not the run)."""
+        if self.prior is None:
+            la = dataclasses.replace(self.base, preset="off")
+            check_lookahead(la)
+            why = (
+                "no acceptance recorded for this model: the setting as configured, re-chosen from this job's own "
+                "outputs and window rounds (lp_runner study --record-acceptance records a table for it)"
+            )
+            return Choice(la, 0.0, 0.0, "none", 0, why, {}, self.acceptance), False
         path = key = None
         if cache_root is not None and code_digest() is not None:
             key = startup_key(self.base, self.pinned, self.curve, self.row_plan, self.world_size, self.space)
+            key["acceptance"] = prior_digest(self.prior)
             path = keyed_path(cache_root, "preset", "startup", key)
             cached = read_keyed(path, key, lambda data: choice_from_fields(data["choice"]))
             if cached is not None:
                 return cached, True
-        prior = shipped_prior()
-        choice = self._search(prior.samples, prior.recorded, "shipped")
+        choice = self._search(self.prior.samples, self.prior.recorded, "shipped")
         if path is not None:
             with contextlib.suppress(OSError):
                 write_keyed(path, key, choice=choice_to_fields(choice))
         return choice, False
 
     def _search(self, samples: Sequence[Sample], recorded: Sequence[Recorded], source: str) -> Choice:
-        return search(
+        choice = search(
             self.base,
             self.pinned,
             self.curve,
@@ -460,3 +483,8 @@ class AutoPreset:
             space=self.space,
             world_size=self.world_size,
         )
+        if source == "observed":  # only this job's own rounds price a window once the job has outputs
+            whose = "this job's window rounds" if recorded else "none: the window-off settings on this job's outputs"
+        else:
+            whose = self.acceptance
+        return dataclasses.replace(choice, acceptance=whose)

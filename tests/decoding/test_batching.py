@@ -531,7 +531,7 @@ def test_auto_preset_spends_fewer_speculative_rows_per_generation_as_the_batch_g
     rows, throughput = {}, {}
     for batch in (1, 4, 16):
         plan = RowPlan.from_curve(curve) if batch == 1 else RowPlan.identity()
-        auto = AutoPreset(LookaheadConfig(), (), batched_curve(curve, batch), plan, batch=batch)
+        auto = AutoPreset(LookaheadConfig(), (), batched_curve(curve, batch), plan, batch=batch, prior=shipped_prior())
         rows[batch] = verify_rows_per_round(auto.lookahead)
         throughput[batch] = 1e3 / auto.choice.predicted_ms_per_token  # the job's tokens/s: ms are a batch's share
     assert rows[1] > rows[4] > rows[16] or rows[1] > rows[4] == rows[16] == 0, rows

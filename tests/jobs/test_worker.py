@@ -12,7 +12,7 @@ from lp_runner.config import LookaheadConfig, load_config
 from lp_runner.tuning import preset
 from lp_runner.tuning.costmodel import RowPlan
 from lp_runner.tuning.policy import RoundPolicy
-from lp_runner.tuning.preset import AutoPreset
+from lp_runner.tuning.preset import AutoPreset, shipped_prior
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "Once upon a time", "import numpy as np", "x = [1, 2"]
 
@@ -32,7 +32,7 @@ def test_a_job_re_chooses_only_while_enough_prompts_are_left(embedded, monkeypat
     monkeypatch.setattr(preset, "ADAPT_AFTER_TOKENS", (new_tokens + 1,))  # crossed by the second prompt's output
     cfg = load_config(None, [f"generation.max_new_tokens={new_tokens}", "model.threads=1"])
     curve = curve_from_ms(AMD_MS)
-    auto = AutoPreset(LookaheadConfig(preset="auto"), (), curve, RowPlan.from_curve(curve))
+    auto = AutoPreset(LookaheadConfig(preset="auto"), (), curve, RowPlan.from_curve(curve), prior=shipped_prior())
     model, tokenizer = embedded
     worker = Worker(cfg, SoloCommunicator(), ModelAdapter(model), tokenizer, Path("embedded"), torch.device("cpu"), 0.0)
     worker.policy = RoundPolicy(auto.lookahead, None, None, auto)

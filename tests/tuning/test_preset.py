@@ -128,8 +128,8 @@ def test_auto_preset_adapts_to_observed_outputs_deterministically() -> None:
     outputs copy long spans moves to a setting with more proposal rows than one that never repeats."""
     curve = curve_from_ms(AMD_MS)
     plan = RowPlan.from_curve(curve)
-    a = AutoPreset(LookaheadConfig(), (), curve, plan)
-    b = AutoPreset(LookaheadConfig(), (), curve, plan)
+    a = AutoPreset(LookaheadConfig(), (), curve, plan, prior=shipped_prior())
+    b = AutoPreset(LookaheadConfig(), (), curve, plan, prior=shipped_prior())
     assert a.lookahead == b.lookahead
     span = list(range(100, 164))
     repetitive = Sample(tuple(span), tuple(span * 5))  # the output copies the prompt again and again
@@ -148,11 +148,11 @@ def test_re_choice_runs_only_while_the_job_left_can_repay_it() -> None:
     out = tuple(span * 5)  # 320 tokens: past the first threshold (256) in one generation
     searched = {}
     for remaining in (None, 0, 1, 5):
-        p = AutoPreset(LookaheadConfig(), (), curve, plan)
+        p = AutoPreset(LookaheadConfig(), (), curve, plan, prior=shipped_prior())
         p.observe(tuple(span), out, remaining=remaining)
         searched[remaining] = len(p.history) - 1
     assert searched == {None: 1, 0: 0, 1: 1, 5: 1}
-    late = AutoPreset(LookaheadConfig(), (), curve, plan)
+    late = AutoPreset(LookaheadConfig(), (), curve, plan, prior=shipped_prior())
     late.observe(tuple(span), out[:200], remaining=9)  # below every threshold: no search
     late.observe(tuple(span), out[:200], remaining=1)  # crosses 256 with 2 observed and 1 left
     assert len(late.history) == 1
@@ -200,24 +200,33 @@ def test_startup_choice_is_cached_for_the_same_inputs_only(tmp_path) -> None:
     world size searches again, and so does an unreadable file."""
     curve = curve_from_ms(AMD_MS)
     plan = RowPlan.from_curve(curve)
-    searched = AutoPreset(LookaheadConfig(), (), curve, plan)  # no cache at all
-    first = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path)
-    again = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path)
+    searched = AutoPreset(LookaheadConfig(), (), curve, plan, prior=shipped_prior())  # no cache at all
+    first = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path, prior=shipped_prior())
+    again = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path, prior=shipped_prior())
     assert not searched.from_cache and not first.from_cache and again.from_cache
     assert again.choice == first.choice == searched.choice
     files = list((tmp_path / "preset").glob("startup-*.json"))
     assert len(files) == 1
     dearer = curve_from_ms({q: 56 * q for q in AMD_MS})  # every row costs a whole forward: no proposal pays
     others = [
-        AutoPreset(LookaheadConfig(), (), dearer, plan, cache_root=tmp_path),  # only the curve differs
-        AutoPreset(LookaheadConfig(max_verify_rows=3), ("max_verify_rows",), curve, plan, cache_root=tmp_path),
-        AutoPreset(LookaheadConfig(), (), curve, plan, world_size=2, cache_root=tmp_path),
+        AutoPreset(
+            LookaheadConfig(), (), dearer, plan, cache_root=tmp_path, prior=shipped_prior()
+        ),  # only the curve differs
+        AutoPreset(
+            LookaheadConfig(max_verify_rows=3),
+            ("max_verify_rows",),
+            curve,
+            plan,
+            cache_root=tmp_path,
+            prior=shipped_prior(),
+        ),
+        AutoPreset(LookaheadConfig(), (), curve, plan, world_size=2, cache_root=tmp_path, prior=shipped_prior()),
     ]
     assert not any(o.from_cache for o in others)
     assert others[0].choice != searched.choice  # the dearer rows move the choice: the key must hold the curve
     assert len(list((tmp_path / "preset").glob("startup-*.json"))) == 4
     files[0].write_text("{not json")
-    broken = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path)
+    broken = AutoPreset(LookaheadConfig(), (), curve, plan, cache_root=tmp_path, prior=shipped_prior())
     assert not broken.from_cache and broken.choice == searched.choice
 
 
@@ -228,7 +237,10 @@ def test_startup_choice_is_not_cached_without_a_code_digest(tmp_path, monkeypatc
 
     monkeypatch.setattr(preset, "code_digest", lambda: None)
     curve = curve_from_ms(AMD_MS)
-    runs = [AutoPreset(LookaheadConfig(), (), curve, RowPlan.from_curve(curve), cache_root=tmp_path) for _ in "ab"]
+    runs = [
+        AutoPreset(LookaheadConfig(), (), curve, RowPlan.from_curve(curve), cache_root=tmp_path, prior=shipped_prior())
+        for _ in "ab"
+    ]
     assert not any(r.from_cache for r in runs) and runs[0].choice == runs[1].choice
     assert not (tmp_path / "preset").exists()
 

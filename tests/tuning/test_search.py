@@ -93,7 +93,7 @@ def _window_preset(curve: CostCurve, monkeypatch) -> AutoPreset:
     of the eight shipped samples (the samples are the job: distinct prompts, as a job's are)."""
     monkeypatch.setattr(preset, "ADAPT_AFTER_TOKENS", (256, 800))
     monkeypatch.setattr(preset, "WINDOW_EVIDENCE_TOKENS", 800)
-    auto = AutoPreset(LookaheadConfig(), (), curve, RowPlan.from_curve(curve))
+    auto = AutoPreset(LookaheadConfig(), (), curve, RowPlan.from_curve(curve), prior=shipped_prior())
     assert auto.lookahead.lookahead_branch
     return auto
 

@@ -1,0 +1,161 @@
+"""Acceptance recordings and tables: resumable recording checked against greedy, the table the preset and the study
+read, and the rule that the auto preset prices the acceptance of the model that runs, never another model's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import curve_from_ms, random_prompt, tiny_model
+
+from lp_runner.backends.adapter import ModelAdapter
+from lp_runner.config import LookaheadConfig
+from lp_runner.decoding.engine import LookaheadEngine
+from lp_runner.errors import InputError
+from lp_runner.tuning.acceptance import (
+    GREEDY,
+    PromptToRecord,
+    fingerprint,
+    generation_config,
+    load_table,
+    read_records,
+    record,
+    shipped_names,
+    slope_per_doubling,
+    table,
+    table_from_text,
+    table_text_for,
+)
+from lp_runner.tuning.costmodel import RowPlan
+from lp_runner.tuning.preset import AutoPreset, shipped_prior
+
+AMD_MS = {1: 10.0, 8: 11.0, 16: 13.0, 32: 17.0, 64: 26.0, 128: 45.0}
+
+
+def _runner(model, max_new_tokens: int):
+    adapter = ModelAdapter(model)
+    gen = generation_config(max_new_tokens)
+
+    def run(la, ids):
+        res = LookaheadEngine(adapter, la, gen, []).generate(list(ids))
+        return list(res.output_ids), list(res.stats.records)
+
+    return run
+
+
+def test_recording_resumes_after_a_torn_line_and_checks_every_window_against_greedy(tiny, tmp_path) -> None:
+    """Each (prompt, window) is recorded once: a second call records only what the first lacked, a torn last line
+    (a kill mid-write) is dropped and redone, and each window's output is the greedy record's."""
+    model = tiny("llama")
+    run = _runner(model, 12)
+    prompts = [PromptToRecord("a", "code", tuple(random_prompt(9, 1))), PromptToRecord("b", "chat", (5, 6, 5, 6))]
+    out = tmp_path / "records.jsonl"
+    first = record(run, prompts, [(3, 3, 3)], out, log=lambda m: None)
+    assert [(r["prompt"], tuple(r["window"])) for r in first] == [
+        ("a", GREEDY),
+        ("b", GREEDY),
+        ("a", (3, 3, 3)),
+        ("b", (3, 3, 3)),
+    ]
+    for r in first:
+        assert r["new_tokens"] == 12 and r["forwards"] == len(r["rows"]) == len(r["shapes"])
+        assert sum(s[6] for s in r["shapes"]) == 12  # every committed token is in one round's emitted count
+    with open(out, "a", encoding="utf-8") as f:
+        f.write('{"prompt": "a", "wind')  # torn
+    calls = []
+
+    def counting(la, ids):
+        calls.append(la.window_size)
+        return run(la, ids)
+
+    second = record(counting, prompts, [(3, 3, 3), (4, 3, 2)], out, log=lambda m: None)
+    assert calls == [4, 4]  # only the new window, on both prompts
+    assert len(second) == 6 and len(read_records(out)) == 6
+
+    def wrong(la, ids):
+        output, rounds = run(la, ids)
+        return [*output[:-1], output[-1] + 1], rounds
+
+    with pytest.raises(RuntimeError, match="differs from greedy"):
+        record(wrong, prompts, [(5, 3, 5)], out, log=lambda m: None)
+
+
+def test_table_holds_windows_recorded_on_every_prompt_and_reads_back(tiny, tmp_path) -> None:
+    model = tiny("llama")
+    run = _runner(model, 10)
+    prompts = [PromptToRecord(str(i), "code" if i else "chat", tuple(random_prompt(8, i))) for i in range(3)]
+    out = tmp_path / "records.jsonl"
+    recs = record(run, prompts, [(3, 3, 3)], out, log=lambda m: None)
+    partial = recs + [{**recs[-1], "window": [7, 3, 7]}]  # one prompt only: not comparable, left out
+    data = table(partial, "tiny llama", "three prompts", 10, weights=fingerprint(model))
+    assert [r["name"] for r in data["recorded"]] == ["window-3-3-3"]
+    (summary,) = data["summary"]
+    lo, hi = summary["interval"]
+    assert lo <= summary["tokens_per_forward"] <= hi
+    assert set(summary) >= {"code", "chat", "rows_per_round"}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    t = load_table(str(path))
+    assert len(t.prior.samples) == 3 and t.prior.recorded[0].lookahead.window_size == 3
+    assert t.weights == fingerprint(model) and "tiny llama" in t.label()
+
+
+def test_bad_tables_are_one_input_error(tmp_path) -> None:
+    with pytest.raises(InputError, match="no such file, and not a shipped table"):
+        load_table(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": 99}', encoding="utf-8")
+    with pytest.raises(InputError, match="not a table lp_runner wrote"):
+        load_table(str(bad))
+    with pytest.raises(InputError):
+        table_from_text("not json", "x")
+
+
+def test_fingerprint_tells_models_apart_and_survives_bf16() -> None:
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint(a) == fingerprint(tiny_model("llama", seed=0).to(torch.bfloat16))
+
+
+def test_the_preset_prices_the_model_that_runs(embedded, tiny, tmp_path) -> None:
+    """The embedded model finds its own shipped table; a model nothing was recorded for gets none (not the embedded
+    model's), unless the cache holds one recorded for it or the config names one."""
+    model, _ = embedded
+    text, whose = table_text_for("", fingerprint(model), tmp_path)
+    assert text is not None and "embedded-calibration8" in whose
+    other = tiny("llama")
+    assert table_text_for("", fingerprint(other), tmp_path) == (None, "none recorded for this model")
+    from lp_runner.tuning.acceptance import cached_table_path
+
+    path = cached_table_path(tmp_path, fingerprint(other))
+    path.parent.mkdir(parents=True)
+    path.write_text(text, encoding="utf-8")
+    found, whose = table_text_for("", fingerprint(other), tmp_path)
+    assert found == text and str(path) in whose
+    assert table_text_for("embedded-calibration8", fingerprint(other), None)[1].startswith(
+        "shipped embedded-calibration8"
+    )
+    assert "embedded-calibration8" in shipped_names()
+
+
+def test_without_a_table_the_first_choice_is_the_configured_setting_and_says_so() -> None:
+    curve = curve_from_ms(AMD_MS)
+    plan = RowPlan.from_curve(curve)
+    base = LookaheadConfig()
+    none = AutoPreset(base, (), curve, plan, prior=None, acceptance="none recorded for this model")
+    assert none.lookahead.lookahead_branch and none.lookahead.window_size == base.window_size
+    assert none.choice.samples == "none" and none.choice.acceptance == "none recorded for this model"
+    priced = AutoPreset(base, (), curve, plan, prior=shipped_prior(), acceptance="shipped embedded-calibration8")
+    assert priced.choice.acceptance == "shipped embedded-calibration8" and priced.choice.evaluated > 1
+
+
+@pytest.mark.parametrize(
+    ("points", "slope"),
+    [
+        ([(60, 2.0), (120, 2.2), (240, 2.4)], 0.2),  # +0.2 tokens per forward per doubling of rows
+        ([(50, 3.0), (400, 3.0)], 0.0),  # flat
+    ],
+)
+def test_slope_per_doubling(points, slope) -> None:
+    assert slope_per_doubling(points) == pytest.approx(slope)
