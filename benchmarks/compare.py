@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' oracles (``helpers``)
+
+from helpers import bf16_rounded_linears  # noqa: E402
 
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import bench16, calibration8, heldout24  # noqa: E402
@@ -44,7 +47,6 @@ from lp_runner.backends.cpu.prepack import (  # noqa: E402
     NATIVE_BF16_KERNEL,
     ONEDNN,
     apply_prepack,
-    bf16_rounded_linears,
     prepack_linears,
 )
 from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402

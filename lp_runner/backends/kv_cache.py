@@ -39,13 +39,6 @@ MIN_CAPACITY = 256  # the smallest arena; capacities are powers of two from here
 ALIGN = 16  # region sizes round up to this many slots (the native attention scores 16 keys at a time)
 
 
-def kv_head_shape(text_config) -> tuple[int, int]:
-    """(K/V heads, head dim) of a decoder's attention layers, from its (text) config."""
-    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return heads, head_dim
-
-
 def static_capacity(needed: int) -> int:
     """The arena for ``needed`` slots: the next power of two from ``MIN_CAPACITY`` (a compiled round is
     specialised to the arena's capacity, so nearby jobs share one)."""

@@ -174,9 +174,6 @@ class Replica:
 
         return {"ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "pid": os.getpid()}
 
-    def get_pid(self) -> int:
-        return os.getpid()
-
     def free_port(self) -> int:
         with socket.socket() as s:
             s.bind(("", 0))

@@ -30,7 +30,6 @@ over the same inputs in the same order; tested on the three tiny families), so f
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,19 +128,6 @@ NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py ru
 
 
 KERNELS = {kernel.key: kernel for kernel in (ONEDNN, *NATIVE_KERNELS)}
-
-
-def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose every ``nn.Linear`` weight is rounded to bfloat16 and held in the model's dtype
-    (biases, norms and the embedding kept): the model ``model.backend=native-bf16`` computes, so HF ``generate`` on
-    it is that mode's exactness oracle. A tied output layer gets its own rounded weight, as a packed one leaves
-    the embedding's lookups on the original."""
-    rounded = copy.deepcopy(model)
-    for module in rounded.modules():
-        if type(module) is torch.nn.Linear:
-            weight = module.weight.detach()
-            module.weight = torch.nn.Parameter(weight.to(torch.bfloat16).to(weight.dtype), requires_grad=False)
-    return rounded
 
 
 def _packed(kernel: LinearKernel, weight: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
