@@ -40,7 +40,9 @@ MODELS = {"embedded": "SmolLM2-135M-Instruct (embedded)", "qwen-coder": "Qwen2.5
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded", help="embedded, qwen-coder, or a model.path")
-    ap.add_argument("--prompts", default="bench16", help="bench16 or a prompts JSONL (ids containing 'HumanEval' are code)")
+    ap.add_argument(
+        "--prompts", default="bench16", help="bench16 or a prompts JSONL (ids containing 'HumanEval' are code)"
+    )
     ap.add_argument("--out", required=True, type=Path, help="folder of records.jsonl and table.json")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--windows", default="", help="W-N-G,W-N-G,... (default: the module's grid)")
