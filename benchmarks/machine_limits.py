@@ -185,7 +185,7 @@ def forward_flops(model: torch.nn.Module, rows: int, kv_len: int, logit_rows: in
     biases are no products) and 2 per head element per logit row, plus attention, 4 * layers * hidden * rows *
     (kv_len + rows) (exact where heads x head dim = hidden). A round computes the head only on the rows whose
     logits it uses, and the head is a fifth of this project's embedded model: counting it on every row overstated
-    an 8-row forward's work by a fifth. ``tests/test_studies.py`` checks it against torch's FLOP counter."""
+    an 8-row forward's work by a fifth. ``tests/studies/test_studies.py`` checks it against torch's FLOP counter."""
     cfg = model.config.get_text_config()
     head = model.get_output_embeddings().weight
     embed = model.get_input_embeddings().weight

@@ -1,7 +1,7 @@
 """The K/V arena: one tensor per job holding every generation's K/V, written by position.
 
 One layout serves every round the adapter runs (one generation or a batch of them, eager or compiled, a prefill
-chunk or a lookahead round), as gpt-fast's ``KVCache.update`` and vLLM's slot mapping do:
+chunk or a lookahead round), as gpt-fast's KVCache.update and vLLM's slot mapping do:
 
 * ``KVArena.tensor`` is [layers, 2, 1, H_kv, capacity, D]; layer i's keys are ``[i, 0]`` and its values ``[i, 1]``,
   each a contiguous [1, H_kv, capacity, D] view held by an ``ArenaLayer`` (transformers' cache-layer contract).

@@ -237,7 +237,7 @@ def _no_bf16(reason: str) -> None:
 
 
 def bf16_unavailable_reason() -> str | None:
-    """Why the loaded kernel cannot multiply by weights stored as bfloat16 (``model.prepack=native-bf16``), or
+    """Why the loaded kernel cannot multiply by weights stored as bfloat16 (``model.backend=native-bf16``), or
     None when it can."""
     return _ROUTED.bf16_reason or None
 

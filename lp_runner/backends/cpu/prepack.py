@@ -22,10 +22,11 @@ tied output layer, whose embedding keeps the original for lookups (one extra cop
 Sibling projections that read the same input (an attention's q/k/v, an MLP's gate/up) become one product over
 their stacked weights (``SharedInputProduct``), each sibling a ``ProductSlice`` of its output: 211 products per
 forward of the embedded model become 121, and the small k/v products (192 x 576) no longer pay a call each.
-Measured on the CPU above, side by side (``benchmarks/forward_paths.py``): 2-4% off a forward in one run,
-equal within 1% (8 rows: 4% slower) in another, so a gain within that machine's noise; kept because it costs no
-exactness and no memory. The logits are bit for bit those of the separate products (oneDNN reduces each output
-over the same inputs in the same order; tested on the three tiny families), so fusing changes no token.
+Measured on the CPU above, side by side (now ``benchmarks/compare.py``'s ``--unfused`` variant): 2-4% off a
+forward in one run, equal within 1% (8 rows: 4% slower) in another, so a gain within that machine's noise; kept
+because it costs no exactness and no memory. The logits are bit for bit those of the separate products (oneDNN
+reduces each output over the same inputs in the same order; tested on the three tiny families), so fusing
+changes no token.
 """
 
 from __future__ import annotations
