@@ -375,3 +375,74 @@ def f(feed):
     assert unresolved_in_markdown("see `runner.run_info` and `worker.run_jobs`\n", "fake.md") == [
         "fake.md:1: runner.run_info"
     ]
+
+
+# ------------------------------------------------------------------------------------------ the module map
+
+
+def module_map(text: str) -> list[str]:
+    """The files ``docs/design.md``'s module map lists, as paths under ``lp_runner/``, in its order (a name twice
+    is there twice). An entry's name is its first column (``name.py``, ``a.py, b.py``, ``folder/``), its depth the
+    indentation (two spaces a level); lines indented past the names column continue the entry above."""
+    block = text.split("## 10. Module map", 1)[1].split("```", 2)[1]
+    folders: list[str] = []
+    files = []
+    for line in block.splitlines():
+        m = re.match(r"( *)(\S.*?)(?:\s{2,}|$)", line)
+        if not m or len(m.group(1)) >= 20 or m.group(2) == "lp_runner/":
+            continue
+        depth = len(m.group(1)) // 2 - 1
+        del folders[depth:]
+        for name in m.group(2).split(", "):
+            if name.endswith("/"):
+                folders.append(name.rstrip("/"))
+            else:
+                files.append("/".join([*folders, name]))
+    return files
+
+
+def _listed_modules() -> set[str]:
+    """Every module of the package a map must list: each ``.py`` file, a package's ``__init__.py`` only where it
+    holds more than its docstring."""
+    out = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py":
+            body = [n for n in ast.parse(path.read_text()).body if not isinstance(n, ast.Expr)]
+            if all(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in body):
+                continue
+        out.add(str(path.relative_to(PACKAGE)))
+    return out
+
+
+def test_the_module_map_lists_every_module_once_and_no_other() -> None:
+    listed = [f for f in module_map(DESIGN.read_text()) if f.endswith(".py")]
+    twice = sorted({f for f in listed if listed.count(f) > 1})
+    assert not twice, f"listed twice: {twice}"
+    assert sorted(_listed_modules() - set(listed)) == [], "modules the map does not list"
+    assert sorted(set(listed) - _listed_modules()) == [], "the map lists modules that do not exist"
+
+
+def test_the_module_map_parser_reads_names_folders_and_continuations() -> None:
+    text = """## 10. Module map
+
+```
+lp_runner/
+  api.py                     what it does,
+                             over two lines
+  a.py, b.py                 two at once
+  decoding/                  a folder
+    engine.py                inside it
+    verify/
+      greedy.py              two deep
+  models/
+    loading.py               back out
+```
+"""
+    assert module_map(text) == [
+        "api.py",
+        "a.py",
+        "b.py",
+        "decoding/engine.py",
+        "decoding/verify/greedy.py",
+        "models/loading.py",
+    ]
