@@ -11,7 +11,7 @@ output is checked against HF greedy (a mismatch is reported, not hidden).
 
 ``--sample``: every method samples (temperature 1, no top-k/top-p) instead of decoding greedily, against HF
 sampling ``generate``; outputs then differ by construction (exactness of the distribution is what
-``tests/test_sampling_e2e.py`` checks), so the table's ``exact`` column is left empty.
+``tests/decoding/test_sampling_e2e.py`` checks), so the table's ``exact`` column is left empty.
 
 Writes ``<out>.json`` (every figure), ``<out>.md`` (the tables in docs/results.md and the README) and
 ``<out>.png`` (the plots).
@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' oracles (``helpers``)
+
+from helpers import bf16_rounded_linears  # noqa: E402
 
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import bench16, calibration8, heldout24  # noqa: E402
@@ -44,7 +47,6 @@ from lp_runner.backends.cpu.prepack import (  # noqa: E402
     NATIVE_BF16_KERNEL,
     ONEDNN,
     apply_prepack,
-    bf16_rounded_linears,
     prepack_linears,
 )
 from lp_runner.config import GenerationConfig, LookaheadConfig, load_config  # noqa: E402
@@ -152,7 +154,7 @@ def _hf_row(model, ids: list[int], max_new: int, eos: int, **kw) -> dict:
 
 def _engine_runner(engine: LookaheadEngine, policy: RoundPolicy | None = None):
     """One method: the engine, and (for a config file) the policy the runner would use, adapting between prompts
-    exactly as ``runner.run_prompts`` does."""
+    exactly as ``worker.run_prompts`` does."""
 
     def run(ids: list[int]) -> dict:
         res = engine.generate(ids)

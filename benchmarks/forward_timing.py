@@ -1,5 +1,5 @@
-"""Shared by the forward benchmarks that put several adapters of one model side by side (``attention_paths.py``,
-``native_layers.py``): the embedded model on native products, a cached prefix per adapter, and rounds timed
+"""Shared by the forward benchmarks that put several adapters of one model side by side (``native_layers.py``,
+``native_isa.py``): the embedded model on native products, a cached prefix per adapter, and rounds timed
 forward by forward in rotating order, so every adapter's median is measured at the same moments."""
 
 from __future__ import annotations

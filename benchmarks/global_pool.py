@@ -2,7 +2,7 @@
 
 Greedy output does not depend on the setting, and with the window off a round's plan depends only on the
 committed tokens, so tokens per forward is a deterministic function of the prompts and the model's greedy
-outputs: ``preset.simulate`` replays the real Coordinator on them (``tests/test_preset.py`` checks it against
+outputs: ``preset.simulate`` replays the real Coordinator on them (``tests/tuning/test_preset.py`` checks it against
 real runs). This script therefore needs the model only once, to write the HF greedy outputs (cached in
 ``--outputs``); every comparison after that is a simulation, unaffected by a busy machine. ``--engine N`` also
 runs the real engine on the first N prompts of each set, as one job per scope, and checks that its outputs

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lp_runner.backends.kv_cache import kv_head_shape
+from lp_runner.backends.adapter import ModelAdapter
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,8 @@ def paired_ratios(
 
 def forward_bytes(model: torch.nn.Module, kv_len: int, linear_weight_size: int = 0) -> int:
     """Bytes a one-token forward must read: every parameter once, and the K/V of ``kv_len`` cached positions
-    (2 tensors x layers x K/V heads x head dim, in the model's dtype). ``linear_weight_size``: bytes per linear
+    (2 tensors x layers x K/V heads x head dim, in the model's dtype; heads and head dim as the adapter measures
+    them from the layers' own cache, not as a config names them). ``linear_weight_size``: bytes per linear
     layer weight where the kernels store them in another dtype than the model's (2: ``model.backend=native-bf16``)."""
     linear = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear}
     weights = sum(
@@ -173,7 +174,7 @@ def forward_bytes(model: torch.nn.Module, kv_len: int, linear_weight_size: int =
         for p in model.parameters()
     )
     cfg = model.config.get_text_config()
-    heads, head_dim = kv_head_shape(cfg)
+    heads, head_dim = ModelAdapter(model).kv_shape
     element = next(model.parameters()).element_size()
     return weights + 2 * cfg.num_hidden_layers * heads * head_dim * kv_len * element
 
@@ -184,7 +185,7 @@ def forward_flops(model: torch.nn.Module, rows: int, kv_len: int, logit_rows: in
     biases are no products) and 2 per head element per logit row, plus attention, 4 * layers * hidden * rows *
     (kv_len + rows) (exact where heads x head dim = hidden). A round computes the head only on the rows whose
     logits it uses, and the head is a fifth of this project's embedded model: counting it on every row overstated
-    an 8-row forward's work by a fifth. ``tests/test_studies.py`` checks it against torch's FLOP counter."""
+    an 8-row forward's work by a fifth. ``tests/studies/test_studies.py`` checks it against torch's FLOP counter."""
     cfg = model.config.get_text_config()
     head = model.get_output_embeddings().weight
     embed = model.get_input_embeddings().weight

@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the builds the ISA tests cover
+
+from helpers import stand_in_builds  # noqa: E402
 
 from benchmarks.forward_timing import native_embedded_model, prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
@@ -179,7 +182,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     model = native_embedded_model(args.threads)
-    builds = {"default": ()} | {name: flags for name, (flags, _) in native.stand_in_builds().items()}
+    builds = {"default": ()} | {name: flags for name, (flags, _) in stand_in_builds().items()}
     if args.builds:
         builds = {n: builds[n] for n in args.builds}
     root = str(default_cache_dir())

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
     from lp_runner.decoding.metrics import GenerationStats
 
-# transformers' global generation defaults (``GenerationConfig._get_default_generation_params``; the same values
-# in 4.x), applied where neither the caller nor the model's generation_config sets a value.
+# transformers' global generation defaults (``transformers.GenerationConfig._get_default_generation_params``; the
+# same values in 4.x), applied where neither the caller nor the model's generation_config sets a value.
 HF_DEFAULTS: dict[str, Any] = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # The HF settings lp_runner implements (besides eos_token_id).
 SUPPORTED = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p")
@@ -101,7 +101,7 @@ _POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {
 def _policy_for(model: PreTrainedModel, adapter: ModelAdapter, cfg: Config) -> RoundPolicy:
     """The round policy to run ``model`` with: the one place where the API resolves lookahead settings.
 
-    As for a job (``runner.start_worker``): with ``lookahead.preset: auto`` (the default) and ``pad_rows`` the
+    As for a job (``worker.start_worker``): with ``lookahead.preset: auto`` (the default) and ``pad_rows`` the
     device's forward-cost curve is measured on first use (cached on disk, keyed by device, threads, dtype and
     weights) and the knobs the caller did not set are chosen from it; the policy is kept per model and settings,
     so later calls reuse it and it adapts to the outputs of earlier calls, as a job adapts between prompts.
@@ -142,9 +142,8 @@ def _adapter_for(model: PreTrainedModel) -> ModelAdapter:
 
     Making one runs probe forwards, and it holds the K/V arena every call's rounds run on (on a GPU, the one its
     captured graphs replay on): a new adapter per call paid both on every call. It lives on the model itself, as
-    transformers keeps a static cache on the model (``GenerationMixin._cache``): a table keyed by the model would
-    keep it alive through the adapter's own reference to it, while model -> adapter -> model is a cycle the
-    collector frees with the model."""
+    transformers once kept its static cache there: a table keyed by the model would keep it alive through the
+    adapter's own reference to it, while model -> adapter -> model is a cycle the collector frees with the model."""
     param = next(model.parameters())
     key = (param.device, param.dtype, model.config._attn_implementation)
     held = model.__dict__.get(_ADAPTER_ATTRIBUTE)
@@ -231,7 +230,7 @@ def _prompt_ids(input_ids: torch.Tensor) -> list[int]:
 
 def _check_token_ids(prompt: list[int], model: PreTrainedModel) -> None:
     """Every prompt id a row of the model's input embeddings (else ``torch.nn.functional.embedding`` fails with an
-    IndexError 26 frames down, or a CUDA device asserts). The embedding's own rows, not ``config.vocab_size``:
+    IndexError 26 frames down, or a CUDA device asserts). The embedding's own rows, not ``model.config.vocab_size``:
     a model whose embeddings were resized has as many ids as rows."""
     embeddings = model.get_input_embeddings()
     rows = getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size

@@ -344,7 +344,7 @@ def _coerce(internal: str, value: Any, target: type) -> Any:
 
 
 def set_key(cfg: Config, key: str, value: Any) -> None:
-    """Set a key as a user writes it (``section.name`` of ``USER_KEYS``, or ``advanced.name``) on ``cfg``, with
+    """Set a key as a user writes it (``<section>.<name>`` of ``USER_KEYS``, or ``advanced.<name>``) on ``cfg``, with
     type checking (mutates ``cfg``)."""
     parts = key.split(".")
     if len(parts) != 2:

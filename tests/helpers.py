@@ -6,9 +6,11 @@ that wrap them live in conftest.py.
 
 from __future__ import annotations
 
+import copy
 import functools
 import gzip
 import json
+import platform
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -313,3 +315,31 @@ def additive_mask(visibility: torch.Tensor, past_len: int, dtype: torch.dtype, w
     mask[0, 0, :, :past_len] = 0.0
     mask[0, 0, :, past_len : past_len + q].masked_fill_(visibility, 0.0)  # [Q, Q] view
     return mask
+
+
+def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose every ``nn.Linear`` weight is rounded to bfloat16 and held in the model's dtype
+    (biases, norms and the embedding kept): the model ``model.backend=native-bf16`` computes, so HF ``generate`` on
+    it is that mode's exactness oracle (here and in ``benchmarks/compare.py --bf16-weights``). A tied output layer
+    gets its own rounded weight, as a packed one leaves the embedding's lookups on the original."""
+    rounded = copy.deepcopy(model)
+    for module in rounded.modules():
+        if type(module) is torch.nn.Linear:
+            weight = module.weight.detach()
+            module.weight = torch.nn.Parameter(weight.to(torch.bfloat16).to(weight.dtype), requires_grad=False)
+    return rounded
+
+
+def stand_in_builds() -> dict[str, tuple[tuple[str, ...], bool]]:
+    """The other instruction sets' tiles of the native kernels this CPU can build and run: name -> (extra flags,
+    whether it gives this CPU's default build's bits). AVX2 on an AVX-512 CPU (both with FMA: the same bits);
+    SSE2 on any x86-64 (no FMA: fp32 rounding apart). What the ISA tests and ``benchmarks/native_isa.py`` cover."""
+    from lp_runner.backends.cpu import native
+
+    cpu = set(native._cpu_flags().split())
+    builds = {}
+    if {"avx512f", "avx2", "fma"} <= cpu:
+        builds["avx2"] = (("-mno-avx512f",), True)
+    if platform.machine() == "x86_64":
+        builds["x86-64"] = (("-march=x86-64",), False)
+    return builds

@@ -1,6 +1,6 @@
 """Grouped-query sdpa for packed rounds: cached K/V heads are read in place, not repeated per query head.
 
-transformers' sdpa path (``integrations/sdpa_attention.py``) serves a model whose query heads share K/V heads
+transformers' sdpa path (``transformers.integrations.sdpa_attention``) serves a model whose query heads share K/V heads
 (GQA; SmolLM2 has 9 query heads on 3 K/V heads) in one of three ways: ``enable_gqa`` when no mask is given,
 packing the query heads onto their K/V head when one row is queried (``generate``'s decode steps), and otherwise
 ``repeat_kv``, which copies every cached K and V head ``groups`` times, in every layer, on every forward. A

@@ -4,9 +4,10 @@ forward, each generation (a *segment*) reading its own region of the K/V arena o
 Every round the adapter runs is one of these (``ModelAdapter.run``): a lookahead round of one generation is a
 batch of one segment, a batch of generations is several, a prefill chunk is one segment of ordinary rows.
 ``pack_round`` builds it from each segment's rows (a ``decoding.layout.RoundLayout`` or any ``RoundRows``) and
-region; the adapter and the kernels (the native layers, ``attention.batched_attention``, ``round_mask``) consume
-it. The packing concatenates the rows, so the linear layers read each weight once for every generation's rows
-(what batching buys: a forward of a few rows streams the weights, and more rows cost little more), while
+region; the adapter and the kernels (the native layers, ``attention.batched_attention``) consume it (a static
+round builds its mask on the device from the layout instead: ``round_mask``). The packing concatenates the
+rows, so the linear layers read each weight once for every generation's rows (what batching buys: a forward of
+a few rows streams the weights, and more rows cost little more), while
 attention stays per segment: each row reads its own region only, through its segment's mask of ``past + rows``
 keys (the cached prefix, then the round's own rows as its layout's visibility says). No row sees another
 generation's keys, and a row's attention costs its own generation's length.

@@ -1,7 +1,7 @@
 """The K/V arena: one tensor per job holding every generation's K/V, written by position.
 
 One layout serves every round the adapter runs (one generation or a batch of them, eager or compiled, a prefill
-chunk or a lookahead round), as gpt-fast's ``KVCache.update`` and vLLM's slot mapping do:
+chunk or a lookahead round), as gpt-fast's KVCache.update and vLLM's slot mapping do:
 
 * ``KVArena.tensor`` is [layers, 2, 1, H_kv, capacity, D]; layer i's keys are ``[i, 0]`` and its values ``[i, 1]``,
   each a contiguous [1, H_kv, capacity, D] view held by an ``ArenaLayer`` (transformers' cache-layer contract).
@@ -37,13 +37,6 @@ from transformers.cache_utils import DynamicLayer
 
 MIN_CAPACITY = 256  # the smallest arena; capacities are powers of two from here (few compiled shapes)
 ALIGN = 16  # region sizes round up to this many slots (the native attention scores 16 keys at a time)
-
-
-def kv_head_shape(text_config) -> tuple[int, int]:
-    """(K/V heads, head dim) of a decoder's attention layers, from its (text) config."""
-    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return heads, head_dim
 
 
 def static_capacity(needed: int) -> int:

@@ -19,7 +19,7 @@ import torch
 class ModelCall:
     """``model``'s forward as a round calls it. ``mask_windows``: each layer type's sliding window (None: full
     attention; ``{"": w}`` where one mask serves every layer); ``per_type``: the model takes a mask per layer
-    type (a dict keyed by ``config.layer_types``) instead of one 4-D mask."""
+    type (a dict keyed by ``model.config.layer_types``) instead of one 4-D mask."""
 
     model: torch.nn.Module
     cache_kw: str

@@ -280,7 +280,7 @@ def failure_story(first: RankExit, stopped: list[int]) -> str:
 def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, single: bool) -> int:
     """This process is one rank (or the only one): run the prompts the output lacks; rank 0 writes and reports.
 
-    With ``parallel.groups`` > 1 the groups share the prompts through the job's queue (``jobs.run_queued``)."""
+    With ``parallel.groups`` > 1 the groups share the prompts through the job's queue (``queue.run_queued``)."""
     from lp_runner.collector import worker_start_up
     from lp_runner.jobs.queue import run_queued
     from lp_runner.jobs.report import Report

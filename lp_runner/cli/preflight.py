@@ -19,7 +19,7 @@ In order:
 - the model's context (``max_position_embeddings`` in its config.json) against the rows of one round and against
   ``generation.max_new_tokens`` (``check_model_fits``);
 - ``--pool-in``: the file's format, and with the model's tokenizer (loaded alone, before any weights) its
-  tokenizer fingerprint and every token id against the model's vocabulary (``job_pool.read_pool_file``);
+  tokenizer fingerprint and every token id against the model's vocabulary (``job_store.read_pool_file``);
 - the local ranks about to start (``local_ranks``; None under a launcher, which started them already): the memory
   their model copies need at least, against what this machine has available; more ranks than cores is a warning.
 

@@ -1,4 +1,4 @@
-"""The coordinator: the global n-gram pool and each round's plan (columns and candidates per rank).
+"""The coordinator of one generation: its n-gram pool and each round's plan (columns and candidates per rank).
 
 It is a deterministic state machine fed only with data every rank holds after the round's all_gather (the live
 key, the gathered trajectory row, the committed tokens). So instead of rank 0 broadcasting its plan (a second

@@ -1,6 +1,6 @@
 """One generation's part of each round: its state, coordinator, verifier and statistics.
 
-The round loop (``engine.RoundLoop``) runs one generation or a batch of them through the same steps; what a
+The round loop (``scheduler.RoundLoop``) runs one generation or a batch of them through the same steps; what a
 generation does in a round is here, so a generation behaves the same alone and beside others:
 
     lay_out   the coordinator plans (candidates, this rank's columns) and this rank's rows are laid out
@@ -10,8 +10,8 @@ generation does in a round is here, so a generation behaves the same alone and b
     commit    the decision's tokens are committed (EOS and budget cut), K/V kept or cropped, window advanced,
               the coordinator fed; the round's record, then the caller's ``on_commit``
 
-Nothing here knows how many generations share a forward: the K/V is a ``round.KVStore`` (the generation's own
-cache, or its region of a batch's), and the round's timing and size come in with ``record``.
+Nothing here knows how many generations share a forward: the K/V is a ``round.KVStore`` (the generation's region
+of the adapter's job arena, alone or beside others'), and the round's timing and size come in with ``record``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ OnCommit = Callable[[Sequence[int]], None]
 
 
 class Generation:
-    """A generation in flight on one rank (``engine.RoundLoop`` drives it, alone or in a batch)."""
+    """A generation in flight on one rank (``scheduler.RoundLoop`` drives it, alone or in a batch)."""
 
     def __init__(
         self,

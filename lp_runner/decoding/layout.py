@@ -214,10 +214,6 @@ class RoundLayout:
         """[num_candidates][len(candidate)]: prediction after g_c[s]."""
         return self.shape.verify_logits
 
-    @property
-    def first_verify_row(self) -> int:
-        return self.num_ordinary + self.num_lookahead
-
     def verify_row(self, candidate: int, offset: int) -> int:
         """Row index (within the round) of candidate ``candidate``'s input at ``offset``."""
         return self.shape.candidate_starts[candidate] + self.num_ordinary - 1 + offset

@@ -66,10 +66,6 @@ class NGramPool:
     def __len__(self) -> int:
         return sum(len(b) for b in self._buckets.values())
 
-    @property
-    def num_keys(self) -> int:
-        return len(self._buckets)
-
 
 def sequence_ngrams(tokens: Sequence[int], n: int) -> list[tuple[int, Suffix]]:
     """All (key, suffix) n-grams of a token sequence, in order: [1,2,3,4], n=3 -> [(1,(2,3)), (2,(3,4))]."""

@@ -11,7 +11,7 @@ source is its class and one line there). The sources:
   that occurred earlier proposes the tokens that followed it there. Code and chat repeat their context; Jacobi
   trajectories find what the context does not contain.
 
-* ``JobPoolSource`` (``job_pool.py``): the job's earlier outputs (``pool_scope: job``).
+* ``JobPoolSource`` (``job_store.py``): the job's earlier outputs (``pool_scope: job``).
 
 ``merge_candidates`` deduplicates (identical suffixes once; a suffix that is a prefix of a kept one adds nothing:
 verifying the longer one checks it too) and fills the budget in policy order. Proposals never affect exactness:

@@ -15,7 +15,7 @@ Every launcher writes through ``OutputFile`` (a plain process, torchrun's rank 0
 - ``resume`` keeps every complete record, drops a torn last line (a kill in the middle of a write) and appends
   the prompts whose id has no record yet. Records carry ``config_digest`` and ``weights_checksum``; a resume with
   other settings or other weights is refused, naming what differs. Their ``run`` field (the whole config,
-  versions, device: ``runner.run_info``) says how to re-run them and is not compared.
+  versions, device: ``worker.run_info``) says how to re-run them and is not compared.
 
 Worked example (``--resume`` after ``kill -9`` during the third record)::
 

@@ -2,8 +2,8 @@
 
 Each actor is one rank: the driver sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in its
 environment (the rendezvous is the first actor's node IP and a free port it picks) and calls the same
-``runner.start_worker`` and ``runner.run_prompts`` as a torchrun worker, so there is one round protocol. Rank 0
-queues its per-round committed tokens, streamed text and per-prompt records (made by ``runner.make_record``); the
+``worker.start_worker`` and ``worker.run_prompts`` as a torchrun worker, so there is one round protocol. Rank 0
+queues its per-round committed tokens, streamed text and per-prompt records (made by ``worker.make_record``); the
 driver polls them and writes, streams and summarises exactly as the torchrun path does.
 
 Elastic recovery, worked example (P = 2, prompts a b c, the rank-1 actor is killed while b is generating):
@@ -173,9 +173,6 @@ class Replica:
         import ray
 
         return {"ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "pid": os.getpid()}
-
-    def get_pid(self) -> int:
-        return os.getpid()
 
     def free_port(self) -> int:
         with socket.socket() as s:

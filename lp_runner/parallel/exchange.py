@@ -1,15 +1,15 @@
 """The per-round payload every rank contributes to the one all_gather: fixed-size int64, no pickling.
 
-Layout (length 4 + E + W, E = the longest possible emitted run: longest candidate + 1):
+Layout of one generation's block (length 4 + E + W, E = the longest possible emitted run: longest candidate + 1):
     [hits, num_emitted, plan_digest, candidate (global index, -1 if none), emitted[0..E-1] (padded),
      column_tokens[0..W-1] (global column positions; -1 where another rank owns the column)]
 The plan digest lets every rank check, at no extra collective, that all replicas of the coordinator planned the
 same round (same live key, same candidates); a mismatch is a bug and stops the run.
 
-``Exchange.agree`` is the whole of LP's per-round protocol as the engine sees it: this rank's outcome in, the
-round's ``Decision`` out. ``SoloExchange`` is one rank alone (nothing to agree on); ``GatherExchange`` is any
-number of ranks behind a communicator (the one all_gather, the digest check, the winner choice, the merged
-window columns). The engine's loop is the same for both.
+``agree_batch`` is LP's per-round protocol as the round loop sees it: every generation's verdict and window
+columns in (one ``Entry`` each), one ``Decision`` each out, from one all_gather of one block per generation (the
+digest check, the winner choice, the merged window columns). With no communicator (one rank alone) each verdict
+is its decision and nothing is gathered; the loop is the same for both.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
 
 from lp_runner.errors import DistributedError
 
@@ -55,24 +52,6 @@ def pack_values(
     for col, tok in columns.items():
         cols[col] = tok
     return block + cols
-
-
-def pack(
-    hits: int,
-    emitted: Sequence[int],
-    plan_digest: int,
-    candidate: int,
-    columns: dict[int, int],
-    max_emit: int,
-    w: int,
-) -> torch.Tensor:
-    """``pack_values`` as a [L] int64 tensor."""
-    return torch.tensor(pack_values(hits, emitted, plan_digest, candidate, columns, max_emit, w), dtype=torch.long)
-
-
-def unpack(gathered: torch.Tensor, max_emit: int, w: int) -> list[RankReport]:
-    """[P, L] -> one report per rank (the round's single host read-back of the exchange)."""
-    return _reports(gathered.tolist(), max_emit, w)
 
 
 def _reports(rows: list[list[int]], max_emit: int, w: int) -> list[RankReport]:
@@ -121,34 +100,6 @@ class Decision:
     comm_s: float  # seconds in the collective
 
 
-class Exchange(Protocol):
-    def agree(self, plan_digest: int, hits: int, emitted: Sequence[int], candidate: int, columns: dict[int, int]):
-        """This rank's verdict (global candidate index) and window columns in, the round's ``Decision`` out."""
-        ...
-
-
-class SoloExchange:
-    """One rank (P = 1 without a launcher): its verdict is the decision; no collective, nothing to check."""
-
-    def agree(self, plan_digest: int, hits: int, emitted: Sequence[int], candidate: int, columns: dict[int, int]):
-        return Decision(0, hits, tuple(emitted), candidate, dict(columns), True, 0.0)
-
-
-class GatherExchange:
-    """Ranks behind a communicator: one all_gather of fixed-size payloads per round (``pack`` / ``unpack``).
-
-    ``choose`` picks the winning rank from the reports (greedy: longest hit; sampling: rank 0's first token's
-    continuation; see ``verifier``). Every rank gathers the same reports, so every rank decides alike.
-    """
-
-    def __init__(self, comm, max_emit: int, window_size: int, choose: Callable[[Sequence[RankReport]], int]) -> None:
-        self.comm, self.max_emit, self.w, self.choose = comm, max_emit, window_size, choose
-
-    def agree(self, plan_digest: int, hits: int, emitted: Sequence[int], candidate: int, columns: dict[int, int]):
-        entry = Entry(plan_digest, hits, tuple(emitted), candidate, columns, self.max_emit, self.w, self.choose)
-        return agree_batch(self.comm, [entry])[0]
-
-
 @dataclass(frozen=True)
 class Entry:
     """One generation's part of a round's agreement: this rank's verdict and columns, and how its payload block is
@@ -166,11 +117,10 @@ class Entry:
 
 def agree_batch(comm, entries: Sequence[Entry]) -> list[Decision]:
     """The round's decisions for every generation of a batch, from ONE all_gather: the payload is one block per
-    generation, each of ``pack``'s layout at the batch's longest emitted run and widest window (so its size is
-    fixed for the round and the same on every rank, which run the same generations in the same order).
-    ``comm`` None: one rank alone, each verdict is its decision (no collective). One entry is
-    ``GatherExchange``'s round exactly (the same payload). The payload is one host tensor written once
-    (``Communicator.host_payload``), copied to the collective's device once, and read back once.
+    generation, each of the module doc's layout at the batch's longest emitted run and widest window (so its size
+    is fixed for the round and the same on every rank, which run the same generations in the same order).
+    ``comm`` None: one rank alone, each verdict is its decision (no collective). The payload is one host tensor
+    written once (``Communicator.host_payload``), copied to the collective's device once, and read back once.
 
     Example: two generations with E = 4, W = 3 and 6: blocks of 4 + 4 + 6 = 14, a payload of 28 int64."""
     if comm is None:

@@ -143,12 +143,6 @@ def cache_file(cache_root: Path, key: dict) -> Path:
     return keyed_path(cache_root, "calibration", "curve", key)
 
 
-def load_cached(path: Path, key: dict) -> CostCurve | None:
-    """The cached curve for ``key``, or None when absent, unreadable or made for another key."""
-    entry = _load_entry(path, key)
-    return entry[0] if entry is not None else None
-
-
 def _load_entry(path: Path, key: dict) -> tuple[CostCurve, int] | None:
     """(the cached curve, how many measurements it is the quietest of) for ``key``, or None."""
     return read_keyed(path, key, lambda data: (CostCurve.from_dict(data["curve"]), int(data.get("tries", 1))))

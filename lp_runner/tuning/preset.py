@@ -84,12 +84,12 @@ def simulate(la: LookaheadConfig, sample: Sample, store: JobPool | StoreView | N
 
     ``store``: the job store the engine would read under ``pool_scope: job`` (None: none, whatever the scope);
     a ``JobPool`` gets the sample at the end, as the engine does, so simulating a job's samples in order with one
-    store reproduces the job; a ``StoreView`` (``job_pool.store_views``: the store before this sample) is only read.
+    store reproduces the job; a ``StoreView`` (``job_store.store_views``: the store before this sample) is only read.
 
     Verification against the known output: a candidate's hits are its longest common prefix with the output
     that follows the live key (past the output's end nothing is known, which only matters in the last round,
     whose emitted count the budget cuts anyway); the winner is the first candidate with the most hits, as in
-    ``verify.greedy_verify``; the round emits hits + 1 tokens.
+    ``greedy.greedy_verify``; the round emits hits + 1 tokens.
 
     Example: prompt (5, 6), output (7, 8, 9) and one candidate (7, 8, 1) planned in the prefill round: hits 2,
     emitted 3 -> one round, RoundShape(kv_len=0, ordinary=2, candidates=(3,), winner=0, emitted=3).

@@ -27,7 +27,7 @@ from dist_helpers import (
     wait_for,
     write_prompts,
 )
-from helpers import hf_greedy, random_prompt, tiny_model
+from helpers import hf_greedy, random_prompt, stand_in_builds, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.batch import Segments, pack_round
@@ -539,12 +539,12 @@ def test_auto_preset_spends_fewer_speculative_rows_per_generation_as_the_batch_g
 
 
 @needs_native
-@pytest.mark.parametrize("build", list(native.stand_in_builds()) or ["none"])
+@pytest.mark.parametrize("build", list(stand_in_builds()) or ["none"])
 def test_segment_attention_on_each_build(build: str, native_routing) -> None:
     """The attention over segments built for the instruction sets this CPU stands in for (AVX2, SSE2): each
     segment's rows equal a call of that segment alone on the same build, and the default build's bits where the
     builds share them (FMA builds); head sizes of the vector and scalar paths."""
-    builds = native.stand_in_builds()
+    builds = stand_in_builds()
     if build not in builds:
         pytest.skip("this CPU stands in for no other instruction set")
     flags, bitwise = builds[build]

@@ -98,7 +98,7 @@ def test_compile_round_rejects_bad_rounds() -> None:
 def test_candidates_of_different_lengths() -> None:
     # context-lookup candidates may be longer than N-1: each candidate's rows start where the previous one ends
     lay = compile_round([9], 0, [[1, 2]], (0, 3), [[10], [20, 21, 22, 23], [30, 31]])
-    first = lay.first_verify_row
+    first = lay.num_ordinary + lay.num_lookahead  # the verify rows follow the ordinary and lookahead rows
     assert lay.candidate_starts == (first, first + 1, first + 5)
     assert [lay.verify_row(1, s) for s in range(4)] == [first + 1, first + 2, first + 3, first + 4]
     assert [len(v) for v in lay.verify_logits] == [1, 4, 2]

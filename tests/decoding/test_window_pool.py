@@ -127,14 +127,14 @@ def test_pool_keys_are_independent_and_sizes_counted() -> None:
     assert pool.bucket(1) == [(7, 8)]  # cap 1: the newer one replaced the older
     assert pool.bucket(4) == [(5, 6)]
     assert len(pool) == 2
-    assert pool.num_keys == 2
+    assert len(pool._buckets) == 2  # two keys, each its own bucket
 
 
 def test_pool_cap_zero_stores_nothing() -> None:
     pool = NGramPool(cap=0, suffix_len=2)
     pool.insert_many([(1, (2, 3)), (1, (4, 5))])
     assert len(pool) == 0
-    assert pool.num_keys == 0
+    assert not pool._buckets  # not even an empty bucket per key
     assert pool.candidates(1, 5) == []
 
 

@@ -20,7 +20,7 @@ from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.errors import DistributedError
 from lp_runner.parallel.comm import SoloCommunicator
-from lp_runner.parallel.exchange import Entry, GatherExchange, SoloExchange, agree_batch, pack, pack_values, winner
+from lp_runner.parallel.exchange import Entry, agree_batch, pack_values, winner
 
 
 def run_ranks(world_size: int, la: LookaheadConfig, prompt: Sequence[int], max_new_tokens: int, family="llama"):
@@ -60,18 +60,26 @@ def test_lp_in_one_process_ranks_other_than_0_win_and_publish() -> None:
     assert any(rec.hits > 0 for rec in won_by_1)  # rank 1's accepted tokens were published
 
 
-def test_solo_exchange_is_the_gather_exchange_of_one_rank() -> None:
+class Gathered(SoloCommunicator):
+    """Rank 0 of a group whose other ranks sent ``others`` (their payloads as host values): the real gather's
+    result, without a transport."""
+
+    rank, collectives = 0, 0
+
+    def __init__(self, *others: list[int]) -> None:
+        super().__init__()
+        self.others = others
+        self.world_size = 1 + len(others)
+
+    def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
+        return torch.stack([payload, *(torch.tensor(o, dtype=torch.long) for o in self.others)])
+
+
+def test_one_rank_alone_decides_as_a_gather_of_one_rank() -> None:
     """P = 1 without a launcher skips the collective; its decision must be the one a one-rank gather makes."""
-    args = (123, 2, (7, 8, 9), 4, {0: 11, 1: 12})
-
-    class One(SoloCommunicator):
-        rank, world_size, collectives = 0, 1, 0
-
-        def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
-            return payload.unsqueeze(0)
-
-    solo = SoloExchange().agree(*args)
-    gather = GatherExchange(One(), max_emit=5, window_size=3, choose=winner).agree(*args)
+    entry = Entry(123, 2, (7, 8, 9), 4, {0: 11, 1: 12}, max_emit=5, window_size=3, choose=winner)
+    (solo,) = agree_batch(None, [entry])
+    (gather,) = agree_batch(Gathered(), [entry])
     assert (solo.rank, solo.hits, solo.emitted, solo.candidate, solo.columns, solo.won) == (
         gather.rank,
         gather.hits,
@@ -80,38 +88,25 @@ def test_solo_exchange_is_the_gather_exchange_of_one_rank() -> None:
         gather.columns,
         gather.won,
     )
+    assert (gather.rank, gather.hits, gather.emitted, gather.candidate, gather.won) == (0, 2, (7, 8, 9), 4, True)
 
 
-def test_gather_exchange_refuses_replicas_that_planned_differently() -> None:
-    class Two(SoloCommunicator):
-        rank, world_size, collectives = 0, 2, 0
-
-        def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
-            other = pack(0, (5,), 999, -1, {}, 5, 3)  # rank 1 planned another round (digest 999)
-            return torch.stack([payload, other])
-
+def test_agreement_refuses_replicas_that_planned_differently() -> None:
+    other = pack_values(0, (5,), 999, -1, {}, 5, 3)  # rank 1 planned another round (digest 999)
     with pytest.raises(DistributedError, match="disagree on the round plan"):
-        GatherExchange(Two(), max_emit=5, window_size=3, choose=winner).agree(123, 1, (7, 8), 0, {})
+        agree_batch(Gathered(other), [Entry(123, 1, (7, 8), 0, {}, 5, 3, winner)])
 
 
-def test_gather_exchange_merges_columns_and_adopts_the_longest_hit() -> None:
-    class Two(SoloCommunicator):
-        rank, world_size, collectives = 0, 2, 0
-
-        def all_gather(self, payload: torch.Tensor) -> torch.Tensor:
-            other = pack(3, (4, 5, 6, 7), 123, 2, {2: 33}, 5, 3)
-            return torch.stack([payload, other])
-
-    d = GatherExchange(Two(), max_emit=5, window_size=3, choose=winner).agree(123, 1, (7, 8), 0, {0: 11, 1: 22})
+def test_agreement_merges_columns_and_adopts_the_longest_hit() -> None:
+    other = pack_values(3, (4, 5, 6, 7), 123, 2, {2: 33}, 5, 3)
+    (d,) = agree_batch(Gathered(other), [Entry(123, 1, (7, 8), 0, {0: 11, 1: 22}, 5, 3, winner)])
     assert (d.rank, d.hits, d.emitted, d.candidate, d.won) == (1, 3, (4, 5, 6, 7), 2, False)
     assert d.columns == {0: 11, 1: 22, 2: 33}
 
 
 def test_pack_values_is_the_payload_layout() -> None:
-    """A block by hand (header, emitted padded to E, columns by position), and the tensor ``pack`` makes of it."""
-    values = pack_values(1, (7, 8), 5, 0, {1: 9}, 3, 2)
-    assert values == [1, 2, 5, 0, 7, 8, -1, -1, 9]
-    assert pack(1, (7, 8), 5, 0, {1: 9}, 3, 2).tolist() == values
+    """A block by hand: header, emitted padded to E, columns by position."""
+    assert pack_values(1, (7, 8), 5, 0, {1: 9}, 3, 2) == [1, 2, 5, 0, 7, 8, -1, -1, 9]
 
 
 def test_a_round_payload_is_one_host_tensor_gathered_once() -> None:

@@ -32,7 +32,8 @@ from dist_helpers import (
     write_prompts,
 )
 
-from lp_runner.parallel.exchange import pack, unpack, winner
+from lp_runner.parallel.comm import SoloCommunicator
+from lp_runner.parallel.exchange import Entry, agree_batch, pack_values, winner
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 
 PROMPTS = JOB_PROMPTS
@@ -143,14 +144,35 @@ def test_assign_candidates_keeps_groups_on_one_rank():
 
 
 def test_exchange_roundtrip_and_winner_ties_to_lowest_rank():
-    a = pack(2, (5, 6, 7), 99, 0, {0: 11, 1: 12}, max_emit=5, w=4)
-    b = pack(2, (5, 6, 8), 99, 3, {2: 13, 3: 14}, max_emit=5, w=4)
-    reports = unpack(torch.stack([a, b]), max_emit=5, w=4)
+    """Every rank's block read back as it was packed (through the round's agreement), and equal hits go to the
+    lowest rank."""
+
+    class Gathered(SoloCommunicator):
+        rank = 0
+
+        def __init__(self, *others):
+            super().__init__()
+            self.others, self.world_size = others, 1 + len(others)
+
+        def all_gather(self, payload):
+            return torch.stack([payload, *(torch.tensor(o, dtype=torch.long) for o in self.others)])
+
+    seen = []
+
+    def choose(reports):
+        seen.append(reports)
+        return winner(reports)
+
+    b = pack_values(2, (5, 6, 8), 99, 3, {2: 13, 3: 14}, max_emit=5, w=4)
+    a = Entry(99, 2, (5, 6, 7), 0, {0: 11, 1: 12}, max_emit=5, window_size=4, choose=choose)
+    (d,) = agree_batch(Gathered(b), [a])
+    reports = seen[-1]
     assert reports[1].emitted == (5, 6, 8) and reports[1].columns == {2: 13, 3: 14}
     assert reports[1].candidate == 3 and reports[0].plan_digest == 99
-    assert winner(reports) == 0  # equal hits: lowest rank
-    c = pack(3, (1, 2, 3, 4), 99, -1, {}, max_emit=5, w=4)
-    assert winner(unpack(torch.stack([a, b, c]), max_emit=5, w=4)) == 2
+    assert d.rank == 0 and d.won  # equal hits: lowest rank
+    c = pack_values(3, (1, 2, 3, 4), 99, -1, {}, max_emit=5, w=4)
+    (d,) = agree_batch(Gathered(b, c), [a])
+    assert (d.rank, d.emitted, d.candidate, d.won) == (2, (1, 2, 3, 4), -1, False)
 
 
 # ---------------------------------------------------------------- real torchrun runs

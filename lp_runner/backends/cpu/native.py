@@ -79,19 +79,6 @@ def extra_flags() -> tuple[str, ...]:
     return tuple(shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
 
 
-def stand_in_builds() -> dict[str, tuple[tuple[str, ...], bool]]:
-    """The other instruction sets' tiles this CPU can build and run: name -> (extra flags, whether it gives this
-    CPU's default build's bits). AVX2 on an AVX-512 CPU (both with FMA: the same bits); SSE2 on any x86-64
-    (no FMA: fp32 rounding apart). What tests/backends/cpu/test_native_isa.py and benchmarks/native_isa.py cover."""
-    cpu = set(_cpu_flags().split())
-    builds = {}
-    if {"avx512f", "avx2", "fma"} <= cpu:
-        builds["avx2"] = (("-mno-avx512f",), True)
-    if platform.machine() == "x86_64":
-        builds["x86-64"] = (("-march=x86-64",), False)
-    return builds
-
-
 def sources_at(path: Path) -> tuple[Path, ...]:
     """The sources of a version of the kernels at ``path``: a folder's ``*.c`` and ``*.h`` (a ``csrc`` checked out
     from another revision), or one C file (a revision from before the kernels were split by file)."""
@@ -250,7 +237,7 @@ def _no_bf16(reason: str) -> None:
 
 
 def bf16_unavailable_reason() -> str | None:
-    """Why the loaded kernel cannot multiply by weights stored as bfloat16 (``model.prepack=native-bf16``), or
+    """Why the loaded kernel cannot multiply by weights stored as bfloat16 (``model.backend=native-bf16``), or
     None when it can."""
     return _ROUTED.bf16_reason or None
 

@@ -22,15 +22,15 @@ tied output layer, whose embedding keeps the original for lookups (one extra cop
 Sibling projections that read the same input (an attention's q/k/v, an MLP's gate/up) become one product over
 their stacked weights (``SharedInputProduct``), each sibling a ``ProductSlice`` of its output: 211 products per
 forward of the embedded model become 121, and the small k/v products (192 x 576) no longer pay a call each.
-Measured on the CPU above, side by side (``benchmarks/forward_paths.py``): 2-4% off a forward in one run,
-equal within 1% (8 rows: 4% slower) in another, so a gain within that machine's noise; kept because it costs no
-exactness and no memory. The logits are bit for bit those of the separate products (oneDNN reduces each output
-over the same inputs in the same order; tested on the three tiny families), so fusing changes no token.
+Measured on the CPU above, side by side (now ``benchmarks/compare.py``'s ``--unfused`` variant): 2-4% off a
+forward in one run, equal within 1% (8 rows: 4% slower) in another, so a gain within that machine's noise; kept
+because it costs no exactness and no memory. The logits are bit for bit those of the separate products (oneDNN
+reduces each output over the same inputs in the same order; tested on the three tiny families), so fusing
+changes no token.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,19 +129,6 @@ NATIVE_KERNELS = (NATIVE_KERNEL, NATIVE_BF16_KERNEL)  # what native_layers.py ru
 
 
 KERNELS = {kernel.key: kernel for kernel in (ONEDNN, *NATIVE_KERNELS)}
-
-
-def bf16_rounded_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose every ``nn.Linear`` weight is rounded to bfloat16 and held in the model's dtype
-    (biases, norms and the embedding kept): the model ``model.backend=native-bf16`` computes, so HF ``generate`` on
-    it is that mode's exactness oracle. A tied output layer gets its own rounded weight, as a packed one leaves
-    the embedding's lookups on the original."""
-    rounded = copy.deepcopy(model)
-    for module in rounded.modules():
-        if type(module) is torch.nn.Linear:
-            weight = module.weight.detach()
-            module.weight = torch.nn.Parameter(weight.to(torch.bfloat16).to(weight.dtype), requires_grad=False)
-    return rounded
 
 
 def _packed(kernel: LinearKernel, weight: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:

@@ -5,7 +5,7 @@ Two pieces, both pure and host-side:
 * ``warp_logits`` turns logits into the distribution HF ``generate(do_sample=True, temperature, top_k, top_p)``
   samples from, using transformers' own warpers in the order and with the skip rules of
   ``GenerationMixin._get_logits_processor`` (see ``sampling_warpers``).
-* ``sample_verify`` is the sampling counterpart of ``verify.greedy_verify``: it walks the candidates' token tree
+* ``sample_verify`` is the sampling counterpart of ``greedy.greedy_verify``: it walks the candidates' token tree
   with one-hot residual acceptance tests, so the emitted tokens are distributed exactly as ancestral sampling from
   the warped target would distribute them, whatever the candidates were.
 

@@ -90,7 +90,7 @@ class Verifier(Protocol):
 
 
 class GreedyVerifier:
-    """Longest verified path (``verify.greedy_verify``); the longest hit over ranks wins, ties to the lowest."""
+    """Longest verified path (``greedy.greedy_verify``); the longest hit over ranks wins, ties to the lowest."""
 
     def prepare(
         self, plan_candidates: Sequence[Suffix], candidates: Sequence[Suffix], round_key: tuple[int | str, int]

@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import env_with_repo, make_tiny_folder, write_prompts
-from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead
+from helpers import (
+    FAMILIES,
+    bf16_rounded_linears,
+    code_and_chat_ids,
+    hf_greedy,
+    random_prompt,
+    run_lookahead,
+    stand_in_builds,
+)
 from transformers import AutoModelForCausalLM
 
 from lp_runner.backends.adapter import ModelAdapter, causal
@@ -29,7 +37,6 @@ from lp_runner.backends.cpu.prepack import (
     PackedLinear,
     SharedInputProduct,
     apply_prepack,
-    bf16_rounded_linears,
     native_unavailable_reason,
     prepack_linears,
 )
@@ -41,7 +48,7 @@ from lp_runner.models.loading import default_cache_dir
 NATIVE_REASON = native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir())
 # skipped only where the native kernel itself is unavailable: where it runs, its bfloat16 twin must too
 pytestmark = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"no native kernel: {NATIVE_REASON}")
-BUILDS = {"default": (), **{name: flags for name, (flags, _) in native.stand_in_builds().items()}}
+BUILDS = {"default": (), **{name: flags for name, (flags, _) in stand_in_builds().items()}}
 
 
 def _bf16_model(stock: torch.nn.Module) -> torch.nn.Module:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
-from helpers import hf_greedy, random_prompt, run_lookahead
+from helpers import hf_greedy, random_prompt, run_lookahead, stand_in_builds
 
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu import native
@@ -29,7 +29,7 @@ from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, p
 from lp_runner.models.loading import default_cache_dir
 
 NATIVE_REASON = native_unavailable_reason(torch.nn.Linear(2, 2), default_cache_dir())
-OTHER_BUILDS = native.stand_in_builds()  # name -> (extra flags, same bits as the default build)
+OTHER_BUILDS = stand_in_builds()  # name -> (extra flags, same bits as the default build)
 pytestmark = [
     pytest.mark.skipif(NATIVE_REASON is not None, reason=f"no native kernel: {NATIVE_REASON}"),
     pytest.mark.skipif(not OTHER_BUILDS, reason="this CPU stands in for no other instruction set"),
