@@ -159,3 +159,30 @@ def test_without_a_table_the_first_choice_is_the_configured_setting_and_says_so(
 )
 def test_slope_per_doubling(points, slope) -> None:
     assert slope_per_doubling(points) == pytest.approx(slope)
+
+
+def test_recording_a_configured_model_writes_the_table_its_preset_then_finds(tiny_dir, tmp_path) -> None:
+    """``study --record-acceptance``'s body: the model loads as a job's does, the table lands in OUT and in the cache
+    under the model's fingerprint, and the lookup the auto preset makes for that model finds exactly that table."""
+    from lp_runner.cli.acceptance import parse_windows, record_acceptance
+    from lp_runner.config import load_config
+    from lp_runner.models.loading import load_model_and_tokenizer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "def f(x):"}\n{"id": "b", "prompt": "hello hello"}\n', "utf-8")
+    cache = tmp_path / "cache"
+    cfg = load_config(None, [f"model.path={tiny_dir}", f"advanced.cache_dir={cache}", "generation.max_new_tokens=8"])
+    data = record_acceptance(cfg, str(prompts), tmp_path / "out", parse_windows("3-3-3"), log=lambda m: None)
+    assert [s["window"] for s in data["summary"]] == [[3, 3, 3]]
+    on_disk = (tmp_path / "out" / "table.json").read_text("utf-8")
+    model, _, _ = load_model_and_tokenizer(tiny_dir)
+    found, whose = table_text_for("", fingerprint(model), cache)
+    assert found == on_disk and "recorded for this model" in whose
+
+
+@pytest.mark.parametrize("bad", ["7-5", "7-5-x", "0-5-7", "7-2-7", "7-5-7," * 70, "99999-5-7"])
+def test_window_grids_are_bounded(bad) -> None:
+    from lp_runner.cli.acceptance import parse_windows
+
+    with pytest.raises(InputError, match="--windows"):
+        parse_windows(bad.rstrip(","))

@@ -1,0 +1,107 @@
+"""``lp_runner study --record-acceptance``: record the configured model's acceptance at LP's windows.
+
+The model loads as a job's does (placement, dtype, threads, backend), its fingerprint taken before the backend
+repacks the weights; each prompt and window is one record in ``OUT/records.jsonl`` (``tuning.acceptance.record``:
+resumable, every window checked against the prompt's greedy output). At the end the table goes to
+``OUT/table.json`` and to the cache under the model's fingerprint, where the auto preset finds it for this model
+(``acceptance.table_text_for``), and ``study --simulate --acceptance OUT/table.json`` prices it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from lp_runner.config import Config
+from lp_runner.errors import InputError
+from lp_runner.tuning.acceptance import (
+    DEFAULT_WINDOWS,
+    PromptToRecord,
+    cached_table_path,
+    generation_config,
+    read_records,
+    record,
+    table,
+)
+
+MAX_WINDOWS = 64  # a grid past this is a typo's, not a study's (each window is a pass over every prompt)
+MAX_WINDOW_SIDE = 255  # W and G; N at most 32: a round's rows stay within a forward's bound
+
+
+def parse_windows(text: str) -> list[tuple[int, int, int]]:
+    """``"7-5-7,15-5-15"`` -> [(7, 5, 7), (15, 5, 15)]; empty: the default grid. One line for anything else."""
+    if not text:
+        return list(DEFAULT_WINDOWS)
+    out = []
+    for part in text.split(","):
+        bits = part.strip().split("-")
+        if len(bits) != 3 or not all(b.isdigit() and len(b) <= 3 for b in bits):
+            raise InputError(f"--windows expects W-N-G[,W-N-G...] with small whole numbers, got {part.strip()!r}")
+        w, n, g = map(int, bits)
+        if not (1 <= w <= MAX_WINDOW_SIDE and 3 <= n <= 32 and 1 <= g <= MAX_WINDOW_SIDE):
+            raise InputError(f"--windows {part.strip()}: W and G from 1 to {MAX_WINDOW_SIDE}, N from 3 to 32")
+        out.append((w, n, g))
+    if len(out) > MAX_WINDOWS:
+        raise InputError(f"--windows names {len(out)} windows; at most {MAX_WINDOWS}")
+    return out
+
+
+def record_acceptance(
+    cfg: Config, prompts_path: str, out: Path, windows: Sequence[tuple[int, int, int]], log: Callable[[str], None]
+) -> dict:
+    """Record, write the table (``OUT/table.json`` and the cache's copy for this model) and return it."""
+    from lp_runner.backends import select_backend
+    from lp_runner.backends.adapter import ModelAdapter
+    from lp_runner.decoding.engine import LookaheadEngine
+    from lp_runner.device import bind, place, resolve_threads
+    from lp_runner.jobs.prompts import encode, read_prompts
+    from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
+    from lp_runner.tuning.acceptance import fingerprint
+
+    specs = read_prompts(prompts_path)
+    if not specs:
+        raise InputError(f"{prompts_path}: no prompts to record on")
+    placement = place(cfg.model.device, cfg.model.dtype)
+    bind(placement)
+    torch.set_num_threads(resolve_threads(cfg.model.threads))
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir or None)
+    model, tokenizer, _ = load_model_and_tokenizer(path, dtype=placement.dtype, device=placement.device)
+    weights = fingerprint(model)
+    cache_root = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else default_cache_dir()
+    backend = select_backend(cfg.model.backend, model, placement.device, config=cfg.model, cache_root=cache_root)
+    adapter = ModelAdapter(model, backend=backend)
+    gen = generation_config(cfg.generation.max_new_tokens)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or ([tokenizer.eos_token_id] if tokenizer.eos_token_id else []))
+    prompts = []
+    for s in specs:
+        ids = tuple(encode(tokenizer, s))
+        limit = adapter.max_positions
+        if limit is not None and len(ids) + cfg.generation.max_new_tokens > limit:
+            raise InputError(f"{s.describe()}: {len(ids)} tokens plus max_new_tokens exceed the model's {limit}")
+        prompts.append(PromptToRecord(s.id, "chat" if s.messages is not None else "completion", ids))
+
+    def run(la, ids):
+        res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))
+        return list(res.output_ids), list(res.stats.records)
+
+    records_file = out / "records.jsonl"
+    record(run, prompts, windows, records_file, log)
+    name = f"{cfg.model.path} ({placement.dtype}), greedy".replace("torch.", "")
+    data = table(read_records(records_file), name, Path(prompts_path).name, cfg.generation.max_new_tokens, weights)
+    text = json.dumps(data, separators=(",", ":")) + "\n"
+    for target in (out / "table.json", cached_table_path(cache_root, weights)):
+        _write_atomic(target, text)
+        log(f"wrote {target}")
+    return data
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
