@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lp_runner.tuning.acceptance import (  # noqa: E402
     DEFAULT_WINDOWS,
     PromptToRecord,
+    fingerprint,
     generation_config,
     read_records,
     record,
@@ -47,18 +48,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--table", type=Path, default=None, help="also write the table here")
     ap.add_argument("--table-only", action="store_true", help="write the table from the records, record nothing")
+    ap.add_argument("--preset", action="store_true", help="a table for the auto preset (calibration prompts only)")
     args = ap.parse_args()
     windows = [tuple(map(int, w.split("-"))) for w in args.windows.split(",")] if args.windows else DEFAULT_WINDOWS
     name = MODELS.get(args.model, args.model)
     records_file = args.out / "records.jsonl"
     if not args.table_only:
         torch.set_num_threads(args.threads)
-        run, tokenizer = _runner(args.model, args.max_new_tokens)
+        run, tokenizer, weights = _runner(args.model, args.max_new_tokens)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "model.json").write_text(json.dumps({"model": name, "weights": weights}) + "\n", encoding="utf-8")
         prompts = _prompts(args.prompts, tokenizer)
         start = time.time()
         record(run, prompts, windows, records_file, log=lambda m: print(m, file=sys.stderr, flush=True))
         print(f"recorded in {time.time() - start:.0f} s", file=sys.stderr)
-    data = table(read_records(records_file), f"{name}, fp32, greedy", args.prompts, args.max_new_tokens)
+    weights = json.loads((args.out / "model.json").read_text(encoding="utf-8"))["weights"]
+    prompts = Path(args.prompts).name
+    data = table(
+        read_records(records_file), f"{name}, fp32, greedy", prompts, args.max_new_tokens, weights, args.preset
+    )
     data["threads"] = args.threads
     text = json.dumps(data, separators=(",", ":")) + "\n"
     for path in [args.out / "table.json", *([args.table] if args.table else [])]:
@@ -68,7 +76,8 @@ def main() -> None:
 
 
 def _runner(model_name: str, max_new_tokens: int):
-    """(run(lookahead, ids) -> (output ids, round records), tokenizer) on the CLI's CPU backend."""
+    """(run(lookahead, ids) -> (output ids, round records), tokenizer, the model's fingerprint) on the CLI's CPU
+    backend."""
     from lp_runner.backends import select_backend
     from lp_runner.backends.adapter import ModelAdapter
     from lp_runner.decoding.engine import LookaheadEngine
@@ -80,6 +89,7 @@ def _runner(model_name: str, max_new_tokens: int):
 
         spec = str(qwen_coder_gguf())
     model, tokenizer, _ = load_model_and_tokenizer(resolve_model_path(spec), dtype=torch.float32)
+    weights = fingerprint(model)  # before the backend repacks the weights
     backend = select_backend("auto", model, torch.device("cpu"), agree=lambda ms: ms)
     adapter = ModelAdapter(model, backend=backend)
     gen = generation_config(max_new_tokens)
@@ -90,7 +100,7 @@ def _runner(model_name: str, max_new_tokens: int):
         res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))
         return list(res.output_ids), list(res.stats.records)
 
-    return run, tokenizer
+    return run, tokenizer, weights
 
 
 def _prompts(source: str, tokenizer) -> list[PromptToRecord]:

@@ -92,7 +92,9 @@ def record_acceptance(
     records_file = out / "records.jsonl"
     record(run, prompts, windows, records_file, log)
     name = f"{cfg.model.path} ({placement.dtype}), greedy".replace("torch.", "")
-    data = table(read_records(records_file), name, Path(prompts_path).name, cfg.generation.max_new_tokens, weights)
+    data = table(
+        read_records(records_file), name, Path(prompts_path).name, cfg.generation.max_new_tokens, weights, True
+    )
     text = json.dumps(data, separators=(",", ":")) + "\n"
     for target in (out / "table.json", cached_table_path(cache_root, weights)):
         _write_atomic(target, text)

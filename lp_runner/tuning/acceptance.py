@@ -162,7 +162,14 @@ def _shape_row(r, window_size: int) -> list:
     return [r.past_len, r.ordinary, window_size, r.depth, list(r.plan_candidates), r.winner_candidate, r.emitted]
 
 
-def table(records: Sequence[dict], model: str, prompts: str, max_new_tokens: int, weights: str | None = None) -> dict:
+def table(
+    records: Sequence[dict],
+    model: str,
+    prompts: str,
+    max_new_tokens: int,
+    weights: str | None = None,
+    preset: bool = False,
+) -> dict:
     """The acceptance table of a recording: the greedy samples, each window's shapes per prompt (only windows
     recorded on every prompt that has a greedy record, so windows are compared on the same prompts), and a
     per-window summary with bootstrap intervals."""
@@ -189,6 +196,7 @@ def table(records: Sequence[dict], model: str, prompts: str, max_new_tokens: int
         "format": TABLE_FORMAT,
         "model": model,
         "weights": weights,
+        "preset": preset,
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
         "samples": [{"id": r["prompt"], "prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"]} for r in greedy],
@@ -387,7 +395,9 @@ def table_text_for(spec: str, model_fingerprint: str, cache_root: Path | None) -
     before a backend repacks the weights) and where it came from.
 
     ``spec`` (``model.acceptance``): a path or shipped name, used as given. Empty: the table recorded with this
-    model: the cache's (``study --record-acceptance`` writes it there), else the package's;
+    model: the cache's (``study --record-acceptance`` writes it there), else the package's made for the preset
+    (``"preset": true``: recorded on calibration prompts kept apart from every benchmark prompt; the package's
+    other tables are the study's);
     else ``(None, why)``: no other model's acceptance stands in for it."""
     from importlib import resources
 
@@ -404,6 +414,7 @@ def table_text_for(spec: str, model_fingerprint: str, cache_root: Path | None) -
             return path.read_text(encoding="utf-8"), f"recorded for this model ({path})"
     for name in shipped_names():
         text = resources.files(SHIPPED_PACKAGE).joinpath(f"{SHIPPED_FOLDER}/{name}.json").read_text("utf-8")
-        if json.loads(text).get("weights") == mine:
+        data = json.loads(text)
+        if data.get("weights") == mine and data.get("preset"):  # recorded on prompts apart from the benchmarks'
             return text, f"shipped {name}"
     return None, "none recorded for this model"
