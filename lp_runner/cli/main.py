@@ -280,7 +280,7 @@ def failure_story(first: RankExit, stopped: list[int]) -> str:
 def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, single: bool) -> int:
     """This process is one rank (or the only one): run the prompts the output lacks; rank 0 writes and reports.
 
-    With ``parallel.groups`` > 1 the groups share the prompts through the job's queue (``jobs.run_queued``)."""
+    With ``parallel.groups`` > 1 the groups share the prompts through the job's queue (``queue.run_queued``)."""
     from lp_runner.collector import worker_start_up
     from lp_runner.jobs.queue import run_queued
     from lp_runner.jobs.report import Report
@@ -296,12 +296,13 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         everyone = worker.control or worker.comm  # the whole job (D > 1: its gloo control group)
         if everyone.world_size > 1:  # every rank runs the prompts rank 0's output lacks
             done = set(json.loads(everyone.all_gather_strings(json.dumps(sorted(done)))[0]))
-        todo = [s for s in specs if s.id not in done]
+        todo = worker.prompts.without(done)  # tokenized and checked once, at start-up
         rebuild_store(worker, specs, output, everyone)
         stream = None
         if single and cfg.run.stream and worker.is_main:
             stream = write_stdout
-        report = Report(cfg, output, len(specs), len(specs) - len(todo), progress=worker.is_main and not single)
+        skipped = len(specs) - len(todo.specs)
+        report = Report(cfg, output, len(specs), skipped, progress=worker.is_main and not single)
         try:
             if worker.layout is not None:
                 run_queued(worker, todo, on_record=report.record, stream=stream)
