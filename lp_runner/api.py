@@ -188,19 +188,25 @@ def generate(
     adapter = _adapter_for(model)
     policy = _policy_for(model, adapter, cfg)
     engine = LookaheadEngine(adapter, policy.lookahead, cfg.generation, eos_ids, None, policy.row_plan)
-    engine.check_prompt(prompt)  # an over-long prompt fails before the streamer sees anything
-    on_commit = None
+    on_commit, prompt_shown = None, [False]
+
+    def show_prompt() -> None:  # HF puts the prompt first; here once the engine took it (checked), so an
+        if not prompt_shown[0]:  # over-long prompt fails before the streamer sees anything
+            prompt_shown[0] = True
+            streamer.put(input_ids.reshape(1, -1).cpu())
+
     if streamer is not None:
-        streamer.put(input_ids.reshape(1, -1).cpu())  # HF puts the prompt first
 
         def on_commit(tokens) -> None:
+            show_prompt()
             streamer.put(torch.tensor([list(tokens)], dtype=torch.long))  # [1, n]
 
-    result = engine.generate(prompt, on_commit=on_commit)
+    result = engine.generate(prompt, on_commit=on_commit)  # checks the prompt: the API's one check
     policy.observe(
         prompt, result.output_ids, result.stats.records, result.lookahead
     )  # the next call may use a setting adapted to this output
     if streamer is not None:
+        show_prompt()  # a generation that committed nothing still shows its prompt
         streamer.end()
     new = torch.tensor([result.output_ids], dtype=torch.long, device=input_ids.device)  # [1, new]
     sequences = torch.cat([input_ids.reshape(1, -1).to(torch.long), new], dim=1)  # [1, T + new]

@@ -247,3 +247,109 @@ def test_one_kv_layer_kind_one_arena_one_forward_one_round_loop() -> None:
     for removed in ("AppendBufferLayer", "StaticBufferLayer", "SlotCache", "OwnCacheForward", "BatchedForward",
                     "forward_batch", "compiled_forward"):  # fmt: skip
         assert _grep(rf"\b{removed}\b") == [], removed
+
+
+def _calls(path: Path, attribute: str | None = None, name: str | None = None) -> list[tuple[str, str]]:
+    """(enclosing function, receiver) of every call in ``path`` of the method ``attribute`` (``x.run(...)``:
+    receiver ``x``'s source) or of the function ``name`` (receiver '')."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Call):
+            func = node.func
+            if attribute is not None and isinstance(func, ast.Attribute) and func.attr == attribute:
+                found.append((function, ast.unparse(func.value)))
+            if name is not None and isinstance(func, ast.Name) and func.id == name:
+                found.append((function, ""))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_run_jobs_is_the_only_caller_of_the_engines_job_entry() -> None:
+    """Every launcher's prompts go through one job loop (``jobs.worker.run_jobs``): it alone calls
+    ``LookaheadEngine.run`` (the engine's own ``generate``, one prompt, aside). A receiver that names an engine
+    is what the scan looks for; the guard below shows it finds the one call there is."""
+    callers = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(REPO))
+        for function, receiver in _calls(path, attribute="run"):
+            if "engine" in receiver.lower() or receiver == "self" and rel == "lp_runner/decoding/engine.py":
+                callers.append(f"{rel}:{function}:{receiver}")
+    assert callers == ["lp_runner/decoding/engine.py:generate:self", "lp_runner/jobs/worker.py:run_jobs:engine"]
+
+
+def _classes_with(method: str) -> dict[str, str]:
+    """Class name -> module path of every class of the package that defines ``method``."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(item, ast.FunctionDef) and item.name == method for item in node.body
+            ):
+                found[node.name] = str(path.relative_to(REPO))
+    return found
+
+
+def test_one_feeder_type_for_every_launcher() -> None:
+    """One place says which prompt starts next: the ``Feeder`` protocol and its one implementation,
+    ``PromptFeed``, which one process, torchrun groups and Ray actors all build (each with its own ``claim``);
+    the queue order it hands out is made in one place (``JobPrompts.order``)."""
+    assert _classes_with("next_index") == {
+        "Feeder": "lp_runner/jobs/worker.py",
+        "PromptFeed": "lp_runner/jobs/worker.py",
+    }
+    builders = {
+        f"{path.relative_to(REPO)}:{function}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for function, _ in _calls(path, name="PromptFeed")
+    }
+    assert builders == {
+        "lp_runner/jobs/worker.py:run_prompts",
+        "lp_runner/jobs/queue.py:run_queued",
+        "lp_runner/jobs/ray.py:run",
+    }
+    orders = {
+        f"{path.relative_to(REPO)}:{function}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for function, _ in _calls(path, name="queue_order")
+    }
+    assert orders == {"lp_runner/jobs/prompts.py:order"}
+
+
+def test_one_ray_elastic_loop_and_one_recovery_path() -> None:
+    """D = 1 and D > 1 Ray jobs run one loop per lane (``_Driver._lane``): it alone catches a lost worker, and one
+    helper (``_Driver._recover``) accounts for every loss."""
+    ray_py = PACKAGE / "jobs" / "ray.py"
+    tree = ast.parse(ray_py.read_text())
+    catching = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ExceptHandler) and "_WorkerLost" in ast.unparse(inner.type or ast.Pass()):
+                    catching.add(node.name)
+    assert catching == {"_lane"}
+    recover = [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and "recover" in node.name]
+    assert recover == ["_recover"]
+    assert {function for function, _ in _calls(ray_py, attribute="_recover")} == {"_lane"}
+
+
+def test_prompts_are_tokenized_in_one_place() -> None:
+    """A job's prompts become token ids in one function (``prompts.prepare_prompts``, through ``encode``), once per
+    process before the loop: no other module of the package calls ``encode`` or applies a chat template."""
+    callers = {
+        f"{path.relative_to(REPO)}:{function}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for function, _ in _calls(path, name="encode")
+    }
+    assert callers == {"lp_runner/jobs/prompts.py:_checked_ids"}
+    templates = {entry.split(":")[0] for entry in _grep(r"apply_chat_template\(")}
+    assert templates == {"lp_runner/jobs/prompts.py"}
+    # the job loop takes checked prompts and the API leaves the check to the engine's generate: none checks again
+    checks = [entry for entry in _grep(r"\bcheck_prompts?\(") if not entry.startswith("lp_runner/decoding/")]
+    assert checks == []

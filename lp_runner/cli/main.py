@@ -296,12 +296,13 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         everyone = worker.control or worker.comm  # the whole job (D > 1: its gloo control group)
         if everyone.world_size > 1:  # every rank runs the prompts rank 0's output lacks
             done = set(json.loads(everyone.all_gather_strings(json.dumps(sorted(done)))[0]))
-        todo = [s for s in specs if s.id not in done]
+        todo = worker.prompts.without(done)  # tokenized and checked once, at start-up
         rebuild_store(worker, specs, output, everyone)
         stream = None
         if single and cfg.run.stream and worker.is_main:
             stream = write_stdout
-        report = Report(cfg, output, len(specs), len(specs) - len(todo), progress=worker.is_main and not single)
+        skipped = len(specs) - len(todo.specs)
+        report = Report(cfg, output, len(specs), skipped, progress=worker.is_main and not single)
         try:
             if worker.layout is not None:
                 run_queued(worker, todo, on_record=report.record, stream=stream)

@@ -245,7 +245,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _run(args) -> int:
-    from lp_runner.jobs.prompts import encode, read_prompts
+    from lp_runner.jobs.prompts import read_prompts
 
     # everything the user gave, checked before anything is loaded or measured
     cfg = load_config(args.config, args.overrides)
@@ -268,9 +268,11 @@ def _run(args) -> int:
     # the tuner measures its own, finer curve: the worker needs no start-up calibration or auto preset
     solo.lookahead = dataclasses.replace(cfg.lookahead, preset="off", pad_rows=False)
     cfg.lookahead = dataclasses.replace(cfg.lookahead, preset="off")  # the base setting runs as written
-    worker = start_worker(solo)
+    solo.generation = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens)  # what it measures
+    worker = start_worker(solo, specs)  # the prompts tokenized and checked as a job's
     adapter: ModelAdapter = worker.adapter
-    prompts = [encode(worker.tokenizer, s) for s in specs]
+    job = worker.prompts
+    prompts = [list(ids) for ids, problem in zip(job.ids, job.problems, strict=True) if problem is None]
     gen = dataclasses.replace(cfg.generation, max_new_tokens=args.max_new_tokens)
     say = log.info  # progress lines, to stderr (--log-level)
 

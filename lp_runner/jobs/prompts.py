@@ -11,6 +11,7 @@ the file and line. Errors of one prompt (empty, too long for the model) name its
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,12 @@ def prompt_problem(spec: PromptSpec) -> str | None:
     return None
 
 
+def queue_order(lengths: Sequence[int]) -> list[int]:
+    """Indices of the prompts, longest first (ties in file order): long prompts start early, so the job does
+    not end waiting on one. ``queue_order([10, 40, 25, 40])`` -> [1, 3, 2, 0]."""
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+
 def read_prompts(path: str | Path) -> list[PromptSpec]:
     p = Path(path)
     try:
@@ -105,3 +112,68 @@ def encode(tokenizer: Any, spec: PromptSpec) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return list(tokenizer(spec.prompt)["input_ids"])
+
+
+@dataclass(frozen=True)
+class JobPrompts:
+    """A job's prompts as its loop runs them: each spec's token ids and what is wrong with it (None: nothing),
+    made once per process before the first generation (``prepare_prompts``) and handed to the loop.
+
+    ``order()`` is the one queue order every launcher runs: the usable prompts, longest first (ties in file
+    order), so long prompts start early and the job does not end waiting on one. Example: prompts of 10, 40, 25
+    and 40 tokens, the third one empty -> order [1, 3, 0]."""
+
+    specs: tuple[PromptSpec, ...]
+    ids: tuple[tuple[int, ...], ...]  # () for a prompt that cannot run
+    problems: tuple[str | None, ...]
+
+    def order(self) -> list[int]:
+        good = [i for i, problem in enumerate(self.problems) if problem is None]
+        return [good[k] for k in queue_order([len(self.ids[i]) for i in good])]
+
+    def without(self, done: set[str]) -> JobPrompts:
+        """The prompts whose ids are not in ``done`` (``--resume``: what the output lacks), in file order."""
+        keep = [i for i, spec in enumerate(self.specs) if spec.id not in done]
+        return JobPrompts(
+            tuple(self.specs[i] for i in keep), tuple(self.ids[i] for i in keep), tuple(self.problems[i] for i in keep)
+        )
+
+
+def prepare_prompts(
+    specs: Sequence[PromptSpec], tokenizer: Any, max_new_tokens: int, max_positions: int | None, on_error: str
+) -> JobPrompts:
+    """Tokenize and check every prompt once, before anything is generated: the one place a job's prompts become
+    token ids. A prompt is unusable when it is empty, cannot be tokenized (messages for a tokenizer without a
+    chat template) or does not fit the model's context (``max_positions``, None: unbounded) with
+    ``max_new_tokens``; under ``run.on_error=stop`` the first such prompt raises an InputError naming its id and
+    line, under ``skip`` its problem is kept for its error record."""
+    ids: list[tuple[int, ...]] = []
+    problems: list[str | None] = []
+    for spec in specs:
+        tokens, problem = _checked_ids(spec, tokenizer, max_new_tokens, max_positions)
+        if problem is not None and on_error == "stop":
+            raise InputError(f"{spec.describe()}: {problem}")
+        ids.append(tokens)
+        problems.append(problem)
+    return JobPrompts(tuple(specs), tuple(ids), tuple(problems))
+
+
+def _checked_ids(
+    spec: PromptSpec, tokenizer: Any, max_new_tokens: int, max_positions: int | None
+) -> tuple[tuple[int, ...], str | None]:
+    """(token ids, None) for a usable prompt, ((), what is wrong) otherwise."""
+    problem = prompt_problem(spec)
+    if problem is not None:
+        return (), problem
+    try:
+        ids = tuple(encode(tokenizer, spec))
+    except ValueError as exc:  # e.g. messages for a tokenizer without a chat template
+        return (), f"cannot tokenize: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    if not ids:
+        return (), "empty prompt: at least one token is needed"
+    if max_positions is not None and len(ids) + max_new_tokens > max_positions:
+        return (), (
+            f"prompt of {len(ids)} tokens plus max_new_tokens={max_new_tokens} exceeds the model's context of "
+            f"{max_positions} positions"
+        )
+    return ids, None

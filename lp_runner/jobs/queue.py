@@ -1,14 +1,13 @@
-"""One job over D LP groups (``parallel.groups = D > 1``): the prompt loop of each group, fed by the work queue.
+"""One job over D LP groups (``parallel.groups = D > 1``): each group runs the one job loop (``worker.run_jobs``)
+fed from the job's queue in the launcher's store.
 
-``worker.run_prompts`` runs a list of prompts in order on one LP group; ``run_queued`` is its D-group form, the same
-job loop (``worker.run_jobs``) fed from the job's queue:
-every rank tokenizes and checks every prompt (the same answer everywhere), then each group takes the next prompt
-from the job's queue (``parallel.groups``: longest first, whichever group is free) until none is left. The
-engine, the round protocol and the policy are those of a one-group job, so every prompt's greedy output is the
-one D = 1 gives (sampling streams are keyed by prompt id, not by order). With ``run.batch`` B > 1 each group
-keeps up to B of its claims in flight, claiming the next whenever one finishes. World rank 0 writes every record, in
-the order they finish, each with its ``group``; a bad prompt's error record (``run.on_error=skip``) comes first
-and carries no group (no group ran it).
+Every rank holds the job's prompts, tokenized and checked at start-up (``worker.prompts``, the same everywhere);
+each group takes the next prompt of the one queue order (``JobPrompts.order``: longest first) whenever a slot of
+its batch frees, whichever group is free (``worker.PromptFeed`` over ``JobQueue``). The engine, the round protocol
+and the policy are those of a one-group job, so every prompt's greedy output is the one D = 1 gives (sampling
+streams are keyed by prompt id, not by order). World rank 0 writes every record, in the order they finish, each
+with its ``group``; a bad prompt's error record (``run.on_error=skip``) comes first and carries no group (no
+group ran it).
 """
 
 from __future__ import annotations
@@ -17,29 +16,28 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 from lp_runner.errors import DistributedError, first_line
-from lp_runner.jobs.prompts import PromptSpec
+from lp_runner.jobs.prompts import JobPrompts
 from lp_runner.jobs.worker import (
-    JobFeed,
+    PromptFeed,
     TextStreamer,
     Worker,
-    check_prompts,
+    error_records,
     job_engine,
-    make_error_record,
     run_jobs,
     save_store,
 )
 from lp_runner.parallel.cores import CoreShare
-from lp_runner.parallel.groups import JobQueue, RecordCollector, claim_for_group, queue_order, store_client
+from lp_runner.parallel.groups import JobQueue, RecordCollector, claim_for_group, store_client
 from lp_runner.tuning.policy import RoundPolicy
 
 
 def run_queued(
     worker: Worker,
-    specs: Sequence[PromptSpec],
+    prompts: JobPrompts,
     on_record: Callable[[dict], None] | None = None,
     stream: Callable[[str], None] | None = None,
 ) -> list[dict]:
-    """Generate ``specs`` across the job's groups; on world rank 0, every record (also passed to ``on_record``,
+    """Generate ``prompts`` across the job's groups; on world rank 0, every record (also passed to ``on_record``,
     from its collector thread) in the order they finished; elsewhere [].
 
     ``stream`` (world rank 0, a single prompt): the text as group 0 commits it, or the whole text when another
@@ -50,10 +48,7 @@ def run_queued(
     timeout_s = worker.cfg.parallel.timeout_s
     policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
     engine = job_engine(worker, policy)  # its store is this group's own (pool_scope=job): fed by the prompts it ran
-    prompt_ids, problems = check_prompts(worker, engine, specs)
-    good = [i for i, problem in enumerate(problems) if problem is None]
-    order = [good[k] for k in queue_order([len(prompt_ids[i]) for i in good])]
-
+    order = prompts.order()
     records: list[dict] = []
 
     def deliver(rec: dict) -> None:  # world rank 0 only: the one writer
@@ -65,33 +60,25 @@ def run_queued(
 
     collector = None
     if worker.is_main:
-        for spec, problem in zip(specs, problems, strict=True):
-            if problem is not None:
-                rec = make_error_record(worker, spec, f"{spec.describe()}: {problem}")
-                rec["group"] = None
-                deliver(rec)
+        for _, rec in error_records(worker, prompts):
+            rec["group"] = None
+            deliver(rec)
         collector = RecordCollector(layout, len(order), timeout_s, deliver)
         collector.start()
     queue = JobQueue(store_client(timeout_s), worker.group) if worker.comm.rank == 0 else None
     cores = share_cores(worker)
+    streamer = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
 
-    claimed = [0]  # prompts of the job claimed by every group so far, as this group last saw (its ranks alike)
+    def on_commit(i: int, tokens: Sequence[int]) -> None:
+        for hook in (streamer, cores):
+            if hook is not None:
+                hook(tokens)
 
-    def next_index() -> int | None:  # a claim whenever the group has room: every rank of it takes the leader's
-        k = claim_for_group(queue, worker.comm)
-        claimed[0] = min(k + 1, len(order))
-        return order[k] if k < len(order) else None
-
-    def remaining() -> int:  # this group's share of the unclaimed prompts
-        return -(-(len(order) - claimed[0]) // layout.groups)
-
-    def callbacks_for(i: int) -> list:
-        streamer = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
-        return [hook for hook in (streamer, cores) if hook is not None]
-
-    feed = JobFeed(next_index, remaining, callbacks_for, post=queue.post if queue is not None else None)
+    post = None if queue is None else lambda i, rec: queue.post(rec)
+    # a claim whenever a slot of the group frees: every rank of it takes the leader's
+    feed = PromptFeed(order, lambda: claim_for_group(queue, worker.comm), post, groups=layout.groups)
     try:
-        run_jobs(worker, engine, policy, specs, prompt_ids, [[] for _ in specs], feed)  # run.batch in flight
+        run_jobs(worker, engine, policy, prompts, feed, on_commit if streamer or cores else None)
         if cores is not None:
             cores.leave()
         if queue is not None:

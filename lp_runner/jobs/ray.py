@@ -2,28 +2,27 @@
 
 Each actor is one rank: the driver sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in its
 environment (the rendezvous is the first actor's node IP and a free port it picks) and calls the same
-``worker.start_worker`` and ``worker.run_prompts`` as a torchrun worker, so there is one round protocol. Rank 0
-queues its per-round committed tokens, streamed text and per-prompt records (made by ``worker.make_record``); the
-driver polls them and writes, streams and summarises exactly as the torchrun path does.
+``worker.start_worker`` (which tokenizes the job's prompts once) and ``worker.run_jobs`` as a torchrun worker, so
+there is one round protocol and one job loop. The job's queue is a small actor of the driver's (``_Queue``):
+whenever a slot of a group's batch frees, its rank 0 claims the next position of the queue order (longest prompt
+first, ``JobPrompts.order``) and its peers take the answer, as torchrun groups claim through the launcher's store.
+Rank 0 queues its per-round committed tokens, streamed text and per-prompt records (made by
+``worker.make_record``); the driver polls them and writes, streams and summarises exactly as the torchrun path
+does.
 
-Elastic recovery, worked example (P = 2, prompts a b c, the rank-1 actor is killed while b is generating):
-    group 0   ranks 0,1 run [a, b, c]; the driver holds a's record and b's first 37 committed tokens
-    loss      rank 1's ``run`` raises ActorDiedError (a stalled rank: rank 0 raises DistributedError within
-              parallel.timeout_s); the driver drains rank 0 once more, kills it and frees the placement group
-    group 1   as many workers as the cluster now holds (P, or fewer after a node loss) run [b, c] with
-              committed = [b's 37 tokens, []]; greedy output is a function of the prefix, so b's record equals the
-              uninterrupted one. The record gains a ``recovery`` list; the summary counts the events and seconds.
-With ``run.batch`` B > 1 the group keeps B prompts in flight (``run_prompts``, as under torchrun); every one that
-had committed a round when the group was lost gets its event and resumes from its own prefix (b at 37 and c at
-12, say). At most ``advanced.max_restarts`` recoveries, then the run fails with the last cause.
+One elastic loop for D = 1 and D > 1 (``parallel.groups``): the driver runs one lane per LP group, each a thread
+with its own placement group, actors and torch group. Worked example (D = 2, P = 1, B = 2, prompts a b c d e f in
+queue order): lane 0 claims a, lane 1 b before starting (a lane that finds the queue empty starts nothing); once
+started, lane 0 claims c and lane 1 d to fill their batches; lane 1's d finishes first and it claims e at once,
+then lane 0's a and it claims f. Records are written as they finish, each with its ``group`` (D > 1).
 
-D > 1 groups (``parallel.groups``), worked example (D = 2, P = 1, B = 2, prompts a b c d e f): the driver runs two
-lanes, each a thread with its own placement group, actors and torch group. Each lane claims B prompts from the
-driver's queue and runs them together in one ``Replica.run``: lane 0 claims [a, b], lane 1 [c, d]; lane 1 finishes
-first and claims [e, f]; lane 0 then finds the queue empty and leaves. Records are written as they finish (d c a b
-f e), each with its ``group``. If lane 1's actor dies during [e, f], lane 1 alone rebuilds (generation 1) and
-resumes e and f from their committed prefixes (a prompt of the claim already written is not run again); lane 0
-goes on meanwhile. B = 1 is the same loop with claims of one prompt.
+Recovery, worked example (the same job, lane 1's actor is killed while b and e are generating): the driver
+drains rank 0's last messages (b's first 37 committed tokens, e's 12), tears the group down and rebuilds lane 1
+alone (generation 1, as many workers as the cluster now holds); the new group runs the prompts lane 1 claimed and
+has not written, b from its 37 tokens and e from its 12, then claims from the queue again; lane 0 goes on
+meanwhile. Greedy output is a function of the prefix, so b's and e's records equal the uninterrupted ones; each
+gains a ``recovery`` list and the summary counts the events and seconds. At most ``advanced.max_restarts``
+recoveries, then the run fails with the last cause.
 """
 
 from __future__ import annotations
@@ -189,21 +188,25 @@ class Replica:
             info = self.node()
             raise ModelError(f"worker rank {rank} on node {info['ip']} ({info['host']}): {exc}") from None
 
-    def start(self, cfg_data: dict, env: dict[str, str], prompts: int = 0) -> tuple[float, int]:
-        """Join the group and load the replica: exactly what a torchrun worker does. Returns the load seconds and
-        the generations its policy keeps in flight (``run.batch``, never more than the job's ``prompts``, 1 where
-        the model cannot batch): the driver claims that many prompts per ``run``."""
+    def start(
+        self, cfg_data: dict, env: dict[str, str], specs: list[PromptSpec]
+    ) -> tuple[float, int, list[int], list[tuple[int, dict]]]:
+        """Join the group, load the replica and tokenize the job's ``specs`` once: exactly what a torchrun worker
+        does. Returns the load seconds, the generations its policy keeps in flight (``run.batch``, never more
+        than the job's prompts), the job's queue order (``JobPrompts.order``, the same on every rank) and, on
+        rank 0, the error records of the prompts that cannot run (``run.on_error=skip``)."""
         from lp_runner.collector import worker_start_up
-        from lp_runner.jobs.worker import start_worker
+        from lp_runner.jobs.worker import error_records, start_worker
 
         os.environ.update(env)
         setup_logging(env.get(LEVEL_ENV, "INFO"))  # the driver's --log-level; lines reach the driver's stderr
         with worker_start_up():  # the actor's one worker: its start-up's objects out of later collections
-            self.worker = start_worker(config_from_dict(cfg_data), prompt_count=prompts)
+            self.worker = start_worker(config_from_dict(cfg_data), specs)
         import torch
 
         self.threads = torch.get_num_threads()
-        return self.worker.load_s, self.worker.policy.batch
+        errors = error_records(self.worker, self.worker.prompts) if self.worker.is_main else []
+        return self.worker.load_s, self.worker.policy.batch, self.worker.prompts.order(), errors
 
     def share_threads(self, node_ranks: int, idle_mask: int, index: int) -> None:
         """Groups of this job on this node have no more work (the driver's ``_share_cores``): from the next round
@@ -222,50 +225,56 @@ class Replica:
 
     def run(
         self,
-        specs: list[PromptSpec],
-        indices: list[int],
-        committed: list[list[int]],
-        printed: list[int],
+        queue: Any,
+        lane: int,
+        groups: int,
+        resume: list[tuple[int, list[int], int]],
+        finished: Sequence[tuple[list[int], list[int]]],
         stream: bool,
-        finished: Sequence[tuple[list[int], list[int]]] = (),
-        later: int | None = 0,
-    ) -> int:
-        """run_prompts on this rank; rank 0 queues ("tokens", i, ids), ("text", i, str) and ("record", i, rec)
-        with i the prompt's index in the driver's list. ``finished``: (prompt ids, output ids) of the records
-        already written, in job order: a recovered group's job store (``pool_scope: job``) is rebuilt from them,
-        so it holds what the lost group's did. ``later``: prompts this group runs after these (None: unknown,
-        where groups take prompts in turn), for the auto preset (``run_prompts``)."""
-        from lp_runner.jobs.worker import TextStreamer, run_prompts
+    ) -> None:
+        """The job loop (``worker.run_jobs``) on this rank, fed by the driver's queue (``_Queue``) as a torchrun
+        group is fed by the store: a slot that frees claims the next prompt of the queue order for ``lane``
+        (rank 0 asks, its group takes its answer). ``resume``: (index, committed tokens, characters streamed) of
+        the prompts this lane's lost group had in flight, run first from their prefixes. ``finished``: (prompt
+        ids, output ids) of the records this lane wrote, in order: a rebuilt group's job store (``pool_scope:
+        job``) starts from them, as the lost group's held them. ``groups``: lanes sharing the queue.
 
-        if self.worker.store is not None:
+        Rank 0 queues ("tokens", i, ids), ("text", i, str) and ("record", i, rec), i the prompt's index in the
+        driver's list; the driver polls them."""
+        from lp_runner.jobs.worker import PromptFeed, TextStreamer, job_engine, run_jobs
+        from lp_runner.parallel.groups import claim_for_group
+
+        worker = self.worker
+        if worker.store is not None:
             for prompt_ids, output_ids in finished:
-                self.worker.store.add(prompt_ids, output_ids)
-
+                worker.store.add(prompt_ids, output_ids)
+        main = worker.comm.rank == 0
+        prefixes = {i: committed for i, committed, _ in resume}
+        printed = {i: chars for i, _, chars in resume}
         streamers: dict[int, TextStreamer] = {}
-        done = [0]
 
         def on_commit(i: int, tokens: Sequence[int]) -> None:
             self._take_shared_threads()
-            self._send(("tokens", indices[i], list(tokens)))
+            if not main:
+                return
+            self._send(("tokens", i, list(tokens)))
             if stream:
                 if i not in streamers:  # resumed: continue after the text the driver already printed
 
-                    def write(text: str, at: int = indices[i]) -> None:
+                    def write(text: str, at: int = i) -> None:
                         if text:
                             self._send(("text", at, text))
 
-                    streamers[i] = TextStreamer(self.worker.tokenizer, write, shown=committed[i], printed=printed[i])
+                    streamers[i] = TextStreamer(worker.tokenizer, write, prefixes.get(i, ()), printed.get(i, 0))
                 streamers[i](tokens)
 
-        index_of = {spec.id: indices[k] for k, spec in enumerate(specs)}
-
-        def on_record(rec: dict) -> None:  # in the order prompts finish (run.batch > 1: not the list's)
-            self._send(("record", index_of[rec["id"]], rec))
-            done[0] += 1
-
+        claims = _LaneClaims(queue, lane) if main else None
+        post = (lambda i, rec: self._send(("record", i, rec))) if main else None
+        first = [i for i, _, _ in resume]
+        feed = PromptFeed(worker.prompts.order(), lambda: claim_for_group(claims, worker.comm), post, groups, 0, first)
+        policy = worker.policy
         self._take_shared_threads()
-        run_prompts(self.worker, specs, on_record=on_record, committed=committed, on_commit=on_commit, later=later)
-        return done[0]
+        run_jobs(worker, job_engine(worker, policy), policy, worker.prompts, feed, on_commit, prefixes)
 
     def _take_shared_threads(self) -> None:
         import torch
@@ -292,6 +301,52 @@ class Replica:
             self.outbox.append(message)
 
 
+class _Queue:
+    """The job's queue on Ray, a small actor of the driver's: positions of the queue order (``JobPrompts.order``)
+    handed out one claim at a time, as the launcher's store hands them to torchrun groups (``JobQueue``), and
+    which lane claimed each, so the driver knows what a lost group had in flight (claimed, no record yet)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.claims: dict[int, list[int]] = {}
+
+    def claim(self, lane: int) -> int:
+        """The next position (past the end of the order: nothing left), remembered as ``lane``'s."""
+        k, self.next = self.next, self.next + 1
+        self.claims.setdefault(lane, []).append(k)
+        return k
+
+    def claimed(self, lane: int) -> list[int]:
+        return list(self.claims.get(lane, []))
+
+
+class _LaneClaims:
+    """A group leader's side of the driver's queue (``claim_for_group`` asks it; its peers take its answer)."""
+
+    def __init__(self, queue: Any, lane: int) -> None:
+        self.queue = queue
+        self.lane = lane
+
+    def claim(self) -> int:
+        import ray
+
+        return ray.get(self.queue.claim.remote(self.lane))
+
+
+class _RemoteQueue:
+    """The driver's handle on the ``_Queue`` actor: the same two calls, answered."""
+
+    def __init__(self, ray: Any, actor: Any) -> None:
+        self.ray = ray
+        self.actor = actor
+
+    def claim(self, lane: int) -> int:
+        return self.ray.get(self.actor.claim.remote(lane))
+
+    def claimed(self, lane: int) -> list[int]:
+        return self.ray.get(self.actor.claimed.remote(lane))
+
+
 # ---------------------------------------------------------------- driver side
 
 
@@ -303,7 +358,9 @@ class _Group:
     pg: Any
     actors: list[Any]
     load_s: float = 0.0
-    batch: int = 1  # prompts run together in one ``Replica.run`` (its policy's ``run.batch``)
+    batch: int = 1  # generations in flight (its policy's ``run.batch``)
+    order: list[int] = field(default_factory=list)  # the job's queue order, as its ranks computed it
+    errors: list[tuple[int, dict]] = field(default_factory=list)  # (index, error record) of the unusable prompts
     ips: list[str] = field(default_factory=list)  # each rank's node
     unread: list[Any] = field(default_factory=list)  # calls given up on before they answered (read at teardown)
 
@@ -453,9 +510,11 @@ class _Driver:
         self.progress = _Progress(len(self.specs))
         self.recoveries: list[list[dict]] = []  # per lost group: the recovery events of the prompts it split
         self.run_id = uuid.uuid4().hex[:8]
-        # D > 1 groups (lanes): one driver thread per lane; progress, the report and the queue under one lock
+        self.groups = cfg.parallel.groups
+        # one driver thread per lane (LP group); progress, the report and the queue order under one lock
         self.lock = threading.RLock()
-        self.queue = list(range(len(self.specs)))  # job order; a free lane claims the first ones
+        self.queue: Any = None  # the job's queue (``_Queue``): made by ``run``
+        self.order: list[int] | None = None  # the queue order, as the first group to start computed it
         self.lanes: dict[int, _Group] = {}  # the lanes' current groups (torn down by the main thread on a stop)
         self.lane_finished: dict[int, list[tuple[list[int], list[int]]]] = {}  # per lane: its store's content
         self.node_slots: dict[str, list[tuple[int, int]]] = {}  # per node: (lane, rank) of every actor placed there
@@ -477,40 +536,22 @@ class _Driver:
                 f"{shortfall(nodes, self.bundle, needed)}; lower parallel.workers, parallel.groups or the "
                 "per-worker resources"
             )
-        if par.groups > 1:
+        actor = self.ray.remote(_Queue).options(name=f"lp_runner-{self.run_id}-queue", num_cpus=0).remote()
+        self.queue = _RemoteQueue(self.ray, actor)
+        try:
             self._run_lanes()
-            self._finish()
-            return 0
-        workers, generation, group, lost_at = par.workers, 0, None, None
-        while self.progress.todo():
-            try:
-                group = self._start_group(workers, generation, shrink=generation > 0)
-                self.load_s = group.load_s
-                if generation == 0 and self.output is not None and self.output.done:
-                    self.output.check_weights(self.ray.get(group.actors[0].fingerprint.remote()))
-                if lost_at is not None:
-                    _rebuilt(self.recoveries[-1], lost_at, group.size)
-                    lost_at = None
-                self._run_group(group)
-            except _WorkerLost as lost:
-                lost_at = time.monotonic()
-                if self._recover(group, str(lost), workers):
-                    workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
-            finally:
-                if group is not None:
-                    group.teardown()
-                group = None
-            generation += 1
+        finally:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor, no_restart=True)
         self._finish()
         return 0
 
-    # -- D > 1 groups: one lane (driver thread) per group, prompts from the queue
-
     def _run_lanes(self) -> None:
-        """Run D lanes at once; the first fatal error (or Ctrl-C) stops them all and tears down their actors."""
+        """Run the D lanes at once (D = 1: one); the first fatal error (or Ctrl-C) stops them all and tears down
+        their actors."""
         threads = [
             threading.Thread(target=self._lane_main, args=(lane,), name=f"lp_runner-lane{lane}", daemon=True)
-            for lane in range(self.cfg.parallel.groups)
+            for lane in range(self.groups)
         ]
         for thread in threads:
             thread.start()
@@ -543,26 +584,17 @@ class _Driver:
                 self.errors.append(exc)
             self.stop.set()
 
-    def _claim(self, count: int) -> list[int]:
-        """Up to ``count`` prompts from the front of the queue (none once the run is stopping)."""
-        with self.lock:
-            if self.stop.is_set() or count <= 0:
-                return []
-            claim, self.queue[:count] = self.queue[:count], []
-            return claim
-
     def _lane(self, lane: int) -> None:
-        """One LP group's elastic loop: claim as many prompts as the group runs together (its ``batch``), run them
-        in one ``Replica.run``, repeat. A lost actor rebuilds this lane's group only (the other lanes go on), which
-        resumes every unfinished prompt of the claim from its committed prefix, as with D = 1.
+        """One LP group's elastic loop, the same for D = 1 and D > 1: start a group, run the job loop on it (each
+        slot claims the next prompt from the driver's queue as its generation ends), leave when the queue is
+        empty. A lost actor rebuilds this lane's group only (the other lanes go on), which resumes every prompt
+        the lane had claimed and not written, each from its committed prefix.
 
-        The first claim is one prompt, taken before the group starts: a lane that finds the queue empty starts
-        nothing. Once the group has said its batch, each claim is topped up to it."""
-        par = self.cfg.parallel
-        held = self._claim(1)  # the prompts of this lane's claim not yet written
-        if not held:
+        The lane's first claim is taken before its group starts: a lane that finds the queue empty starts
+        nothing (two lanes, one prompt: one group loads the model)."""
+        if self._claim(lane) >= len(self.specs):
             return
-        workers, generation, lost_at, loss = par.workers, 0, None, []
+        workers, generation, lost_at, loss = self.cfg.parallel.workers, 0, None, []
         self.lane_finished[lane] = list(self.resumed)
         while True:
             group = None
@@ -573,7 +605,7 @@ class _Driver:
                         raise _Stopped
                     self.lanes[lane] = group
                     self._place(lane, group)
-                    self.load_s = max(self.load_s, group.load_s)
+                    self._started(group)
                     check = not self.weights_checked and self.output is not None and bool(self.output.done)
                     self.weights_checked = True
                     if lost_at is not None:
@@ -582,12 +614,7 @@ class _Driver:
                 if check:
                     self.output.check_weights(self.ray.get(group.actors[0].fingerprint.remote()))
                 self._share_cores()  # a rebuilt group on a node that other lanes have left
-                finished = self.lane_finished[lane]  # a rebuilt group's store starts from what this lane ran
-                while held:
-                    held += self._claim(group.batch - len(held))
-                    self._run_claim(group, lane, held, finished)
-                    finished = []
-                    held = self._claim(group.batch)  # the run returned: every prompt of the claim is written
+                self._run_group(group, lane)
                 if lane == 0 and self.cfg.run.pool_out:
                     self.ray.get(group.actors[0].save_store.remote(self.cfg.run.pool_out))
                 with self.lock:
@@ -598,16 +625,47 @@ class _Driver:
                 if self.stop.is_set():
                     raise _Stopped from None
                 lost_at = time.monotonic()
-                held, loss = self._recover_lane(group, lane, held, str(lost), workers)
-                if not held:  # the lost group had written its claim and the queue is empty
+                loss = self._recover(group, lane, str(lost), workers)
+                if loss is None:  # the lost group had written every claim and the queue is empty
                     return
-                workers = max(1, min(par.workers, placeable(self._nodes(), self.bundle)))
+                workers = max(1, min(self.cfg.parallel.workers, placeable(self._nodes(), self.bundle)))
             finally:
                 with self.lock:
                     self.lanes.pop(lane, None)
                 if group is not None:
                     group.teardown()
             generation += 1
+
+    def _claim(self, lane: int) -> int:
+        """A position of the queue order claimed by the driver for ``lane`` (past ``len(self.specs)``: none left;
+        none once the run is stopping)."""
+        if self.stop.is_set():
+            return len(self.specs)
+        return self.queue.claim(lane)
+
+    def _started(self, group: _Group) -> None:
+        """A group started: the job's queue order (every group computes the same) and the error records of the
+        prompts that cannot run, written once (D > 1: with no group, as torchrun's). Under the lock."""
+        if self.order is None:
+            self.order = group.order
+        elif group.order != self.order:
+            raise DistributedError("the groups ordered the job's prompts differently: is the tokenizer the same?")
+        for i, rec in group.errors:
+            if i not in self.progress.records:
+                if self.groups > 1:
+                    rec["group"] = None
+                self._write(i, rec)
+
+    def _in_flight(self, lane: int) -> list[int]:
+        """The prompts ``lane`` claimed and has not written, in claim order: what its next group runs first. Before
+        any group of the job started (no order known), no prompt has begun: the first unwritten one stands for
+        the lane's claim."""
+        claimed = self.queue.claimed(lane)
+        with self.lock:
+            if self.order is None:
+                return self.progress.todo()[:1] if claimed else []
+            order, records = self.order, self.progress.records
+            return [order[k] for k in claimed if k < len(order) and order[k] not in records]
 
     def _place(self, lane: int, group: _Group) -> None:
         """Record where ``lane``'s (new) group runs: one slot per rank on its node (under the lock)."""
@@ -621,7 +679,7 @@ class _Driver:
         busy ranks still on it, as torchrun ranks share them through the store (``parallel/cores.py``). Only the
         cores this job held are shared: a lane that never started frees no reservation of its own. Each busy
         rank is told its node's slots and which left; it takes its share from its next round."""
-        if not self.cfg.parallel.share_cores or self.bundle.get("GPU") or self.cfg.parallel.groups < 2:
+        if not self.cfg.parallel.share_cores or self.bundle.get("GPU") or self.groups < 2:
             return
         calls = []
         with self.lock:
@@ -637,16 +695,18 @@ class _Driver:
             with contextlib.suppress(Exception):  # a rank lost meanwhile: its lane's recovery deals with it
                 group.get(ref, self.cfg.parallel.timeout_s)
 
-    def _run_claim(self, group: _Group, lane: int, held: list[int], finished: list) -> None:
-        """The prompts ``held`` on the lane's group, together (``run_prompts`` keeps ``group.batch`` in flight),
-        each from its committed prefix (empty unless a lost group began it); records come in the order they
-        finish."""
+    def _run_group(self, group: _Group, lane: int) -> None:
+        """The job loop on the lane's group until the queue is empty: first the prompts the lane claimed and has
+        not written (its lost group's, from their committed prefixes; a new lane's first claim), then a claim per
+        generation that ends. Records come in the order they finish.
+
+        The rebuilt store takes the lane's written outputs in the order they were written, as the lost group's
+        store took them."""
+        held = self._in_flight(lane)
         with self.lock:
-            committed = [list(self.progress.committed.get(i, [])) for i in held]
-            printed = [self.progress.printed.get(i, 0) for i in held]
-        specs = [self.specs[i] for i in held]
-        # groups take claims in turn: how many more prompts this group will run is not known here
-        refs = [a.run.remote(specs, held, committed, printed, self.stream, finished, later=None) for a in group.actors]
+            resume = [(i, list(self.progress.committed.get(i, [])), self.progress.printed.get(i, 0)) for i in held]
+            finished = list(self.lane_finished[lane])
+        refs = [a.run.remote(self.queue.actor, lane, self.groups, resume, finished, self.stream) for a in group.actors]
 
         def tick() -> None:
             if self.stop.is_set():
@@ -655,39 +715,31 @@ class _Driver:
 
         self._gather(group, refs, "the run", None, tick=tick)
 
-    def _recover_lane(
-        self, group: _Group | None, lane: int, held: list[int], reason: str, workers: int
-    ) -> tuple[list[int], list[dict]]:
-        """``_recover`` for one lane: account for the loss of the group that held the claim ``held`` and return
-        (the prompts its rebuilt group runs, the loss's recovery events). Those are the claim's unfinished
-        prompts, from their committed prefixes; or, when the loss came after every record of the claim was
-        written (the actor died between its last poll and the end of its run), the next prompt from the queue,
-        from token 0: the group is rebuilt all the same, so the loss is counted and reported on the prompt that
-        paid for it. ([], []) when the queue is empty too (nothing to rebuild for)."""
+    def _recover(self, group: _Group | None, lane: int, reason: str, workers: int) -> list[dict] | None:
+        """Account for the loss of ``lane``'s group before it is rebuilt; returns the loss's recovery events, or
+        None when nothing is left to run (no rebuild). The rebuilt group resumes every prompt the lane had claimed
+        and not written (``_in_flight``), each from its committed prefix; when the loss came after every record
+        of the lane was written (the actor died between its last poll and the end of its run), the lane claims
+        the next prompt, from token 0: the group is rebuilt all the same, so the loss is counted and reported on
+        the prompt that paid for it."""
         self._drain(group, lane)
+        held = self._in_flight(lane)
+        written = not held
+        if written:
+            self._claim(lane)
+            held = self._in_flight(lane)
+            if not held:
+                log.warning("%s after its claim was written; nothing left to run", self._lost(lane, reason))
+                return None
         with self.lock:
-            held = [i for i in held if i not in self.progress.records]
-            written = not held
-            if written:
-                held = self._claim(1)
-                if not held:
-                    log.warning("group %d: %s after its claim was written; nothing left to run", lane, reason)
-                    return [], []
-            loss = self._note_loss(group, held, f"group {lane}: {reason}", workers)
-        say = "its claim was written; starting" if written else "resuming"
-        self._warn_loss(loss, say)
-        return held, loss
+            loss = self._note_loss(group, held, self._lost(lane, reason), workers)
+        self._warn_loss(loss, "its claim was written; starting" if written else "resuming")
+        return loss
 
-    def _recover(self, group: _Group | None, reason: str, workers: int) -> bool:
-        """Account for a lost worker before the group is rebuilt; False when nothing is left to run."""
-        self._drain(group, None)
-        todo = self.progress.todo()
-        if not todo:  # lost after rank 0 had reported every record: nothing to redo
-            return False
-        self._warn_loss(self._note_loss(group, todo, reason, workers), "resuming")
-        return True
+    def _lost(self, lane: int, reason: str) -> str:
+        return f"group {lane}: {reason}" if self.groups > 1 else reason
 
-    def _drain(self, group: _Group | None, lane: int | None) -> None:
+    def _drain(self, group: _Group | None, lane: int) -> None:
         """Rank 0's messages sent after the driver's last poll: the tokens it committed before the loss (it cannot
         pass the round its peer failed in), and records it finished."""
         if group is not None and group.actors:
@@ -700,9 +752,9 @@ class _Driver:
         had committed a round; the first of ``todo`` when none had (a loss between prompts or before the first
         round). Each event goes on its prompt's record (``_write``).
 
-        Example: a claim [a, b, c] of a batch-3 group, a written, b at 37 tokens, c not started (the group lost
+        Example: a batch-3 group had [a, b, c] in flight, a written, b at 37 tokens, c not started (the group lost
         before c's first round): events for b only (``resumed_at_token`` 37); c starts over from token 0, losing
-        nothing it had committed. Call under the lock (lanes)."""
+        nothing it had committed. Call under the lock."""
         limit = self.cfg.parallel.max_restarts
         if len(self.recoveries) >= limit:
             raise DistributedError(
@@ -739,13 +791,15 @@ class _Driver:
 
     # -- one group
 
-    def _start_group(self, workers: int, generation: int, shrink: bool, lane: int | None = None) -> _Group:
+    def _start_group(self, workers: int, generation: int, shrink: bool, lane: int) -> _Group:
         """Place ``workers`` actors (fewer, down to 1, when ``shrink`` and the cluster lost capacity), check the
-        model path on each, then start them together: they rendezvous and load their replicas.
+        model path on each, then start them together: they rendezvous, load their replicas and tokenize the job's
+        prompts.
 
-        ``lane``: which of the ``parallel.groups`` LP groups this is (D > 1): its own placement group, actor
-        names ``lp_runner-<run>-d<lane>-g<generation>-rank<r>`` and rendezvous; each actor sees a one-group job
-        (``parallel.groups = 1``) and saves no store itself (the driver asks lane 0's rank 0 at the end)."""
+        ``lane``: which of the ``parallel.groups`` LP groups this is: its own placement group, actor names
+        ``lp_runner-<run>-d<lane>-g<generation>-rank<r>`` (D = 1: ``lp_runner-<run>-g<generation>-rank<r>``) and
+        rendezvous; each actor sees a one-group job (``parallel.groups = 1``) and saves no store itself (the
+        driver asks lane 0's rank 0 at the end)."""
         ray, par = self.ray, self.cfg.parallel
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -773,7 +827,7 @@ class _Driver:
                 num_gpus=self.bundle.get("GPU", 0.0),
                 resources=custom,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-                name=f"lp_runner-{self.run_id}{'' if lane is None else f'-d{lane}'}-g{generation}-rank{rank}",
+                name=f"lp_runner-{self.run_id}{'' if self.groups == 1 else f'-d{lane}'}-g{generation}-rank{rank}",
                 max_restarts=0,
                 max_concurrency=2,
             )
@@ -793,9 +847,8 @@ class _Driver:
             cfg_data = self.cfg.to_dict()
             cfg_data["parallel"]["workers"] = workers
             cfg_data["model"]["threads"] = actor_threads(self.cfg.model.threads, self.bundle)
-            if lane is not None:
-                cfg_data["parallel"]["groups"] = 1
-                cfg_data["run"]["pool_out"] = ""  # run_prompts would save it after every claim
+            cfg_data["parallel"]["groups"] = 1
+            cfg_data["run"]["pool_out"] = ""  # the driver has lane 0's rank 0 save it after the job
             refs = []
             for rank, actor in enumerate(group.actors):
                 same_node = [r for r, info in enumerate(infos) if info["ip"] == infos[rank]["ip"]]
@@ -809,8 +862,8 @@ class _Driver:
                     "MASTER_PORT": str(port),
                     LEVEL_ENV: level_name(),
                 }
-                refs.append(actor.start.remote(cfg_data, env, len(self.specs)))
-            group.load_s, group.batch = self._gather(group, refs, "start", None)[0]
+                refs.append(actor.start.remote(cfg_data, env, self.specs))
+            group.load_s, group.batch, group.order, group.errors = self._gather(group, refs, "start", None)[0]
             group.ips = [info["ip"] for info in infos]
         except BaseException:
             group.teardown()
@@ -903,23 +956,6 @@ class _Driver:
                 return _WorkerLost(f"worker rank {rank} was lost ({first_line(cause)})")
         raise exc
 
-    def _run_group(self, group: _Group) -> None:
-        """Run every unfinished prompt on the group (D = 1: one claim of the whole job, so ``run_prompts`` refills
-        its ``run.batch`` in flight from all of it); resumed ones start from their committed prefix.
-
-        The rebuilt store takes the written outputs in the order they were written (``progress.records``' order),
-        as the lost group's store took them: with ``run.batch`` > 1 that is the order prompts finished."""
-        progress = self.progress
-        todo = progress.todo()
-        specs = [self.specs[i] for i in todo]
-        committed = [progress.committed.get(i, []) for i in todo]
-        printed = [progress.printed.get(i, 0) for i in todo]
-        finished = [(r["prompt_ids"], r["output_ids"]) for r in progress.records.values() if "error" not in r]
-        finished = [*self.resumed, *finished]  # --resume: the records the output already held come first
-        refs = [a.run.remote(specs, todo, committed, printed, self.stream, finished) for a in group.actors]
-        poll = lambda: self._take(self._poll(group, self.cfg.parallel.timeout_s))  # noqa: E731
-        self._gather(group, refs, "the run", None, tick=poll)
-
     def _poll(self, group: _Group, timeout: float) -> list[tuple]:
         try:
             return group.get(group.actors[0].poll.remote(), timeout)
@@ -931,8 +967,9 @@ class _Driver:
 
     # -- results
 
-    def _take(self, messages: list[tuple], lane: int | None = None) -> None:
-        """Rank 0's messages into the progress; ``lane`` (D > 1): the group that sent them, for the records."""
+    def _take(self, messages: list[tuple], lane: int) -> None:
+        """Rank 0's messages into the progress; ``lane``: the group that sent them, for the records (D > 1) and
+        the store a rebuilt group of the lane starts from."""
         progress = self.progress
         with self.lock:
             for kind, i, payload in messages:
@@ -945,10 +982,9 @@ class _Driver:
                     write_stdout(payload)
                     progress.printed[i] = progress.printed.get(i, 0) + len(payload)
                 elif kind == "record":
-                    if lane is not None:
-                        payload["group"] = None if "error" in payload else lane  # as torchrun's error records
-                        if "error" not in payload:
-                            self.lane_finished[lane].append((payload["prompt_ids"], payload["output_ids"]))
+                    if self.groups > 1:
+                        payload["group"] = lane
+                    self.lane_finished.setdefault(lane, []).append((payload["prompt_ids"], payload["output_ids"]))
                     self._write(i, payload)
 
     def _write(self, i: int, rec: dict) -> None:

@@ -7,6 +7,7 @@ produces the same records. Only rank 0 streams, writes and reports.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import platform
@@ -15,7 +16,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,7 +25,7 @@ from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.config import Config
 from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
 from lp_runner.decoding.job_store import JobPool, tokenizer_fingerprint
-from lp_runner.decoding.layout import check_model_fits
+from lp_runner.decoding.layout import check_model_fits, longest_candidate, max_round_rows
 from lp_runner.decoding.scheduler import Job, batch_for
 from lp_runner.device import (
     Placement,
@@ -37,9 +38,10 @@ from lp_runner.device import (
     resolve_threads,
     synchronizer,
 )
-from lp_runner.errors import ConfigError, DistributedError, InputError, first_line
+from lp_runner.errors import ConfigError, DistributedError, first_line
 from lp_runner.jobs.output import output_digest, output_settings
-from lp_runner.jobs.prompts import PromptSpec, encode, prompt_problem
+from lp_runner.jobs.prompts import JobPrompts, PromptSpec, prepare_prompts
+from lp_runner.limits import quote
 from lp_runner.logs import log
 from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path, weights_checksum
 from lp_runner.parallel.comm import (
@@ -83,12 +85,17 @@ class Worker:
     placement: Placement | None = None  # device, dtype and TF32 as resolved (device.place)
     load_peak_mib: float = 0.0  # this process's peak host memory right after loading the weights
     load_peaks_mib: list[float] | None = None  # every rank's load_peak_mib (check_peers), in rank order
-    encoded: dict[str, list[int]] = field(default_factory=dict)  # a prompt's token ids by its spec: tokenized once
+    prompts: JobPrompts = field(default_factory=lambda: JobPrompts((), (), ()))  # the job's, tokenized at start
 
     @property
     def is_main(self) -> bool:
         """The writing rank: rank 0 of the world (with D groups, the leader of group 0)."""
         return self.comm.rank == 0 and self.group == 0
+
+    def prepare(self, specs: Sequence[PromptSpec]) -> JobPrompts:
+        """``specs`` tokenized and checked against this worker's model (``prompts.prepare_prompts``)."""
+        gen, on_error = self.cfg.generation, self.cfg.run.on_error
+        return prepare_prompts(specs, self.tokenizer, gen.max_new_tokens, self.adapter.max_positions, on_error)
 
 
 def _rank0_timings(comm: Communicator, ms: dict[str, float]) -> dict[str, float]:
@@ -102,13 +109,13 @@ def distributed_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = (), prompt_count: int = 0) -> Worker:
+def start_worker(cfg: Config, specs: Sequence[PromptSpec] = ()) -> Worker:
     """Join the process group, load the model, and check that all ranks agree.
 
-    ``prompts``: with ``run.on_error=stop``, checked (tokenized, against the model's context) as soon as the
-    tokenizer is loaded, so a bad prompt file fails before the start-up calibration is measured.
-    ``prompt_count``: the job's number of prompts where ``prompts`` are not given here (a Ray actor: the driver
-    holds them); the batch never exceeds the job's prompts (``scheduler.batch_for``).
+    ``specs``: the job's prompts, tokenized and checked (against the model's context) once, as soon as the
+    tokenizer is loaded (``worker.prompts``, which the job loop then runs): under ``run.on_error=stop`` a bad
+    prompt file fails before the start-up calibration is measured. The batch never exceeds the job's prompts
+    (``scheduler.batch_for``) and the compiled forward is warmed up on the arena its longest prompt needs.
 
     Under a launcher (torchrun or the Ray backend: MASTER_ADDR is set) the process group is formed even with one
     rank, so ``torchrun --nproc-per-node=1`` runs the same collective path as P > 1 (NCCL on a GPU); a plain
@@ -158,13 +165,10 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = (), prompt_count: 
     worker.store = job_store(cfg, tokenizer, adapter.vocab_size)  # --pool-in checked before the first forward
     if (control or comm).world_size > 1:
         check_peers(worker, control or comm)  # every rank of the job, not only of its group
-    arena_tokens = 0
-    if prompts:
-        checker = LookaheadEngine(worker.adapter, cfg.lookahead, cfg.generation, eos_token_ids(worker), comm)
-        prompt_ids, _ = check_prompts(worker, checker, prompts)  # on_error=stop: the first bad prompt raises here
-        arena_tokens = checker.capacity(max(map(len, prompt_ids), default=0))  # the job's longest generation
-    job_tokens = len(prompts) * cfg.generation.max_new_tokens
-    batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(prompts) or prompt_count)
+    worker.prompts = worker.prepare(specs)  # on_error=stop: the first bad prompt raises here
+    arena_tokens = arena_positions(cfg, max(map(len, worker.prompts.ids), default=0)) if specs else 0
+    job_tokens = len(specs) * cfg.generation.max_new_tokens
+    batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(specs))
     if why_not and worker.is_main:
         log.warning(why_not)
     compile_choice = choose_forward(
@@ -183,6 +187,14 @@ def start_worker(cfg: Config, prompts: Sequence[PromptSpec] = (), prompt_count: 
     worker.policy.compile = compile_choice.describe()
     worker.policy.backend = worker.adapter.backend.describe()  # the compiled adapter's where it compiled
     return worker
+
+
+def arena_positions(cfg: Config, longest_prompt: int) -> int:
+    """The K/V positions the job's longest generation can hold at the config's setting (what
+    ``LookaheadEngine.capacity`` gives a job engine without a row plan): its prompt, every token it can commit
+    and one round's rows."""
+    la = cfg.lookahead
+    return longest_prompt + cfg.generation.max_new_tokens + max_round_rows(la) + longest_candidate(la)
 
 
 def join_groups(
@@ -429,114 +441,163 @@ class TextStreamer:
         self.printed = len(text)
 
 
+class Feeder(Protocol):
+    """Where a group's prompts come from and where their records go: what differs between launchers, while the
+    job loop (``run_jobs``) is one. ``next_index``: the next prompt to start (the same on every rank of the
+    group), None when none is left; it is called whenever a slot of the batch frees, so a slot refills as its
+    generation ends. ``post``: prompt ``index``'s record, on the rank that ``writes``. ``remaining``: the
+    generations still to start on this group (None: not known), for the auto preset."""
+
+    writes: bool
+
+    def next_index(self) -> int | None: ...
+
+    def post(self, index: int, record: dict) -> None: ...
+
+    def remaining(self) -> int | None: ...
+
+
+@dataclass
+class PromptFeed:
+    """The one feeder: the job's queue order (``JobPrompts.order``, longest first), a position of it taken per
+    started generation through ``claim``, which is what differs between launchers: a counter of this process
+    (one group: every rank counts alike), the launcher's store (``queue.run_queued``: D torchrun groups) or the
+    Ray driver's queue (``ray.Replica.run``), each leader's claim shared with its group (``claim_for_group``).
+
+    ``first``: prompts handed out before any claim (a rebuilt Ray group resumes the ones its lost group had in
+    flight). ``deliver``: where records go on the writing rank (None elsewhere). ``groups``: how many groups
+    share the queue, for ``remaining``; ``later``: generations this group runs after the queue's (None: unknown).
+
+    Example (D 2, order [a, c, b]): group 0 claims 0 (a), group 1 claims 1 (c); whichever finishes first claims
+    2 (b); the next claim is 3, past the end: that group has nothing left to start."""
+
+    order: Sequence[int]
+    claim: Callable[[], int]
+    deliver: Callable[[int, dict], None] | None = None
+    groups: int = 1
+    later: int | None = 0
+    first: list[int] = field(default_factory=list)
+    claimed: int = 0  # positions of ``order`` taken by every group, as this group last saw
+
+    @property
+    def writes(self) -> bool:
+        return self.deliver is not None
+
+    def next_index(self) -> int | None:
+        if self.first:
+            return self.first.pop(0)
+        k = self.claim()
+        self.claimed = max(self.claimed, min(k + 1, len(self.order)))
+        return self.order[k] if k < len(self.order) else None
+
+    def post(self, index: int, record: dict) -> None:
+        if self.deliver is not None:
+            self.deliver(index, record)
+
+    def remaining(self) -> int | None:
+        if self.later is None:
+            return None
+        return len(self.first) + -(-(len(self.order) - self.claimed) // self.groups) + self.later
+
+
+def local_claims() -> Callable[[], int]:
+    """Positions 0, 1, 2, ... for a queue that only this group reads (every rank of it counts alike)."""
+    return itertools.count().__next__
+
+
 def run_prompts(
     worker: Worker,
-    specs: Sequence[PromptSpec],
+    prompts: JobPrompts,
     on_record: Callable[[dict], None] | None = None,
     stream: Callable[[str], None] | None = None,
     committed: Sequence[Sequence[int]] | None = None,
     on_commit: Callable[[int, Sequence[int]], None] | None = None,
     later: int | None = 0,
 ) -> list[dict]:
-    """Generate for every prompt on every rank; records (and callbacks) only on rank 0, as each prompt finishes:
-    in file order one at a time, in the order they finish with ``run.batch`` > 1 (the policy's batch: prompts
-    join in file order as earlier ones finish, ``scheduler.RoundLoop``).
+    """Generate for every prompt on every rank of one group; records (and callbacks) only on the writing rank, in
+    the order they finish. The prompts start in the queue order (``JobPrompts.order``: longest first), up to the
+    policy's batch at a time, each slot refilled as its generation ends (``scheduler.RoundLoop``); a bad prompt's
+    error record ``{id, error}`` (``run.on_error=skip``) comes first.
 
-    ``committed[i]`` resumes prompt i from tokens already generated (e.g. before a worker was lost); its record
-    holds the whole output, as if never interrupted, and ``stream`` shows only what follows the prefix.
-    ``on_commit(i, tokens)`` sees the tokens committed by every round of prompt i (rank 0 only).
-    ``later``: prompts this worker runs after these in the same job (None: unknown); with the ones left here, the
-    auto preset's count of generations still to start (``preset.payback``).
-
-    Every prompt is tokenized and checked before the first is generated; a bad one (empty, too long for the
-    model) ends the run with an InputError naming its id and line (``run.on_error=stop``), or gets an error
-    record ``{id, error}`` in its place (``skip``)."""
+    ``committed[i]`` resumes prompt i from tokens already generated; its record holds the whole output, as if
+    never interrupted, and ``stream`` shows only what follows the prefix. ``on_commit(i, tokens)`` sees the tokens
+    committed by every round of prompt i (writing rank only). ``later``: prompts this worker runs after these in
+    the same job (None: unknown); with the ones left here, the auto preset's count of generations still to start
+    (``preset.payback``)."""
     policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
     engine = job_engine(worker, policy)
-    prefixes = [list(c) for c in committed] if committed is not None else [[] for _ in specs]
-    if len(prefixes) != len(specs):
-        raise ValueError(f"committed has {len(prefixes)} entries for {len(specs)} prompts")
-    prompt_ids, problems = check_prompts(worker, engine, specs)
-    records = []
+    prefixes = {i: list(c) for i, c in enumerate(committed)} if committed is not None else {}
+    if committed is not None and len(committed) != len(prompts.specs):
+        raise ValueError(f"committed has {len(committed)} entries for {len(prompts.specs)} prompts")
+    records: list[dict] = []
 
-    def deliver(rec: dict) -> None:  # rank 0 only
+    def deliver(i: int, rec: dict) -> None:  # the writing rank only
         records.append(rec)
         if on_record is not None:
             on_record(rec)
 
-    later_good = [0] * (len(specs) + 1)  # later_good[k]: prompts from index k on that will run
-    for k in reversed(range(len(specs))):
-        later_good[k] = later_good[k + 1] + (problems[k] is None)
-    started = [0]  # the index past the last prompt handed out
+    if worker.is_main:
+        for i, rec in error_records(worker, prompts):
+            deliver(i, rec)
+    streamers: dict[int, TextStreamer] = {}
 
-    def next_index() -> int | None:  # in file order; a bad prompt gets its error record in its place
-        for i in range(started[0], len(specs)):
-            started[0] = i + 1
-            if problems[i] is None:
-                return i
-            if worker.is_main:  # every rank skips it alike
-                deliver(make_error_record(worker, specs[i], f"{specs[i].describe()}: {problems[i]}"))
-        return None
-
-    def remaining() -> int | None:  # generations still to start on this worker, the same on every rank
-        return None if later is None else later_good[started[0]] + later
-
-    def callbacks_for(i: int) -> list[Callable[[Sequence[int]], None]]:
-        if not worker.is_main:
-            return []
-        callbacks: list[Callable[[Sequence[int]], None]] = []
-        if stream:
-            callbacks.append(TextStreamer(worker.tokenizer, stream, shown=prefixes[i]))
+    def hook(i: int, tokens: Sequence[int]) -> None:
+        if stream is not None:
+            if i not in streamers:
+                streamers[i] = TextStreamer(worker.tokenizer, stream, shown=prefixes.get(i, ()))
+            streamers[i](tokens)
         if on_commit is not None:
-            callbacks.append(lambda tokens, i=i: on_commit(i, tokens))
-        return callbacks
+            on_commit(i, tokens)
 
-    feed = JobFeed(next_index, remaining, callbacks_for, post=deliver if worker.is_main else None)
-    run_jobs(worker, engine, policy, specs, prompt_ids, prefixes, feed)
+    feed = PromptFeed(prompts.order(), local_claims(), deliver if worker.is_main else None, later=later)
+    hooked = worker.is_main and (stream is not None or on_commit is not None)
+    run_jobs(worker, engine, policy, prompts, feed, hook if hooked else None, prefixes)
     save_store(worker)
     return records
 
 
-@dataclass(frozen=True)
-class JobFeed:
-    """Where a group's prompts come from and where their records go: what differs between the prompt loops
-    (``run_prompts``: a list in file order; ``queue.run_queued``: the D groups' shared queue). ``next_index``: the
-    next prompt to run (the same on every rank of the group), None when none is left; ``remaining``: generations
-    still to start on this group (None: not known), for the auto preset; ``callbacks``: prompt i's per-round
-    callbacks (streaming, progress); ``post``: where prompt i's record goes (None: this rank writes none)."""
-
-    next_index: Callable[[], int | None]
-    remaining: Callable[[], int | None]
-    callbacks: Callable[[int], list[Callable[[Sequence[int]], None]]]
-    post: Callable[[dict], None] | None
+def error_records(worker: Worker, prompts: JobPrompts) -> list[tuple[int, dict]]:
+    """(index, error record) of every prompt that cannot run (``run.on_error=skip``), in file order: the writer
+    puts them first, before any generation (no group runs them)."""
+    return [
+        (i, make_error_record(worker, spec, f"{spec.describe()}: {problem}"))
+        for i, (spec, problem) in enumerate(zip(prompts.specs, prompts.problems, strict=True))
+        if problem is not None
+    ]
 
 
 def run_jobs(
     worker: Worker,
     engine: LookaheadEngine,
     policy: RoundPolicy,
-    specs: Sequence[PromptSpec],
-    prompt_ids: Sequence[Sequence[int]],
-    prefixes: Sequence[Sequence[int]],
-    feed: JobFeed,
+    prompts: JobPrompts,
+    feed: Feeder,
+    on_commit: Callable[[int, Sequence[int]], None] | None = None,
+    prefixes: dict[int, Sequence[int]] | None = None,
 ) -> None:
     """The one job loop every launcher runs (one process, torchrun ranks, D groups, Ray actors): the prompts
-    ``feed`` hands out, ``policy.batch`` in flight through ``engine.run`` (``scheduler.RoundLoop``), each from its
-    committed prefix, its sampling streams named by its id; as each finishes, its record (with the setting that
-    ran) goes to ``feed.post`` and the policy observes it (every rank the same tokens, in one order)."""
+    ``feed`` hands out, ``policy.batch`` in flight through ``engine.run`` (``scheduler.RoundLoop``), each slot
+    refilled from ``feed`` as its generation ends, each from its committed prefix (``prefixes``, by index), its
+    sampling streams named by its id; as each finishes, its record (with the setting that ran) goes to
+    ``feed.post`` and the policy observes it (every rank the same tokens, in one order)."""
+    prefixes = prefixes or {}
+    finished = [0]  # this group's generations finished so far
 
     def next_job() -> Job | None:
         i = feed.next_index()
         if i is None:
             return None
-        on_commit = chain_callbacks(feed.callbacks(i))
-        return Job(prompt_ids[i], prefixes[i], f"id:{specs[i].id}", on_commit, tag=i)
+        # which slot refilled when: a job's starts, read back by the tests that check the refill rule
+        log.debug("start %s after %d finished", quote(prompts.specs[i].id), finished[0])
+        hook = None if on_commit is None else functools.partial(on_commit, i)
+        return Job(list(prompts.ids[i]), list(prefixes.get(i, ())), f"id:{prompts.specs[i].id}", hook, tag=i)
 
     def on_done(job: Job, result: GenerationResult) -> None:
         i = job.tag
-        if feed.post is not None:
-            feed.post(make_record(worker, specs[i], prompt_ids[i], result))
-        if policy.observe(prompt_ids[i], result.output_ids, result.stats.records, result.lookahead, feed.remaining()):
+        finished[0] += 1
+        if feed.writes:
+            feed.post(i, make_record(worker, prompts.specs[i], prompts.ids[i], result))
+        if policy.observe(prompts.ids[i], result.output_ids, result.stats.records, result.lookahead, feed.remaining()):
             engine.set_lookahead(policy.lookahead)
 
     engine.run(next_job, on_done, batch=policy.batch)
@@ -554,50 +615,3 @@ def job_engine(worker: Worker, policy: RoundPolicy) -> LookaheadEngine:
         policy.row_plan,
         store=worker.store,
     )
-
-
-def check_prompts(
-    worker: Worker, engine: LookaheadEngine, specs: Sequence[PromptSpec]
-) -> tuple[list[list[int]], list[str | None]]:
-    """Every prompt's token ids and what is wrong with it (None: nothing), before the first is generated; under
-    ``run.on_error=stop`` the first bad one raises an InputError naming it instead."""
-    prompt_ids, problems = [], []
-    for spec in specs:
-        ids, problem = check_prompt(worker, engine, spec)
-        if problem is not None and worker.cfg.run.on_error == "stop":
-            raise InputError(f"{spec.describe()}: {problem}")
-        prompt_ids.append(ids)
-        problems.append(problem)
-    return prompt_ids, problems
-
-
-def check_prompt(worker: Worker, engine: LookaheadEngine, spec: PromptSpec) -> tuple[list[int], str | None]:
-    """(token ids, None) for a usable prompt, ([], what is wrong) otherwise."""
-    problem = prompt_problem(spec)
-    if problem is not None:
-        return [], problem
-    key = json.dumps(spec.to_json(), sort_keys=True)  # start-up checks every prompt, the job loop reads them again
-    ids = worker.encoded.get(key)
-    if ids is None:
-        try:
-            ids = encode(worker.tokenizer, spec)
-        except ValueError as exc:  # e.g. messages for a tokenizer without a chat template
-            return [], f"cannot tokenize: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        worker.encoded[key] = ids
-    try:
-        engine.check_prompt(ids)
-    except InputError as exc:
-        return [], str(exc)
-    return ids, None
-
-
-def chain_callbacks(callbacks: list[Callable[[Sequence[int]], None]]) -> Callable[[Sequence[int]], None] | None:
-    """One on_commit callback that calls each of ``callbacks`` in order (None when there are none)."""
-    if not callbacks:
-        return None
-
-    def call_all(tokens: Sequence[int]) -> None:
-        for callback in callbacks:
-            callback(tokens)
-
-    return call_all

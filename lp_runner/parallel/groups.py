@@ -8,9 +8,10 @@ on its own ``torch.distributed`` sub-group; groups never wait for each other. Ar
   rank 4 is rank 1 of group 1, whose leader is world rank 3.
 - ``JobQueue``: the queue lives in the launcher's TCP store (MASTER_ADDR:MASTER_PORT, the store the process
   group was formed through), so it works beside gloo and NCCL alike and needs no server of its own. Every rank
-  computes the same ordered list of prompts (longest prompt first); a group's leader claims the next entry with
-  one atomic ``add`` on a counter (whichever group is free takes it) and tells its P - 1 peers with one int64
-  all_gather on the group. Finished records go back through the store, numbered by a second counter.
+  computes the same ordered list of prompts (``jobs.prompts.JobPrompts.order``: longest first); whenever a slot
+  of its batch frees, a group's leader claims the next entry with one atomic ``add`` on a counter (whichever
+  group is free takes it) and tells its P - 1 peers with one int64 all_gather on the group.
+  Finished records go back through the store, numbered by a second counter.
 - ``RecordCollector``: a thread of world rank 0 (itself the leader of group 0) takes the numbered records in
   order and hands them to the one writer (``report.Report``: output file, bar) as they finish. It also watches
   every group: each leader bumps a heartbeat counter once a second from a thread of its own (``Heartbeat``) and
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -95,12 +96,6 @@ def form_groups(layout: GroupLayout, timeout_s: float) -> GroupHandles:
     return GroupHandles(mine, mine_strings, control)
 
 
-def queue_order(lengths: list[int]) -> list[int]:
-    """Indices of the prompts, longest first (ties in file order): long prompts start early, so the job does
-    not end waiting on one. ``queue_order([10, 40, 25, 40])`` -> [1, 3, 2, 0]."""
-    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
-
-
 def store_client(timeout_s: float) -> dist.Store:
     """A fresh client of the launcher's store (one per thread: the collector and heartbeat threads do not share
     the main thread's connection), under the queue's key prefix."""
@@ -153,8 +148,15 @@ def store_call(op: Callable[[], Any], what: str) -> Any:
         raise DistributedError(f"lost the job's {what} ({first_line(exc)}): world rank 0 is gone") from None
 
 
-def claim_for_group(queue: JobQueue | None, comm) -> int:
-    """The leader claims; its peers take the leader's answer from one int64 all_gather on the group."""
+class Claims(Protocol):
+    """A leader's side of a job queue: the launcher's store (``JobQueue``) or the Ray driver's queue."""
+
+    def claim(self) -> int: ...
+
+
+def claim_for_group(queue: Claims | None, comm) -> int:
+    """The leader claims (``queue``: None on its peers); its peers take the leader's answer from one int64
+    all_gather on the group."""
     mine = queue.claim() if queue is not None else -1
     if comm.world_size == 1:
         return mine

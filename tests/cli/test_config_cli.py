@@ -396,7 +396,10 @@ def test_cli_prompts_file_end_to_end(embedded, prompts_file, tmp_path: Path) -> 
     assert re.search(r"lp_runner  .*N=4 G=5 .* workers=1\n", proc.stderr)  # the summary (the setting that ran)
     assert "tokens/forward" in proc.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["code", "chat"]
+    # written as they finish; one at a time they start in the queue order, the longest prompt first (the chat
+    # template's tokens make "chat" the longer one)
+    assert [r["id"] for r in records] == ["chat", "code"]
+    assert len(records[0]["prompt_ids"]) > len(records[1]["prompt_ids"])
 
     # the records name a model folder that from_pretrained loads as it is
     model = AutoModelForCausalLM.from_pretrained(records[0]["model"], dtype=torch.float32).eval()
@@ -418,8 +421,8 @@ def test_cli_prompts_file_end_to_end(embedded, prompts_file, tmp_path: Path) -> 
     )
     if hasattr(chat_ids, "input_ids"):
         chat_ids = chat_ids["input_ids"]
-    assert records[1]["prompt_ids"] == list(chat_ids)
-    assert records[0]["prompt_ids"] == tokenizer("def fibonacci(n):\n    ")["input_ids"]
+    assert records[0]["prompt_ids"] == list(chat_ids)
+    assert records[1]["prompt_ids"] == tokenizer("def fibonacci(n):\n    ")["input_ids"]
 
 
 @pytest.mark.slow
@@ -467,7 +470,8 @@ def _record_and_config(embedded, tmp_path: Path) -> tuple[dict, Config]:
     worker = Worker(cfg, SoloCommunicator(), ModelAdapter(model), tokenizer, Path("embedded"), torch.device("cpu"), 0.0)
     out = OutputFile.open(tmp_path / "o.jsonl", "new", cfg)
     try:
-        (made,) = run_prompts(worker, [PromptSpec(id="a", prompt="def f(x):", where="test")], on_record=out.write)
+        prompts = worker.prepare([PromptSpec(id="a", prompt="def f(x):", where="test")])
+        (made,) = run_prompts(worker, prompts, on_record=out.write)
     finally:
         out.close(complete=True)
     (rec,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]

@@ -195,7 +195,8 @@ def _uninterrupted(model: Path, specs_path: Path, max_new: int) -> list[dict]:
     cfg = load_config(
         None, [f"model.path={model}", f"generation.max_new_tokens={max_new}", "model.threads=1", AS_WRITTEN]
     )
-    return run_prompts(start_worker(cfg), read_prompts(specs_path))
+    worker = start_worker(cfg)
+    return run_prompts(worker, worker.prepare(read_prompts(specs_path)))
 
 
 # ---------------------------------------------------------------- pure parts
@@ -216,60 +217,66 @@ def test_resources_bundle_and_capacity():
         parse_resources("accel")
 
 
-def test_a_loss_after_the_lanes_claim_was_written_is_still_a_recovery(caplog):
-    """The race the killed-group test can land in: the actor dies after rank 0 reported every record of its claim
+def _driver(overrides: list[str], prompts: int, order: list[int]):
+    """A driver's bookkeeping without a cluster: the job's queue is the queue actor's own class, held in this
+    process, and ``order`` the queue order a started group would have reported."""
+    from lp_runner.jobs.prompts import PromptSpec
+    from lp_runner.jobs.ray import _Driver, _Queue
+
+    specs = [PromptSpec(id=f"p{i}", prompt="x") for i in range(prompts)]
+    driver = _Driver(None, load_config(None, overrides), specs, None, single=False)
+    driver.queue, driver.order = _Queue(), order
+    return driver
+
+
+def test_a_loss_after_the_lanes_claims_were_written_is_still_a_recovery(caplog):
+    """The race the killed-group test can land in: the actor dies after rank 0 reported every record it claimed
     (between its last poll and the end of ``run``). The lane rebuilds its group all the same, so the loss counts
     against ``advanced.max_restarts`` and is reported on the next prompt the lane claims (from token 0); with the
-    queue empty it is only a warning. The driver's bookkeeping, no cluster (``group=None``: nothing to drain)."""
+    queue empty it is only a warning. ``group=None``: nothing to drain."""
     from lp_runner.errors import DistributedError
-    from lp_runner.jobs.prompts import PromptSpec
-    from lp_runner.jobs.ray import _Driver
 
-    cfg = load_config(None, ["parallel.groups=2", "advanced.max_restarts=1"])
-    specs = [PromptSpec(id=str(i), prompt="x") for i in range(3)]
-    driver = _Driver(None, cfg, specs, None, single=False)
-    assert driver._claim(1) == [0] and driver._claim(1) == [1]  # lane 0 holds prompt 0, lane 1 prompt 1
-    driver.progress.committed[0] = [5, 6]
-    driver.progress.records[1] = {"id": "1"}  # lane 1's prompt was written before its actor died
-    held, loss = driver._recover_lane(None, 1, [1], "worker rank 0 was lost", 1)
-    assert held == [2] and driver.queue == [] and driver.recoveries == [loss]  # the lane's next prompt
-    (event,) = driver.progress.recovery[2]
+    driver = _driver(["parallel.groups=2", "advanced.max_restarts=1"], 3, order=[2, 0, 1])  # p2 the longest
+    assert driver._claim(0) == 0 and driver._claim(1) == 1  # lane 0 holds p2, lane 1 p0
+    driver.progress.committed[2] = [5, 6]
+    driver.progress.records[0] = {"id": "p0"}  # lane 1's prompt was written before its actor died
+    loss = driver._recover(None, 1, "worker rank 0 was lost", 1)
+    assert driver._in_flight(1) == [1] and driver.recoveries == [loss]  # the lane's next prompt: p1
+    (event,) = driver.progress.recovery[1]
     assert loss == [event] and event["lost"] == "group 1: worker rank 0 was lost" and event["resumed_at_token"] == 0
-    assert "its claim was written; starting prompt '2' at token 0 (recovery 1/1)" in caplog.text
+    assert "its claim was written; starting prompt 'p1' at token 0 (recovery 1/1)" in caplog.text
     with pytest.raises(DistributedError, match="gave up after 1 recoveries .* group 0: worker rank 0 was lost"):
-        driver._recover_lane(None, 0, [0], "worker rank 0 was lost", 1)  # a held prompt, over the bound
-    driver.progress.records[2] = {"id": "2"}
-    assert driver._recover_lane(None, 1, [2], "worker rank 0 was lost", 1) == ([], [])  # written, queue empty
+        driver._recover(None, 0, "worker rank 0 was lost", 1)  # a held prompt, over the bound
+    driver.progress.records[1] = {"id": "p1"}
+    assert driver._recover(None, 1, "worker rank 0 was lost", 1) is None  # written, queue empty
     assert len(driver.recoveries) == 1 and "nothing left to run" in caplog.text
 
 
-def test_a_lost_claim_resumes_each_unfinished_prompt(caplog):
-    """A lane's claim of several prompts (``run.batch`` 3) when its group is lost: the prompts already written
-    stay written, every other one is run again by the rebuilt group, and each that had committed a round gets its
-    own recovery event at its own prefix, all of one loss (one recovery counted). The bookkeeping alone, as if
-    rank 0's messages had been taken: no cluster."""
-    from lp_runner.jobs.prompts import PromptSpec
-    from lp_runner.jobs.ray import _Driver
+def test_a_lost_group_resumes_each_prompt_it_had_in_flight(caplog):
+    """A lane whose group keeps several prompts in flight (``run.batch`` 3) when the group is lost: the prompts
+    already written stay written, every other one the lane claimed is run again by the rebuilt group, and each that
+    had committed a round gets its own recovery event at its own prefix, all of one loss (one recovery counted).
+    The other lane's claims are not touched. The bookkeeping alone, as if rank 0's messages had been taken."""
     from lp_runner.jobs.report import resumed_prompts
 
-    cfg = load_config(None, ["parallel.groups=2", "run.batch=3", "advanced.max_restarts=2"])
-    specs = [PromptSpec(id=f"p{i}", prompt="x") for i in range(5)]
-    driver = _Driver(None, cfg, specs, None, single=False)
-    claim = driver._claim(3)
-    assert claim == [0, 1, 2] and driver.queue == [3, 4]
-    driver._take([("tokens", 0, [7, 8]), ("tokens", 1, [9]), ("record", 1, {"id": "p1"}), ("tokens", 0, [6])])
-    # p2 joined the batch but committed no round before the loss
-    held, loss = driver._recover_lane(None, 0, claim, "worker rank 1 was lost", 2)
-    assert held == [0, 2] and driver.queue == [3, 4]  # p1 is written: not run again; nothing new claimed
+    driver = _driver(["parallel.groups=2", "run.batch=3", "advanced.max_restarts=2"], 6, order=[0, 1, 2, 3, 4, 5])
+    claims = [driver._claim(lane) for lane in (0, 0, 1, 0)]  # lane 0: p0 p1 p3; lane 1: p2
+    assert claims == [0, 1, 2, 3]
+    driver._take([("tokens", 0, [7, 8]), ("tokens", 1, [9]), ("record", 1, {"id": "p1", "prompt_ids": [1],
+                  "output_ids": [9]}), ("tokens", 0, [6])], 0)  # fmt: skip
+    # p3 joined the batch but committed no round before the loss
+    loss = driver._recover(None, 0, "worker rank 1 was lost", 2)
+    assert driver._in_flight(0) == [0, 3] and driver._in_flight(1) == [2]  # p1 is written: not run again
     assert [(e["prompt"], e["resumed_at_token"], e["rounds_before"]) for e in loss] == [("p0", 3, 2)]
     assert driver.recoveries == [loss] and driver.progress.recovery == {0: loss}
+    assert driver.lane_finished[0] == [([1], [9])]  # the rebuilt group's store starts from the lane's records
     assert "group 0: worker rank 1 was lost; resuming prompt 'p0' at token 3 (recovery 1/2)" in caplog.text
     # a second loss splits both: one recovery, two events
-    driver._take([("tokens", 0, [5]), ("tokens", 2, [4, 3])])
-    held, loss = driver._recover_lane(None, 0, held, "worker rank 0 was lost", 2)
-    assert held == [0, 2] and len(driver.recoveries) == 2 and len(loss) == 2
-    assert resumed_prompts(loss) == "prompts 'p0' at token 4, 'p2' at token 2"
-    assert [len(driver.progress.recovery[i]) for i in (0, 2)] == [2, 1]
+    driver._take([("tokens", 0, [5]), ("tokens", 3, [4, 3])], 0)
+    loss = driver._recover(None, 0, "worker rank 0 was lost", 2)
+    assert driver._in_flight(0) == [0, 3] and len(driver.recoveries) == 2 and len(loss) == 2
+    assert resumed_prompts(loss) == "prompts 'p0' at token 4, 'p3' at token 2"
+    assert [len(driver.progress.recovery[i]) for i in (0, 3)] == [2, 1]
 
 
 def test_missing_ray_is_a_clear_error(monkeypatch, capsys, tmp_path):
@@ -291,20 +298,24 @@ def test_resume_from_committed_prefix_gives_the_same_record(tiny_dir):
     overrides = [f"model.path={tiny_dir}", "generation.max_new_tokens=40", "model.threads=1", "lookahead.preset=off"]
     worker = start_worker(load_config(None, overrides))
     specs = [PromptSpec(id="a", prompt=PROMPTS[0]["prompt"]), PromptSpec(id="b", prompt=PROMPTS[1]["prompt"])]
-    full = run_prompts(worker, specs[:1])[0]
+    full = run_prompts(worker, worker.prepare(specs[:1]))[0]
     assert full["stats"]["accepted_tokens"] > 0  # lookahead was exercised, not only one token per round
     out = full["output_ids"]
     for cut in (1, 7, len(out) - 1):
         commits: list[tuple[int, list[int]]] = []
-        resumed = run_prompts(
-            worker, specs, committed=[out[:cut], []], on_commit=lambda i, toks, log=commits: log.append((i, [*toks]))
+        made = run_prompts(
+            worker,
+            worker.prepare(specs),
+            committed=[out[:cut], []],
+            on_commit=lambda i, toks, log=commits: log.append((i, [*toks])),
         )
-        assert resumed[0]["output_ids"] == out and resumed[0]["text"] == full["text"]
-        assert resumed[0]["new_tokens"] == full["new_tokens"]
+        resumed = {rec["id"]: rec for rec in made}  # in the order they finished: the longer prompt first
+        assert resumed["a"]["output_ids"] == out and resumed["a"]["text"] == full["text"]
+        assert resumed["a"]["new_tokens"] == full["new_tokens"]
         assert [t for i, toks in commits if i == 0 for t in toks] == out[cut:]  # on_commit: only the new tokens
-        assert [t for i, toks in commits if i == 1 for t in toks] == resumed[1]["output_ids"]
+        assert [t for i, toks in commits if i == 1 for t in toks] == resumed["b"]["output_ids"]
         shown: list[str] = []
-        run_prompts(worker, specs[:1], stream=shown.append, committed=[out[:cut]])
+        run_prompts(worker, worker.prepare(specs[:1]), stream=shown.append, committed=[out[:cut]])
         head = worker.tokenizer.decode(out[:cut], skip_special_tokens=True).rstrip("\ufffd")
         assert head + "".join(shown) == full["text"]  # continues where the shown text stopped, no repeat
 
@@ -595,14 +606,55 @@ CLAIM_TOKENS, CLAIM_RUN_S = 1500, 0.5
 
 
 @pytest.mark.slow
-def test_two_groups_of_batched_claims_one_killed_mid_claim_resume_every_prompt_once(cluster, tiny_dir, tmp_path):
-    """parallel.groups=2 x workers=1 with run.batch=2: each lane claims two prompts at a time and runs them
-    together. Group 1's actor is SIGKILLed in the middle of its first claim: its rebuilt group resumes both
-    prompts of the claim, each from its own committed prefix (one recovery, an event on each), nothing is run
-    twice or lost, and every record equals the uninterrupted single worker's and HF greedy."""
+def test_two_groups_of_three_refill_a_slot_as_its_generation_ends(cluster, tiny_dir, tmp_path):
+    """parallel.groups=2 x workers=1 with run.batch=3: a group's slot takes the next prompt of the queue as soon as
+    its generation ends, not once the whole batch is done. Read from the actors' own debug lines ("start 'ID' after
+    N finished", one per start, prefixed by Ray with the actor's pid): in each group the first three start before
+    anything finished, and some later start came after a number of finishes that is not a whole batch (waiting for
+    a batch to drain would only ever start after 0, 3, 6, ...). Generations of different prompts end in different
+    rounds (lookahead accepts more on some). Every prompt starts once and its output is HF greedy's."""
+    texts = [
+        "a b c d e f g h i j k l",
+        "1, 2, 3,",
+        "def f(x):\n    return",
+        "x",
+        "Once upon a time there was",
+        "red green blue red green",
+        "The end.",
+        "import os\nimport sys\n",
+        "q r s t",
+        "The list goes on and",
+    ]
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": t} for i, t in enumerate(texts)])
+    out, new = tmp_path / "o.jsonl", MANY_TOKENS  # long enough for lookahead to accept more on some than others
+    extra = (*_ray_args(1), "--set", "parallel.groups=2", "--set", "run.batch=3", "--log-level", "debug")
+    proc = _cli(_args(tiny_dir, prompts, out, new, *extra), 400, RAY_ADDRESS=cluster.gcs, RAY_DEDUP_LOGS="0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    starts: dict[str, list[tuple[str, int]]] = {}
+    for pid, prompt, after in re.findall(r"pid=(\d+)[^)]*\).*?start '(p\d+)' after (\d+) finished", proc.stderr):
+        starts.setdefault(pid, []).append((prompt, int(after)))
+    assert sorted(p for group in starts.values() for p, _ in group) == sorted(f"p{i}" for i in range(len(texts)))
+    assert len(starts) == 2, starts  # both groups ran prompts
+    for group in starts.values():
+        afters = [after for _, after in group]
+        assert afters[:3] == [0, 0, 0] and afters == sorted(afters), starts  # a full batch first, then refills
+    assert any(after % 3 for group in starts.values() for _, after in group), starts  # a slot refilled alone
+    records = read_jsonl(out)
+    assert sorted(r["id"] for r in records) == sorted(f"p{i}" for i in range(len(texts)))
+    assert {r["group"] for r in records} == {0, 1}
+    for rec in records:
+        assert rec["output_ids"] == hf_greedy_of(tiny_dir, rec["prompt_ids"], new), rec["id"]
+
+
+@pytest.mark.slow
+def test_two_groups_of_three_one_killed_mid_run_resume_every_prompt_once(cluster, tiny_dir, tmp_path):
+    """parallel.groups=2 x workers=1 with run.batch=3: each group keeps three prompts in flight, claimed from the
+    driver's queue as slots free. Group 1's actor is SIGKILLed in the middle of its first run: its rebuilt group
+    resumes every prompt it had in flight, each from its own committed prefix (one recovery, an event on each),
+    nothing is run twice or lost, and every record equals the uninterrupted single worker's and HF greedy."""
     specs = [{"id": str(i), "prompt": f"story {i} story {i} story {i}"} for i in range(6)]
     prompts = write_prompts(tmp_path / "p.jsonl", specs)
-    extra = (*_ray_args(1), "--set", "parallel.groups=2", "--set", "run.batch=2")
+    extra = (*_ray_args(1), "--set", "parallel.groups=2", "--set", "run.batch=3")
     for attempt in range(3):  # a kill that found no actor (the state API lagged past its end) lost nothing: again
         out = tmp_path / f"o{attempt}.jsonl"
         rc, err, killed = _kill_group1_mid_claim(cluster, _args(tiny_dir, prompts, out, CLAIM_TOKENS, *extra), out)
@@ -616,7 +668,7 @@ def test_two_groups_of_batched_claims_one_killed_mid_claim_resume_every_prompt_o
     assert {r["group"] for r in records} == {0, 1}
     assert max(r["stats"]["rounds"] / r["stats"]["forward_share"] for r in records) > 1.5  # claims ran together
     hit = [r for r in records if "recovery" in r]
-    assert len(hit) == 2 and all(r["group"] == 1 for r in hit), [(r["id"], r["group"]) for r in hit]
+    assert len(hit) == 3 and all(r["group"] == 1 for r in hit), [(r["id"], r["group"]) for r in hit]
     events = [r["recovery"][0] for r in hit]
     assert len({e["lost"] for e in events}) == 1 and all(len(r["recovery"]) == 1 for r in hit)  # one loss
     assert all(0 < e["resumed_at_token"] < CLAIM_TOKENS and e["rounds_before"] > 0 for e in events), events

@@ -37,7 +37,7 @@ def test_a_job_re_chooses_only_while_enough_prompts_are_left(embedded, monkeypat
     worker = Worker(cfg, SoloCommunicator(), ModelAdapter(model), tokenizer, Path("embedded"), torch.device("cpu"), 0.0)
     worker.policy = RoundPolicy(auto.lookahead, None, None, auto)
     specs = [PromptSpec(id=str(k), prompt=p, where="test") for k, p in enumerate(PROMPTS[:count])]
-    records = run_prompts(worker, specs, later=later)
+    records = run_prompts(worker, worker.prepare(specs), later=later)
     assert len(auto.history) - 1 == searches
     for rec in records:
         expect = model.generate(torch.tensor([rec["prompt_ids"]]), max_new_tokens=new_tokens, do_sample=False)

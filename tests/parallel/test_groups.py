@@ -33,6 +33,7 @@ from helpers import hf_greedy
 
 from lp_runner.config import load_config
 from lp_runner.errors import ConfigError
+from lp_runner.jobs.prompts import queue_order
 from lp_runner.jobs.report import job_line, percentile
 from lp_runner.parallel import groups as groups_mod
 from lp_runner.parallel.cores import PERIOD_S, CoreShare, shared_threads
@@ -42,7 +43,6 @@ from lp_runner.parallel.groups import (
     JobQueue,
     RecordCollector,
     group_layout,
-    queue_order,
     store_client,
 )
 
