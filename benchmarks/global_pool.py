@@ -41,7 +41,8 @@ from lp_runner.decoding.sources import merge_candidates  # noqa: E402
 from lp_runner.jobs.prompts import encode, spec_from_obj  # noqa: E402
 from lp_runner.models.loading import embedded_model_dir, fetch_embedded_model, load_model_and_tokenizer  # noqa: E402
 from lp_runner.tuning import preset  # noqa: E402
-from lp_runner.tuning.preset import Sample, simulate  # noqa: E402
+from lp_runner.tuning.acceptance import Sample  # noqa: E402
+from lp_runner.tuning.preset import simulate  # noqa: E402
 
 # Window-off settings (the only ones a simulation can replay): the auto preset's choice on a 2-core CPU (G=1,
 # context 1-3 / 10 tokens) and wider budgets, as a GPU's flatter cost curve would pick.

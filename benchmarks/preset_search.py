@@ -43,8 +43,9 @@ def child(root: str, curves_file: str) -> None:
     sys.path.insert(0, root)
     from lp_runner.config import load_config
     from lp_runner.models.loading import load_model_and_tokenizer, resolve_model_path
+    from lp_runner.tuning.acceptance import shipped_prior
     from lp_runner.tuning.costmodel import CostCurve, RowPlan
-    from lp_runner.tuning.preset import AutoPreset, describe, shipped_prior
+    from lp_runner.tuning.preset import AutoPreset, describe
 
     model = load_model_and_tokenizer(resolve_model_path("embedded"), dtype="float32")  # noqa: F841 (the heap)
     cfg = load_config(REPO / "configs" / "default.yaml")

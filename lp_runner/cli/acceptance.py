@@ -58,7 +58,7 @@ def record_acceptance(
     from lp_runner.backends.adapter import ModelAdapter
     from lp_runner.decoding.engine import LookaheadEngine
     from lp_runner.device import bind, place, resolve_threads
-    from lp_runner.jobs.prompts import encode, read_prompts
+    from lp_runner.jobs.prompts import prepare_prompts, read_prompts
     from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
     from lp_runner.tuning.acceptance import fingerprint
 
@@ -77,13 +77,11 @@ def record_acceptance(
     gen = generation_config(cfg.generation.max_new_tokens)
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or ([tokenizer.eos_token_id] if tokenizer.eos_token_id else []))
-    prompts = []
-    for s in specs:
-        ids = tuple(encode(tokenizer, s))
-        limit = adapter.max_positions
-        if limit is not None and len(ids) + cfg.generation.max_new_tokens > limit:
-            raise InputError(f"{s.describe()}: {len(ids)} tokens plus max_new_tokens exceed the model's {limit}")
-        prompts.append(PromptToRecord(s.id, "chat" if s.messages is not None else "completion", ids))
+    checked = prepare_prompts(specs, tokenizer, cfg.generation.max_new_tokens, adapter.max_positions, "stop")
+    prompts = [
+        PromptToRecord(s.id, "chat" if s.messages is not None else "completion", ids)
+        for s, ids in zip(checked.specs, checked.ids, strict=True)
+    ]
 
     def run(la, ids):
         res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))

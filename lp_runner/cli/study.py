@@ -147,8 +147,8 @@ def measured(args, workers: list[int], out: Path) -> dict:
 def simulated(args, workers: list[int]) -> dict:
     from lp_runner.studies.hardware import INTERCONNECTS, curve_from_source, measured_interconnect
     from lp_runner.studies.simulate import Host, acceptance, inputs_dict, simulate
+    from lp_runner.tuning.acceptance import shipped_prior
     from lp_runner.tuning.costmodel import HostCost
-    from lp_runner.tuning.preset import shipped_prior
 
     curve, label = curve_from_source(args.curve, args.model_shape, [args.kv_len])
     link_name = args.interconnect

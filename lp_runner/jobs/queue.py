@@ -1,7 +1,7 @@
 """One job over D LP groups (``parallel.groups = D > 1``): each group runs the one job loop (``worker.run_jobs``)
 fed from the job's queue in the launcher's store.
 
-Every rank holds the job's prompts, tokenized and checked at start-up (``worker.prompts``, the same everywhere);
+Every rank holds the job's prompts, tokenized and checked at start-up (``Worker.prompts``, the same everywhere);
 each group takes the next prompt of the one queue order (``JobPrompts.order``: longest first) whenever a slot of
 its batch frees, whichever group is free (``worker.PromptFeed`` over ``JobQueue``). The engine, the round protocol
 and the policy are those of a one-group job, so every prompt's greedy output is the one D = 1 gives (sampling

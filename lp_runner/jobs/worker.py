@@ -113,7 +113,7 @@ def start_worker(cfg: Config, specs: Sequence[PromptSpec] = ()) -> Worker:
     """Join the process group, load the model, and check that all ranks agree.
 
     ``specs``: the job's prompts, tokenized and checked (against the model's context) once, as soon as the
-    tokenizer is loaded (``worker.prompts``, which the job loop then runs): under ``run.on_error=stop`` a bad
+    tokenizer is loaded (``Worker.prompts``, which the job loop then runs): under ``run.on_error=stop`` a bad
     prompt file fails before the start-up calibration is measured. The batch never exceeds the job's prompts
     (``scheduler.batch_for``) and the compiled forward is warmed up on the arena its longest prompt needs.
 

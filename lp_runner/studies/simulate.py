@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from lp_runner.studies.hardware import Interconnect
+from lp_runner.tuning.acceptance import Recorded
 from lp_runner.tuning.costmodel import CostCurve, HostCost, RoundShape, rank_rows
-from lp_runner.tuning.preset import Recorded
 
 EXTEND_RULES = ("hold", "log")
 # windows tried beyond the recording (W = G, the Lookahead paper's shape), priced by the extension rule

@@ -15,13 +15,14 @@ output must equal it (lookahead is exact; a difference stops the recording). ``r
 round at P = 1, ``shapes`` the rounds as ``costmodel.RoundShape`` rows, which the auto preset and the study
 replay at any P.
 
-``table(...)`` turns a recording into what the preset and ``study --simulate`` read (``preset.prior_from_dict``'s
+``table(...)`` turns a recording into what the preset and ``study --simulate`` read (``prior_from_dict``'s
 format: the greedy samples and each window's shapes, plus per-prompt tokens per forward for the reports).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -29,14 +30,12 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.errors import InputError
-
-if TYPE_CHECKING:
-    from lp_runner.tuning.preset import Prior
+from lp_runner.tuning.costmodel import RoundShape
 
 TABLE_FORMAT = 1
 GREEDY = (0, 0, 0)  # the record that holds a prompt's output: no window, one candidate
@@ -60,6 +59,59 @@ DEFAULT_WINDOWS: tuple[tuple[int, int, int], ...] = (
     (47, 11, 47),
 )
 BOOTSTRAP_DRAWS = 2000
+SHIPPED_DEFAULT = "embedded-calibration8"  # the embedded model's table: tests and the study's default
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generation: what was asked and what the model answered (greedy or sampled)."""
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A window setting's round shapes, recorded once with a real model (``lp_runner/tuning/data/acceptance/``)."""
+
+    name: str
+    lookahead: LookaheadConfig
+    shapes: tuple[tuple[RoundShape, ...], ...]  # per calibration prompt
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What ships with the package: calibration samples and recorded window settings."""
+
+    model: str
+    samples: tuple[Sample, ...]
+    recorded: tuple[Recorded, ...]
+
+
+@lru_cache(maxsize=1)
+def shipped_prior() -> Prior:
+    """The embedded model's preset table (``SHIPPED_DEFAULT``); read once per process."""
+    return load_table(SHIPPED_DEFAULT).prior
+
+
+def prior_digest(prior: Prior) -> str:
+    """What identifies a prior's content in the start-up cache key (a user's table lives outside the package,
+    which ``code_digest`` covers)."""
+    blob = repr((prior.model, prior.samples, [(r.name, r.shapes) for r in prior.recorded])).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def prior_from_dict(d: dict) -> Prior:
+    samples = tuple(Sample(tuple(s["prompt_ids"]), tuple(s["output_ids"])) for s in d["samples"])
+    recorded = tuple(
+        Recorded(
+            r["name"],
+            LookaheadConfig(**r["lookahead"]),
+            tuple(tuple(RoundShape(*row[:4], tuple(row[4]), *row[5:]) for row in prompt) for prompt in r["shapes"]),
+        )
+        for r in d.get("recorded", [])
+    )
+    return Prior(d["model"], samples, recorded)
 
 
 @dataclass(frozen=True)
@@ -158,7 +210,7 @@ def _rewrite_whole(out: Path, whole: list[dict]) -> None:
 
 
 def _shape_row(r, window_size: int) -> list:
-    """A ``RoundRecord`` as the positional ``RoundShape`` row ``preset.prior_from_dict`` reads."""
+    """A ``RoundRecord`` as the positional ``RoundShape`` row ``prior_from_dict`` reads."""
     return [r.past_len, r.ordinary, window_size, r.depth, list(r.plan_candidates), r.winner_candidate, r.emitted]
 
 
@@ -293,7 +345,7 @@ def generation_config(max_new_tokens: int) -> GenerationConfig:
 
 @dataclass(frozen=True)
 class Table:
-    """An acceptance table as the preset and the study read it: the ``preset.Prior`` and whose it is."""
+    """An acceptance table as the preset and the study read it: the ``Prior`` and whose it is."""
 
     prior: Prior
     name: str  # the shipped table's name, or the file's path
@@ -340,8 +392,6 @@ def load_table(spec: str) -> Table:
 
 
 def table_from_text(text: str, name: str) -> Table:
-    from lp_runner.tuning.preset import prior_from_dict
-
     try:
         data = json.loads(text)
         if data.get("format") != TABLE_FORMAT:

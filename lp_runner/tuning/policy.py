@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lp_runner.config import Config, LookaheadConfig, internal_key
-from lp_runner.tuning.acceptance import fingerprint, table_from_text, table_text_for
+from lp_runner.tuning.acceptance import Prior, fingerprint, table_from_text, table_text_for
 from lp_runner.tuning.calibrate import CALIBRATION_LIMIT_S, Calibration, calibrate, shared_calibration
 from lp_runner.tuning.costmodel import RowPlan, as_one_rank, batched_curve, shapes_from_records
-from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset, Prior
+from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset
 from lp_runner.tuning.search import describe
 
 

@@ -47,6 +47,7 @@ from lp_runner.config import LookaheadConfig, check_lookahead
 from lp_runner.decoding.coordinator import Coordinator
 from lp_runner.decoding.job_store import JobPool, StoreView, store_views
 from lp_runner.errors import ConfigError
+from lp_runner.tuning.acceptance import Prior, Recorded, Sample, prior_digest
 from lp_runner.tuning.costmodel import CostCurve, RoundShape, RowPlan
 from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
 from lp_runner.tuning.search import MIN_GAIN, QUICK_KNOBS, Scored, coordinate_search, describe, price, space_of
@@ -68,15 +69,6 @@ ADAPT_AFTER_TOKENS = (256, 1024, 4096)  # re-choose from this job's outputs once
 # off on a flat curve, the other six the window)
 WINDOW_EVIDENCE_TOKENS = 1024
 MAX_SAMPLE_TOKENS = 4096  # the search reads at most this many recent output tokens (bounds its time)
-SHIPPED_DEFAULT = "embedded-calibration8"  # the embedded model's table (``tuning/acceptance.py``)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One generation: what was asked and what the model answered (greedy or sampled)."""
-
-    prompt_ids: tuple[int, ...]
-    output_ids: tuple[int, ...]
 
 
 def simulate(la: LookaheadConfig, sample: Sample, store: JobPool | StoreView | None = None) -> list[RoundShape]:
@@ -131,52 +123,6 @@ def _common_prefix(candidate: Sequence[int], out: Sequence[int], start: int) -> 
             break
         n += 1
     return n
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """A window setting's round shapes, recorded once with a real model (``lp_runner/tuning/data/acceptance/``)."""
-
-    name: str
-    lookahead: LookaheadConfig
-    shapes: tuple[tuple[RoundShape, ...], ...]  # per calibration prompt
-
-
-@dataclass(frozen=True)
-class Prior:
-    """What ships with the package: calibration samples and recorded window settings."""
-
-    model: str
-    samples: tuple[Sample, ...]
-    recorded: tuple[Recorded, ...]
-
-
-@lru_cache(maxsize=1)
-def shipped_prior() -> Prior:
-    """The calibration data in the package (see the module docstring); read once per process."""
-    from lp_runner.tuning.acceptance import load_table
-
-    return load_table(SHIPPED_DEFAULT).prior
-
-
-def prior_digest(prior: Prior) -> str:
-    """What identifies a prior's content in the start-up cache key (a user's table lives outside the package,
-    which ``code_digest`` covers)."""
-    blob = repr((prior.model, prior.samples, [(r.name, r.shapes) for r in prior.recorded])).encode()
-    return hashlib.sha256(blob).hexdigest()[:20]
-
-
-def prior_from_dict(d: dict) -> Prior:
-    samples = tuple(Sample(tuple(s["prompt_ids"]), tuple(s["output_ids"])) for s in d["samples"])
-    recorded = tuple(
-        Recorded(
-            r["name"],
-            LookaheadConfig(**r["lookahead"]),
-            tuple(tuple(RoundShape(*row[:4], tuple(row[4]), *row[5:]) for row in prompt) for prompt in r["shapes"]),
-        )
-        for r in d.get("recorded", [])
-    )
-    return Prior(d["model"], samples, recorded)
 
 
 @dataclass

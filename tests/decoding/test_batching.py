@@ -517,8 +517,9 @@ def test_auto_preset_spends_fewer_speculative_rows_per_generation_as_the_batch_g
     """On a curve flat to 8 rows and steep after (this project's 2-thread CPU curve, rounded), the auto preset
     priced on a batch's share of each forward verifies fewer rows per generation and round at batch 4 and 16 than
     one prompt at a time, and its predicted job throughput grows with the batch."""
+    from lp_runner.tuning.acceptance import shipped_prior
     from lp_runner.tuning.costmodel import RowPlan
-    from lp_runner.tuning.preset import AutoPreset, shipped_prior, simulate
+    from lp_runner.tuning.preset import AutoPreset, simulate
 
     ms = {1: 23, 2: 23, 4: 25, 8: 30, 12: 30, 16: 33, 24: 45, 32: 57, 48: 78}
     curve = CostCurve(tuple(CurvePoint(kv, q, t / 1e3, t / 1e3 + q * 1e-4) for kv in (64, 512) for q, t in ms.items()))

@@ -14,7 +14,8 @@ from lp_runner.decoding.coordinator import Coordinator
 from lp_runner.decoding.job_store import SCAN, SEP, JobPool, JobPoolSource, rank_continuations, store_views
 from lp_runner.decoding.sources import Feedback, Proposal
 from lp_runner.errors import InputError
-from lp_runner.tuning.preset import Sample, simulate
+from lp_runner.tuning.acceptance import Sample
+from lp_runner.tuning.preset import simulate
 
 FP = "tok-a"  # a tokenizer fingerprint
 
@@ -272,8 +273,9 @@ def test_auto_preset_keeps_the_job_scope(rows_free):
     """Under the auto preset with ``pool_scope: job`` written in the config, the chosen setting still runs the job
     store, whether it is a simulated window-off setting (rows dear) or a recorded window setting (rows free),
     and pinning the scope rules out no setting."""
+    from lp_runner.tuning.acceptance import shipped_prior
     from lp_runner.tuning.costmodel import CostCurve, RowPlan
-    from lp_runner.tuning.preset import search, shipped_prior
+    from lp_runner.tuning.preset import search
 
     curve = CostCurve.linear(0.050, 0.0 if rows_free else 0.030, max_rows=512)
     base = LookaheadConfig(pool_scope="job", pool_max_tokens=5000)

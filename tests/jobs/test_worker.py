@@ -10,9 +10,10 @@ from helpers import AMD_MS, curve_from_ms
 
 from lp_runner.config import LookaheadConfig, load_config
 from lp_runner.tuning import preset
+from lp_runner.tuning.acceptance import shipped_prior
 from lp_runner.tuning.costmodel import RowPlan
 from lp_runner.tuning.policy import RoundPolicy
-from lp_runner.tuning.preset import AutoPreset, shipped_prior
+from lp_runner.tuning.preset import AutoPreset
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "Once upon a time", "import numpy as np", "x = [1, 2"]
 

@@ -19,8 +19,8 @@ from lp_runner.studies.simulate import (
     simulate,
     window_rows,
 )
+from lp_runner.tuning.acceptance import shipped_prior
 from lp_runner.tuning.costmodel import CostCurve, CurvePoint, HostCost
-from lp_runner.tuning.preset import shipped_prior
 
 KV = 512
 NO_HOST = Host(HostCost(), "left out")

@@ -22,13 +22,14 @@ from lp_runner.tuning.acceptance import (
     read_records,
     record,
     shipped_names,
+    shipped_prior,
     slope_per_doubling,
     table,
     table_from_text,
     table_text_for,
 )
 from lp_runner.tuning.costmodel import RowPlan
-from lp_runner.tuning.preset import AutoPreset, shipped_prior
+from lp_runner.tuning.preset import AutoPreset
 
 AMD_MS = {1: 10.0, 8: 11.0, 16: 13.0, 32: 17.0, 64: 26.0, 128: 45.0}
 

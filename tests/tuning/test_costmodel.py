@@ -398,7 +398,8 @@ def test_declared_inert_knobs_change_no_round(base: LookaheadConfig) -> None:
     through the real coordinator on real outputs (``preset.simulate``), any other value of it from the tuner's
     space gives the same round shapes. A wrong declaration would let the tuner skip a setting that differs."""
     from lp_runner.config import inert_knobs
-    from lp_runner.tuning.preset import shipped_prior, simulate
+    from lp_runner.tuning.acceptance import shipped_prior
+    from lp_runner.tuning.preset import simulate
     from lp_runner.tuning.search import SPACE
 
     samples = shipped_prior().samples[:3]

@@ -15,8 +15,9 @@ from helpers import AMD_MS, FAMILIES, curve_from_ms, make_engine, random_prompt
 
 from lp_runner.config import LookaheadConfig, load_config
 from lp_runner.tuning import preset
+from lp_runner.tuning.acceptance import Sample, shipped_prior
 from lp_runner.tuning.costmodel import CostCurve, CurvePoint, RoundShape, RowPlan, rank_rows, shapes_from_records
-from lp_runner.tuning.preset import AutoPreset, Sample, search, shipped_prior, simulate
+from lp_runner.tuning.preset import AutoPreset, search, simulate
 
 WINDOW_OFF = [
     dict(verification_set_size=1, max_verify_rows=2, long_match_ngram=3),  # the old fixed CPU default

@@ -13,6 +13,7 @@ from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.config import LookaheadConfig
 from lp_runner.device import rows_are_cheap
 from lp_runner.tuning import calibrate, preset
+from lp_runner.tuning.acceptance import shipped_prior
 from lp_runner.tuning.calibrate import GPU_KV, GPU_ROWS, QUICK_KV, QUICK_ROWS, measure_host, measurement_plan
 from lp_runner.tuning.costmodel import (
     CostCurve,
@@ -24,7 +25,7 @@ from lp_runner.tuning.costmodel import (
     predict,
     shapes_from_records,
 )
-from lp_runner.tuning.preset import AutoPreset, search, shipped_prior
+from lp_runner.tuning.preset import AutoPreset, search
 from lp_runner.tuning.search import MIN_GAIN, SPACE
 
 HOST = HostCost(round_s=0.0004, row_s=0.00002)  # 0.4 ms a round + 20 us a row: a host of the measured kind
