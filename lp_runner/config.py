@@ -25,6 +25,7 @@ from lp_runner.limits import (
     MAX_CONFIG_BYTES,
     MAX_VALUE_CHARS,
     BoundedLoader,
+    check_int,
     check_path_text,
     check_setting_text,
     load_yaml,
@@ -309,14 +310,16 @@ def _coerce(internal: str, value: Any, target: type) -> Any:
     if target is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be an integer, got {quote(value)}")
+        number = None
         if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} must be an integer, got {quote(value)}")
+            number = value
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):  # Python refuses past 4300 digits: one line below
+                number = int(value)
+        if number is None:
+            raise ConfigError(f"{key} must be an integer, got {quote(value)}")
+        check_int(key, number)  # every integer, however it came (YAML in any base, a string, the API)
+        return number
     if target is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {quote(value)}")

@@ -113,6 +113,62 @@ def test_an_integer_of_thousands_of_digits(tmp_path: Path, where: str, digits: i
     assert_one_line(proc, fragment)
 
 
+FIX = ("--config", "configs/fixed-cpu.yaml", "--set", "generation.max_new_tokens=16")
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("0x" + "f" * 4000, "--set generation.seed: an integer of 4817 digits (written in base 16), more than any"),
+        ("0x" + "f" * 109, "--set generation.seed: an integer of 132 digits (written in base 16), more than any"),
+        ("0b" + "1" * 400, "--set generation.seed: an integer of 121 digits (written in base 2)"),
+        ("0" + "7" * 200, "--set generation.seed: an integer of 181 digits (written in base 8)"),
+        ("1" + "_0" * 150, "--set generation.seed: an integer of 151 digits, more than any setting takes (100)"),
+        ("'" + "9" * 150 + "'", "generation.seed must be an integer of at most 100 digits, got <an integer of 150"),
+    ],
+    ids=["hex-4000", "hex-109", "binary", "octal", "underscores", "quoted"],
+)
+def test_an_integer_is_bounded_by_its_size_in_every_notation(value: str, fragment: str) -> None:
+    """The bound counted decimal characters: ``0x`` and 4,000 ``f`` passed it, the job ran and streamed, and the
+    record's JSON then failed on the 4,817-digit seed with a traceback; 109 hex digits (a 132-digit seed) ran with
+    exit 0. The seed has no range of its own, so only the size bound refuses these."""
+    assert_one_line(run_cli(*FIX, "--prompt", "hi", "--set", f"generation.seed={value}"), fragment)
+
+
+def test_the_largest_integer_in_any_notation_is_read() -> None:
+    """The bound's edge: 100 digits pass however written (the count for another base is at most one over)."""
+    assert load_config(None, ["generation.seed=" + "9" * 100]).generation.seed == 10**100 - 1
+    assert load_config(None, ["generation.seed=0x" + "f" * 82]).generation.seed == 16**82 - 1  # 99 digits
+    with pytest.raises(ConfigError, match="at most 100 digits"):
+        load_config(None, ["generation.seed='" + "9" * 101 + "'"])
+
+
+@pytest.mark.parametrize("where", ["yaml", "set"])
+def test_yaml_nested_ten_thousand_deep_is_one_line(tmp_path: Path, where: str) -> None:
+    """``dtype: [[[...]]]`` 10,000 deep ended in a RecursionError traceback of 190 KB (PyYAML's composer recurses per
+    level); the node and size bounds do not bound depth."""
+    if where == "yaml":
+        config = tmp_path / "deep.yaml"
+        config.write_text("model:\n  dtype: " + "[" * 10_000 + "]" * 10_000 + "\n")
+        proc = run_cli("--prompt", "hi", "--config", str(config))
+        fragment = "deep.yaml:2: collections nested more than 64 deep, far more than a config holds"
+    else:
+        proc = run_cli("--prompt", "hi", "--set", "model.dtype=" + "[" * 2000)  # unclosed: still composed first
+        fragment = "--set model.dtype: collections nested more than 64 deep"
+    assert_one_line(proc, fragment)
+    assert len(proc.stderr) < 1024
+
+
+def test_a_config_nested_as_deep_as_the_bound_is_read(tmp_path: Path) -> None:
+    """Depth 64 is read (and then refused for its type, not its depth); block style nests the same way."""
+    with pytest.raises(ConfigError, match="model.dtype must be a string"):
+        load_config(None, ["model.dtype=" + "[" * 64 + "]" * 64])
+    config = tmp_path / "block.yaml"
+    config.write_text("model:\n  dtype:\n" + "".join(" " * (2 * i + 4) + "-\n" for i in range(70)))
+    with pytest.raises(ConfigError, match="block.yaml:.*nested more than 64 deep"):
+        load_config(config)
+
+
 def test_a_quoted_integer_string_is_echoed_by_its_size() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"generation.max_new_tokens='{'9' * 4000}'"])
