@@ -39,7 +39,7 @@ from lp_runner.device import (
 )
 from lp_runner.errors import ConfigError, DistributedError, InputError, first_line
 from lp_runner.jobs.output import output_digest, output_settings
-from lp_runner.jobs.prompts import PromptSpec, encode, prompt_problem
+from lp_runner.jobs.prompts import PromptSpec, encode, prompt_problem, too_long_to_tokenize
 from lp_runner.logs import log
 from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path, weights_checksum
 from lp_runner.parallel.comm import (
@@ -575,6 +575,11 @@ def check_prompt(worker: Worker, engine: LookaheadEngine, spec: PromptSpec) -> t
         return [], problem
     key = json.dumps(spec.to_json(), sort_keys=True)  # start-up checks every prompt, the job loop reads them again
     ids = worker.encoded.get(key)
+    context = engine.adapter.max_positions
+    if ids is None and context is not None:  # before the tokenizer holds every token of a 50 MB line
+        problem = too_long_to_tokenize(spec, worker.tokenizer, engine.gen.max_new_tokens, context)
+        if problem is not None:
+            return [], problem
     if ids is None:
         try:
             ids = encode(worker.tokenizer, spec)

@@ -328,3 +328,55 @@ def test_a_long_prompt_id_is_quoted_by_its_start(tmp_path: Path) -> None:
     prompts.write_text(json.dumps({"id": "x" * 100_000, "prompt": ""}) + "\n")
     line = assert_one_line(run_cli("--prompts", str(prompts)), "(100000 characters) (")
     assert line.endswith("p.jsonl:1): empty prompt: at least one token is needed"), line
+
+
+@pytest.mark.slow
+def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized(embedded, tmp_path: Path) -> None:
+    """A 50 MB line was tokenized whole before the context check refused it (7.6 GB peak, 40 s). By its characters
+    it cannot fit (the embedded model's longest token is 81 characters, its context 8192), so it is refused before
+    the tokenizer sees it, under either ``run.on_error``: the line names the prompt and its characters, and the
+    process grows no more than a run of a short prompt does (tokenizing this 10 MB line alone added 1.3 GB)."""
+    prompts, short = tmp_path / "p.jsonl", tmp_path / "short.jsonl"
+    first = json.dumps({"id": "a", "prompt": "hi"}) + "\n"
+    prompts.write_text(first + json.dumps({"id": "b", "prompt": "word " * 2_000_000}) + "\n")
+    short.write_text(first)
+    why = "prompt of 10000000 characters, at least 30865 tokens (no token of this tokenizer spans more than 81), "
+    why += "which with max_new_tokens=16 exceeds the model's context of 8192 positions"
+    peaks = {}
+    for on_error, file in (("stop", prompts), ("skip", prompts), ("baseline", short)):
+        out = tmp_path / f"{on_error}.jsonl"
+        args = [*FIX, "--set", "model.threads=1", "--set", f"run.on_error={'skip' if on_error == 'skip' else 'stop'}"]
+        proc = run_cli(*args, "--prompts", str(file), "--output", str(out), peak_file=tmp_path / "peak")
+        peaks[on_error] = int((tmp_path / "peak").read_text())
+        if on_error == "stop":
+            assert_one_line(proc, f"error: prompt 'b' ({prompts}:2): {why}")
+            continue
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+        assert records["a"]["new_tokens"] > 0, records
+        if on_error == "skip":
+            assert records["b"]["error"] == f"prompt 'b' ({prompts}:2): {why}", records["b"]
+    # the prompts file itself is read whole (10 MB as bytes, text and JSON): far less than its tokens
+    assert max(peaks["stop"], peaks["skip"]) < peaks["baseline"] + 200 * 1024, peaks
+
+
+def test_the_character_bound_refuses_only_what_cannot_fit() -> None:
+    """On the embedded tokenizer (longest entry 81 characters): a prompt at the bound is left to the tokenizer, one
+    character past it is refused; a chat counts its messages' characters."""
+    from transformers import AutoTokenizer
+
+    from lp_runner.jobs.prompts import PromptSpec, too_long_to_tokenize
+    from lp_runner.models.loading import fetch_embedded_model
+
+    tokenizer = AutoTokenizer.from_pretrained(fetch_embedded_model())
+    room = 100 - 10  # a context of 100 positions, 10 new tokens
+    at_bound = room * 81 * 4
+    assert too_long_to_tokenize(PromptSpec("a", prompt="x" * at_bound), tokenizer, 10, 100) is None
+    past = too_long_to_tokenize(PromptSpec("a", prompt="x" * (at_bound + 1)), tokenizer, 10, 100)
+    assert past == (
+        f"prompt of {at_bound + 1} characters, at least 91 tokens (no token of this tokenizer spans more than 81), "
+        "which with max_new_tokens=10 exceeds the model's context of 100 positions"
+    )
+    chat = tuple({"role": "user", "content": "x" * (at_bound // 2 + 1)} for _ in range(2))
+    assert too_long_to_tokenize(PromptSpec("a", messages=chat), tokenizer, 10, 100) is not None
+    assert len(tokenizer("x" * at_bound)["input_ids"]) > room  # the text the bound lets through is still refused
