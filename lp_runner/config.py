@@ -556,7 +556,12 @@ def validate(cfg: Config) -> None:
     check_lookahead(cfg.lookahead)
     for section in ("generation", "parallel", "model", "run"):
         _check_bounds(section, getattr(cfg, section))
-    if gen.temperature <= 0 and gen.do_sample:
+    if gen.temperature < 0:  # under greedy too: a setting that cannot sample is a mistake, not inert
+        raise ConfigError(
+            f"generation.temperature must be >= 0 (read only when sampling, where it must be > 0), "
+            f"got {gen.temperature}"
+        )
+    if gen.temperature == 0 and gen.do_sample:
         raise ConfigError(f"generation.temperature must be > 0 when sampling, got {gen.temperature}")
     if not 0.0 < gen.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p}")

@@ -169,6 +169,28 @@ def test_a_config_nested_as_deep_as_the_bound_is_read(tmp_path: Path) -> None:
         load_config(config)
 
 
+@pytest.mark.parametrize(
+    ("settings", "fragment"),
+    [
+        (["generation.temperature=-1"], "generation.temperature must be >= 0 (read only when sampling, where it must"),
+        (["generation.temperature=-0.5", "generation.do_sample=true"], "generation.temperature must be >= 0"),
+        (["generation.temperature=0", "generation.do_sample=true"], "generation.temperature must be > 0 when sampling"),
+        (["generation.top_p=0"], "generation.top_p must be in (0, 1], got 0.0"),
+        (["generation.top_k=-1"], "generation.top_k must be >= 0, got -1"),
+    ],
+    ids=["negative-greedy", "negative-sampling", "zero-sampling", "top-p", "top-k"],
+)
+def test_sampling_values_out_of_range_are_refused_under_greedy_too(settings: list[str], fragment: str) -> None:
+    """temperature=-1 ran under greedy (where it is not read), while top_p and top_k out of range were refused."""
+    args = [arg for setting in settings for arg in ("--set", setting)]
+    assert_one_line(run_cli(*FIX, "--prompt", "hi", *args), fragment)
+
+
+def test_temperature_zero_under_greedy_runs_as_written() -> None:
+    """0 is how many users say greedy: not a mistake."""
+    assert load_config(None, ["generation.temperature=0"]).generation.temperature == 0.0
+
+
 def test_a_quoted_integer_string_is_echoed_by_its_size() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"generation.max_new_tokens='{'9' * 4000}'"])
