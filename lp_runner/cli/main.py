@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
+from lp_runner.decoding.job_store import check_pool_out
 from lp_runner.errors import (
     EXIT_INTERRUPTED,
     EXIT_PEER_FAILURE,
@@ -183,7 +184,8 @@ def pool_files(cfg: Config) -> dict[str, str]:
 
 def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
     """The files this run writes, before anything loads (``lp_runner.outfiles``): none may be one of its inputs
-    or the other output; ``--pool-out``'s folder must take a file (``--output`` is checked as it is opened). The
+    or the other output; ``--pool-out``'s folder must take a file, and a file it would replace must be a pool
+    (``--output`` is checked as it is opened). The
     pool may be read from and saved to one file (it is read at the start, replaced at the end). Under Ray the
     pool is saved by an actor, maybe on another machine: its folder is not checked here."""
     inputs = {"--prompts": args.prompts, "--config": args.config}
@@ -194,6 +196,7 @@ def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
         check_not_an_input(cfg.run.pool_out, "--pool-out", inputs)
         if cfg.parallel.backend != "ray" and int(os.environ.get("RANK", "0")) == 0:
             check_writable(cfg.run.pool_out, "--pool-out")
+            check_pool_out(cfg.run.pool_out)  # replaces a pool, never a file of another kind
 
 
 def tell_launcher(line: str) -> None:

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from dist_helpers import env_with_repo, job_args, lp_runner_cmd, read_jsonl, write_prompts
 
+from lp_runner.errors import InputError
+
 PROMPTS = [{"id": "a", "prompt": "def add(a, b):"}, {"id": "b", "prompt": "The list goes on and"}]
 TINY = ("--set", "model.threads=1", "--set", "advanced.progress=false")
 
@@ -127,6 +129,41 @@ def test_pool_out_that_is_an_input_is_refused(tmp_path: Path, inputs) -> None:
     for pool, what in cases:
         assert_one_line(run(*base, "--pool-out", str(pool)), f"--pool-out {pool} is the same file as {what}")
     assert_unchanged(before)
+
+
+def test_pool_out_over_a_file_that_is_not_a_pool_is_refused_before_the_job(tmp_path: Path, inputs) -> None:
+    """--pool-out naming an earlier run's records file replaced it with the pool's JSON at the end, without a word
+    (--output refuses to replace what is not its records): refused before the job, the file as it was."""
+    prompts, config = inputs
+    records = tmp_path / "earlier.jsonl"
+    records.write_text(json.dumps({"id": "a", "text": "kept"}) + "\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    before = snapshot(records, notes)
+    base = ["--prompts", str(prompts), "--config", str(config), "--set", "lookahead.pool_scope=job"]
+    for other in (records, notes):
+        assert_one_line(
+            run(*base, "--pool-out", str(other)),
+            f"--pool-out {other} exists and is not an lp_runner pool file; saving the pool would replace it",
+        )
+    assert_unchanged(before)
+
+
+def test_check_pool_out_takes_a_pool_an_empty_file_or_none(tmp_path: Path) -> None:
+    """What --pool-out may replace: a pool as ``save`` writes it (or spaced, as by hand), an empty file, nothing."""
+    from lp_runner.decoding.job_store import JobPool, check_pool_out
+
+    saved = tmp_path / "saved.json"
+    JobPool(100).save(saved, "fingerprint")
+    spaced = tmp_path / "spaced.json"
+    spaced.write_text('{\n  "format": "lp_runner.job_pool", "version": 1}')
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    for path in (saved, spaced, empty, tmp_path / "none.json"):
+        check_pool_out(path)
+    (tmp_path / "other.json").write_text('{"format": "something.else"}')
+    with pytest.raises(InputError, match="is not an lp_runner pool file"):
+        check_pool_out(tmp_path / "other.json")
 
 
 def test_pool_out_in_a_read_only_folder_is_refused_before_the_job(tmp_path: Path, inputs, read_only_dir) -> None:
@@ -242,7 +279,7 @@ def test_device_and_fifo_outputs_are_written_in_place(tiny_dir, tmp_path: Path, 
 def test_pool_out_on_a_full_disk_leaves_the_old_pool(tiny_dir, inputs, full_disk) -> None:
     prompts, _ = inputs
     pool = full_disk / "pool.json"
-    pool.write_text('{"old": "pool"}')
+    pool.write_text('{"format": "lp_runner.job_pool", "old": "pool"}')  # a previous pool: --pool-out replaces it
     fill(full_disk)
     before = snapshot(prompts, pool)
     out = full_disk.parent / "o.jsonl"
