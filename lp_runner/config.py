@@ -426,6 +426,22 @@ def _read_yaml(p: Path) -> Any:
         raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0][:200]}") from None
 
 
+def _like_a_section(key: Any) -> bool:
+    """A section's name, or one misspelled (``lookahed``, ``modle``: the error names it with the fix; ``more`` is
+    not close enough to ``model``)."""
+    names = [*_SECTION_TYPES, ADVANCED]
+    return isinstance(key, str) and len(key) <= 100 and bool(difflib.get_close_matches(key, names, 1, 0.75))
+
+
+def _not_a_config(p: Path) -> ConfigError:
+    """A file without one section, or a name like one: another kind of file (a model's config.json, notes, a link
+    gone astray). Its keys are not echoed (a typo in a real config is, with a suggestion): its first line may be
+    anything, a secret included."""
+    link = f" (a link to {p.resolve()})" if p.is_symlink() else ""
+    sections = ", ".join([*_SECTION_TYPES, ADVANCED])
+    return ConfigError(f"config file {p}{link} is not an lp_runner config: it has none of the sections {sections}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file, then the ``--set`` overrides; validated before return."""
     cfg = Config()
@@ -440,6 +456,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _read_yaml(p) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
+        if data and not any(_like_a_section(k) for k in data):
+            raise _not_a_config(p)
         for section, values in data.items():
             if section not in _SECTION_TYPES and section != ADVANCED:
                 raise _unknown(str(section))
