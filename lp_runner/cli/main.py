@@ -36,7 +36,7 @@ from lp_runner.errors import (
 from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
 from lp_runner.limits import check_path_text
-from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
+from lp_runner.logs import OneLineParser, StderrClosed, add_log_level, log, setup_logging
 from lp_runner.outfiles import EXIT_BROKEN_PIPE, StdoutClosed, check_not_an_input, check_writable, write_stdout
 
 if TYPE_CHECKING:
@@ -100,6 +100,13 @@ def split_command(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _command(argv)
+    except StderrClosed:  # from a line on the way out (an error's own line): ends as any closed stderr does
+        return EXIT_BROKEN_PIPE
+
+
+def _command(argv: list[str] | None) -> int:
     command, args = split_command(list(sys.argv[1:] if argv is None else argv))
     if command == "tune":
         from lp_runner.cli.tune import main as tune_main
@@ -161,7 +168,7 @@ def _run(argv: list[str]) -> int:
             output.close(complete=code == 0)
             output = None
         return code
-    except StdoutClosed:  # | head: nothing to say, as cat says nothing; the records written stay
+    except (StdoutClosed, StderrClosed):  # | head: nothing to say, as cat says nothing; the records written stay
         return EXIT_BROKEN_PIPE
     except LPError as exc:
         log.error("%s", exc)

@@ -16,6 +16,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -310,6 +311,49 @@ def test_stream_to_a_closed_pipe_ends_quietly_and_the_records_resume(tiny_dir, t
     resumed = run(*single)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["id"] for r in read_jsonl(out)] == ["a", "prompt"]
+
+
+@pytest.mark.slow
+def test_a_closed_stderr_ends_the_run_as_a_closed_stdout_does(tiny_dir, tmp_path: Path) -> None:
+    """stderr's reader gone (``2> >(head -c 1)``): the progress bar's first write raised BrokenPipeError and the run
+    ended with exit 1 (its traceback lost on the closed pipe). Now exit 141 with nothing on stdout, as a closed
+    stdout ends it, and --resume then runs the job. A single prompt streams its text, then ends the same way at
+    its first line on stderr."""
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    out = tmp_path / "o.jsonl"
+    with_bar = job(tiny_dir, prompts, out, "--set", "advanced.progress=true")
+    single = [
+        "--prompt",
+        "def add(a, b):",
+        "--set",
+        f"model.path={tiny_dir}",
+        *TINY,
+        "--set",
+        "generation.max_new_tokens=8",
+    ]
+    for args in (with_bar, single):
+        proc = subprocess.Popen(
+            lp_runner_cmd(*args), env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        proc.stderr.close()  # the reader is gone before the first line
+        text = proc.stdout.read().decode()
+        assert proc.wait(300) == 141, text[-3000:]
+        assert (text == "") if args is with_bar else text.strip(), text[-3000:]
+    assert not out.exists() or [r["id"] for r in read_jsonl(out)] == []
+    resumed = run(*job(tiny_dir, prompts, out, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(r["id"] for r in read_jsonl(out)) == ["a", "b"]
+
+
+def test_a_closed_stderr_is_quiet_at_exit() -> None:
+    """A log line to a stderr whose reader is gone: StderrClosed from the main thread, and nothing after it (the
+    interpreter's own flush at exit, a line on the way out) fails again."""
+    code = "from lp_runner.logs import StderrClosed, log, setup_logging\nsetup_logging()\ntry:\n    log.info('x')\n"
+    code += "except StderrClosed:\n    log.error('after')\n    print('closed', flush=True)\n    raise SystemExit(7)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env_with_repo(), stdout=subprocess.PIPE, stderr=-1)
+    proc.stderr.close()
+    assert proc.stdout.read() == b"closed\n"
+    assert proc.wait(30) == 7
 
 
 @pytest.mark.slow
