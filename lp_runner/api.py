@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import numbers
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.config import Config, LookaheadConfig, set_field, set_key, validate
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.errors import ConfigError
+from lp_runner.limits import quote
 from lp_runner.models.loading import default_cache_dir, weights_checksum
 from lp_runner.parallel.comm import SoloCommunicator
 from lp_runner.tuning.policy import RoundPolicy
@@ -174,6 +176,8 @@ def generate(
     from torch's default generator, so ``torch.manual_seed`` makes runs repeatable) and ``LookaheadConfig`` fields.
     ``return_stats``: return ``(sequences, GenerationStats)`` instead (rounds, forwards, accepted tokens, time).
     """
+    _check_model(model)
+    _check_streamer(streamer)
     prompt = _prompt_ids(input_ids)
     _check_token_ids(prompt, model)
     overrides = dict(overrides)
@@ -211,6 +215,33 @@ def generate(
     new = torch.tensor([result.output_ids], dtype=torch.long, device=input_ids.device)  # [1, new]
     sequences = torch.cat([input_ids.reshape(1, -1).to(torch.long), new], dim=1)  # [1, T + new]
     return (sequences, result.stats) if return_stats else sequences
+
+
+def _check_model(model: Any) -> None:
+    """A loaded causal LM (an ``nn.Module`` with a ``config`` and input embeddings), not a name or a path: without
+    this, ``None`` or ``"path/to/model"`` failed with an AttributeError from deep in the argument checks."""
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
+        return
+    hint = ""
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        hint = ": load it first (transformers.AutoModelForCausalLM.from_pretrained(path))"
+    raise GenerateArgumentError(
+        f"model must be a loaded transformers model (a PreTrainedModel), got {type(model).__name__} "
+        f"{quote(model)}{hint}"
+    )
+
+
+def _check_streamer(streamer: Any) -> None:
+    """A streamer has HF's ``put`` and ``end`` (checked before generation: a missing one failed with AttributeError
+    'put' after the model had been prepared, or 'end' after the whole generation)."""
+    if streamer is None:
+        return
+    missing = [name for name in ("put", "end") if not callable(getattr(streamer, name, None))]
+    if missing:
+        raise GenerateArgumentError(
+            f"streamer must have put(token_ids) and end() methods, as transformers' BaseStreamer does; "
+            f"{type(streamer).__name__} has no {' or '.join(missing)}"
+        )
 
 
 def _prompt_ids(input_ids: torch.Tensor) -> list[int]:
@@ -326,9 +357,11 @@ def _resolve(model: PreTrainedModel, config: Any, overrides: dict[str, Any], pro
 def _set_generation(cfg: Config, setting, prompt_len: int) -> None:
     """Map HF's resolved settings onto ``cfg.generation`` (HF: max_new_tokens wins over max_length; the warpers
     apply only when sampling; top_k None or 0 means off). The model's context limit is the engine's check."""
-    max_new, _ = setting("max_new_tokens")
+    max_new, source = setting("max_new_tokens")
+    _check_type("max_new_tokens", max_new, source, numbers.Integral)
     if max_new is None:
         max_length, source = setting("max_length")
+        _check_type("max_length", max_length, source, numbers.Integral)
         # HF 5.x: an explicit max_length counts the prompt; the global default means 20 new tokens.
         max_new = max_length if source == "defaults" else max_length - prompt_len
         if max_new < 1:
@@ -336,12 +369,24 @@ def _set_generation(cfg: Config, setting, prompt_len: int) -> None:
                 f"max_length={max_length} leaves no room after a prompt of {prompt_len} tokens; pass max_new_tokens"
             )
     set_key(cfg, "generation.max_new_tokens", max_new)
-    do_sample, _ = setting("do_sample")
+    do_sample, source = setting("do_sample")
+    _check_type("do_sample", do_sample, source, bool)
     set_key(cfg, "generation.do_sample", bool(do_sample))
     if do_sample:
+        for key, kind in (("temperature", numbers.Real), ("top_k", numbers.Integral), ("top_p", numbers.Real)):
+            _check_type(key, *setting(key), kind)
         set_key(cfg, "generation.temperature", float(setting("temperature")[0]))
         set_key(cfg, "generation.top_k", int(setting("top_k")[0] or 0))
         set_key(cfg, "generation.top_p", float(setting("top_p")[0]))
+
+
+def _check_type(key: str, value: Any, source: str, kind: type) -> None:
+    """An HF setting of the type ``generate`` takes (``kind``; None: unset): ``max_new_tokens='8'`` ran 8 tokens
+    through the config's text coercion, and ``do_sample='false'`` sampled."""
+    if value is None or (isinstance(value, kind) and (kind is bool or not isinstance(value, bool))):
+        return
+    what = {bool: "True or False", numbers.Integral: "an integer", numbers.Real: "a number"}[kind]
+    raise GenerateArgumentError(f"{key} must be {what}, got {type(value).__name__} {quote(value)} (from {source})")
 
 
 def _is_hf_generation_config(config: Any) -> bool:

@@ -25,6 +25,7 @@ from lp_runner.limits import (
     MAX_CONFIG_BYTES,
     MAX_VALUE_CHARS,
     BoundedLoader,
+    check_int,
     check_path_text,
     check_setting_text,
     load_yaml,
@@ -312,14 +313,16 @@ def _coerce(internal: str, value: Any, target: type) -> Any:
     if target is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be an integer, got {quote(value)}")
+        number = None
         if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} must be an integer, got {quote(value)}")
+            number = value
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):  # Python refuses past 4300 digits: one line below
+                number = int(value)
+        if number is None:
+            raise ConfigError(f"{key} must be an integer, got {quote(value)}")
+        check_int(key, number)  # every integer, however it came (YAML in any base, a string, the API)
+        return number
     if target is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {quote(value)}")
@@ -426,6 +429,22 @@ def _read_yaml(p: Path) -> Any:
         raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0][:200]}") from None
 
 
+def _like_a_section(key: Any) -> bool:
+    """A section's name, or one misspelled (``lookahed``, ``modle``: the error names it with the fix; ``more`` is
+    not close enough to ``model``)."""
+    names = [*_SECTION_TYPES, ADVANCED]
+    return isinstance(key, str) and len(key) <= 100 and bool(difflib.get_close_matches(key, names, 1, 0.75))
+
+
+def _not_a_config(p: Path) -> ConfigError:
+    """A file without one section, or a name like one: another kind of file (a model's config.json, notes, a link
+    gone astray). Its keys are not echoed (a typo in a real config is, with a suggestion): its first line may be
+    anything, a secret included."""
+    link = f" (a link to {p.resolve()})" if p.is_symlink() else ""
+    sections = ", ".join([*_SECTION_TYPES, ADVANCED])
+    return ConfigError(f"config file {p}{link} is not an lp_runner config: it has none of the sections {sections}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file, then the ``--set`` overrides; validated before return."""
     cfg = Config()
@@ -440,6 +459,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _read_yaml(p) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
+        if data and not any(_like_a_section(k) for k in data):
+            raise _not_a_config(p)
         for section, values in data.items():
             if section not in _SECTION_TYPES and section != ADVANCED:
                 raise _unknown(str(section))
@@ -556,7 +577,12 @@ def validate(cfg: Config) -> None:
     check_lookahead(cfg.lookahead)
     for section in ("generation", "parallel", "model", "run"):
         _check_bounds(section, getattr(cfg, section))
-    if gen.temperature <= 0 and gen.do_sample:
+    if gen.temperature < 0:  # under greedy too: a setting that cannot sample is a mistake, not inert
+        raise ConfigError(
+            f"generation.temperature must be >= 0 (read only when sampling, where it must be > 0), "
+            f"got {gen.temperature}"
+        )
+    if gen.temperature == 0 and gen.do_sample:
         raise ConfigError(f"generation.temperature must be > 0 when sampling, got {gen.temperature}")
     if not 0.0 < gen.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p}")

@@ -3,7 +3,8 @@
 A setting's range lives with the setting (``config._BOUNDS``); this module bounds what comes before any range can
 be checked: the text of a value, the YAML that carries it, and the echo of a bad value in an error line. Without
 these a 340-byte config of nested aliases (a "billion laughs") expands to gigabytes when it is built or printed,
-an integer of 5,000 digits fails inside the YAML constructor with a traceback, and a 300-character file name
+an integer of 5,000 digits (or 4,000 hex digits) fails inside the YAML constructor or a record's JSON with a
+traceback, ten thousand nested brackets exhaust Python's recursion while composing, and a 300-character file name
 fails inside ``os.stat``. Every bound here fails before anything is expanded, loaded or launched, with one line.
 
 ``quote`` is the one way a message shows a value the user gave: at most ``QUOTE_CHARS`` of it, with its length
@@ -12,6 +13,7 @@ when it was cut, so an error line stays one short line whatever the value.
 
 from __future__ import annotations
 
+import math
 import os
 import reprlib
 from typing import Any
@@ -24,8 +26,11 @@ QUOTE_CHARS = 60  # the most characters of a value an error message shows
 MAX_VALUE_CHARS = 4096  # a setting's text (PATH_MAX: no path, name or address a setting holds is longer)
 MAX_PATH_BYTES = 4095  # a path the kernel takes (PATH_MAX 4096 with its terminating NUL)
 MAX_NAME_BYTES = 255  # one file or folder name (NAME_MAX on Linux filesystems)
-MAX_INT_DIGITS = 100  # an integer setting's digits (the largest bound is 9 digits; a seed fits in 20)
+MAX_INT_DIGITS = 100  # an integer setting's decimal digits, whatever base it is written in (the largest bound is
+# 9 digits; a seed fits in 20)
 MAX_YAML_NODES = 10_000  # values in a YAML document, its aliases expanded (the full config written out: 125)
+_TOO_MANY_DIGITS = 10**MAX_INT_DIGITS  # the least integer of MAX_INT_DIGITS + 1 digits
+MAX_YAML_DEPTH = 64  # nested collections in a YAML document (a config is 2 deep; Python's recursion ends near 900)
 MAX_CONFIG_BYTES = 1 << 20  # a config file (the full config written out is 1.1 KB)
 
 
@@ -64,6 +69,37 @@ def quote(value: Any) -> str:
     return _REPR.repr(value)
 
 
+_BASES = {"0b": 2, "0o": 8, "0x": 16}
+
+
+def int_text_digits(text: str) -> tuple[int, int]:
+    """(decimal digits, base) of the integer that the YAML 1.1 integer ``text`` names, read off the text without
+    converting it: the value's size, not the count of characters, so ``0x`` and 4,000 ``f`` is ~4,817 digits.
+    The count is exact in base 10 and at most one over elsewhere (n digits of base b are below b**n).
+
+    ``int_text_digits("1_000")`` -> (4, 10); ``int_text_digits("0x" + "f" * 109)`` -> (132, 16);
+    ``int_text_digits("010")`` -> (2, 8) (YAML 1.1 octal 8: one over); ``int_text_digits("1:30")`` -> (3, 60)
+    (sexagesimal 90)."""
+    body = text.replace("_", "").lstrip("+-")
+    base, head = _BASES.get(body[:2].lower(), 10), 2
+    if base == 10 and body.startswith("0") and len(body) > 1:
+        base, head = 8, 1
+    if base == 10 and ":" in body:  # 1:30 = 90: a decimal head, then base-60 places
+        first, *places = body.split(":")
+        return len(first.lstrip("0")) + math.ceil(len(places) * math.log10(60)), 60
+    significant = len(body[head:].lstrip("0")) if base != 10 else len(body.lstrip("0"))
+    if base == 10:
+        return significant, 10
+    return math.floor(significant * math.log10(base)) + 1 if significant else 0, base
+
+
+def check_int(key: str, value: int) -> None:
+    """An integer setting of at most MAX_INT_DIGITS decimal digits (ConfigError naming ``key`` otherwise): past that
+    it is a mistake whatever it sets, and past 4,300 digits a record could not even write it."""
+    if abs(value) >= _TOO_MANY_DIGITS:
+        raise ConfigError(f"{key} must be an integer of at most {MAX_INT_DIGITS} digits, got {quote(value)}")
+
+
 def check_setting_text(key: str, text: str) -> None:
     """A string setting's text: at most MAX_VALUE_CHARS characters (ConfigError naming ``key`` otherwise)."""
     if len(text) > MAX_VALUE_CHARS:
@@ -92,8 +128,10 @@ def check_path_text(what: str, path: str) -> None:
 class BoundedLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses, as it composes and before anything is built: a document of more than
     MAX_YAML_NODES values once its aliases are expanded (a billion-laughs file: nine aliases of nine aliases ...
-    compose to a few hundred nodes but expand to 9**9 values), a recursive alias, and an integer of more than
-    MAX_INT_DIGITS digits (Python's own limit would end in a traceback inside the constructor).
+    compose to a few hundred nodes but expand to 9**9 values), a recursive alias, collections nested more than
+    MAX_YAML_DEPTH deep (the composer recurses per level: 10,000 ``[`` end in a RecursionError), and an integer of
+    more than MAX_INT_DIGITS digits in whatever base it is written (Python's own limit would end in a traceback
+    inside the constructor, or in a record's JSON).
 
     ``where``: how messages name the document ("config file c.yaml", "--set model.path"); a file's line follows.
 
@@ -105,6 +143,7 @@ class BoundedLoader(yaml.SafeLoader):
         super().__init__(stream)
         self.where = where
         self._sizes: dict[int, int] = {}  # id(node) -> values it expands to (the nodes stay alive: ids are stable)
+        self._depth = 0  # collections open around the node being composed
 
     def _at(self, node: yaml.Node) -> str:
         return f"{self.where}:{node.start_mark.line + 1}" if self.where.startswith("config file") else self.where
@@ -114,7 +153,17 @@ class BoundedLoader(yaml.SafeLoader):
             anchored = self.anchors.get(self.peek_event().anchor)
             if anchored is not None and id(anchored) not in self._sizes:  # named while it is still being composed
                 raise ConfigError(f"{self._at(anchored)}: a recursive alias (a value that contains itself)")
-        node = super().compose_node(parent, index)
+        opens = self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent)
+        if opens and self._depth >= MAX_YAML_DEPTH:  # before the composer recurses into it
+            line = f":{self.peek_event().start_mark.line + 1}" if self.where.startswith("config file") else ""
+            raise ConfigError(
+                f"{self.where}{line}: collections nested more than {MAX_YAML_DEPTH} deep, far more than a config holds"
+            )
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
         if id(node) not in self._sizes:  # else an alias: the node it names, counted when it was composed
             if isinstance(node, yaml.ScalarNode):
                 children = []
@@ -131,10 +180,12 @@ class BoundedLoader(yaml.SafeLoader):
         return node
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
-        digits = sum(c.isdigit() for c in node.value)
+        digits, base = int_text_digits(node.value)
         if digits > MAX_INT_DIGITS:
+            written = "" if base == 10 else f" (written in base {base})"
             raise ConfigError(
-                f"{self._at(node)}: an integer of {digits} digits, more than any setting takes ({MAX_INT_DIGITS})"
+                f"{self._at(node)}: an integer of {digits} digits{written}, more than any setting takes "
+                f"({MAX_INT_DIGITS})"
             )
         return super().construct_yaml_int(node)
 

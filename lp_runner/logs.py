@@ -12,15 +12,22 @@ of ``lp_runner.generate`` sees warnings only, through Python's last-resort handl
 ``--log-level WARNING`` keeps warnings and errors only; ``DEBUG`` adds debug lines. There is no level above
 ERROR: a failing run always says why. INFO lines come from the writing process only (rank 0 or the driver), so
 they go without the rank prefix.
+
+A stderr whose reader went away (``2> >(head -1)``) ends the run as a closed stdout does (``StderrClosed``: exit
+141, silent, the records written kept); the progress bar writes through ``STDERR`` for the same reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+import threading
 from typing import NoReturn
+
+from lp_runner.errors import LPError
 
 LOGGER = "lp_runner"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -45,13 +52,53 @@ class _Formatter(logging.Formatter):
         return f"{label}{rank_prefix()}{record.getMessage()}"
 
 
+class StderrClosed(LPError):
+    """stderr's reader went away: the run ends without a word, as ``outfiles.StdoutClosed`` (exit 141)."""
+
+
+def write_stderr(text: str) -> None:
+    """``text`` on whatever ``sys.stderr`` is at the time (pytest and Ray replace it), flushed at once. A closed
+    pipe is ``StderrClosed``, with stderr pointed at ``/dev/null`` first: nothing after it (the interpreter's
+    last flush, a line on the way out) fails again."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stderr.fileno())
+            os.close(devnull)
+        raise StderrClosed("stderr was closed by its reader") from None
+
+
+class _Stderr:
+    """A file for a writer that takes one (the progress bar): ``write_stderr`` behind ``write`` and ``flush``."""
+
+    def write(self, text: str) -> int:
+        write_stderr(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass  # every write is flushed
+
+    def __getattr__(self, name: str) -> object:  # fileno, isatty, encoding: the bar sizes itself to the terminal
+        return getattr(sys.stderr, name)
+
+
+STDERR = _Stderr()  # stateless: one is enough
+
+
 class _StderrHandler(logging.Handler):
-    """Writes to whatever ``sys.stderr`` is at the time (pytest and Ray replace it), flushed at once."""
+    """Writes through ``write_stderr``. A closed stderr ends the run from the main thread's line; another thread's
+    line (a heartbeat, a collector) is dropped and the run goes on, stderr then on ``/dev/null``: an exception
+    there would end that thread, not the run."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            sys.stderr.write(self.format(record) + "\n")
-            sys.stderr.flush()
+            write_stderr(self.format(record) + "\n")
+        except StderrClosed:
+            if threading.current_thread() is threading.main_thread():
+                raise
         except Exception:
             self.handleError(record)
 

@@ -11,6 +11,10 @@ streamed text on stdout (``write_stdout``).
 - **Written atomically** where it is a regular file or does not exist yet (``write_file``): a temporary file in
   the same folder, ``fsync``, ``os.replace`` over the target (a symlink's target: the link stays a link). A full
   disk or an interruption leaves the old file or none, never a torn or empty one.
+- **Never replaces a file of another kind.** A run's records (``--output``) replace an existing file only with
+  ``--overwrite`` and only when it holds records; ``tune --output`` only with ``--overwrite``; ``--pool-out`` a
+  previous pool or an empty file (``job_store.check_pool_out``: saving a pool over a records file lost them without
+  a word). Each is checked before any work, with the other checks here.
 - **Never replaced when it is not a regular file.** An existing device, FIFO or symlink to a descriptor
   (``/dev/null``, ``/proc/self/fd/1``) is opened and written in place (``is_stream``): renaming a regular file
   over it would replace a machine's device node, or leave a FIFO's reader waiting for nothing.

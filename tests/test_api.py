@@ -155,6 +155,63 @@ def test_bad_settings_are_refused_clearly(tiny, kwargs: dict, message: str) -> N
     assert isinstance(info.value, ValueError) and isinstance(info.value, LPError)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": "8"}, "max_new_tokens must be an integer, got str '8' (from the call)"),
+        ({"max_new_tokens": 8.0}, "max_new_tokens must be an integer, got float 8.0 (from the call)"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an integer, got bool True (from the call)"),
+        ({"max_length": "30"}, "max_length must be an integer, got str '30' (from the call)"),
+        ({"do_sample": "false"}, "do_sample must be True or False, got str 'false' (from the call)"),
+        ({"do_sample": True, "temperature": "0.5"}, "temperature must be a number, got str '0.5' (from the call)"),
+        ({"do_sample": True, "top_k": "5"}, "top_k must be an integer, got str '5' (from the call)"),
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused(tiny, kwargs: dict, message: str) -> None:
+    """max_new_tokens='8' ran (the config's text coercion read it), and do_sample='false' sampled."""
+    with pytest.raises(GenerateArgumentError) as info:
+        lp_runner.generate(tiny("llama"), _ids(12), **kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (None, "model must be a loaded transformers model (a PreTrainedModel), got NoneType None"),
+        ("org/model", "got str 'org/model': load it first (transformers.AutoModelForCausalLM.from_pretrained(path))"),
+        (REPO / "m", "got PosixPath PosixPath("),
+        (torch.nn.Linear(2, 2), "got Linear Linear("),
+    ],
+    ids=["none", "name", "path", "not-a-causal-lm"],
+)
+def test_a_model_that_is_not_a_loaded_model_is_named(model: object, message: str) -> None:
+    """None or a path failed with an AttributeError from inside the argument checks."""
+    with pytest.raises(GenerateArgumentError) as info:
+        lp_runner.generate(model, _ids(12), max_new_tokens=4)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+class _PutOnly:
+    def __init__(self) -> None:
+        self.puts = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+
+
+def test_a_streamer_without_put_or_end_is_refused_before_generation(tiny) -> None:
+    """A streamer without ``put`` failed with AttributeError 'put'; one without ``end`` only after the whole
+    generation had run and been streamed."""
+    with pytest.raises(
+        GenerateArgumentError, match=r"streamer must have put\(token_ids\) and end\(\) .* object has no put or end"
+    ):
+        lp_runner.generate(tiny("llama"), _ids(12), max_new_tokens=4, streamer=object())
+    put_only = _PutOnly()
+    with pytest.raises(GenerateArgumentError, match="_PutOnly has no end$"):
+        lp_runner.generate(tiny("llama"), _ids(12), max_new_tokens=4, streamer=put_only)
+    assert put_only.puts == 0  # refused before anything was generated or streamed
+
+
 def test_unsupported_setting_in_models_generation_config(tiny) -> None:
     """A checkpoint's own repetition_penalty would change model.generate's output: refused, unless neutralised."""
     model = tiny_model("llama")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from lp_runner import __version__
 from lp_runner.config import Config, load_config
+from lp_runner.decoding.job_store import check_pool_out
 from lp_runner.errors import (
     EXIT_INTERRUPTED,
     EXIT_PEER_FAILURE,
@@ -35,7 +36,7 @@ from lp_runner.errors import (
 from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
 from lp_runner.limits import check_path_text
-from lp_runner.logs import OneLineParser, add_log_level, log, setup_logging
+from lp_runner.logs import OneLineParser, StderrClosed, add_log_level, log, setup_logging
 from lp_runner.outfiles import EXIT_BROKEN_PIPE, StdoutClosed, check_not_an_input, check_writable, write_stdout
 
 if TYPE_CHECKING:
@@ -99,6 +100,13 @@ def split_command(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _command(argv)
+    except StderrClosed:  # from a line on the way out (an error's own line): ends as any closed stderr does
+        return EXIT_BROKEN_PIPE
+
+
+def _command(argv: list[str] | None) -> int:
     command, args = split_command(list(sys.argv[1:] if argv is None else argv))
     if command == "tune":
         from lp_runner.cli.tune import main as tune_main
@@ -160,7 +168,7 @@ def _run(argv: list[str]) -> int:
             output.close(complete=code == 0)
             output = None
         return code
-    except StdoutClosed:  # | head: nothing to say, as cat says nothing; the records written stay
+    except (StdoutClosed, StderrClosed):  # | head: nothing to say, as cat says nothing; the records written stay
         return EXIT_BROKEN_PIPE
     except LPError as exc:
         log.error("%s", exc)
@@ -183,7 +191,8 @@ def pool_files(cfg: Config) -> dict[str, str]:
 
 def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
     """The files this run writes, before anything loads (``lp_runner.outfiles``): none may be one of its inputs
-    or the other output; ``--pool-out``'s folder must take a file (``--output`` is checked as it is opened). The
+    or the other output; ``--pool-out``'s folder must take a file, and a file it would replace must be a pool
+    (``--output`` is checked as it is opened). The
     pool may be read from and saved to one file (it is read at the start, replaced at the end). Under Ray the
     pool is saved by an actor, maybe on another machine: its folder is not checked here."""
     inputs = {"--prompts": args.prompts, "--config": args.config}
@@ -194,6 +203,7 @@ def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
         check_not_an_input(cfg.run.pool_out, "--pool-out", inputs)
         if cfg.parallel.backend != "ray" and int(os.environ.get("RANK", "0")) == 0:
             check_writable(cfg.run.pool_out, "--pool-out")
+            check_pool_out(cfg.run.pool_out)  # replaces a pool, never a file of another kind
 
 
 def tell_launcher(line: str) -> None:

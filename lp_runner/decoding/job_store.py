@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import re
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -175,6 +176,30 @@ class JobPool:
         if self._num_tokens > self.max_tokens:
             self._evict()
         self.generations += generations
+
+
+_POOL_START = re.compile(rb'\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT.encode()) + rb'"')
+
+
+def check_pool_out(path: str | Path) -> None:
+    """``--pool-out``: an existing file it would replace is a pool file, or empty (InputError otherwise, before any
+    work). ``save`` replaces the file whole, as it should a previous pool (``--pool-in x --pool-out x``); a
+    records file, the prompts or any other file given by mistake would be gone without a word, where ``--output``
+    refuses to replace what is not its own records. Read by its first bytes (``save`` writes ``format`` first):
+    a pool file may be hundreds of megabytes."""
+    p = Path(path)
+    if not p.is_file():  # none yet, or a stream (written in place, never replaced: ``outfiles``)
+        return
+    try:
+        with p.open("rb") as f:
+            start = f.read(256)
+    except OSError as exc:
+        raise InputError(f"cannot read --pool-out {p} ({exc.strerror or exc})") from None
+    if start.strip() and not _POOL_START.match(start):
+        raise InputError(
+            f"--pool-out {p} exists and is not an lp_runner pool file; saving the pool would replace it: "
+            "give another file, or remove it first"
+        )
 
 
 def read_pool_file(

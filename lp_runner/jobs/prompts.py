@@ -6,11 +6,15 @@ defaults) or ``messages`` (a chat; the chat template is applied with the generat
 Errors that make the file unreadable (not UTF-8, not JSON, no id, a duplicate id) always end the run: they name
 the file and line. Errors of one prompt (empty, too long for the model) name its id and line, and follow
 ``run.on_error``: ``stop`` ends the run before anything is generated, ``skip`` turns them into error records.
+
+A prompt far too long for the model is refused by its characters before it is tokenized (``too_long_to_tokenize``):
+a tokenizer holds every token of a 50 MB line at once, gigabytes, only for the context check to refuse it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +75,41 @@ def queue_order(lengths: Sequence[int]) -> list[int]:
     """Indices of the prompts, longest first (ties in file order): long prompts start early, so the job does
     not end waiting on one. ``queue_order([10, 40, 25, 40])`` -> [1, 3, 2, 0]."""
     return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+
+# Characters a tokenizer's normalizer may fold into one of a token's (NFKC composes a Hangul syllable from three
+# jamo): the character bound allows for it, so it refuses only prompts that cannot fit whatever the normalizer does.
+NORMALIZER_SLACK = 4
+
+
+def prompt_chars(spec: PromptSpec) -> int:
+    """The characters of a prompt's text (a chat: its messages' contents; the template only adds tokens)."""
+    if spec.messages is not None:
+        return sum(len(m["content"]) for m in spec.messages)
+    return len(spec.prompt or "")
+
+
+def too_long_to_tokenize(spec: PromptSpec, tokenizer: Any, max_new_tokens: int, context: int) -> str | None:
+    """What is wrong with a prompt whose text alone is too long for ``context`` positions less ``max_new_tokens``,
+    known from its characters without tokenizing it (None: it may fit; tokenizing it says).
+
+    No token covers more characters than its longest vocabulary entry (byte-level and SentencePiece vocabularies
+    spell a character of the text with at least one of theirs), so a prompt of C characters is at least
+    C / (longest x NORMALIZER_SLACK) tokens. Example: the embedded model's longest token is 81 characters (a newline
+    and 80 spaces), its context 8192: with max_new_tokens=16 a prompt past 8176 x 81 x 4 = 2,649,024 characters is
+    refused here, a shorter one is tokenized and checked by its tokens."""
+    room = context - max_new_tokens
+    chars = prompt_chars(spec)
+    if chars <= max(room, 0) * NORMALIZER_SLACK:  # no token is shorter than one character: nothing to learn here
+        return None
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    least = math.ceil(chars / (longest * NORMALIZER_SLACK))
+    if least <= room:
+        return None
+    return (
+        f"prompt of {chars} characters, at least {least} tokens (no token of this tokenizer spans more than "
+        f"{longest}), which with max_new_tokens={max_new_tokens} exceeds the model's context of {context} positions"
+    )
 
 
 def read_prompts(path: str | Path) -> list[PromptSpec]:
@@ -163,6 +202,8 @@ def _checked_ids(
 ) -> tuple[tuple[int, ...], str | None]:
     """(token ids, None) for a usable prompt, ((), what is wrong) otherwise."""
     problem = prompt_problem(spec)
+    if problem is None and max_positions is not None:  # before the tokenizer holds every token of a 50 MB line
+        problem = too_long_to_tokenize(spec, tokenizer, max_new_tokens, max_positions)
     if problem is not None:
         return (), problem
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from typing import Any
 from lp_runner.config import Config
 from lp_runner.decoding.metrics import combine
 from lp_runner.jobs.output import OutputFile
-from lp_runner.logs import log
+from lp_runner.logs import STDERR, log
 
 
 def format_summary(
@@ -190,7 +189,7 @@ class Report:
         if progress and cfg.run.progress and total > 1 and log.isEnabledFor(logging.INFO):
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=already, desc="prompts", unit="prompt", file=sys.stderr)
+            self.bar = tqdm(total=total, initial=already, desc="prompts", unit="prompt", file=STDERR)
 
     def record(self, rec: dict) -> None:
         self.records.append(rec)

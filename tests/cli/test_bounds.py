@@ -113,6 +113,84 @@ def test_an_integer_of_thousands_of_digits(tmp_path: Path, where: str, digits: i
     assert_one_line(proc, fragment)
 
 
+FIX = ("--config", "configs/fixed-cpu.yaml", "--set", "generation.max_new_tokens=16")
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("0x" + "f" * 4000, "--set generation.seed: an integer of 4817 digits (written in base 16), more than any"),
+        ("0x" + "f" * 109, "--set generation.seed: an integer of 132 digits (written in base 16), more than any"),
+        ("0b" + "1" * 400, "--set generation.seed: an integer of 121 digits (written in base 2)"),
+        ("0" + "7" * 200, "--set generation.seed: an integer of 181 digits (written in base 8)"),
+        ("1" + "_0" * 150, "--set generation.seed: an integer of 151 digits, more than any setting takes (100)"),
+        ("'" + "9" * 150 + "'", "generation.seed must be an integer of at most 100 digits, got <an integer of 150"),
+    ],
+    ids=["hex-4000", "hex-109", "binary", "octal", "underscores", "quoted"],
+)
+def test_an_integer_is_bounded_by_its_size_in_every_notation(value: str, fragment: str) -> None:
+    """The bound counted decimal characters: ``0x`` and 4,000 ``f`` passed it, the job ran and streamed, and the
+    record's JSON then failed on the 4,817-digit seed with a traceback; 109 hex digits (a 132-digit seed) ran with
+    exit 0. The seed has no range of its own, so only the size bound refuses these."""
+    assert_one_line(run_cli(*FIX, "--prompt", "hi", "--set", f"generation.seed={value}"), fragment)
+
+
+def test_the_largest_integer_in_any_notation_is_read() -> None:
+    """The bound's edge: 100 digits pass however written (the count for another base is at most one over)."""
+    assert load_config(None, ["generation.seed=" + "9" * 100]).generation.seed == 10**100 - 1
+    assert load_config(None, ["generation.seed=0x" + "f" * 82]).generation.seed == 16**82 - 1  # 99 digits
+    with pytest.raises(ConfigError, match="at most 100 digits"):
+        load_config(None, ["generation.seed='" + "9" * 101 + "'"])
+
+
+@pytest.mark.parametrize("where", ["yaml", "set"])
+def test_yaml_nested_ten_thousand_deep_is_one_line(tmp_path: Path, where: str) -> None:
+    """``dtype: [[[...]]]`` 10,000 deep ended in a RecursionError traceback of 190 KB (PyYAML's composer recurses per
+    level); the node and size bounds do not bound depth."""
+    if where == "yaml":
+        config = tmp_path / "deep.yaml"
+        config.write_text("model:\n  dtype: " + "[" * 10_000 + "]" * 10_000 + "\n")
+        proc = run_cli("--prompt", "hi", "--config", str(config))
+        fragment = "deep.yaml:2: collections nested more than 64 deep, far more than a config holds"
+    else:
+        proc = run_cli("--prompt", "hi", "--set", "model.dtype=" + "[" * 2000)  # unclosed: still composed first
+        fragment = "--set model.dtype: collections nested more than 64 deep"
+    assert_one_line(proc, fragment)
+    assert len(proc.stderr) < 1024
+
+
+def test_a_config_nested_as_deep_as_the_bound_is_read(tmp_path: Path) -> None:
+    """Depth 64 is read (and then refused for its type, not its depth); block style nests the same way."""
+    with pytest.raises(ConfigError, match="model.dtype must be a string"):
+        load_config(None, ["model.dtype=" + "[" * 64 + "]" * 64])
+    config = tmp_path / "block.yaml"
+    config.write_text("model:\n  dtype:\n" + "".join(" " * (2 * i + 4) + "-\n" for i in range(70)))
+    with pytest.raises(ConfigError, match="block.yaml:.*nested more than 64 deep"):
+        load_config(config)
+
+
+@pytest.mark.parametrize(
+    ("settings", "fragment"),
+    [
+        (["generation.temperature=-1"], "generation.temperature must be >= 0 (read only when sampling, where it must"),
+        (["generation.temperature=-0.5", "generation.do_sample=true"], "generation.temperature must be >= 0"),
+        (["generation.temperature=0", "generation.do_sample=true"], "generation.temperature must be > 0 when sampling"),
+        (["generation.top_p=0"], "generation.top_p must be in (0, 1], got 0.0"),
+        (["generation.top_k=-1"], "generation.top_k must be >= 0, got -1"),
+    ],
+    ids=["negative-greedy", "negative-sampling", "zero-sampling", "top-p", "top-k"],
+)
+def test_sampling_values_out_of_range_are_refused_under_greedy_too(settings: list[str], fragment: str) -> None:
+    """temperature=-1 ran under greedy (where it is not read), while top_p and top_k out of range were refused."""
+    args = [arg for setting in settings for arg in ("--set", setting)]
+    assert_one_line(run_cli(*FIX, "--prompt", "hi", *args), fragment)
+
+
+def test_temperature_zero_under_greedy_runs_as_written() -> None:
+    """0 is how many users say greedy: not a mistake."""
+    assert load_config(None, ["generation.temperature=0"]).generation.temperature == 0.0
+
+
 def test_a_quoted_integer_string_is_echoed_by_its_size() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"generation.max_new_tokens='{'9' * 4000}'"])
@@ -272,3 +350,55 @@ def test_a_long_prompt_id_is_quoted_by_its_start(tmp_path: Path) -> None:
     prompts.write_text(json.dumps({"id": "x" * 100_000, "prompt": ""}) + "\n")
     line = assert_one_line(run_cli("--prompts", str(prompts)), "(100000 characters) (")
     assert line.endswith("p.jsonl:1): empty prompt: at least one token is needed"), line
+
+
+@pytest.mark.slow
+def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized(embedded, tmp_path: Path) -> None:
+    """A 50 MB line was tokenized whole before the context check refused it (7.6 GB peak, 40 s). By its characters
+    it cannot fit (the embedded model's longest token is 81 characters, its context 8192), so it is refused before
+    the tokenizer sees it, under either ``run.on_error``: the line names the prompt and its characters, and the
+    process grows no more than a run of a short prompt does (tokenizing this 10 MB line alone added 1.3 GB)."""
+    prompts, short = tmp_path / "p.jsonl", tmp_path / "short.jsonl"
+    first = json.dumps({"id": "a", "prompt": "hi"}) + "\n"
+    prompts.write_text(first + json.dumps({"id": "b", "prompt": "word " * 2_000_000}) + "\n")
+    short.write_text(first)
+    why = "prompt of 10000000 characters, at least 30865 tokens (no token of this tokenizer spans more than 81), "
+    why += "which with max_new_tokens=16 exceeds the model's context of 8192 positions"
+    peaks = {}
+    for on_error, file in (("stop", prompts), ("skip", prompts), ("baseline", short)):
+        out = tmp_path / f"{on_error}.jsonl"
+        args = [*FIX, "--set", "model.threads=1", "--set", f"run.on_error={'skip' if on_error == 'skip' else 'stop'}"]
+        proc = run_cli(*args, "--prompts", str(file), "--output", str(out), peak_file=tmp_path / "peak")
+        peaks[on_error] = int((tmp_path / "peak").read_text())
+        if on_error == "stop":
+            assert_one_line(proc, f"error: prompt 'b' ({prompts}:2): {why}")
+            continue
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+        assert records["a"]["new_tokens"] > 0, records
+        if on_error == "skip":
+            assert records["b"]["error"] == f"prompt 'b' ({prompts}:2): {why}", records["b"]
+    # the prompts file itself is read whole (10 MB as bytes, text and JSON): far less than its tokens
+    assert max(peaks["stop"], peaks["skip"]) < peaks["baseline"] + 200 * 1024, peaks
+
+
+def test_the_character_bound_refuses_only_what_cannot_fit() -> None:
+    """On the embedded tokenizer (longest entry 81 characters): a prompt at the bound is left to the tokenizer, one
+    character past it is refused; a chat counts its messages' characters."""
+    from transformers import AutoTokenizer
+
+    from lp_runner.jobs.prompts import PromptSpec, too_long_to_tokenize
+    from lp_runner.models.loading import fetch_embedded_model
+
+    tokenizer = AutoTokenizer.from_pretrained(fetch_embedded_model())
+    room = 100 - 10  # a context of 100 positions, 10 new tokens
+    at_bound = room * 81 * 4
+    assert too_long_to_tokenize(PromptSpec("a", prompt="x" * at_bound), tokenizer, 10, 100) is None
+    past = too_long_to_tokenize(PromptSpec("a", prompt="x" * (at_bound + 1)), tokenizer, 10, 100)
+    assert past == (
+        f"prompt of {at_bound + 1} characters, at least 91 tokens (no token of this tokenizer spans more than 81), "
+        "which with max_new_tokens=10 exceeds the model's context of 100 positions"
+    )
+    chat = tuple({"role": "user", "content": "x" * (at_bound // 2 + 1)} for _ in range(2))
+    assert too_long_to_tokenize(PromptSpec("a", messages=chat), tokenizer, 10, 100) is not None
+    assert len(tokenizer("x" * at_bound)["input_ids"]) > room  # the text the bound lets through is still refused

@@ -249,6 +249,30 @@ def test_cli_config_path_is_a_folder_or_not_utf8(tmp_path: Path) -> None:
     assert_user_error(run_cli("--prompt", "hi", "--config", str(bad)), f"config file {bad} is not UTF-8 text")
 
 
+@pytest.mark.parametrize(
+    "first_line",
+    [
+        "Dear diary, Bob says the vault's password is: hunter2",
+        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 576}',  # a model's config.json
+        "SECRET_KEY: abc123",
+    ],
+    ids=["notes", "hf-config", "env"],
+)
+def test_cli_config_that_is_another_kind_of_file_is_not_echoed(tmp_path: Path, first_line: str) -> None:
+    """A config path that is a symlink to another kind of file echoed that file's first line back ("unknown config
+    key 'Dear diary, ...'"): it is named as a file that is not a config, by its path and its link's target."""
+    other = tmp_path / "other.txt"
+    other.write_text(first_line + "\n")
+    link = tmp_path / "run.yaml"
+    link.symlink_to(other)
+    proc = run_cli("--prompt", "hi", "--config", str(link))
+    assert_user_error(proc, f"config file {link} (a link to {other}) is not an lp_runner config: it has none of")
+    assert first_line.split(":")[0] not in proc.stderr, proc.stderr
+    (tmp_path / "typo.yaml").write_text("generaton:\n  seed: 1\n")  # a config's misspelled section is still named
+    proc = run_cli("--prompt", "hi", "--config", str(tmp_path / "typo.yaml"))
+    assert_user_error(proc, "unknown config key 'generaton' (did you mean 'generation")
+
+
 def test_cli_device_is_checked_before_loading() -> None:
     proc = run_cli("--prompt", "hi", "--set", "model.device=tpu")
     assert_user_error(proc, "model.device must be auto, cpu, cuda or cuda:N, got 'tpu'")

@@ -16,6 +16,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import env_with_repo, job_args, lp_runner_cmd, read_jsonl, write_prompts
+
+from lp_runner.errors import InputError
 
 PROMPTS = [{"id": "a", "prompt": "def add(a, b):"}, {"id": "b", "prompt": "The list goes on and"}]
 TINY = ("--set", "model.threads=1", "--set", "advanced.progress=false")
@@ -127,6 +130,41 @@ def test_pool_out_that_is_an_input_is_refused(tmp_path: Path, inputs) -> None:
     for pool, what in cases:
         assert_one_line(run(*base, "--pool-out", str(pool)), f"--pool-out {pool} is the same file as {what}")
     assert_unchanged(before)
+
+
+def test_pool_out_over_a_file_that_is_not_a_pool_is_refused_before_the_job(tmp_path: Path, inputs) -> None:
+    """--pool-out naming an earlier run's records file replaced it with the pool's JSON at the end, without a word
+    (--output refuses to replace what is not its records): refused before the job, the file as it was."""
+    prompts, config = inputs
+    records = tmp_path / "earlier.jsonl"
+    records.write_text(json.dumps({"id": "a", "text": "kept"}) + "\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    before = snapshot(records, notes)
+    base = ["--prompts", str(prompts), "--config", str(config), "--set", "lookahead.pool_scope=job"]
+    for other in (records, notes):
+        assert_one_line(
+            run(*base, "--pool-out", str(other)),
+            f"--pool-out {other} exists and is not an lp_runner pool file; saving the pool would replace it",
+        )
+    assert_unchanged(before)
+
+
+def test_check_pool_out_takes_a_pool_an_empty_file_or_none(tmp_path: Path) -> None:
+    """What --pool-out may replace: a pool as ``save`` writes it (or spaced, as by hand), an empty file, nothing."""
+    from lp_runner.decoding.job_store import JobPool, check_pool_out
+
+    saved = tmp_path / "saved.json"
+    JobPool(100).save(saved, "fingerprint")
+    spaced = tmp_path / "spaced.json"
+    spaced.write_text('{\n  "format": "lp_runner.job_pool", "version": 1}')
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    for path in (saved, spaced, empty, tmp_path / "none.json"):
+        check_pool_out(path)
+    (tmp_path / "other.json").write_text('{"format": "something.else"}')
+    with pytest.raises(InputError, match="is not an lp_runner pool file"):
+        check_pool_out(tmp_path / "other.json")
 
 
 def test_pool_out_in_a_read_only_folder_is_refused_before_the_job(tmp_path: Path, inputs, read_only_dir) -> None:
@@ -242,7 +280,7 @@ def test_device_and_fifo_outputs_are_written_in_place(tiny_dir, tmp_path: Path, 
 def test_pool_out_on_a_full_disk_leaves_the_old_pool(tiny_dir, inputs, full_disk) -> None:
     prompts, _ = inputs
     pool = full_disk / "pool.json"
-    pool.write_text('{"old": "pool"}')
+    pool.write_text('{"format": "lp_runner.job_pool", "old": "pool"}')  # a previous pool: --pool-out replaces it
     fill(full_disk)
     before = snapshot(prompts, pool)
     out = full_disk.parent / "o.jsonl"
@@ -273,6 +311,49 @@ def test_stream_to_a_closed_pipe_ends_quietly_and_the_records_resume(tiny_dir, t
     resumed = run(*single)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["id"] for r in read_jsonl(out)] == ["a", "prompt"]
+
+
+@pytest.mark.slow
+def test_a_closed_stderr_ends_the_run_as_a_closed_stdout_does(tiny_dir, tmp_path: Path) -> None:
+    """stderr's reader gone (``2> >(head -c 1)``): the progress bar's first write raised BrokenPipeError and the run
+    ended with exit 1 (its traceback lost on the closed pipe). Now exit 141 with nothing on stdout, as a closed
+    stdout ends it, and --resume then runs the job. A single prompt streams its text, then ends the same way at
+    its first line on stderr."""
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    out = tmp_path / "o.jsonl"
+    with_bar = job(tiny_dir, prompts, out, "--set", "advanced.progress=true")
+    single = [
+        "--prompt",
+        "def add(a, b):",
+        "--set",
+        f"model.path={tiny_dir}",
+        *TINY,
+        "--set",
+        "generation.max_new_tokens=8",
+    ]
+    for args in (with_bar, single):
+        proc = subprocess.Popen(
+            lp_runner_cmd(*args), env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        proc.stderr.close()  # the reader is gone before the first line
+        text = proc.stdout.read().decode()
+        assert proc.wait(300) == 141, text[-3000:]
+        assert (text == "") if args is with_bar else text.strip(), text[-3000:]
+    assert not out.exists() or [r["id"] for r in read_jsonl(out)] == []
+    resumed = run(*job(tiny_dir, prompts, out, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(r["id"] for r in read_jsonl(out)) == ["a", "b"]
+
+
+def test_a_closed_stderr_is_quiet_at_exit() -> None:
+    """A log line to a stderr whose reader is gone: StderrClosed from the main thread, and nothing after it (the
+    interpreter's own flush at exit, a line on the way out) fails again."""
+    code = "from lp_runner.logs import StderrClosed, log, setup_logging\nsetup_logging()\ntry:\n    log.info('x')\n"
+    code += "except StderrClosed:\n    log.error('after')\n    print('closed', flush=True)\n    raise SystemExit(7)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env_with_repo(), stdout=subprocess.PIPE, stderr=-1)
+    proc.stderr.close()
+    assert proc.stdout.read() == b"closed\n"
+    assert proc.wait(30) == 7
 
 
 @pytest.mark.slow
