@@ -26,7 +26,7 @@ from functools import cached_property
 
 import torch
 
-from lp_runner.decoding.layout import round_size
+from lp_runner.decoding.layout import RowCounts, round_size
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 
 
@@ -125,6 +125,20 @@ class CostCurve:
     def ratio(self, rows: int, kv_len: int | None = None) -> float:
         """Cost of ``rows`` (head on all rows) relative to a one-row forward."""
         return self.seconds(rows, kv_len=kv_len) / self.seconds(1, kv_len=kv_len)
+
+    def monotone(self) -> CostCurve:
+        """This curve with no row count cheaper than a smaller one at the same K/V length (each point's times
+        raised to the most of the points at fewer rows). Why: a measured curve is noisy, and a point that came
+        out cheaper than a smaller row count (3 rows at 0.9x one row's cost, on a CPU) would make rows pay for
+        themselves in every choice priced on it. Returns ``self`` where it is monotone already."""
+        points, changed = [], False
+        for kv in self.kv_lens:
+            body = full = 0.0
+            for p in sorted((p for p in self.points if p.kv_len == kv), key=lambda p: p.rows):
+                body, full = max(body, p.body_s), max(full, p.all_s)
+                changed |= (body, full) != (p.body_s, p.all_s)
+                points.append(CurvePoint(kv, p.rows, body, full))
+        return replace(self, points=tuple(points)) if changed else self
 
     def to_dict(self) -> dict:
         d = {"points": [asdict(p) for p in self.points], "spread": self.spread}
@@ -423,7 +437,7 @@ def predict(
     allgather_2_s: float = 0.0,
     host_s_per_round: float | HostCost = 0.0,
     skip_prefill: bool = True,
-    row_plan: RowPlan | None = None,
+    row_plan: RowCounts | None = None,
 ) -> Prediction:
     """Seconds for the recorded rounds at P = ``world_size``: per round the slowest rank's forward (each rank
     waits for it in the all_gather), plus communication and host time (a ``HostCost`` prices each round at the
