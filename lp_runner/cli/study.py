@@ -441,8 +441,8 @@ def _summary(report: dict) -> str:
         for p in meas["points"]:
             lines.append(
                 f"measured {p['label']}: {p['ms_per_token']:.3f} ms/token (spread {100 * p['spread']:.0f}%), speed vs "
-                f"P=1 {_x(p['speed_vs_p1'])}, {p['tokens_per_forward']:.2f} tokens/forward, busiest rank "
-                f"{p['busiest_rank_rows']:.1f} rows, window {p['window']}"
+                f"P=1 {_x(p['speed_vs_p1'])}, {p['tokens_per_forward']:.2f} tokens/forward, "
+                f"{p['rank0_rows']:.1f} rows a round (rank 0's), window {p['window']}"
             )
         lines.append(f"outputs identical at every P: {meas['identical_outputs']}")
         lines += [f"warning: {w}" for w in meas.get("warnings", [])]

@@ -145,6 +145,13 @@ class Roofline:
     def kv_lens(self) -> list[int]:
         return [self.kv_len]
 
+    @property
+    def points(self) -> tuple[CurvePoint, ...]:
+        """A few points of the curve at powers of two (what a report or the preset's summary shows); pricing
+        never reads them, it calls ``seconds`` at the exact row count."""
+        rows = [2**k for k in range(11)]
+        return tuple(CurvePoint(self.kv_len, q, self.seconds(q, 1), self.seconds(q, q)) for q in rows)
+
     @cached_property
     def _terms(self) -> tuple[int, int, int, int, int]:
         """(layers, K/V width, query width, body weights, LM head weights) of the shape, computed once."""
