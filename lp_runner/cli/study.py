@@ -197,6 +197,10 @@ def check_options(args: argparse.Namespace) -> Options:
     bw = BANDWIDTH_FRACTION if args.bandwidth_fraction is None else args.bandwidth_fraction
     fl = FLOPS_FRACTION if args.flops_fraction is None else args.flops_fraction
     slope = None if args.slope is None else parse_number(args.slope, "--slope", -10.0, 10.0)
+    if args.host_label is not None and len(args.host_label) > 200:
+        raise InputError(
+            f"--host-label is {len(args.host_label)} characters long (at most 200): {quote(args.host_label)}"
+        )
     out = Path(args.out)
     check_out(out, {"--prompts": args.prompts, "--config": args.config, "--curve": args.curve,
                     "--acceptance": args.acceptance})  # fmt: skip
@@ -243,8 +247,6 @@ def _run(args) -> int:
     if args.curve is not None:
         from lp_runner.tuning.acceptance import load_table
 
-        if args.acceptance is None:
-            log.info("acceptance: %s, the embedded model's table (default; --acceptance NAME|FILE)", DEFAULT_ACCEPTANCE)
         table = load_table(args.acceptance or DEFAULT_ACCEPTANCE)
     if args.curve == "job" and args.simulate:
         raise InputError("--curve job is the measured job's own curve: drop --simulate or name a curve")
@@ -313,9 +315,11 @@ def simulated(args, opts: Options, table) -> dict:
     curve, label, on_gpu = curve_from_source(
         args.curve, args.model_shape, [opts.kv_len or 512], opts.bandwidth_fraction, opts.flops_fraction
     )
+    if args.acceptance is None:
+        log.info("acceptance: %s, the embedded model's table (default; --acceptance NAME|FILE)", DEFAULT_ACCEPTANCE)
     if opts.host_us is not None:
         parts = opts.host_us
-        given = f"{args.host_label or 'given'} (--host-us {quote(args.host_us)})"
+        given = f"{args.host_label or 'given'} (--host-us {args.host_us})"  # checked: at most two numbers
         host = Host(HostCost(1e-6 * parts[0], 1e-6 * (parts[1] if len(parts) > 1 else 0.0)), given)
     elif curve.host is not None:
         host = Host(curve.host, "measured with the curve (the machine that measured it)")
