@@ -7,6 +7,7 @@ GPU check's rounds) replaces the roofline wherever one exists.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -177,6 +178,17 @@ class Roofline:
 
     def ratio(self, rows: int, kv_len: int | None = None) -> float:
         return self.seconds(rows, kv_len=kv_len) / self.seconds(1, kv_len=kv_len)
+
+    def to_dict(self) -> dict:
+        """What a report records of it: the GPU, its peaks and fractions, and a few points (``points``)."""
+        return {
+            "roofline": self.gpu,
+            "bandwidth_Bps": self.bandwidth_Bps,
+            "peak_flops": self.peak_flops,
+            "bandwidth_fraction": self.bandwidth_fraction,
+            "flops_fraction": self.flops_fraction,
+            "points": [dataclasses.asdict(p) for p in self.points],
+        }
 
     def label(self) -> str:
         return (
