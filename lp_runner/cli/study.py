@@ -292,7 +292,10 @@ def measured(args, opts: Options) -> dict:
     preflight(load_config(args.config, [*plain, f"parallel.workers={top}"]), top * cfg.parallel.groups)
     ids = [s.id for s in read_prompts(args.prompts)]
     threads = threads_per_rank(cfg.model.threads, top)
-    result = run_study(args.config, args.prompts, ids, opts.workers, opts.out, sets, opts.repeat, threads, log.info)
+    # the threads are the study's to set per run (the same a rank at every P): a given model.threads is used there
+    run_sets = [x for o in args.overrides if not o.strip().startswith("model.threads=") for x in ("--set", o)]
+    run_sets += pin_sets(wng)
+    result = run_study(args.config, args.prompts, ids, opts.workers, opts.out, run_sets, opts.repeat, threads, log.info)
     result.update(summarize(opts.out, ids, result["runs"], result["load_averages"], result["cores"]))
     result["runs"] = [f"{r.key} rep {r.rep}" for r in result["runs"]]  # the order they ran in
     result.update(
