@@ -16,49 +16,74 @@ def _window(d: dict) -> str:
     return "plain decoding" if d["W"] == 0 else f"{d['W']}-{d['N']}-{d['G']}"
 
 
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
 def markdown(report: dict) -> str:
     md: list[str] = [f"# Strong-scaling study ({report['date']})", ""]
     meas = report.get("measured")
     if meas:
         md += [
             f"**Measured** on {report.get('machine', 'this machine')}: {meas['prompts']} prompts from "
-            f"{meas['prompts_file']}, config {meas['config']}; outputs identical to P={meas['base_workers']}'s at "
-            f"every P: **{meas['identical_outputs']}**.",
+            f"{meas['prompts_file']}, config {meas['config']}; {meas['repeat']} repetitions, P values interleaved, a "
+            f"warm-up prompt first in every run; {meas['threads_per_rank']} thread(s) a rank at every P; outputs "
+            f"identical to P={meas['base_workers']}'s at every P: **{meas['identical_outputs']}**.",
             "",
-            "| P | window(s) | latency p50 s | p90 s | tokens/s | ms/token | speed vs P=1 | tokens/forward | "
-            "rows/rank | forward | host | comm (incl. wait) | identical |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| P | window | ms/token (median) | spread | speed vs P=1 (> 1 faster) | its range over repetitions | "
+            "latency p50 s | p90 s | tokens/forward | rows/round (rank 0) | forward | host | comm (incl. wait) | "
+            "identical |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in meas["points"]:
-            wins = ", ".join(_window(json.loads(w)) for w in r["windows"])
+            rng = r["speed_vs_p1_range"]
             md.append(
-                f"| {r['workers']} | {wins} | {r['latency_p50_s']:.3f} | {r['latency_p90_s']:.3f} | "
-                f"{r['tokens_per_s']:.2f} | {r['ms_per_token']:.2f} | {r['speedup_vs_p1']:.2f}x | "
-                f"{r['tokens_per_forward']:.2f} | {r['rows_per_rank']:.1f} | {100 * r['forward_share']:.0f}% | "
-                f"{100 * r['host_share']:.0f}% | {100 * r['comm_share']:.0f}% | {r['identical_to_base']} |"
+                f"| {r['label']} | {r['window']} | {r['ms_per_token']:.3f} | {100 * r['spread']:.0f}% | "
+                f"{_x(r['speed_vs_p1'])} | {f'{rng[0]:.2f}-{rng[1]:.2f}x' if rng else 'n/a'} | "
+                f"{r['latency_p50_s']:.3f} | {r['latency_p90_s']:.3f} | {r['tokens_per_forward']:.2f} | "
+                f"{r['rank0_rows']:.1f} | {100 * r['forward_share']:.0f}% | {100 * r['host_share']:.0f}% | "
+                f"{100 * r['comm_share']:.0f}% | {r['identical_to_base']} |"
             )
+        md.append("")
+        md += [f"**Warning:** {w}" for w in meas.get("warnings", [])]
         md.append("")
     sim = report.get("simulated")
     if sim:
         inp = sim["inputs"]
         link = inp["interconnect"]
         md += [
-            f"**Simulated** (not measured): forward {inp['curve']}; model shape {inp['model_shape']}; acceptance "
-            f"{inp['acceptance']}; beyond the recorded windows: {inp['extension']}; host: {inp['host']}; "
-            f"collective: {link['name']} ({link['source']}; {link['model']}); K/V length {inp['kv_len']}; "
-            f"{inp['excluded']} excluded. Knee of the curve (within 10% of one row): {sim['knee_rows']} rows.",
+            f"**Simulated** (not measured): forward {inp['curve']}, rows priced at {inp['rows_priced_at']}; model "
+            f"shape {inp['model_shape']}; acceptance of {inp['acceptance']}; beyond the recorded windows: "
+            f"{inp['extension']}; host: {inp['host']}; collective: {link['name']} ({link['source']}; {link['model']}); "
+            f"K/V length: {inp['kv_len']}; {inp['margin']}; {inp['excluded']} excluded. Knee of the curve (within 10% "
+            f"of one row): {sim['knee_rows']} rows. Plain decoding on one device: {sim['plain_ms_per_token']:.4f} "
+            "ms/token.",
             "",
-            "| P (simulated) | window W-N-G | rows/rank (busiest) | tokens/forward | forward ms | host ms | "
-            "collective ms | ms/token | speed vs P=1 (>1: faster) | same window as P=1: ms/token |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| P (simulated) | window W-N-G | busiest rank's rows (knee) | tokens/forward [95% interval] | "
+            "forward ms | collective ms | host ms | ms/token | speed vs P=1 (> 1 faster) | speed vs plain decoding | "
+            "same window as P=1: ms/token |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in sim["points"]:
+            lo, hi = p["tokens_per_forward_interval"] or (p["tokens_per_forward"],) * 2
+            same = p.get("same_window_as_p1_ms_per_token")
             md.append(
-                f"| {p['workers']} | {_window(p['window'])} | {p['rows_per_rank']} | {p['tokens_per_forward']:.2f} | "
-                f"{p['forward_ms']:.3f} | {p['host_ms']:.3f} | {p['collective_ms']:.3f} | {p['ms_per_token']:.4f} | "
-                f"{p['speedup_vs_p1']:.2f}x | {p['fixed_window_ms_per_token']:.4f} |"
+                f"| {p['workers']} | {_window(p['window'])} | {p['busiest_rank_rows']:.0f} ({sim['knee_rows']}) | "
+                f"{p['tokens_per_forward']:.2f} [{lo:.2f}, {hi:.2f}] | {p['forward_ms']:.3f} | "
+                f"{p['collective_ms']:.3f} | {p['host_ms']:.3f} | {p['ms_per_token']:.4f} | {_x(p['speed_vs_p1'])} | "
+                f"{_x(p['speed_vs_plain'])} | {'n/a' if same is None else f'{same:.4f}'} |"
             )
         md += ["", f"What limits it: {sim['limits']}.", ""]
+        band = sim.get("band")
+        if band:
+            r, sl = band["speed_vs_p1"], band["slope_per_doubling"]
+            md += [
+                f"Band: P={band['workers']}'s speed vs P=1 is {min(r['low'], r['high']):.2f}x to "
+                f"{max(r['low'], r['high']):.2f}x ({r['point']:.2f}x at the fitted slope, {sl['point']:+.3f}) over the "
+                f"recorded slope's 95% interval, {sl['low']:+.3f} to {sl['high']:+.3f} tokens per forward per doubling "
+                f"of rows; {band['rule']}.",
+                "",
+            ]
         if sim.get("splits"):
             md += split_markdown(sim["splits"])
         md += ["The Lookahead paper's reported figures (its GPUs, its models; not comparable with the rows above):", ""]
@@ -98,10 +123,10 @@ def plot(report: dict, path: Path) -> bool:
     meas, sim = report.get("measured"), report.get("simulated")
     if meas:
         ps = [r["workers"] for r in meas["points"]]
-        left.plot(ps, [r["latency_p50_s"] for r in meas["points"]], "s-", label="measured latency p50 (s)")
-        left.plot(ps, [r["latency_p90_s"] for r in meas["points"]], "^-", label="measured latency p90 (s)")
-        right.plot(ps, [r["tokens_per_forward"] for r in meas["points"]], "s-", label="measured tokens/forward")
-        right.plot(ps, [r["rows_per_rank"] for r in meas["points"]], "^-", label="measured rows/rank (rank 0)")
+        left.plot(ps, [r["latency_p50_s"] for r in meas["points"]], "s", label="measured latency p50 (s)")
+        left.plot(ps, [r["latency_p90_s"] for r in meas["points"]], "^", label="measured latency p90 (s)")
+        right.plot(ps, [r["tokens_per_forward"] for r in meas["points"]], "s", label="measured tokens/forward")
+        right.plot(ps, [r["rank0_rows"] for r in meas["points"]], "^-", label="measured rows/round (rank 0)")
     if sim:
         ps = [p["workers"] for p in sim["points"]]
         if meas:  # the simulated latency of a median prompt: ms/token x its measured tokens
@@ -112,11 +137,12 @@ def plot(report: dict, path: Path) -> bool:
             left.set_ylabel("latency per prompt (s)")
         else:
             left.plot(ps, [p["ms_per_token"] for p in sim["points"]], "o--", label="simulated ms/token")
-            fixed = [p["fixed_window_ms_per_token"] for p in sim["points"]]
-            left.plot(ps, fixed, "x:", label="simulated, P=1's window")
+            fixed = [p.get("same_window_as_p1_ms_per_token") for p in sim["points"]]
+            if None not in fixed:
+                left.plot(ps, fixed, "x:", label="simulated, P=1's window")
             left.set_ylabel("ms per token")
         right.plot(ps, [p["tokens_per_forward"] for p in sim["points"]], "o--", label="simulated tokens/forward")
-        right.plot(ps, [p["rows_per_rank"] for p in sim["points"]], "x--", label="simulated rows/rank (busiest)")
+        right.plot(ps, [p["busiest_rank_rows"] for p in sim["points"]], "x--", label="simulated rows (busiest rank)")
     for ax, title in ((left, "latency vs P"), (right, "tokens per forward and rows per rank vs P")):
         ax.set_xlabel("workers P")
         ax.set_title(title)
@@ -130,11 +156,17 @@ def plot(report: dict, path: Path) -> bool:
 
 
 def write(report: dict, out: Path) -> list[Path]:
-    """``out``/study.json, study.md and study.png; returns the paths written."""
-    out.mkdir(parents=True, exist_ok=True)
+    """``out``/study.json, study.md and study.png, each written atomically (``outfiles.write_file``: the old
+    file or the new one, never a torn one); returns the paths written."""
+    from lp_runner.outfiles import write_file
+
     paths = [out / "study.json", out / "study.md"]
-    paths[0].write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    paths[1].write_text(markdown(report), encoding="utf-8")
-    if plot(report, out / "study.png"):
-        paths.append(out / "study.png")
+    write_file(paths[0], (json.dumps(report, indent=2) + "\n").encode("utf-8"))
+    write_file(paths[1], markdown(report).encode("utf-8"))
+    png = out / "study.png"
+    tmp = out / ".study.png.tmp.png"
+    if plot(report, tmp):
+        write_file(png, tmp.read_bytes())
+        tmp.unlink()
+        paths.append(png)
     return paths

@@ -26,7 +26,7 @@ from functools import cached_property
 
 import torch
 
-from lp_runner.decoding.layout import round_size
+from lp_runner.decoding.layout import RowCounts, round_size
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 
 
@@ -126,6 +126,20 @@ class CostCurve:
         """Cost of ``rows`` (head on all rows) relative to a one-row forward."""
         return self.seconds(rows, kv_len=kv_len) / self.seconds(1, kv_len=kv_len)
 
+    def monotone(self) -> CostCurve:
+        """This curve with no row count cheaper than a smaller one at the same K/V length (each point's times
+        raised to the most of the points at fewer rows). Why: a measured curve is noisy, and a point that came
+        out cheaper than a smaller row count (3 rows at 0.9x one row's cost, on a CPU) would make rows pay for
+        themselves in every choice priced on it. Returns ``self`` where it is monotone already."""
+        points, changed = [], False
+        for kv in self.kv_lens:
+            body = full = 0.0
+            for p in sorted((p for p in self.points if p.kv_len == kv), key=lambda p: p.rows):
+                body, full = max(body, p.body_s), max(full, p.all_s)
+                changed |= (body, full) != (p.body_s, p.all_s)
+                points.append(CurvePoint(kv, p.rows, body, full))
+        return replace(self, points=tuple(points)) if changed else self
+
     def to_dict(self) -> dict:
         d = {"points": [asdict(p) for p in self.points], "spread": self.spread}
         return d if self.host is None else {**d, "host": self.host.to_dict()}
@@ -163,8 +177,16 @@ def measure_curve(
     seed: int = 0,
     head_rows: Sequence[int] | None = None,
     tick: Callable[[int, int], None] | None = None,
+    max_spread: float | None = None,
+    max_reps: int | None = None,
 ) -> CostCurve:
     """Median forward seconds for every (K/V length, Q), head on one row and on all rows.
+
+    ``max_spread``: measured until its spread is bounded: while the repetitions disagree by more than this
+    (``repetition_spread``), another ``reps`` interleaved sweeps are run, up to ``max_reps`` in all (default
+    4 x ``reps``); the curve records the spread it ended at. Why: a curve measured while the machine was busy is
+    bent by it (8 rows at 1.65x one row's cost in one start-up calibration, 1.05x an hour later), and every
+    choice priced on it follows the bend; more sweeps let the median see through a passing load.
 
     Repetitions are interleaved (every Q once per sweep, sweep order rotated), so a slow drift of a shared
     machine spreads over all Q instead of bending the curve. ``sync`` (``device.synchronizer``: a GPU's own sync) runs
@@ -184,15 +206,17 @@ def measure_curve(
     sizes = {max(kv_len, 1): adapter.region_size(max(kv_len, 1) + max(rows)) for kv_len in kv_lens}
     arena = adapter.claim_arena(sum(sizes.values()))
     try:
-        return _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick)
+        bound = (max_spread, max_reps if max_reps is not None else 4 * reps)
+        return _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound)
     finally:
         for region in list(arena.regions):
             arena.release(region)
         adapter.release_arena(arena)
 
 
-def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick) -> CostCurve:
-    """``measure_curve``'s timed forwards, on regions of ``arena`` of ``sizes`` slots per K/V length."""
+def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound=(None, 0)) -> CostCurve:
+    """``measure_curve``'s timed forwards, on regions of ``arena`` of ``sizes`` slots per K/V length; ``bound``:
+    (max_spread, max_reps), more sweeps while the spread exceeds max_spread (None: ``reps`` sweeps)."""
     caches = {}
     for kv_len, size in sizes.items():
         cache = arena.region(size)
@@ -206,24 +230,33 @@ def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick) -> Cos
     cases = [(kv, q, "body_s") for kv in caches for q in rows]
     cases += [(kv, q, "all_s") for kv in caches for q in sorted(head_at)]
     times: dict[tuple[int, int, str], list[float]] = {c: [] for c in cases}
-    total, done = len(cases) * (reps + 1), 0
-    for rep in range(reps + 1):
-        k = (rep * 7) % len(cases)
-        for kv, q, head in cases[k:] + cases[:k]:
-            ids = torch.randint(0, adapter.vocab_size, (q,), generator=gen)
-            vis = torch.ones(q, q, dtype=torch.bool).tril()
-            logit_rows = torch.arange(q - 1, q) if head == "body_s" else torch.arange(q)
-            sync()
-            start = time.perf_counter()
-            adapter.forward(ids, torch.arange(kv, kv + q), vis, caches[kv], logit_rows)
-            sync()
-            elapsed = time.perf_counter() - start
-            caches[kv].crop(kv)
-            if rep > 0:  # the first sweep warms allocators and kernels
-                times[(kv, q, head)].append(elapsed)
-            done += 1
-            if tick is not None:
-                tick(done, total)
+    max_spread, max_reps = bound
+    target = reps + 1  # sweeps to run, the first a warm-up
+    done, rep = 0, 0
+    while True:
+        while rep < target:
+            k = (rep * 7) % len(cases)
+            for kv, q, head in cases[k:] + cases[:k]:
+                ids = torch.randint(0, adapter.vocab_size, (q,), generator=gen)
+                vis = torch.ones(q, q, dtype=torch.bool).tril()
+                logit_rows = torch.arange(q - 1, q) if head == "body_s" else torch.arange(q)
+                sync()
+                start = time.perf_counter()
+                adapter.forward(ids, torch.arange(kv, kv + q), vis, caches[kv], logit_rows)
+                sync()
+                elapsed = time.perf_counter() - start
+                caches[kv].crop(kv)
+                if rep > 0:  # the first sweep warms allocators and kernels
+                    times[(kv, q, head)].append(elapsed)
+                done += 1
+                if tick is not None:
+                    tick(done, len(cases) * target)
+            rep += 1
+        if max_spread is None or target - 1 >= max_reps:
+            break
+        if repetition_spread([times[(kv, q, "body_s")] for kv in caches for q in rows]) <= max_spread:
+            break
+        target = min(target + reps, max_reps + 1)
     body = {(kv, q): _median(times[(kv, q, "body_s")]) for kv in caches for q in rows}
     full = {(kv, q): _median(times[(kv, q, "all_s")]) for kv in caches for q in head_at}
     per_logit_row = {  # seconds of one more logit row, per K/V length (from the largest Q with a head measured)
@@ -423,7 +456,7 @@ def predict(
     allgather_2_s: float = 0.0,
     host_s_per_round: float | HostCost = 0.0,
     skip_prefill: bool = True,
-    row_plan: RowPlan | None = None,
+    row_plan: RowCounts | None = None,
 ) -> Prediction:
     """Seconds for the recorded rounds at P = ``world_size``: per round the slowest rank's forward (each rank
     waits for it in the all_gather), plus communication and host time (a ``HostCost`` prices each round at the

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lp_runner.config import LookaheadConfig, check_lookahead, inert_knobs
+from lp_runner.decoding.layout import RowCounts
 from lp_runner.errors import ConfigError
 from lp_runner.tuning.costmodel import CostCurve, HostCost, RoundShape, RowPlan, predict, shapes_from_records
 
@@ -89,7 +90,12 @@ class Scored:
     workers: int
     ms_per_token: float
     tokens_per_forward: float
-    mean_rows: float
+    mean_rows: float  # the busiest rank's rows, mean over the decode rounds
+    rounds: int = 0  # decode rounds priced
+    # seconds of those rounds: the busiest rank's forwards, the host's share, the all_gathers
+    forward_s: float = 0.0
+    host_s: float = 0.0
+    comm_s: float = 0.0
 
 
 @dataclass
@@ -107,11 +113,14 @@ def price(
     workers: int = 1,
     allgather_2_s: float = 0.0,
     host: HostCost | None = None,
-    row_plan: RowPlan | None = None,
+    row_plan: RowCounts | None = None,
 ) -> Scored:
     """Predicted ms per token of a setting's rounds (per prompt) at P = ``workers``, prefill rounds excluded; with
-    ``row_plan`` each round is priced at the row count the engine pads it to. ``host``: the measured host time
-    (default: the curve's own, ``calibrate.measure_host``)."""
+    ``row_plan`` each round is priced at the row count the engine pads it to (a ``RowPlan``, or on a GPU the
+    engine's ``backends.buckets.BucketLadder``: both answer ``rows_for``). ``host``: the measured host time
+    (default: the curve's own, ``calibrate.measure_host``). ``curve``: a measured ``CostCurve`` or anything with
+    its ``seconds`` and ``host`` (``studies.hardware.Roofline``). The one pricing path: the auto preset, ``tune``
+    and ``study --simulate`` all call this, so one setting has one price."""
     host = host or curve.host or HostCost()
     preds = [predict(s, curve, workers, allgather_2_s, host, row_plan=row_plan) for s in shapes]
     seconds = sum(p.seconds for p in preds)
@@ -124,6 +133,10 @@ def price(
         ms_per_token=1e3 * seconds / tokens if tokens else float("inf"),
         tokens_per_forward=tokens / rounds if rounds else 0.0,
         mean_rows=rows / rounds if rounds else 0.0,
+        rounds=rounds,
+        forward_s=sum(p.forward_s for p in preds),
+        host_s=sum(p.host_s for p in preds),
+        comm_s=sum(p.comm_s for p in preds),
     )
 
 

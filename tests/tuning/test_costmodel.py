@@ -171,6 +171,20 @@ def test_measure_curve_on_a_real_model():
     assert curve.seconds(4, kv_len=16) > 0
 
 
+def test_measure_curve_repeats_until_its_spread_is_bounded():
+    """``max_spread``: more interleaved sweeps while the repetitions disagree by more than the bound, up to
+    ``max_reps``. A bound no measurement meets (-1) runs every allowed sweep; a bound every one meets runs ``reps``.
+    Counted by the forwards ``tick`` sees (2 K/V lengths x 2 row counts x 2 heads = 8 cases a sweep, plus the
+    warm-up sweep)."""
+    adapter = ModelAdapter(shared_tiny_model("llama"))
+    for max_spread, sweeps in ((-1.0, 6), (1e9, 2)):
+        seen: list[int] = []
+        curve = measure_curve(adapter, [8, 24], [1, 3], reps=2, max_spread=max_spread, max_reps=6,
+                              tick=lambda done, total, seen=seen: seen.append(done))  # fmt: skip
+        assert len(seen) == 8 * (sweeps + 1), max_spread
+        assert curve.spread >= 0.0
+
+
 def test_measure_curve_times_the_rounds_a_job_runs_where_it_runs_them():
     """On a bucketed adapter (a GPU's path, eager here) every timed round runs in the adapter's job arena, the one
     whose rounds replay captured graphs (a scratch arena's run eager: a compiled job would be priced at eager
