@@ -127,7 +127,7 @@ def gpu_rounds_curve(data: dict) -> tuple[CostCurve, str]:
 def curve_from_source(source: str, model_shape: str, kv_lens: list[int]) -> tuple[CostCurve, str]:
     """``--curve``: ``roofline:NAME`` (a named GPU at ``model_shape``), or a file: a start-up calibration
     (``<cache>/calibration/curve-*.json``), a saved curve (``lp_runner tune --save-curve``) or the GPU check's
-    rounds (``rounds_buckets.json``). Bad input is one ``InputError``."""
+    rounds (``buckets.json``). Bad input is one ``InputError``."""
     kind, _, arg = source.partition(":")
     if kind == "roofline":
         if arg not in GPUS:
