@@ -73,7 +73,7 @@ class Placement:
         name = self.dtype_name
         return (
             f"model.dtype {name} ({self.why}): outputs may differ from float32 greedy decoding where the top two "
-            f"tokens nearly tie (within 8 ulps of {name}: docs/design.md 3.3); float32 on a CPU is token-identical"
+            f"tokens nearly tie in {name} (docs/design.md 3.3); float32 on a CPU is token-identical"
         )
 
 
