@@ -47,8 +47,10 @@ RES=$SCRATCH/gpu_check # what the tarball holds
 mkdir -p "$RES/logs" || exit 2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 MPLBACKEND=Agg
-# compile caches private to this run: a killed run's truncated artifact cannot break the next one
-export TORCHINDUCTOR_CACHE_DIR=$SCRATCH/inductor TRITON_CACHE_DIR=$SCRATCH/triton
+# compile caches private to this run: a killed run's truncated artifact cannot break the next one. TMPDIR too:
+# inductor keeps its precompiled headers under it whatever TORCHINDUCTOR_CACHE_DIR says, torchrun its logs
+mkdir -p "$SCRATCH/tmp" || exit 2
+export TORCHINDUCTOR_CACHE_DIR=$SCRATCH/inductor TRITON_CACHE_DIR=$SCRATCH/triton TMPDIR=$SCRATCH/tmp
 CACHE=$SCRATCH/cache # calibration and compile records
 
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
