@@ -58,6 +58,9 @@ RESERVE=20    # seconds kept back for the summary and the tarball
 KILL_GRACE=5  # a step's SIGKILL comes this long after its SIGTERM, inside the budget too
 START=$SECONDS
 
+# each step's most seconds on a GPU; the decisive ones (up to the compiled CLI job) fit the budget at their longest
+T_SMI=10 T_ENV=30 T_CORE=260 T_MODEL=40 T_CLI=120 T_NCCL=40 T_FULL=200 T_SPEED=100 T_TWO=90
+DECISIVE_PLAN_S=$((T_SMI + T_ENV + T_CORE + T_MODEL + T_CLI + 5 * KILL_GRACE))
 if [[ $SMOKE == 1 ]]; then # a CPU compiles for tens of seconds where a GPU takes seconds
     T_SMI=10 T_ENV=60 T_CORE=330 T_MODEL=60 T_CLI=150 T_NCCL=60 T_FULL=150 T_SPEED=150 T_TWO=150
     DEVICE=cpu ONE_DEVICE=cpu DTYPE=bfloat16 DIST=gloo SIZE=tiny MAX_NEW=16
@@ -66,7 +69,6 @@ if [[ $SMOKE == 1 ]]; then # a CPU compiles for tens of seconds where a GPU take
     FULL=("${SMALL[@]}" --shape llama8b-tiny --job-tokens 40 600 --prefill-tokens 0)
     SPEED=("${SMALL[@]}" --shape tiny)
 else
-    T_SMI=10 T_ENV=30 T_CORE=270 T_MODEL=40 T_CLI=100 T_NCCL=40 T_FULL=200 T_SPEED=100 T_TWO=90
     DEVICE=cuda ONE_DEVICE=cuda:0 DTYPE=bfloat16 DIST=nccl SIZE=1b MAX_NEW=128
     CORE=(--device cuda --limit 2 --new 64 --prefix 512 --reps 21 --shape llama8b --job-tokens 64 1200
         --prefill-tokens 8192 --warm-rows 128)
@@ -77,6 +79,7 @@ fi
 
 exec > >(tee -a "$RES/gpu_check.log") 2>&1
 echo "gpu_check: $(date -Is)  smoke=$SMOKE  out=$OUT  scratch=$SCRATCH  budget=${BUDGET}s  host=$(uname -n)"
+echo "decisive plan (GPU): env to cli-compiled take at most ${DECISIVE_PLAN_S}s of $((540 - RESERVE))s"
 printf 'step\tstatus\texit\tseconds\ttimeout_s\n' >"$RES/steps.tsv"
 FAILED=0
 

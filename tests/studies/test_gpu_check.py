@@ -10,6 +10,7 @@ steps write, partial or not."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -156,6 +157,9 @@ def test_smoke_runs_the_decisive_steps(tmp_path):
     capacity sweep), and the CLI's compiled job, all complete; later steps ok or cut by the budget, never failed."""
     proc, out, seconds = _smoke(tmp_path)
     assert seconds < 540 + 10
+    # on a GPU the decisive steps at their longest fit the default budget less the summary's reserve
+    plan = re.search(r"decisive plan \(GPU\): env to cli-compiled take at most (\d+)s of (\d+)s", proc.stdout)
+    assert plan and int(plan[1]) <= int(plan[2]) == 540 - 20
     steps, jsons = _returned(out, tmp_path)
     decisive = ("env", "core", "make-model", "cli-compiled")
     assert {s: steps.get(s) for s in decisive} == dict.fromkeys(decisive, "ok"), proc.stdout[-4000:]
