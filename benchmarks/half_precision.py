@@ -164,15 +164,14 @@ def summarize(detail: list[dict]) -> dict:
         name = f"{m} vs {r}"
         cs = [p["comparisons"][name] for p in detail]
         diffs = sorted(c["position"] for c in cs if not c["identical"])
+        ties = r != "hf-fp32"  # against float32, differences are counted only: no half-precision tie applies
         out[name] = {
             "prompts": len(cs),
             "identical": sum(c["identical"] for c in cs),
-            "within": sum((not c["identical"]) and c["exact"] for c in cs),
-            "outside": sum((not c["identical"]) and not c["exact"] for c in cs),
+            "within": sum((not c["identical"]) and c["exact"] for c in cs) if ties else None,
+            "outside": sum((not c["identical"]) and not c["exact"] for c in cs) if ties else None,
             "median_position": diffs[len(diffs) // 2] if diffs else None,
         }
-        if r == "hf-fp32":  # no half-precision tie: count differences only
-            out[name]["within"] = out[name]["outside"] = None
     return out
 
 
