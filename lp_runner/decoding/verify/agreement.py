@@ -45,7 +45,8 @@ TOLERANCE_FACTOR = 2.0  # the measured largest gap shift, doubled: a margin for 
 MAX_TIES = 32  # comparisons resumed after at most this many ties (each resume is one more generation)
 # (model folder name, device type, dtype) -> tolerance in logit units, from `benchmarks/half_precision.py --device`
 MEASURED_TOLERANCES: dict[tuple[str, str, str], float] = {
-    ("SmolLM2-135M-Instruct", "cpu", "bfloat16"): 1.0,
+    # --device cpu --limit 4 --max-new-tokens 64: the top-two gap moved by at most 0.25 (any logit by 0.91)
+    ("SmolLM2-135M-Instruct", "cpu", "bfloat16"): 0.5,
 }
 
 
