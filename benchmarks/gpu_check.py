@@ -1,16 +1,19 @@
-"""Helpers for ``benchmarks/gpu_check.sh`` (the prepared check for a lent GPU machine).
+"""Helpers for ``benchmarks/gpu_check.sh`` (the prepared check for one lease of a GPU machine).
 
-    python benchmarks/gpu_check.py env --out OUT/env.json [--require-cuda]
+    python benchmarks/gpu_check.py env --out RES/env.json [--require-cuda]
     python benchmarks/gpu_check.py make-model --size 1b --device cuda --dtype bfloat16 --out DIR --prompts P.jsonl
-    torchrun --standalone --nproc-per-node=1 benchmarks/gpu_check.py nccl-probe --backend nccl --out OUT/nccl.json
-    python benchmarks/gpu_check.py summarize --out OUT
+    python benchmarks/gpu_check.py cli-json --records RES/cli_compiled.jsonl --status ok --out RES/cli_compiled.json
+    torchrun --standalone --nproc-per-node=1 benchmarks/gpu_check.py nccl-probe --backend nccl --out RES/nccl.json
+    python benchmarks/gpu_check.py summarize --res RES
 
 ``env`` fails with one line when torch or transformers is missing or too old. ``make-model`` saves a random-weight
 Llama with a small byte-level BPE tokenizer (trained here on a few sentences; the target machine has no network)
-into a folder ``python -m lp_runner`` loads like any local model. ``nccl-probe`` forms a process group through
-lp_runner's own ``init_process_group`` and times ``TorchCommunicator.all_gather`` (the CLI with one rank uses no
-process group, so this is what exercises NCCL there). ``summarize`` needs only the standard library, so it
-writes ``gpu_check_summary.md`` even when torch could not be imported.
+into a folder ``python -m lp_runner`` loads like any local model. ``cli-json`` reduces a CLI run's records (even a
+cut run's) to its figures: host us and forward ms per round, tokens/s, whether the forward was compiled.
+``nccl-probe`` forms a process group through lp_runner's own ``init_process_group`` and times
+``TorchCommunicator.all_gather`` (the CLI with one rank uses no process group, so this is what exercises NCCL
+there). ``summarize`` needs only the standard library, so it writes ``gpu_check_summary.md`` from whatever JSON
+the steps left even when torch could not be imported.
 """
 
 from __future__ import annotations
@@ -163,6 +166,10 @@ def cmd_make_model(args: argparse.Namespace) -> int:
         Path(args.prompts).write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     params = sum(p.numel() for p in model.parameters())
     size_gb = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 1e9
+    if args.json:
+        info = {"size": args.size, "parameters": params, "dtype": args.dtype, "device": args.device}
+        info.update(build_s=round(build_s, 2), saved_gb=round(size_gb, 3), complete=True)
+        Path(args.json).write_text(json.dumps(info, indent=2) + "\n")
     print(
         f"random Llama '{args.size}': {params / 1e9:.3f}B parameters, {args.dtype} on {args.device}, built in "
         f"{build_s:.1f}s, saved to {out} ({size_gb:.2f} GB, total {time.perf_counter() - t0:.1f}s); "
@@ -214,6 +221,23 @@ def cmd_nccl_probe(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_cli_json(args: argparse.Namespace) -> int:
+    """A CLI run's figures from its records, as far as they go (a cut run's records are its finished prompts),
+    with how the job's forward ran (``policy.compile``: compiled or not, compile seconds, capture seconds)."""
+    path = Path(args.records)
+    result: dict = {"status": args.status, "records": str(path.name)}
+    result["figures"] = _cli_figures(path)
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        lines = []
+    policy = next((r["policy"] for r in lines if isinstance(r.get("policy"), dict)), {})
+    result["compile"] = policy.get("compile")
+    result["complete"] = args.status == "ok"
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Summary (standard library only)
 
@@ -252,16 +276,10 @@ def _cli_figures(path: Path) -> dict | None:
         "host_share": round(total("host_s") / secs, 3) if secs else 0.0,
         "comm_share": round(total("comm_s") / secs, 3) if secs else 0.0,
         "mean_rows": round(total("rows") / total("rounds"), 2) if total("rounds") else 0.0,
+        "rounds": int(total("rounds")),
+        "host_us_per_round": round(1e6 * total("host_s") / total("rounds"), 1) if total("rounds") else None,
+        "forward_ms_per_round": round(1e3 * total("forward_s") / total("rounds"), 3) if total("rounds") else None,
     }
-
-
-def _outputs(path: Path) -> dict[str, list[int]] | None:
-    """Prompt id -> output token ids of a CLI output JSONL (error records left out), or None if unreadable."""
-    try:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return None
-    return {str(r["id"]): list(r["output_ids"]) for r in records if "output_ids" in r}
 
 
 def _load_peaks(path: Path) -> list[float] | None:
@@ -273,73 +291,49 @@ def _load_peaks(path: Path) -> list[float] | None:
     return first.get("run", {}).get("device", {}).get("load_peak_host_mib_ranks")
 
 
-def agreement(outputs: dict[str, list[int]], reference: dict[str, list[int]]) -> dict:
-    """How a run's outputs compare with the reference run's (the engine's own one-token decoding), prompt by
-    prompt: the count identical, and for each other prompt the first token index where they differ.
-
-    Why: in half precision the engine is exact up to rounding-level ties (a packed forward may round a logit
-    differently from a one-row forward), so on a GPU in bf16 this is the figure that says how often that happens.
-    Example: {"a": [1, 2, 3]} against {"a": [1, 2, 4]} -> {"prompts": 1, "identical": 0, "first_difference":
-    {"a": 2}}."""
-    shared = [k for k in reference if k in outputs]
-    differ = {}
-    for k in shared:
-        a, b = outputs[k], reference[k]
-        if a != b:
-            differ[k] = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    return {"prompts": len(shared), "identical": len(shared) - len(differ), "first_difference": differ}
-
-
-def _cli_summary_block(log: Path) -> str:
-    """The summary lp_runner printed (between its two dashed lines), or ''."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return ""
-    match = re.search(r"^-{20,}\n(lp_runner .*?)\n-{20,}$", text, flags=re.S | re.M)
-    return match.group(1) if match else ""
+STEP_JSONS = {  # the JSON each step of gpu_check.sh leaves, in the order it runs
+    "env": ["env.json"],
+    "core": ["probe.json", "identity.json", "buckets.json"],
+    "make-model": ["make_model.json"],
+    "cli-compiled": ["cli_compiled.json"],
+    "nccl-probe": ["nccl_probe.json"],
+    "buckets-8b-full": ["buckets_8b_full.json"],
+    "speed": ["speed.json"],
+    "cli-two-ranks": ["cli_two-ranks.json"],
+}
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    md = [f"# GPU check ({'smoke test' if args.smoke else 'GPU'}), {datetime.now().isoformat(timespec='seconds')}", ""]
-    steps = out / "steps.tsv"
+    res = Path(args.res)
+    md = [f"# GPU check ({'smoke run' if args.smoke else 'GPU'}), {datetime.now().isoformat(timespec='seconds')}", ""]
+    md += [
+        "Everything below is also in gpu_check.tar.gz (every step's JSON, logs, steps.tsv). A JSON with "
+        "`complete: false` is what its step wrote before it was cut; its `stage` says where.",
+        "",
+    ]
+    steps = res / "steps.tsv"
     if steps.is_file():
         md += ["## Steps", "", "| step | status | exit | seconds | timeout s |", "|---|---|---|---|---|"]
         for line in steps.read_text().splitlines()[1:]:  # below the header line
             md.append("| " + " | ".join(line.split("\t")) + " |")
         md.append("")
-    env = _read_json(out / "env.json")
-    if env:
+    env = _read_json(res / "env.json")
+    if env and "status" not in env:
         md += ["## Environment", ""] + [f"- {k}: {v}" for k, v in env.items()] + [""]
-    smi = out / "nvidia-smi.txt"
+    smi = res / "logs" / "nvidia-smi.log"
     if smi.is_file():
-        md += ["## nvidia-smi", "", "```", smi.read_text().rstrip(), "```", ""]
-    fc = _read_json(out / "forward_cost.json")
-    if fc:
-        params = fc.get("parameters") or 0
-        size = f"{params / 1e9:.3f}B parameters, " if params >= 1e8 else f"{params / 1e6:.2f}M parameters, "
-        md += [
-            "## Forward cost vs packed rows",
-            "",
-            f"{fc.get('model')} ({size}random weights), {fc.get('dtype')} on {fc.get('device')}; median of repeated "
-            "forwards after a cached prefix, CUDA synchronised before each clock read.",
-            "",
-        ]
-        md += [(out / "forward_cost.md").read_text().rstrip(), ""]
-    fcc = _read_json(out / "forward_cost_compiled.json")
-    if fcc:
-        md += [
-            "## The same forward compiled (model.compile: on)",
-            "",
-            f"compiled in {fcc.get('compile_s')} s (static-shape rounds, torch.compile); compare with the eager "
-            "rows above at the same prefix.",
-            "",
-            (out / "forward_cost_compiled.md").read_text().rstrip(),
-            "",
-        ]
-    probe = _read_json(out / "nccl_probe.json")
-    if probe:
+        md += ["## nvidia-smi", "", "```", smi.read_text(errors="replace").rstrip()[-4000:], "```", ""]
+    md += probe_section(_read_json(res / "probe.json"))
+    md += identity_section(_read_json(res / "identity.json"))
+    buckets = _read_json(res / "buckets.json")
+    if buckets and "buckets" in buckets:
+        md += head("## Rounds per row bucket: eager vs captured (Llama-3-8B shape, 4 layers)", buckets)
+        md += bucket_lines(buckets) + prefill_lines(buckets)
+    cli = _read_json(res / "cli_compiled.json")
+    if cli and cli.get("figures"):
+        md += cli_section("The CLI's default job, model.compile: on", cli)
+    probe = _read_json(res / "nccl_probe.json")
+    if probe and "all_gather_us" in probe:
         lat = ", ".join(f"L={k}: {v} us" for k, v in probe.get("all_gather_us", {}).items())
         md += [
             "## Process group probe (torchrun, one rank)",
@@ -349,138 +343,154 @@ def cmd_summarize(args: argparse.Namespace) -> int:
             f"results correct: {probe.get('ok')}",
             "",
         ]
-    runs = []
-    for name in args.runs:
-        figures = _cli_figures(out / f"cli_{name}.jsonl")
-        if figures:
-            runs.append((name, figures))
-    if runs:
-        cols = ["prompts", "new_tokens", "forwards", "tokens_per_s", "tokens_per_forward", "ms_per_forward"]
-        cols += ["forward_share", "host_share", "comm_share", "mean_rows"]
-        md += [
-            "## CLI runs (torchrun, one rank; two-ranks: two ranks on the one device; random-weight model)",
-            "",
-            "Random weights: the text is meaningless and greedy output tends to repeat, so tokens/forward is not "
-            "representative of a real model; tokens/s and the time split show the device and host costs. The "
-            "warm-up prompt is left out of these figures (it is in lp_runner's own summary below).",
-            "",
-            "| run | " + " | ".join(cols) + " |",
-            "|---|" + "---|" * len(cols),
-        ]
-        md += [f"| {name} | " + " | ".join(str(f[c]) for c in cols) + " |" for name, f in runs]
-        md.append("")
-        reference = _outputs(out / f"cli_{args.reference}.jsonl")
-        for name, figures in runs:
-            got = _outputs(out / f"cli_{name}.jsonl")
-            if name == args.reference or reference is None or got is None:
-                continue
-            figures["agreement"] = same = agreement(got, reference)
-            differ = ", ".join(f"{k} at token {i}" for k, i in same["first_difference"].items())
-            md.append(
-                f"- {name}: output identical to {args.reference} on {same['identical']} of {same['prompts']} "
-                f"prompts{'; first difference: ' + differ if differ else ''}"
-            )
-        md.append("")
-        peaks = _load_peaks(out / "cli_two-ranks.jsonl")
+    full = _read_json(res / "buckets_8b_full.json")
+    if full and "buckets" in full:
+        md += head("## Rounds per row bucket: eager vs captured (Llama-3-8B, 32 layers)", full) + bucket_lines(full)
+    md += speed_section(_read_json(res / "speed.json"))
+    two = _read_json(res / "cli_two-ranks.json")
+    if two and two.get("figures"):
+        md += cli_section("Two ranks sharing the one device over gloo (CLI)", two)
+        peaks = _load_peaks(res / "cli_two-ranks.jsonl")
         if peaks:
             md += [
-                "Peak host memory of each rank right after loading the model (two-ranks run, MiB): "
+                "Peak host memory of each rank right after loading the model (MiB): "
                 + ", ".join(f"rank {r}: {mib:.0f}" for r, mib in enumerate(peaks)),
                 "",
             ]
-        for name, _ in runs:
-            block = _cli_summary_block(out / "logs" / f"cli-{name}.log")
-            if block:
-                md += [f"lp_runner summary, {name}:", "", "```", block, "```", ""]
-        (out / "cli_summary.json").write_text(json.dumps(dict(runs), indent=2) + "\n")
-    md += rounds_sections(out)
-    compare = out / "compare.md"
-    if compare.is_file():
-        md += ["## benchmarks/compare.py (embedded model)", "", compare.read_text().rstrip(), ""]
+    missing = [f"{name}: {f}" for name, files in STEP_JSONS.items() for f in files if not (res / f).is_file()]
+    if missing:
+        md += ["## Missing JSON", "", *[f"- {m}" for m in missing], ""]
     text = "\n".join(md) + "\n"
-    (out / "gpu_check_summary.md").write_text(text)
+    (res / "gpu_check_summary.md").write_text(text)
     print(text)
     return 0
 
 
-def rounds_sections(out: Path) -> list[str]:
-    """The summary's sections from ``gpu_rounds.py``'s JSONs (step 6), each headed by its model, dtype and device
-    name; a JSON a step did not write leaves its section out."""
+def head(title: str, data: dict) -> list[str]:
+    return [title, "", f"{data.get('model')}, {data.get('dtype')} on {data.get('device_name')}", ""]
+
+
+def partial(data: dict) -> list[str]:
+    if data.get("complete"):
+        return []
+    error = f" ({data['error']})" if data.get("error") else ""
+    return [
+        f"**Partial**: the step stopped during its {data.get('stage')} part{error}; what follows is what it wrote.",
+        "",
+    ]
+
+
+def probe_section(probe: dict | None) -> list[str]:
+    """TF32 flags after ``device.bind`` and the float32 compile."""
+    if not probe or "flags" not in probe:
+        return []
+    flags = ", ".join(f"{k} = {v}" for k, v in probe["flags"].items())
+    compiled = "ok" if probe.get("compile_error") is None else f"failed: {probe['compile_error']}"
+    return ["## TF32 and compile probe (device.bind)", "", *partial(probe),
+            f"- placement: {probe.get('placement')}", f"- flags after bind: {flags}",
+            f"- a float32 matmul compiled: {compiled} ({probe.get('compile_s')} s; largest difference from eager "
+            f"{probe.get('max_abs_diff_vs_eager')}); ok: {probe.get('ok')}", ""]  # fmt: skip
+
+
+def identity_section(identity: dict | None) -> list[str]:
+    """fp32 (TF32 off) identity with HF greedy, eager and captured, at two settings."""
+    if not identity or "runs" not in identity:
+        return []
+    md = head("## HF-greedy identity in fp32 (TF32 off)", identity) + partial(identity)
+    for name, r in identity["runs"].items():
+        differ = ", ".join(f"prompt {k} at token {i}" for k, i in r["first_difference"].items())
+        md.append(
+            f"- {name} ({r.get('setting')}): identical to HF greedy on {r['identical']} of {identity.get('prompts')} "
+            f"prompts{'; first difference: ' + differ if differ else ''}"
+        )
+    return md + compile_line(identity) + [""]
+
+
+def prefill_lines(data: dict) -> list[str]:
+    """The long prefill's peaks (engine eager, captured, HF generate) and the capacity sweep."""
     md: list[str] = []
-
-    def head(title: str, data: dict) -> list[str]:
-        return [title, "", f"{data.get('model')}, {data.get('dtype')} on {data.get('device_name')}", ""]
-
-    for name, title in (("rounds_buckets", "model of step 6"), ("rounds_buckets_8b", "Llama-3-8B shape, cut")):
-        buckets = _read_json(out / f"{name}.json")
-        if buckets:
-            md += head(f"## Rounds per row bucket: eager vs captured ({title})", buckets) + bucket_lines(buckets)
-    peaks = [(data.get("model"), data["prefill"]) for name in ("rounds_buckets", "rounds_buckets_8b")
-             if (data := _read_json(out / f"{name}.json")) and data.get("prefill")]  # fmt: skip
-    if peaks:
+    p = data.get("prefill")
+    if p:
         md += [
-            "## Peak device memory of a long prefill (engine, chunks of rows)",
+            f"Peak device memory of a {p.get('tokens')}-token prefill (chunks of {p.get('chunk_rows')} rows): "
+            "`torch.cuda.max_memory_allocated`, reset before the call; added: the peak less what was allocated before.",
             "",
-            "`torch.cuda.max_memory_allocated`, reset before the call; added: the peak less what was allocated "
-            "before (weights, K/V buffers, captured graphs' pools). The captured adapter was warmed up at the "
-            "prompt's K/V buffer first, as a job's start-up does.",
-            "",
-            "| model | tokens | chunk rows | path | before MiB | peak MiB | added MiB | seconds |",
-            "|---|---|---|---|---|---|---|---|",
+            "| path | before MiB | peak MiB | added MiB | seconds |",
+            "|---|---|---|---|---|",
         ]
-        for model, p in peaks:
-            for path in ("eager", "captured"):
-                r = p.get(path, {})
-                md.append(
-                    f"| {model} | {p.get('tokens')} | {p.get('chunk_rows')} | {path} | {r.get('before_mib')} | "
-                    f"{r.get('peak_mib')} | {r.get('added_mib')} | {r.get('seconds')} |"
-                )
+        for path in ("eager", "captured", "hf"):
+            r = p.get(path, {})
+            cells = [r.get(k) for k in ("before_mib", "peak_mib", "added_mib", "seconds")]
+            md.append(
+                f"| {'HF generate' if path == 'hf' else 'engine ' + path} | " + " | ".join(map(str, cells)) + " |"
+            )
         md.append("")
-    speed = _read_json(out / "rounds_speed.json")
-    if speed:
-        md += head("## Tokens/s against HF greedy", speed)
+    sweep = data.get("capacity_sweep")
+    if sweep:
+        sizes = ", ".join(f"{slots} slots: {ms} ms" for slots, ms in sweep["sizes"].items())
         md += [
-            f"{speed.get('prompts')} prompts after a warm-up one, {speed.get('new_tokens')} new tokens each; "
-            f"capture warm-up {speed.get('warm_up_s')} s (not in the figures).",
+            f"- Capacity sweep, {sweep['rows']} rows after {sweep['prefix']} cached positions, captured: {sizes} "
+            f"(ratio {sweep['ratio']}; about 1 when the round's K/V writes are in place)",
             "",
-            "| run | tokens/s | x HF greedy | same tokens as HF greedy |",
-            "|---|---|---|---|",
         ]
-        for name, r in speed.get("runs", {}).items():
-            md.append(f"| {name} | {r['tokens_per_s']} | {r['vs_hf_greedy']} | {r['same_as_hf_greedy']} |")
-        md += [""] + compile_line(speed) + [""]
-    identity = _read_json(out / "rounds_identity.json")
-    if identity:
-        md += head("## HF-greedy identity in fp32 (TF32 off)", identity)
-        for name in ("default-eager", "default-captured"):
-            r = identity.get(name)
-            if r:
-                differ = ", ".join(f"prompt {k} at token {i}" for k, i in r["first_difference"].items())
-                md.append(
-                    f"- {name}: identical to HF greedy on {r['identical']} of {identity.get('prompts')} prompts"
-                    f"{'; first difference: ' + differ if differ else ''}"
-                )
-        md += compile_line(identity) + [""]
+    captures = data.get("captures")
+    if captures:
+        md += ["- CUDA graphs recorded (and recorded again) as each part started: "
+               + ", ".join(f"{stage}: {c}" for stage, c in captures.items()), ""]  # fmt: skip
     return md
+
+
+def cli_section(title: str, data: dict) -> list[str]:
+    f = data["figures"]
+    comp = data.get("compile") or {}
+    return [
+        f"## {title}",
+        "",
+        *(
+            [f"**Partial**: the run's status is {data.get('status')}; these are its finished prompts.", ""]
+            if not data.get("complete")
+            else []
+        ),  # fmt: skip
+        f"- {f['prompts']} prompts (warm-up left out), {f['new_tokens']} new tokens, {f['rounds']} rounds: "
+        f"host {f['host_us_per_round']} us and forward {f['forward_ms_per_round']} ms per round, "
+        f"{f['tokens_per_s']} tokens/s, {f['tokens_per_forward']} tokens/forward (random weights)",
+        f"- forward: {comp}",
+        "",
+    ]
+
+
+def speed_section(speed: dict | None) -> list[str]:
+    if not speed or "runs" not in speed:
+        return []
+    md = head("## Tokens/s against HF greedy", speed)
+    md += [
+        f"{speed.get('prompts')} prompts after a warm-up one, {speed.get('new_tokens')} new tokens each; "
+        f"capture warm-up {speed.get('warm_up_s')} s (not in the figures).",
+        "",
+        "| run | tokens/s | x HF greedy | same tokens as HF greedy |",
+        "|---|---|---|---|",
+    ]
+    for name, r in speed.get("runs", {}).items():
+        md.append(f"| {name} | {r['tokens_per_s']} | {r['vs_hf_greedy']} | {r['same_as_hf_greedy']} |")
+    return md + [""] + compile_line(speed) + [""]
 
 
 def bucket_lines(data: dict) -> list[str]:
     """A buckets JSON's table (wall, device and host time per round, eager and captured), the job's arena check
     and torch's compile counts; a step stopped before its end says where."""
-    md = []
-    if not data.get("complete"):
-        md += [f"**Partial**: the step stopped during its {data.get('stage')} part; what follows is what it wrote.", ""]
+    md = partial(data)
     md += [
         f"After {data.get('prefix')} cached positions, median of {data.get('reps')} rounds each; warm-up (compile "
         f"and capture) {data.get('warm_up_s')} s. Host us: {data.get('host_us_method')}.",
         "",
         "| rows | eager ms | eager device ms | eager host us | captured ms | captured device ms | captured host us "
-        "| speed-up | capture s | argmax same |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| speed-up | capture s | argmax same | logit max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rows, r in data.get("buckets", {}).items():
         cells = [rows] + [r.get(k) for k in ("eager_ms", "eager_device_ms", "eager_host_us", "captured_ms")]
         cells += [r.get(k) for k in ("captured_device_ms", "captured_host_us", "speedup", "capture_s", "argmax_same")]
+        cells.append(r.get("logit_max_abs_diff"))
         md.append("| " + " | ".join(str(c) for c in cells) + " |")
     md.append("")
     job = data.get("job")
@@ -520,20 +530,23 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", help="also write the CLI prompts JSONL here")
+    p.add_argument("--json", help="write what was made here (parameters, seconds)")
     p = sub.add_parser("nccl-probe", help="process group + all_gather timing (run under torchrun)")
     p.add_argument("--backend", default="nccl")
     p.add_argument("--device", default="cuda")
     p.add_argument("--lengths", type=int, nargs="+", default=[32, 512])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--out", required=True)
-    p = sub.add_parser("summarize", help="write gpu_check_summary.md from what the steps left in --out")
+    p = sub.add_parser("cli-json", help="a CLI run's figures from its records")
+    p.add_argument("--records", required=True)
+    p.add_argument("--status", default="ok", help="the step's status (ok, timeout, failed)")
     p.add_argument("--out", required=True)
-    p.add_argument("--runs", nargs="*", default=["default", "lookahead", "greedy", "two-ranks"])
-    p.add_argument("--reference", default="greedy", help="the run the others' outputs are compared with")
+    p = sub.add_parser("summarize", help="write gpu_check_summary.md from what the steps left in --res")
+    p.add_argument("--res", required=True)
     p.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     handler = {"env": cmd_env, "make-model": cmd_make_model, "nccl-probe": cmd_nccl_probe}
-    handler["summarize"] = cmd_summarize
+    handler.update({"cli-json": cmd_cli_json, "summarize": cmd_summarize})
     return handler[args.cmd](args)
 
 

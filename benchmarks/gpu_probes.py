@@ -12,6 +12,10 @@ what a CPU cannot tell is None there.
   or a graph's replay, Python). Example: an eager round of 9 ms wall whose kernels take 6 ms has a host time of
   3000 us; captured, the same kernels in 6.1 ms wall give 100 us.
 * ``peak_memory``: ``torch.cuda.max_memory_allocated`` over one call, reset before it.
+* ``capture_counts``: the CUDA graphs inductor's cudagraph tree has recorded on a device and how many it recorded
+  again (a graph recorded twice replays stale addresses no more, but costs a capture mid-job); None off CUDA.
+* ``tf32_flags``: every reader of the TF32 choice (torch's legacy record and its per-backend flags), its value or
+  ``"raises"``: the compile probe's evidence that ``device.bind`` left them in agreement.
 """
 
 from __future__ import annotations
@@ -147,3 +151,51 @@ def peak_memory(run: Callable[[], object], device: torch.device) -> tuple[object
     peak = torch.cuda.max_memory_allocated(device)
     mib = lambda b: round(b / MIB, 1)  # noqa: E731
     return out, {"before_mib": mib(before), "peak_mib": mib(peak), "added_mib": mib(peak - before)}
+
+
+def capture_counts(device: torch.device) -> dict[str, int] | None:
+    """{"graphs": CUDA graphs recorded, "rerecords": graphs recorded again} from inductor's cudagraph tree on
+    ``device`` (read, never created); None off CUDA or where this torch keeps no tree. Read before and after a
+    part of a step: graphs recorded after start-up are captures a job pays for mid-generation."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch._inductor import cudagraph_trees
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    if manager is None:
+        return {"graphs": 0, "rerecords": 0}
+
+    def nodes(level) -> int:
+        return sum(1 + sum(nodes(kids) for kids in node.children.values()) for node in level)
+
+    graphs = sum(nodes(roots) for roots in manager.roots.values())
+    rerecords = sum(sum(per_function.values()) for per_function in manager.num_rerecord.values())
+    return {"graphs": graphs, "rerecords": rerecords}
+
+
+def tf32_flags() -> dict[str, object]:
+    """Each reader of the float32 matmul precision (inductor reads the legacy ones while it compiles), its value or
+    ``"raises"`` (torch raises where the legacy record and a per-backend flag disagree)."""
+    backends = torch.backends
+    readers = {
+        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+        "cuda.matmul.allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": lambda: backends.cudnn.allow_tf32,
+    }
+    for name in ("cuda.matmul", "cudnn.conv", "cudnn.rnn"):
+        holder = backends
+        for part in name.split("."):
+            holder = getattr(holder, part, None)
+        if holder is not None and hasattr(holder, "fp32_precision"):
+            readers[f"{name}.fp32_precision"] = lambda holder=holder: holder.fp32_precision
+    out: dict[str, object] = {}
+    for name, read in readers.items():
+        try:
+            out[name] = read()
+        except RuntimeError:
+            out[name] = "raises"
+    return out

@@ -1,45 +1,47 @@
-"""Rounds on a GPU (steps of ``benchmarks/gpu_check.sh``): eager vs captured rounds per row bucket, the default
-job and the engine against HF greedy in tokens/s, and HF-greedy identity in fp32 through eager and captured rounds.
+"""Rounds on a GPU (steps of ``benchmarks/gpu_check.sh``): the decisive checks in one process (``core``), a
+model's bucket timings alone (``buckets``) and tokens/s against HF greedy (``speed``).
 
-    python benchmarks/gpu_rounds.py buckets  --device cuda --dtype bfloat16 --out OUT/rounds_buckets.json
-    python benchmarks/gpu_rounds.py buckets  --device cuda --shape llama8b --out OUT/rounds_buckets_8b.json
-    python benchmarks/gpu_rounds.py speed    --device cuda --dtype bfloat16 --out OUT/rounds_speed.json
-    python benchmarks/gpu_rounds.py identity --device cuda --out OUT/rounds_identity.json
+    python benchmarks/gpu_rounds.py core    --device cuda --shape llama8b --out-dir RESULTS
+    python benchmarks/gpu_rounds.py buckets --device cuda --shape llama8b-full --out RESULTS/buckets_8b_full.json
+    python benchmarks/gpu_rounds.py speed   --device cuda --dtype bfloat16 --out RESULTS/speed.json
 
-The model: ``--model-dir`` (a local folder, e.g. the embedded model's, real weights; its prompts from
-``--prompts``, a JSONL of ``{"prompt": text}`` or ``{"messages": [...]}``) or, without one, random weights in
-``--shape`` (``embedded``: the embedded model's architecture, so its kernels and launch counts are the real
-model's; ``llama8b``: Llama-3-8B's architecture cut to 4 layers, built from its config; ``tiny`` and
-``llama8b-tiny`` for the CPU smoke run) with seeded repetitive token prompts. Every JSON says which (``model``),
-and the device's name.
+The model: ``--model-dir`` (a local folder, real weights; its prompts from ``--prompts``, a JSONL of
+``{"prompt": text}`` or ``{"messages": [...]}``) or, without one, random weights in ``--shape`` (``llama8b``:
+Llama-3-8B's architecture cut to 4 layers, built from its config in seconds; ``llama8b-full``: all 32 layers;
+``embedded``: the embedded model's architecture; ``tiny`` and ``llama8b-tiny`` for the CPU smoke run) with seeded
+repetitive token prompts. Every JSON says which (``model``), and the device's name. Every JSON is written as the
+step goes (``complete``: false and the ``stage`` it is in until the end; written whole or not at all), so a step
+stopped by its timeout keeps what it measured.
 
+* ``core``, in one process so that the parts share the process's compile state, each part its own JSON:
+  - ``probe.json``: the rank's placement bound through ``device.bind`` (``model.dtype: auto``), every TF32 flag
+    read back (none may raise), a float32 matmul compiled and compared with eager;
+  - ``identity.json``: fp32 with TF32 off, HF greedy against the engine eager and captured, at the auto preset's
+    setting and at W 7, N 5, G 7; ``ok`` false on any difference;
+  - ``buckets.json``: the ``buckets`` measurements below in ``--dtype``.
+  A part that fails is recorded in its JSON (``error``) and the next part runs; exit 1 if any failed.
 * ``buckets``: one bucketed adapter eager, one compiled (``model.compile``: CUDA graphs on a GPU; on a CPU the same
   compiled code without the capture), warmed up once at the largest K/V arena the step's rounds need below but the
   long prefill's. Then, in this order:
   - each bucket's round timed after a cached prefix (median of ``--reps``, the device synchronised around each),
     its device time (CUDA events) and host time per round (wall minus device: ``gpu_probes.RoundTimer``), the
-    capture seconds per bucket, and whether both give the same argmax row by row (in bf16 the two may round a
-    near-tie differently; the fp32 identity below is the exactness check);
+    capture seconds per bucket, whether both give the same argmax row by row and the largest difference of
+    their logits (in bf16 the two may round differently; the fp32 identity is the exactness check);
   - a job of two prompts (``--job-tokens``; the second needs a larger arena than the first alone would have
     had) through one engine each: the arena's allocations (``KVArena.allocations``) and the capture
     seconds before and after; the count must stay 1 (the warm-up sized the arena for the job's longest prompt);
   - a ``--prefill-tokens`` prompt (8k, cached in chunks of ``PREFILL_CHUNK_ROWS`` rows) through the engine eager
-    and captured (the captured adapter warmed up at that prompt's arena first, as a job does): the peak device
-    memory of each (``torch.cuda.max_memory_allocated``, reset before);
-  - torch's counts over the whole step: one compilation of the round, and on CUDA no skipped CUDA-graph capture
-    (``gpu_probes.compile_check``).
-  Exits 1 when the arena grew during the job or the counts are not those; the JSON is rewritten after each part
-  (``complete``: false and the part it was in, until the end), so a step stopped by its timeout keeps what it
-  measured.
+    and captured (the captured adapter warmed up at that prompt's arena first, as a job does) and through HF's
+    own ``generate``: the peak device memory of each (``torch.cuda.max_memory_allocated``, reset before);
+  - torch's counts over those parts: one compilation of the round, and on CUDA no skipped CUDA-graph capture
+    (``gpu_probes.compile_check``); the CUDA graphs recorded as each part starts (``captures``: recorded and
+    recorded again, from inductor's cudagraph tree);
+  - a capacity sweep: one bucket's captured round at two arena sizes (``capacity_sweep``).
+  Exits 1 when the arena grew during the job or the counts are not those.
 * ``speed``: tokens/s over the prompts (the first is a warm-up, left out) of HF greedy ``generate``, HF prompt
   lookup, the engine alone (one row a round: no candidates, no window) eager and captured, and the default job
   (``lookahead.preset: auto``, the calibration made here) eager and captured; each run's tokens compared with HF
-  greedy's.
-* ``identity``: fp32 (TF32 off), the default job eager and captured against HF greedy, prompt by prompt; exits 1
-  on any difference.
-
-``speed`` and ``identity`` record torch's counts too (``compile``) and exit 1 when they are not one compilation
-and, on CUDA, no skipped capture.
+  greedy's; torch's counts too (``compile``), exit 1 when they are not one compilation and no skipped capture.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -58,13 +61,22 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_probes import RoundTimer, compile_check, compile_counts, host_us, peak_memory  # noqa: E402
+from benchmarks.gpu_probes import (  # noqa: E402
+    RoundTimer,
+    capture_counts,
+    compile_check,
+    compile_counts,
+    host_us,
+    peak_memory,
+    tf32_flags,
+)
 from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 from lp_runner.backends.kv_cache import MIN_CAPACITY, static_capacity  # noqa: E402
 from lp_runner.config import Config, GenerationConfig, LookaheadConfig  # noqa: E402
 from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
 from lp_runner.decoding.scheduler import PREFILL_CHUNK_ROWS  # noqa: E402
-from lp_runner.device import synchronizer  # noqa: E402
+from lp_runner.device import bind, place, set_fp32_precision, synchronizer  # noqa: E402
+from lp_runner.errors import first_line  # noqa: E402
 from lp_runner.models.loading import weights_checksum  # noqa: E402
 from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
 from lp_runner.tuning.calibrate import device_name  # noqa: E402
@@ -121,7 +133,15 @@ LLAMA8B_TINY_SHAPE = dict(
     vocab_size=1024,
     max_position_embeddings=4096,
 )
-SHAPES = {"embedded": EMBEDDED_SHAPE, "tiny": TINY_SHAPE, "llama8b": LLAMA8B_SHAPE, "llama8b-tiny": LLAMA8B_TINY_SHAPE}
+# the whole Llama-3-8B: 32 layers (16 GB of bf16 weights), the check's last step, run if time is left
+LLAMA8B_FULL_SHAPE = dict(LLAMA8B_SHAPE, num_hidden_layers=32)
+SHAPES = {
+    "embedded": EMBEDDED_SHAPE,
+    "tiny": TINY_SHAPE,
+    "llama8b": LLAMA8B_SHAPE,
+    "llama8b-tiny": LLAMA8B_TINY_SHAPE,
+    "llama8b-full": LLAMA8B_FULL_SHAPE,
+}
 # the engine alone: one row a round, no candidates, no window, no padding (what gpu_check's cli-greedy runs)
 ENGINE_ONLY = LookaheadConfig(
     verification_set_size=0, lookahead_branch=False, context_lookup=False, preset="off", pad_rows=False
@@ -130,6 +150,8 @@ ENGINE_ONLY = LookaheadConfig(
 # and K/V widths), without the tuner (its calibration is the speed step's)
 JOB_SETTING = LookaheadConfig(preset="off", pad_rows=False)
 PREFILL_NEW_TOKENS = 4  # generated after the long prompt: its peak memory is the prefill's
+SWEEP_ROWS = 8  # the capacity sweep's bucket: a small round, where a copy of whole layers would show most
+SWEEP_FACTOR = 4  # its larger arena, in multiples of the smaller
 
 
 def load_model(args: argparse.Namespace, dtype: torch.dtype):
@@ -215,9 +237,14 @@ def timed_run(run, items: list[list[int]], sync) -> tuple[list[list[int]], float
     return outs, total
 
 
-def _write(path: str, result: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+def _write(path: str | Path, result: dict) -> None:
+    """The JSON written whole or not at all (a temporary file renamed over it): a step killed while writing leaves
+    the previous version, never a truncated file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _header(args: argparse.Namespace, label: str, dtype: torch.dtype) -> dict:
@@ -272,8 +299,11 @@ class Report:
         self.path, self.result, self.counts, self.device = path, result, counts, device
 
     def save(self, stage: str, compiled: bool = True) -> dict:
-        """Write the JSON at ``stage``; ``compiled``: a compiled round has run (before that, counts mean nothing)."""
+        """Write the JSON at ``stage`` (the part about to run, or ``done``), with the CUDA graphs recorded so far
+        as that part starts (``captures``); ``compiled``: a compiled round has run (before that, counts mean
+        nothing)."""
         check = compile_check(self.counts, compile_counts(), self.device) if compiled else None
+        self.result.setdefault("captures", {})[stage] = capture_counts(self.device)
         self.result.update(stage=stage, complete=stage == "done", compile=check)
         _write(self.path, self.result)
         return self.result
@@ -298,13 +328,14 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
         walls: dict[int, list[float]] = {id(eager): [], id(captured): []}
         devices: dict[int, list[float | None]] = {id(eager): [], id(captured): []}
         ahead = {id(eager): True, id(captured): True}
-        argmax = {}
+        argmax, last = {}, {}
         for rep in range(args.reps + 1):  # the first is a warm-up (a new K/V width is recorded there)
             for adapter in (eager, captured):
                 seconds, logits = timer.wall(lambda adapter=adapter: run(adapter))
                 if rep:
                     walls[id(adapter)].append(seconds)
                 argmax[id(adapter)] = logits.argmax(-1).tolist()
+                last[id(adapter)] = logits.float().clone()  # [rows, vocab]: a captured output is overwritten
                 caches[id(adapter)].crop(args.prefix)
         for adapter in (eager, captured):  # the host twice as far ahead as a whole round takes
             spin = 2 * statistics.median(walls[id(adapter)])
@@ -324,6 +355,7 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
         row["speedup"] = round(row["eager_ms"] / row["captured_ms"], 2)
         row["capture_s"] = round(captured.rounds.capture_s.get(rows, 0.0), 3)
         row["argmax_same"] = f"{same}/{rows}"
+        row["logit_max_abs_diff"] = round((last[id(eager)] - last[id(captured)]).abs().max().item(), 6)
         rows_out[str(rows)] = row
         print(
             f"{rows:4d} rows: eager {row['eager_ms']:8.3f} ms (host {row['eager_host_us']} us)  captured "
@@ -387,15 +419,50 @@ def prefill_peaks(args, eager: ModelAdapter, captured: ModelAdapter, timer: Roun
             f"{tokens}-token prefill, {name}: peak {memory['peak_mib']} MiB (+{memory['added_mib']}), {seconds:.2f} s"
         )
     result["same_tokens_eager_captured"] = outputs["eager"] == outputs["captured"]
+    model = eager.model  # HF's own greedy generate on the same prompt: the peak the engine's is set beside
+    (seconds, out), memory = peak_memory(
+        lambda: timer.wall(lambda: hf_greedy(model, ids, PREFILL_NEW_TOKENS)), timer.device
+    )
+    result["hf"] = {**memory, "seconds": round(seconds, 3)}
+    result["same_tokens_as_hf"] = out == outputs["eager"]
+    print(f"{tokens}-token prefill, HF generate: peak {memory['peak_mib']} MiB (+{memory['added_mib']})")
+    return result
+
+
+def capacity_sweep(args, captured: ModelAdapter, timer: RoundTimer) -> dict:
+    """One bucket's captured round after the same ``--prefix`` cached positions, in a region of an arena of its
+    own at two sizes (the smallest that holds it, and one of ``SWEEP_FACTOR`` times its slots): a round whose K/V writes
+    are in place costs the same at both; one that copies whole layers costs in proportion to the arena."""
+    rows = min(max(args.rows), SWEEP_ROWS)
+    ids, pos = (torch.arange(rows) * 7) % 97, torch.arange(args.prefix, args.prefix + rows)
+    prefix = torch.arange(args.prefix) % 97
+    result: dict = {"rows": rows, "prefix": args.prefix, "sizes": {}}
+    need = args.prefix + rows
+    for _ in range(2):
+        region = captured.new_cache(need)
+        captured.forward(prefix, torch.arange(args.prefix), causal(args.prefix), region, torch.arange(1))
+        walls = []
+        for rep in range(args.reps + 1):  # the first records this arena's graph
+            seconds, _ = timer.wall(lambda r=region: captured.forward(ids, pos, causal(rows), r, torch.arange(rows)))
+            if rep:
+                walls.append(seconds)
+            region.crop(args.prefix)
+        slots = region.arena.capacity
+        need = SWEEP_FACTOR * slots  # the next arena: SWEEP_FACTOR times this one
+        result["sizes"][str(slots)] = round(1e3 * statistics.median(walls), 3)
+        print(f"capacity sweep: {rows} rows on an arena of {slots} slots: {result['sizes'][str(slots)]} ms")
+    small, large = result["sizes"].values()
+    result["ratio"] = round(large / small, 3) if small else None
     return result
 
 
 @torch.inference_mode()
-def cmd_buckets(args: argparse.Namespace) -> int:
-    dtype = getattr(torch, args.dtype)
+def buckets_part(args: argparse.Namespace, model, label: str, dtype: torch.dtype, out: str | Path) -> bool:
+    """The buckets measurements on ``model`` (see the module doc), the JSON at ``out`` rewritten after each part;
+    whether the arena stayed put during the job and torch's counts are one compilation and no skipped capture.
+    The capacity sweep comes last and outside the counts: its arenas of their own are new graphs by design."""
     device = torch.device(args.device)
-    counts = compile_counts()  # before anything compiles: the step's rounds must add one compilation
-    model, label, _ = load_model(args, dtype)
+    counts = compile_counts()  # before this part compiles: its rounds must add one compilation
     vocab = model.config.get_text_config().vocab_size
     timer = RoundTimer(device)
     eager = ModelAdapter(model, bucketed=True)
@@ -408,7 +475,7 @@ def cmd_buckets(args: argparse.Namespace) -> int:
         "wall time (device synchronised around the round) minus device time (CUDA events around the round's "
         "kernels, queued behind a spin kernel so that no launch waits on the host); medians"
     )
-    report = Report(args.out, result, counts, device)
+    report = Report(str(out), result, counts, device)
     report.save("warm-up", compiled=False)
     warm_capacity = max(args.prefix + max(args.rows), first, second)  # the bucket timings' cache and the job's
     result["warm_up_s"] = round(warm_up(captured, warm_capacity, args.warm_rows), 2)
@@ -419,9 +486,134 @@ def cmd_buckets(args: argparse.Namespace) -> int:
     report.save("prefill")
     if args.prefill_tokens:
         result["prefill"] = prefill_peaks(args, eager, captured, timer, vocab)
-    check = report.save("done")["compile"]
+    check = report.save("capacity-sweep")["compile"]
     print(f"compilations {check['compilations']}, CUDA-graph skips {check['cudagraph_skips']}: ok {check['ok']}")
-    return 0 if check["ok"] and result["job"]["ok"] else 1
+    result["capacity_sweep"] = capacity_sweep(args, captured, timer)
+    result["compile"] = check  # the rounds' counts, the sweep's new arenas left out
+    result.setdefault("captures", {})["done"] = capture_counts(device)
+    result.update(stage="done", complete=True)
+    _write(out, result)
+    return bool(check["ok"] and result["job"]["ok"])
+
+
+@torch.inference_mode()
+def cmd_buckets(args: argparse.Namespace) -> int:
+    dtype = getattr(torch, args.dtype)
+    model, label, _ = load_model(args, dtype)
+    return 0 if buckets_part(args, model, label, dtype, args.out) else 1
+
+
+# ------------------------------------------------------------------------------------------------------ core
+
+
+def probe_part(args: argparse.Namespace, out: Path) -> bool:
+    """TF32 and compile through ``device.bind``: the rank's placement (``model.dtype: auto``, as a job binds it),
+    every TF32 flag read back (none may raise: inductor reads the legacy one while compiling, and a raise there
+    sends the job's compiled rounds to eager), then a float32 matmul compiled and compared with eager."""
+    device = torch.device(args.device)
+    placement = place(args.device, "auto")
+    bind(placement)
+    result: dict = {**_header(args, "a float32 matmul", torch.float32), "placement": placement.describe()}
+    result["flags"] = flags = tf32_flags()
+    _write(out, {**result, "complete": False, "stage": "compile"})
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)  # [256, 256] each
+    start = time.perf_counter()
+    try:
+        got = torch.compile(lambda x, y: torch.relu(x @ y), fullgraph=True)(a, b)
+        result["compile_error"] = None
+        result["max_abs_diff_vs_eager"] = (got - torch.relu(a @ b)).abs().max().item()
+    except Exception as exc:  # the probe's point: report, never stop the process before the identity part
+        result["compile_error"] = first_line(exc)
+    result["compile_s"] = round(time.perf_counter() - start, 2)
+    result["ok"] = result["compile_error"] is None and "raises" not in flags.values()
+    result.update(complete=True, stage="done")
+    _write(out, result)
+    print(f"probe: flags {flags}; compile {'ok' if result['compile_error'] is None else result['compile_error']}")
+    return result["ok"]
+
+
+@torch.inference_mode()
+def identity_part(args: argparse.Namespace, out: Path) -> bool:
+    """fp32 with TF32 off (IEEE matmuls: the exactness oracle), HF greedy against the engine eager and captured, at
+    the auto preset's setting (calibrated here) and at W 7, N 5, G 7 (``JOB_SETTING``: rounds of up to ~100 rows);
+    the JSON rewritten after each run. Whether every output is identical and the counts are one compilation."""
+    set_fp32_precision(False)
+    device = torch.device(args.device)
+    model, label, tokenizer = load_model(args, torch.float32)
+    items = prompts(args, tokenizer, model.config.vocab_size)
+    result: dict = {**_header(args, label, torch.float32), "new_tokens": args.new, "prompts": len(items)}
+    result.update(tf32=tf32_flags(), runs={}, complete=False, stage="hf-greedy")
+    _write(out, result)
+    oracle = [hf_greedy(model, ids, args.new) for ids in items]
+    counts = compile_counts()
+    eager = ModelAdapter(model, bucketed=True)
+    captured = ModelAdapter(model, bucketed=True, compile=True)
+    result["stage"] = "warm-up"
+    _write(out, result)
+    result["warm_up_s"] = round(warm_up(captured, max(len(p) for p in items) + args.new + 64, args.warm_rows), 2)
+    ok = True
+    for setting, la in (("preset", None), ("W7-N5-G7", JOB_SETTING)):
+        for path, adapter in (("eager", eager), ("captured", captured)):
+            name = f"{setting}-{path}"
+            result["stage"] = name
+            _write(out, result)
+            engine = engine_for(model, adapter, la, args.new, Path(args.cache_dir))
+            outs = [engine.generate(ids).output_ids for ids in items]
+            differ = {
+                k: next((i for i, (x, y) in enumerate(zip(o, r, strict=False)) if x != y), min(len(o), len(r)))
+                for k, (o, r) in enumerate(zip(outs, oracle, strict=True))
+                if o != r
+            }
+            knobs = engine.la
+            result["runs"][name] = {
+                "identical": len(items) - len(differ),
+                "first_difference": differ,
+                "setting": f"W {knobs.window_size}, N {knobs.ngram_size}, G {knobs.verification_set_size}",
+            }
+            ok = ok and not differ
+            print(f"identity {name}: identical to HF greedy on {len(items) - len(differ)} of {len(items)} prompts")
+    result["compile"] = check = compile_check(counts, compile_counts(), device)
+    result["captures"] = capture_counts(device)
+    result.update(ok=ok, complete=True, stage="done")
+    _write(out, result)
+    return ok and check["ok"]
+
+
+def cmd_core(args: argparse.Namespace) -> int:
+    """The check's decisive parts in one process (the compile probe, the fp32 identity, the bf16 buckets), each
+    its own JSON under ``--out-dir``, written as it goes. A failed part is recorded and the next one runs."""
+    out = Path(args.out_dir)
+    ok = True
+    for name, part in (
+        ("probe", lambda: probe_part(args, out / "probe.json")),
+        ("identity", lambda: identity_part(args, out / "identity.json")),
+        ("buckets", lambda: buckets_part(args, *_bf16_model(args), out / "buckets.json")),
+    ):
+        try:
+            ok = part() and ok
+        except Exception as exc:  # the next part still runs; the JSON says where this one stopped
+            print(f"error: the {name} part failed: {first_line(exc)}", flush=True)
+            _mark_failed(out / f"{name}.json", name, exc)
+            ok = False
+    return 0 if ok else 1
+
+
+def _bf16_model(args: argparse.Namespace) -> tuple:
+    """(model, label, dtype) for the buckets part: ``--dtype`` (bf16 on a GPU), TF32 as ``device.bind`` sets it."""
+    dtype = getattr(torch, args.dtype)
+    set_fp32_precision(torch.device(args.device).type == "cuda")
+    model, label, _ = load_model(args, dtype)
+    return model, label, dtype
+
+
+def _mark_failed(path: Path, name: str, exc: BaseException) -> None:
+    """The part's JSON with its error (what it wrote before, if anything, kept)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {"step": name}
+    data.update(complete=False, error=first_line(exc))
+    _write(path, data)
 
 
 # ----------------------------------------------------------------------------------------------------- speed
@@ -475,48 +667,14 @@ def cmd_speed(args: argparse.Namespace) -> int:
     return 0 if check["ok"] else 1
 
 
-# -------------------------------------------------------------------------------------------------- identity
-
-
-def cmd_identity(args: argparse.Namespace) -> int:
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: TF32 matmuls round to 10 mantissa bits
-    torch.backends.cudnn.allow_tf32 = False
-    counts = compile_counts()
-    model, label, tokenizer = load_model(args, torch.float32)
-    items = prompts(args, tokenizer, model.config.vocab_size)
-    cache = Path(args.cache_dir)
-    oracle = [hf_greedy(model, ids, args.new) for ids in items]
-    eager = ModelAdapter(model, bucketed=True)
-    captured = ModelAdapter(model, bucketed=True, compile=True)
-    warm_up(captured, max(len(p) for p in items) + args.new + 64, args.warm_rows)
-    result = {**_header(args, label, torch.float32), "new_tokens": args.new, "prompts": len(items)}
-    ok = True
-    for name, adapter in (("default-eager", eager), ("default-captured", captured)):
-        engine = engine_for(model, adapter, None, args.new, cache)
-        outs = [engine.generate(ids).output_ids for ids in items]
-        differ = {
-            k: next((i for i, (x, y) in enumerate(zip(o, r, strict=False)) if x != y), min(len(o), len(r)))
-            for k, (o, r) in enumerate(zip(outs, oracle, strict=True))
-            if o != r
-        }
-        result[name] = {"identical": len(items) - len(differ), "first_difference": differ}
-        ok = ok and not differ
-        print(f"{name}: identical to HF greedy on {len(items) - len(differ)} of {len(items)} prompts")
-    result["ok"] = ok
-    result["compile"] = check = compile_check(counts, compile_counts(), torch.device(args.device))
-    _write(args.out, result)
-    print(f"compilations {check['compilations']}, CUDA-graph skips {check['cudagraph_skips']}: ok {check['ok']}")
-    return 0 if ok and check["ok"] else 1
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, handler in (("buckets", cmd_buckets), ("speed", cmd_speed), ("identity", cmd_identity)):
+    for name, handler in (("core", cmd_core), ("buckets", cmd_buckets), ("speed", cmd_speed)):
         p = sub.add_parser(name)
         p.set_defaults(handler=handler)
         p.add_argument("--device", default="cuda")
-        p.add_argument("--dtype", default="bfloat16", help="buckets, speed (identity is fp32)")
+        p.add_argument("--dtype", default="bfloat16", help="buckets, speed (core's identity part is fp32)")
         p.add_argument("--model-dir", default="", help="a local model folder (default: random weights)")
         p.add_argument("--shape", choices=sorted(SHAPES), default="embedded", help="random weights' shape")
         p.add_argument("--prompts", default="", help="JSONL of {'prompt': text} for --model-dir")
@@ -529,7 +687,10 @@ def main() -> int:
         p.add_argument("--job-tokens", type=int, nargs=2, default=[64, 1200], help="buckets: the job's two prompts")
         p.add_argument("--prefill-tokens", type=int, default=8192, help="buckets: the long prompt (0: none)")
         p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "lp_runner"), help="calibration cache")
-        p.add_argument("--out", required=True)
+        if name == "core":
+            p.add_argument("--out-dir", required=True, help="probe.json, identity.json, buckets.json go here")
+        else:
+            p.add_argument("--out", required=True)
     args = ap.parse_args()
     return args.handler(args)
 

@@ -3,7 +3,7 @@
     python benchmarks/scaling.py --out results/scaling          # (15,5,15), 8 HumanEval + 8 MT-bench, 128 tokens
     python benchmarks/scaling.py --simulate --skip-measured     # predicted P = 1..8 from the cost model only
     python benchmarks/scaling.py --from results/scaling.json    # re-render a stored report (adds the throughput view)
-    python benchmarks/scaling.py --simulate --skip-measured --curve gpu:benchmarks/results/gpu/rounds_buckets.json
+    python benchmarks/scaling.py --simulate --skip-measured --curve gpu:benchmarks/results/gpu/buckets.json
     python benchmarks/scaling.py --simulate --skip-measured --curve roofline:H100-SXM
 
 Setups (the CPU stand-in for one device per worker is one core per rank):
@@ -23,7 +23,7 @@ from the simulated per-token latency at P (``lp_runner.tuning.split.split_table`
 running its own forward at the 1-thread curve). Every point says which it is.
 
 On a GPU curve (``--curve``): the simulation prices the same rounds with a GPU's forward instead of this CPU's,
-from the GPU check's measured rounds (``gpu:`` ``rounds_buckets.json`` of ``benchmarks/gpu_rounds.py``: the
+from the GPU check's measured rounds (``gpu:`` ``buckets.json`` of ``benchmarks/gpu_rounds.py``: the
 embedded model's shape, captured rounds per bucket) when one exists, else from the roofline of a named GPU
 (``roofline:NAME``, ``GPUS``: its memory bandwidth and dense bf16 FLOP/s, stated in the report; no launch or host
 cost, so a lower bound on the forward). Round shapes and host time still come from the real P=1 run here (the
@@ -144,7 +144,7 @@ def curve_for(source: str, shape: dict, kv_lens: list[int]) -> tuple | None:
         return gpu_curve(Path(arg))
     if kind == "roofline" and arg in GPUS:
         return roofline_curve(arg, shape, kv_lens)
-    raise SystemExit(f"error: --curve {source!r}: use cpu, gpu:PATH (rounds_buckets.json) or roofline:NAME ({GPUS})")
+    raise SystemExit(f"error: --curve {source!r}: use cpu, gpu:PATH (buckets.json) or roofline:NAME ({GPUS})")
 
 
 def simulate(prompts: list[dict], wng: tuple[int, int, int], extra_la: dict, args, measured: dict) -> dict:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ class Placement:
         name = self.dtype_name
         return (
             f"model.dtype {name} ({self.why}): outputs may differ from float32 greedy decoding where the top two "
-            f"tokens nearly tie (within 8 ulps of {name}: docs/design.md 3.3); float32 on a CPU is token-identical"
+            f"tokens nearly tie in {name} (docs/design.md 3.3); float32 on a CPU is token-identical"
         )
 
 
@@ -200,15 +201,38 @@ def place(device_spec: str, dtype_spec: str) -> Placement:
 def bind(placement: Placement) -> None:
     """Make ``placement.device`` this process's current CUDA device (before any CUDA or distributed call: NCCL's
     communicator, object collectives and cuBLAS handles follow the current device) and set its float32 matmul
-    precision. Nothing on a CPU."""
+    precision (``set_fp32_precision``). Nothing on a CPU."""
     if placement.device.type != "cuda":
         return
     torch.cuda.set_device(placement.device)
-    matmul = torch.backends.cuda.matmul
-    try:  # torch >= 2.9; mixing it with the legacy allow_tf32 flag is an error there
-        matmul.fp32_precision = "tf32" if placement.tf32 else "ieee"
-    except AttributeError:
-        matmul.allow_tf32 = placement.tf32
+    set_fp32_precision(placement.tf32)
+
+
+_LEGACY_TF32_WARNING = "Please use the new API settings to control TF32"  # torch 2.9+'s one-time notice
+
+
+def set_fp32_precision(tf32: bool) -> None:
+    """Let float32 matmuls and cuDNN ops use TF32 (``tf32``), or keep them IEEE fp32, through torch's legacy flags
+    and its per-backend ``fp32_precision`` flags together, so that every reader agrees.
+
+    Why both: torch keeps two records of the choice. The legacy setters (``set_float32_matmul_precision``,
+    ``cudnn.allow_tf32``) write both records; the newer per-backend setters (torch >= 2.9) write only their own,
+    and a later read of the legacy record that disagrees with it raises. Inductor on torch 2.9-2.10 reads the
+    legacy record while it compiles, so setting only ``cuda.matmul.fp32_precision`` made every compile fail and
+    the compiled round fall back to eager. The legacy setters first (they exist on every admitted torch), then
+    the per-backend flags where they exist (they override a ``torch.backends.fp32_precision`` a caller may have
+    set, to which cuDNN's ops would otherwise fall back). torch 2.9+ notes once that the legacy setters will be
+    deprecated; that notice is silenced here, since it is the reading of the legacy record that still matters.
+    """
+    precision = "tf32" if tf32 else "ieee"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_LEGACY_TF32_WARNING)
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+    cudnn = torch.backends.cudnn
+    for flags in (torch.backends.cuda.matmul, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)):
+        if flags is not None and hasattr(flags, "fp32_precision"):
+            flags.fp32_precision = precision
 
 
 def rows_are_cheap(device: torch.device) -> bool:

@@ -29,6 +29,7 @@ torch.set_num_threads(1)
 # jobs of several processes (torchrun, Ray) alternate with files that run in the test process, so the two workers
 # less often run two multi-process jobs at once on two cores.
 LONGEST_FIRST = (
+    "test_gpu_check.py",  # ~10 min: the smoke whole and cut (torch.compile, torchrun), within its own budget
     "test_ray.py",  # 538 s, a Ray cluster
     "test_embedded_exact.py",  # 353 s, in process
     "test_faults.py",  # 484 s, torchrun
@@ -37,7 +38,6 @@ LONGEST_FIRST = (
     "test_prepack.py",  # 308 s, mostly in process
     "test_groups.py",  # 210 s, torchrun
     "test_compile.py",  # 268 s, mostly in process
-    "test_gpu_check.py",  # ~100 s, torch.compile and torchrun (measured alone)
     "test_job_store_exact.py",  # 191 s
     "test_sampling_e2e.py",  # 134 s
     "test_config_cli.py",  # 129 s

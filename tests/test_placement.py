@@ -197,14 +197,103 @@ class Node:
         return StalledWork()
 
 
+def _new_fp32_flags() -> list:
+    """The per-backend ``fp32_precision`` flag holders this torch has (none before the per-backend API)."""
+    backends = torch.backends
+    holders = [backends, backends.cuda.matmul, backends.cudnn, backends.mkldnn]
+    holders += [getattr(backends.cudnn, op, None) for op in ("conv", "rnn")]
+    holders += [getattr(backends.mkldnn, op, None) for op in ("matmul", "conv", "rnn")]
+    return [h for h in holders if h is not None and hasattr(h, "fp32_precision")]
+
+
 @pytest.fixture
-def node(monkeypatch: pytest.MonkeyPatch):
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
+def tf32_flags():
+    """Puts back this process's TF32 state (legacy records first, then every per-backend flag) after a test."""
+    legacy = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    new = [(holder, holder.fp32_precision) for holder in _new_fp32_flags()]
     try:
-        yield Node(monkeypatch)
+        yield
     finally:
-        matmul.fp32_precision = before
+        torch.set_float32_matmul_precision(legacy[0])
+        torch.backends.cudnn.allow_tf32 = legacy[1]
+        for holder, value in new:
+            holder.fp32_precision = value
+
+
+@pytest.fixture
+def node(monkeypatch: pytest.MonkeyPatch, tf32_flags):
+    return Node(monkeypatch)
+
+
+def tf32_readings() -> dict[str, object]:
+    """Every reader of the TF32 choice that inductor, cuBLAS or cuDNN may consult, its value or "raises" (torch
+    raises when a reading of the legacy record disagrees with a per-backend flag)."""
+    backends = torch.backends
+    readers = {
+        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+        "cuda.matmul.allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": lambda: backends.cudnn.allow_tf32,
+    }
+    for name in ("cuda.matmul", "cudnn.conv", "cudnn.rnn"):
+        holder = backends
+        for part in name.split("."):
+            holder = getattr(holder, part, None)
+        if holder is not None and hasattr(holder, "fp32_precision"):
+            readers[f"{name}.fp32_precision"] = lambda holder=holder: holder.fp32_precision
+    out: dict[str, object] = {}
+    for name, read in readers.items():
+        try:
+            out[name] = read()
+        except RuntimeError:
+            out[name] = "raises"
+    return out
+
+
+def _only_new_api_tf32() -> None:
+    """What the old ``bind`` left on torch >= 2.9: the per-backend flag alone, the legacy record disagreeing."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
+def _generic_tf32() -> None:
+    """A caller's ``torch.backends.fp32_precision = "tf32"`` (transformers' ``enable_tf32`` on torch >= 2.9)."""
+    if hasattr(torch.backends, "fp32_precision"):
+        torch.backends.fp32_precision = "tf32"
+
+
+def _conv_ieee() -> None:
+    """cuDNN's conv and rnn flags set apart by the per-backend API."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        conv.fp32_precision = "ieee"
+
+
+@pytest.mark.parametrize("before", [lambda: None, _only_new_api_tf32, _generic_tf32, _conv_ieee])
+@pytest.mark.parametrize("tf32", [True, False])
+def test_binding_leaves_every_tf32_reader_in_agreement(node: Node, before, tf32: bool) -> None:
+    """After ``bind`` the legacy record (which inductor reads on torch 2.9-2.10 while it compiles) and every
+    per-backend flag state the same choice, whatever state the process was in before, so no reader raises."""
+    before()
+    bind(Placement(CUDA0, torch.bfloat16 if tf32 else torch.float32, tf32, "as set"))
+    precision = "tf32" if tf32 else "ieee"
+    expected: dict[str, object] = {
+        "get_float32_matmul_precision": "high" if tf32 else "highest",
+        "cuda.matmul.allow_tf32": tf32,
+        "cudnn.allow_tf32": tf32,
+    }
+    readings = tf32_readings()
+    expected.update({name: precision for name in readings if name.endswith(".fp32_precision")})
+    assert readings == expected
+    assert node.calls == [("set_device", CUDA0)]
+
+
+def test_the_per_backend_flag_alone_is_what_broke_compiles(tf32_flags) -> None:
+    """The state the old ``bind`` left: on a torch with the per-backend API, the legacy reading raises (inductor's
+    compile failed on it); the test above is only meaningful where this holds."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no per-backend fp32_precision flags")
+    _only_new_api_tf32()
+    assert tf32_readings()["get_float32_matmul_precision"] == "raises"
 
 
 class StopAtLoad(Exception):
@@ -230,13 +319,13 @@ def test_a_rank_binds_its_gpu_before_any_cuda_or_distributed_call(node: Node, mo
         ("new_group", "gloo", None),  # the world on gloo: every start-up string goes there
         ("load", CUDA1, torch.bfloat16),
     ]
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # auto on CUDA: TF32 for float32 matmuls
+    assert torch.get_float32_matmul_precision() == "high"  # auto on CUDA: TF32 for float32 matmuls
 
 
 def test_float32_written_out_keeps_ieee_matmuls(node: Node) -> None:
     bind(Placement(CUDA0, torch.float32, False, "as set"))
     assert node.calls == [("set_device", CUDA0)]
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32) == ("highest", False)
 
 
 def test_d_groups_on_nccl_get_gloo_twins_for_strings(node: Node) -> None:

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--curve",
         help=f"the simulation's forward: roofline:NAME ({', '.join(GPUS)}), a curve file (a start-up "
-        "calibration, tune --save-curve, or the GPU check's rounds_buckets.json), or, measured, job: the curve the "
+        "calibration, tune --save-curve, or the GPU check's buckets.json), or, measured, job: the curve the "
         "job's P=1 run calibrated (with its measured host time)",
     )
     p.add_argument("--model-shape", default="embedded", choices=sorted(MODEL_SHAPES), help="for a roofline curve")

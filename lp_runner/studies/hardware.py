@@ -255,7 +255,7 @@ def curve_from_source(
 ) -> tuple[CostCurve | Roofline, str, bool]:
     """``--curve``: ``roofline:NAME`` (a named GPU at ``model_shape``), or a file: a start-up calibration
     (``<cache>/calibration/curve-*.json``), a saved curve (``lp_runner tune --save-curve``) or the GPU check's
-    rounds (``rounds_buckets.json``). Returns (curve, label, on a GPU: rounds run at the engine's row buckets).
+    rounds (``buckets.json``). Returns (curve, label, on a GPU: rounds run at the engine's row buckets).
     A measured curve is made monotone (``CostCurve.monotone``): no row count is priced below a smaller one's cost,
     so one noisy point cannot make rows pay for themselves. Bad input is one ``InputError``."""
     kind, _, arg = source.partition(":")

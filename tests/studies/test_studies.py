@@ -319,7 +319,7 @@ def test_gpu_curve_reads_the_gpu_checks_captured_rounds(tmp_path) -> None:
         "device_name": "NVIDIA H200", "dtype": "torch.bfloat16", "model": "random weights, the embedded shape",
         "prefix": 512, "buckets": {"2": {"captured_ms": 1.0}, "64": {"captured_ms": 1.1}, "512": {"captured_ms": 3.0}},
     }  # fmt: skip
-    path = tmp_path / "rounds_buckets.json"
+    path = tmp_path / "buckets.json"
     path.write_text(json.dumps(data))
     curve, label = scaling.curve_for(f"gpu:{path}", {}, [512])
     assert "NVIDIA H200" in label and "captured" in label
