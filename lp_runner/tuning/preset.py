@@ -46,6 +46,7 @@ from lp_runner.collector import collector_paused
 from lp_runner.config import LookaheadConfig, check_lookahead
 from lp_runner.decoding.coordinator import Coordinator
 from lp_runner.decoding.job_store import JobPool, StoreView, store_views
+from lp_runner.decoding.layout import max_round_rows
 from lp_runner.errors import ConfigError
 from lp_runner.tuning.acceptance import Prior, Recorded, Sample, prior_digest
 from lp_runner.tuning.costmodel import CostCurve, RoundShape, RowPlan
@@ -68,6 +69,9 @@ ADAPT_AFTER_TOKENS = (256, 1024, 4096)  # re-choose from this job's outputs once
 # prompt's kind decides (of the shipped samples the first two, code that repeats its prompt, favour the window
 # off on a flat curve, the other six the window)
 WINDOW_EVIDENCE_TOKENS = 1024
+# a model with no acceptance table tries its window only where a round of it costs at most this many one-row
+# forwards (``probe_setting``)
+PROBE_COST = 1.5
 MAX_SAMPLE_TOKENS = 4096  # the search reads at most this many recent output tokens (bounds its time)
 
 
@@ -243,6 +247,26 @@ def search(
     return Choice(best, chosen.ms_per_token, chosen.tokens_per_forward, sample_source, len(priced), why, curve_ms)
 
 
+def probe_setting(base: LookaheadConfig, pinned: Sequence[str], curve: CostCurve) -> tuple[LookaheadConfig, str]:
+    """The first setting of a model nothing was recorded for, and why: the config's, with its window only where a
+    round of it costs at most ``PROBE_COST`` one-row forwards on this device's curve (a GPU under its knee), unless
+    the config pins the window. A window earns tokens per forward that only its own rounds can tell; past that cost
+    it would have to more than double what the window-off proposals already commit to pay, which no model's window
+    was seen to do here, so the job starts without it and its outputs price the window-off knobs from the first
+    re-choice on. Example: W=7 N=5 G=7 is 57 rows: run on a curve flat to 128 rows, left off on one where 57 rows
+    cost 4 one-row forwards."""
+    la = dataclasses.replace(base, preset="off")
+    if not la.lookahead_branch:
+        return la, "no acceptance recorded for this model: the setting as configured (window off)"
+    rows = max_round_rows(la)
+    cost = curve.ratio(rows, kv_len=curve.kv_lens[0])
+    if cost <= PROBE_COST or "lookahead_branch" in pinned or "window_size" in pinned:
+        return la, f"no acceptance recorded for this model: its window tried as configured ({rows} rows, {cost:.2f}x)"
+    la = dataclasses.replace(la, lookahead_branch=False)
+    check_lookahead(la)
+    return la, f"no acceptance recorded for this model: window off (a round of it costs {cost:.2f}x one row here)"
+
+
 def payback(observed: int, remaining: int | None) -> bool:
     """Whether a re-choice after ``observed`` generations can pay for itself: at least as many generations are
     still to start (``remaining``; None: unknown, assumed to). Its cost grows with the outputs it reads, its gain
@@ -396,11 +420,10 @@ class AutoPreset:
         """The search over the shipped samples, or its result from the cache (a read-only cache costs the search
         again next time, not the run)."""
         if self.prior is None:
-            la = dataclasses.replace(self.base, preset="off")
-            check_lookahead(la)
-            why = (
-                "no acceptance recorded for this model: the setting as configured, re-chosen from this job's own "
-                "outputs and window rounds (lp_runner study --record-acceptance records a table for it)"
+            la, why = probe_setting(self.base, self.pinned, self.curve)
+            why += (
+                "; re-chosen from this job's own outputs and window rounds (lp_runner study --record-acceptance "
+                "records a table for this model)"
             )
             return Choice(la, 0.0, 0.0, "none", 0, why, {}, self.acceptance), False
         path = key = None

@@ -140,14 +140,24 @@ def test_the_preset_prices_the_model_that_runs(embedded, tiny, tmp_path) -> None
     assert "embedded-calibration8" in shipped_names()
 
 
-def test_without_a_table_the_first_choice_is_the_configured_setting_and_says_so() -> None:
+def test_without_a_table_the_first_choice_probes_the_window_only_where_the_device_makes_it_cheap() -> None:
+    """No acceptance for this model: the configured window where a round of it costs at most PROBE_COST one-row
+    forwards (a GPU under its knee), else the window off, unless the config pins the window; the choice says
+    whose acceptance it priced (none)."""
+    base = LookaheadConfig()  # W=7 N=5 G=7: 57 rows
+    flat = curve_from_ms({1: 10.0, 64: 10.5, 128: 11.0})
+    steep = curve_from_ms(AMD_MS)  # 57 rows cost about 2.4 one-row forwards
+    on = AutoPreset(base, (), flat, RowPlan.from_curve(flat), prior=None, acceptance="none recorded for this model")
+    assert on.lookahead.lookahead_branch and on.lookahead.window_size == base.window_size
+    assert on.choice.samples == "none" and on.choice.acceptance == "none recorded for this model"
+    off = AutoPreset(base, (), steep, RowPlan.from_curve(steep), prior=None, acceptance="none")
+    assert not off.lookahead.lookahead_branch and "window off" in off.choice.reason
+    pinned = AutoPreset(base, ("window_size",), steep, RowPlan.from_curve(steep), prior=None, acceptance="none")
+    assert pinned.lookahead.lookahead_branch
     curve = curve_from_ms(AMD_MS)
-    plan = RowPlan.from_curve(curve)
-    base = LookaheadConfig()
-    none = AutoPreset(base, (), curve, plan, prior=None, acceptance="none recorded for this model")
-    assert none.lookahead.lookahead_branch and none.lookahead.window_size == base.window_size
-    assert none.choice.samples == "none" and none.choice.acceptance == "none recorded for this model"
-    priced = AutoPreset(base, (), curve, plan, prior=shipped_prior(), acceptance="shipped embedded-calibration8")
+    priced = AutoPreset(
+        base, (), curve, RowPlan.from_curve(curve), prior=shipped_prior(), acceptance="shipped embedded-calibration8"
+    )
     assert priced.choice.acceptance == "shipped embedded-calibration8" and priced.choice.evaluated > 1
 
 
