@@ -83,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"simulated: the acceptance table, a shipped name or a file (default: {DEFAULT_ACCEPTANCE}, the "
         "embedded model's)",
     )
-    # --record-acceptance (record a model's acceptance table for --acceptance) is added here, beside --acceptance
+    p.add_argument(
+        "--record-acceptance",
+        action="store_true",
+        help="record the configured model's acceptance on --prompts at --windows into OUT (resumable): the table "
+        "--acceptance OUT/table.json prices, and the auto preset's for this model",
+    )
+    p.add_argument("--windows", default="", help="--record-acceptance: W-N-G,W-N-G,... (default: a grid to 63-8-63)")
     p.add_argument(
         "--bandwidth-fraction",
         help=f"roofline: achievable share of the memory bandwidth (default {BANDWIDTH_FRACTION})",
@@ -218,6 +224,28 @@ def check_options(args: argparse.Namespace) -> Options:
     )
 
 
+def _record(args) -> int:
+    """``--record-acceptance``: every option checked before the model loads; the recording resumes from OUT."""
+    from lp_runner.cli.acceptance import parse_windows, record_acceptance
+    from lp_runner.config import load_config
+
+    if args.simulate or args.curve is not None:
+        raise InputError("--record-acceptance runs the model: drop --simulate and --curve (price it afterwards)")
+    if args.prompts is None:
+        raise InputError("--record-acceptance needs --prompts FILE.jsonl, the prompts to record on")
+    windows = parse_windows(args.windows)
+    out = Path(args.out)
+    check_out(out, {"--prompts": args.prompts, "--config": args.config})
+    cfg = load_config(args.config, list(args.overrides))
+    data = record_acceptance(cfg, args.prompts, out, windows, log.info)
+    for s in data["summary"]:
+        w = "-".join(map(str, s["window"]))
+        lo, hi = s["interval"]
+        log.info("%s: %.2f tokens/forward [%.2f, %.2f], %.0f rows a round", w, s["tokens_per_forward"], lo, hi,
+                 s["rows_per_round"])  # fmt: skip
+    return 0
+
+
 def check_out(out: Path, inputs: dict[str, str | None]) -> None:
     """``--out`` under ``outfiles.py``'s rule, before any work: a folder (a regular file, a FIFO or one of the
     run's inputs is refused), created if missing, and writable (a probe file made and removed: ``os.access``
@@ -241,6 +269,8 @@ def check_out(out: Path, inputs: dict[str, str | None]) -> None:
 
 
 def _run(args) -> int:
+    if args.record_acceptance:
+        return _record(args)
     opts = check_options(args)
     out, workers = opts.out, opts.workers
     table = None
