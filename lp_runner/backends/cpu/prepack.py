@@ -297,7 +297,34 @@ def unavailable_reason(model: torch.nn.Module) -> str | None:
         return f"oneDNN cannot run a {str(param.dtype).replace('torch.', '')} inner product here ({first_line(exc)})"
     if not torch.allclose(got, expected, rtol=1e-2, atol=1e-2):
         return "oneDNN's inner product disagrees with torch's on a probe"
-    return None
+    return row_dependence(param.dtype, PackedLinear)
+
+
+# Probe shape for row independence: wide enough that oneDNN picks its many-row kernels (a CPU with AMX takes a
+# tile path for many bfloat16 rows and another for one), rows past one register tile
+ROW_PROBE = (192, 576, 33)
+
+
+def row_dependence(dtype: torch.dtype, pack: Callable[[torch.nn.Linear], torch.nn.Module]) -> str | None:
+    """Why ``pack``'s product of ``dtype`` rows depends on the rows beside it here (a round would then differ from
+    its rows run alone, breaking the packed round's exactness), or None when each row's bits are its own alone.
+    Example: bfloat16 on a CPU with AMX, where oneDNN multiplies 33 rows on its tiles and one row without them."""
+    out_features, in_features, rows = ROW_PROBE
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.02)
+    x = torch.randn(1, rows, in_features, generator=gen).to(dtype)  # [B, Q, in]
+    packed = pack(linear)
+    with torch.inference_mode():
+        together = packed(x)
+        alone = torch.cat([packed(x[:, i : i + 1]) for i in range(rows)], dim=1)
+    if torch.equal(together, alone):
+        return None
+    return (
+        f"oneDNN's {str(dtype).replace('torch.', '')} product of a row depends on the rows beside it on this CPU "
+        "(a packed round would not equal its rows alone)"
+    )
 
 
 def native_unavailable_reason(

@@ -236,10 +236,10 @@ def test_backends_torch_auto_native_and_what_cannot_be_packed(tiny) -> None:
     auto = apply_prepack(bf16, "auto")
     if BF16_REASON is None:
         assert auto.kernels == ONEDNN.fused_name  # the one kernel that takes bfloat16
-    else:  # a CPU whose oneDNN has no bfloat16 product: neither kernel, each named with its reason
+    else:  # a CPU whose oneDNN has no row-independent bfloat16 product: neither kernel, each named with its reason
         assert (auto.layers, auto.kernels) == (0, "torch")
         assert "native: bfloat16 weights (the native product: float32)" in auto.reason
-        assert "oneDNN-prepacked: oneDNN cannot run a bfloat16 inner product here" in auto.reason
+        assert f"oneDNN-prepacked: {BF16_REASON}" in auto.reason
 
 
 def test_without_a_compiler_auto_keeps_onednn_and_says_why(tiny, tmp_path, monkeypatch) -> None:
@@ -427,3 +427,24 @@ def test_cli_says_which_kernels_ran_and_keeps_the_checkpoints_checksum(tmp_path:
     # each kernel has its own calibrated curve (native products with and without native layers: two)
     curves = 3 if chosen.key == "native" else 4
     assert len(list((tmp_path / "cache" / "calibration").glob("curve-*.json"))) == curves
+
+
+def test_a_product_whose_rows_depend_on_each_other_is_refused_for_packing() -> None:
+    """The probe behind ``unavailable_reason``: a product that rounds differently with more rows beside a row (as
+    oneDNN's bfloat16 one does on a CPU with AMX tiles) is named; one that multiplies each row on its own is not."""
+
+    class PerRow(torch.nn.Module):
+        def __init__(self, linear: torch.nn.Linear) -> None:
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, Q, in] -> [B, Q, out], each row alone
+            return torch.cat([self.linear(x[:, i : i + 1]) for i in range(x.shape[1])], dim=1)
+
+    class Neighbourly(PerRow):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # a row's bits move with the row count
+            return super().forward(x) * (1 + 1e-3 * (x.shape[1] - 1))
+
+    assert prepack.row_dependence(torch.float32, PerRow) is None
+    reason = prepack.row_dependence(torch.float32, Neighbourly)
+    assert reason is not None and "depends on the rows beside it" in reason
