@@ -60,6 +60,7 @@ from lp_runner.models.loading import (  # noqa: E402
     weights_checksum,
 )
 from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
+from lp_runner.tuning.acceptance import fingerprint  # noqa: E402
 from lp_runner.tuning.policy import RoundPolicy  # noqa: E402
 
 PLAIN = dict(context_lookup=False)  # Lookahead Decoding alone: Jacobi pool (+ its repair by committed text)
@@ -180,7 +181,13 @@ def config_policy(spec: str, adapter, model, recalibrate: bool) -> tuple[str, Ro
     cfg = load_config(path, [*overrides, *(["advanced.recalibrate=true"] if recalibrate else [])])
     log = lambda m: print(f"{name}: {m}", file=sys.stderr, flush=True)  # noqa: E731
     policy = RoundPolicy.build(
-        cfg, adapter, SoloCommunicator(), default_cache_dir(), lambda: weights_checksum(model), log
+        cfg,
+        adapter,
+        SoloCommunicator(),
+        default_cache_dir(),
+        lambda: weights_checksum(model),
+        log,
+        model_fingerprint=fingerprint(model),  # the stock model's: the adapter's may be repacked
     )
     if policy.calibration is not None:
         log(f"calibration {policy.calibration.source} in {policy.calibration.seconds:.2f} s")
@@ -192,6 +199,7 @@ def config_policy(spec: str, adapter, model, recalibrate: bool) -> tuple[str, Ro
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/compare")
+    ap.add_argument("--model", default="embedded", help="embedded, qwen-coder (benchmarks/real_model.py) or a path")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
     ap.add_argument("--baselines", default="greedy,prompt_lookup")
     ap.add_argument("--threads", type=int, default=2)
@@ -249,8 +257,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    fetch_embedded_model()
-    model, tok, folder = load_model_and_tokenizer(embedded_model_dir(), dtype=args.dtype)
+    if args.model == "embedded":
+        fetch_embedded_model()
+        source = embedded_model_dir()
+    elif args.model == "qwen-coder":
+        from benchmarks.real_model import qwen_coder_gguf
+
+        source = qwen_coder_gguf()
+    else:
+        source = Path(args.model)
+    model, tok, folder = load_model_and_tokenizer(source, dtype=args.dtype)
     eos = tok.eos_token_id
     if args.prompt_set == "heldout24":
         prompts = heldout24(lambda messages: _answer(model, tok, messages, args.max_new_tokens))
