@@ -36,7 +36,13 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from lp_runner.backends import detect_backend
-from lp_runner.backends.attention import BATCHED, SegmentedRound, packed_gqa, supports_packed_gqa
+from lp_runner.backends.attention import (
+    ROUND_KEYWORD,
+    SegmentedRound,
+    batched_attention,
+    reaches_attention,
+    supports_round_attention,
+)
 from lp_runner.backends.base import ForwardBackend
 from lp_runner.backends.batch import BatchRound, RoundRows, Rows, pack_round
 from lp_runner.backends.kv_cache import MIN_CAPACITY, KVArena, KVRegion
@@ -90,13 +96,12 @@ class ModelAdapter:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.kv_shape = self._kv_shape()  # (K/V heads, head dim) of every attention layer
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        # transformers' layers take a batch's segments where their attention is plain sdpa (``batched_attention``
-        # slices each segment's keys); any other attention runs one segment under a 4-D mask over the arena
-        self.segmented = supports_packed_gqa(model.config)
+        # transformers' layers take a round's own attention (``batched_attention`` over a batch's segments, a
+        # bucketed round's ``round_attention``) where their attention is plain sdpa and hands the forward's
+        # keywords down; any other attention runs one segment under a 4-D mask over the arena
+        self.segmented = self._takes_round_attention()
         bucketed = (self.device.type == "cuda" or compile) if bucketed is None else bucketed or compile
-        self.rounds = (
-            StaticRounds(self.call, self.dtype, self.device, self.kv_shape, compile=compile) if bucketed else None
-        )
+        self.rounds = self._static_rounds() if bucketed else None
         self._arena: KVArena | None = None  # the job's arena, held across jobs and calls (``claim_arena``)
         self._claimed = False
         self._arena_lock = threading.Lock()
@@ -130,6 +135,24 @@ class ModelAdapter:
             )
         return heads, dim
 
+    def _static_rounds(self) -> StaticRounds:
+        return StaticRounds(
+            self.call, self.dtype, self.device, self.kv_shape, compile=self.compiled, attention_keyword=self.segmented
+        )
+
+    @torch.inference_mode()
+    def _takes_round_attention(self) -> bool:
+        """Whether a round may name its attention in its forward (``attention.reaches_attention``): plain sdpa
+        layers that all hand the keyword down. Decided once, here; the model's config is never switched."""
+        if not supports_round_attention(self.model.config):
+            return False
+        cache = DynamicCache(config=self.model.config)
+        layers = sum(_is_attention_layer(layer) for layer in cache.layers)
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        return reaches_attention(
+            lambda **kw: self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache}, **kw), layers
+        )
+
     def _check_takes_packed_masks(self) -> None:
         """Find how this model's transformers layers take a round, or refuse it in one line.
 
@@ -151,6 +174,8 @@ class ModelAdapter:
                 return
             except Exception:  # noqa: BLE001 - the model's own code refused the segments: try the 4-D mask
                 self.segmented = False
+                if self.rounds is not None:
+                    self.rounds = self._static_rounds()  # the model's own attention, over the whole buffer
         try:
             two_tokens()
         except Exception as exc:  # whatever the model's own code raised: the message says which model and why
@@ -310,10 +335,9 @@ class ModelAdapter:
             # no layer may use it: a mask of no keys broadcasts to none (one of width 1 would broadcast to every
             # slot), so an attention that is not ``batched_attention`` fails instead of reading other segments' keys
             placeholder = torch.zeros(1, 1, len(ids), 0, dtype=self.dtype, device=device)
-            with packed_gqa(self.model.config, BATCHED):
-                return self.call(
-                    ids, positions, dict.fromkeys(batch.masks, placeholder), arena.cache, logit_rows, lp_batch=rnd
-                )
+            masks = dict.fromkeys(batch.masks, placeholder)
+            attend = {ROUND_KEYWORD: batched_attention, "lp_batch": rnd}
+            return self.call(ids, positions, masks, arena.cache, logit_rows, **attend)
         if not single:
             raise ValueError(f"{type(self.model).__name__}'s attention takes one generation per round")
         # the model's own attention over the region's live slots only, under the segment's [Q, past + Q] mask

@@ -35,18 +35,17 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lp_runner.backends.attention import packed_gqa, supports_packed_gqa
+from lp_runner.backends.attention import ROUND_KEYWORD
 from lp_runner.backends.batch import RoundRows, Rows
 from lp_runner.backends.buckets import BucketLadder
 from lp_runner.backends.kv_cache import KVArena, KVRegion
 from lp_runner.backends.model_call import ModelCall
-from lp_runner.backends.round_mask import register_round_attention, round_mask
+from lp_runner.backends.round_mask import round_attention, round_mask
 from lp_runner.device import pins_host_memory, synchronizer
 
 CAPTURE_CALLS = 3  # calls per bucket at warm-up: CUDA graph trees run a new shape once, record it, then replay
@@ -172,18 +171,20 @@ class StaticRounds:
         kv_shape: tuple[int, int],
         compile: bool = False,
         ladder: BucketLadder | None = None,
+        attention_keyword: bool = False,
     ) -> None:
         """``call``: the model's forward as the adapter resolved it (cache keyword, masks per layer type);
         ``kv_shape``: (K/V heads, head dim). ``compile``: rounds on a job's arena at a bucket run through
-        ``torch.compile`` (CUDA graphs on a GPU); otherwise eager, at the same shapes."""
+        ``torch.compile`` (CUDA graphs on a GPU); otherwise eager, at the same shapes. ``attention_keyword``: the
+        model's layers hand the round's attention down by keyword (``attention.reaches_attention``)."""
         self.call, self.dtype, self.device = call, dtype, device
         self.ladder = ladder or BucketLadder()
         config = call.model.config
-        # plain sdpa models attend through ``round_attention`` (live width, packed heads, the mask tiled once);
-        # others keep their own attention over the whole buffer with an untiled mask
-        self.live_width = supports_packed_gqa(config)
+        # sdpa models whose layers take the keyword attend through ``round_attention`` (live width, packed heads,
+        # the mask tiled once); others keep their own attention over the whole buffer with an untiled mask
+        self.live_width = attention_keyword
         self.groups = config.get_text_config().num_attention_heads // kv_shape[0] if self.live_width else 1
-        self.attention = register_round_attention() if self.live_width else None
+        self.attention = round_attention if self.live_width else None  # what each round passes (``_round``)
         self.pin = pins_host_memory(device)
         self.sync = synchronizer(device)
         self.compiled = (
@@ -235,8 +236,7 @@ class StaticRounds:
         if graph:
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs may be overwritten now
         call = self.compiled if graph else self._round
-        with packed_gqa(self.call.model.config, self.attention) if self.attention else nullcontext():
-            logits = call(*staged.round_inputs, self._slots(width), arena.cache)
+        logits = call(*staged.round_inputs, self._slots(width), arena.cache)
         return logits[: sum(len(r.logit_rows) for r in rounds)]
 
     def _round(
@@ -252,7 +252,7 @@ class StaticRounds:
         cache,  # the arena's DynamicCache
     ) -> torch.Tensor:  # [B, vocab]
         """The round itself, the function that is compiled: its masks (one per window, shared by every layer of
-        that window), then the model's forward."""
+        that window), then the model's forward, naming its attention (``self.attention``) where it has one."""
         masks = {
             window: round_mask(
                 visibility,
@@ -267,7 +267,8 @@ class StaticRounds:
             )
             for window in set(self.call.mask_windows.values())
         }
-        return self.call(input_ids, position_ids, masks, cache, logit_rows)  # [B, vocab]
+        attend = {} if self.attention is None else {ROUND_KEYWORD: self.attention}
+        return self.call(input_ids, position_ids, masks, cache, logit_rows, **attend)  # [B, vocab]
 
     def _staging(self, rows: int) -> StagedInputs:
         """The device staging buffer of a bucket (made once, static: a graph reads it in place), or a new one for

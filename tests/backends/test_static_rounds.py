@@ -15,14 +15,13 @@ import pytest
 import torch
 from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AttentionInterface
 
 from lp_runner.backends import static_rounds
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.batch import Rows, pack_round
 from lp_runner.backends.buckets import BucketLadder
 from lp_runner.backends.kv_cache import MIN_CAPACITY, KVCapacityError
-from lp_runner.backends.round_mask import ROUND_ATTENTION, round_attention, round_mask
+from lp_runner.backends.round_mask import round_attention, round_mask
 from lp_runner.backends.static_rounds import StagedInputs, stage
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
@@ -246,11 +245,8 @@ def test_the_mask_is_built_once_per_round_and_every_layer_reads_it(monkeypatch) 
         return round_attention(module, query, key, value, attention_mask, **kwargs)
 
     monkeypatch.setattr(static_rounds, "round_mask", counting_mask)
-    AttentionInterface.register(ROUND_ATTENTION, recording_attention)
-    try:
-        rounds = list(_round_pairs(model, adapter, [1, 3, 5, 9], capacity=64))
-    finally:
-        AttentionInterface.register(ROUND_ATTENTION, round_attention)
+    monkeypatch.setattr(adapter.rounds, "attention", recording_attention)  # what each round names as its attention
+    rounds = list(_round_pairs(model, adapter, [1, 3, 5, 9], capacity=64))
     assert len(rounds) == 4
     assert len(built) == 5  # the prefill and four rounds: one mask each
     assert len(seen) == 5 * 3  # every layer of every round attended through the round mask
