@@ -358,16 +358,18 @@ class ModelAdapter:
             return "its cache has layers that are not plain attention layers"
         return None
 
-    def warm_up(self, capacity: int, batch: int = 1) -> float:
-        """Compile before the job (a compiled round compiles on its first call): every row bucket on the job
-        arena, at the size the job's round loop claims (``batch`` generations of at most ``capacity`` positions),
-        so the job's rounds replay what this records. Returns the seconds it took (0 when eager)."""
+    def warm_up(self, capacity: int, batch: int = 1, arena_slots: int = 0) -> float:
+        """Compile before the job (a compiled round compiles on its first call): every row bucket at every K/V
+        width on the job arena, at the size the job's round loop claims (``batch`` generations of at most
+        ``capacity`` positions) or ``arena_slots`` if more (what start-up measurements after the warm-up claim:
+        sized first, the arena does not grow under the graphs recorded here), so the job's rounds replay what
+        this records. Returns the seconds it took (0 when eager)."""
         if not self.compiled:
             return 0.0
         size = self.region_size(capacity)
-        arena = self.claim_arena(size * batch)
+        arena = self.claim_arena(max(size * batch, arena_slots))
         try:
-            return self.rounds.warm_up(arena, size)
+            return self.rounds.warm_up(arena, size * batch)
         finally:
             self.release_arena(arena)
 

@@ -135,6 +135,11 @@ def stage(
     return host
 
 
+def _dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (its own counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def static_address(t: torch.Tensor) -> None:
     """Mark ``t``'s address static for the compiler (a graph reads it in place), without a guard on it.
 
@@ -193,6 +198,10 @@ class StaticRounds:
             else None
         )
         self.capture_s: dict[int, float] = {}  # per row bucket: the seconds of its warm-up calls (compile, capture)
+        # what compiled rounds made so far (``counts``): compilations of the round function, and the distinct
+        # (bucket, K/V width, arena tensor) shapes run compiled (on CUDA, one graph recorded for each)
+        self.compiles = 0
+        self._shapes: set[tuple[int, int, int, int]] = set()
         self._marked: dict[int, weakref.ref] = {}  # id -> arena tensor whose layers' views are marked static
         self._staged: dict[int, StagedInputs] = {}  # per row bucket
         self._key_slots: dict[int, torch.Tensor] = {}  # per K/V width: arange(width) on the device
@@ -235,9 +244,20 @@ class StaticRounds:
         graph = self.compiled is not None and self.ladder.captured(bucket) and self._replays(arena)
         if graph:
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs may be overwritten now
-        call = self.compiled if graph else self._round
-        logits = call(*staged.round_inputs, self._slots(width), arena.cache)
+        if not graph:
+            logits = self._round(*staged.round_inputs, self._slots(width), arena.cache)
+        else:
+            self._shapes.add((bucket, width, id(arena), arena.allocations))
+            compiled = _dynamo_graphs()
+            logits = self.compiled(*staged.round_inputs, self._slots(width), arena.cache)
+            self.compiles += _dynamo_graphs() - compiled
         return logits[: sum(len(r.logit_rows) for r in rounds)]
+
+    def counts(self) -> tuple[int, int]:
+        """(compilations of the round function, distinct shapes run compiled) so far: a job that warmed up every
+        shape it uses adds neither after its start-up (on CUDA a new shape is a graph recorded mid-job, while the
+        other ranks wait)."""
+        return self.compiles, len(self._shapes)
 
     def _round(
         self,
@@ -300,20 +320,41 @@ class StaticRounds:
     @torch.inference_mode()
     def warm_up(self, arena: KVArena, size: int, max_rows: int | None = None) -> float:
         """Compile, and on a GPU capture, every row bucket up to ``max_rows`` (default: the ladder's top) on
-        ``arena`` (the job's: its rounds then replay what this records), in a region of ``size`` slots, at the
-        smallest K/V width (the other widths are recorded at their first rounds). Returns the seconds it took;
-        ``capture_s`` holds each bucket's."""
+        ``arena`` (the job's: its rounds then replay what this records) at every K/V width a round in its first
+        ``size`` slots reads (``widths``): the shapes a job whose regions fill those slots runs, so none is
+        recorded mid-job. The rounds' K/V is left in a region of ``size`` slots, released after. Returns the
+        seconds it took; ``capture_s`` holds each bucket's (all its widths)."""
         region = arena.region(size)
         start = time.perf_counter()
+        calls = CAPTURE_CALLS if self.sync is not None else 1  # a CPU compiles at the first call, captures nothing
         for rows in self.ladder.rows:
             if max_rows is not None and rows > max(max_rows, self.ladder.rows[0]):
                 break
             t = time.perf_counter()
             causal = torch.ones(rows, rows, dtype=torch.bool).tril()
-            for _ in range(CAPTURE_CALLS):
-                self.forward([Rows([0] * rows, range(rows), causal, range(rows))], [region])
+            for past in self.widths_past(rows, region):
+                for _ in range(calls):
+                    region.length = past  # the cached prefix whose round reads the width (its values unused)
+                    self.forward([Rows([0] * rows, range(rows), causal, range(rows))], [region])
             if self.sync is not None:
                 self.sync()
             self.capture_s[rows] = time.perf_counter() - t
+        region.length = 0
         arena.release(region)
         return time.perf_counter() - start
+
+    def widths_past(self, rows: int, region: KVRegion) -> list[int]:
+        """For a bucket of ``rows``, one cached length per K/V width its rounds read in ``region``: the widths
+        from the bucket's own to that of the region's last slot (``BucketLadder.kv_width``), which a job whose
+        generations' regions fill the same slots reads. Example: a region of 600 slots at 0 of an arena of 1280,
+        8 rows -> widths 256, 512, 1024: cached lengths [0, 504, 592]. A model whose rounds are not cut to their live
+        width (its layers take no round attention) reads the whole arena: one length."""
+        if not self.live_width:
+            return [0]
+        capacity, first, end = region.arena.capacity, region.base, region.base + region.size
+        width, top = self.ladder.kv_width(first + rows, capacity), self.ladder.kv_width(end, capacity)
+        out = [0]
+        while width < top:
+            width = self.ladder.kv_width(width + 1, capacity)
+            out.append(min(width, end) - first - rows)
+        return out

@@ -358,8 +358,10 @@ def choose_forward(
     if say is not None:
         say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
     fast = ModelAdapter(adapter.model, compile=True, backend=adapter.backend)
+    # the arena sized for the calibration that follows first: it must not grow under the warm-up's graphs
+    calibrating = RoundPolicy.arena_slots(worker.cfg, fast, cache_root, lambda: model_checksum(worker))
     try:
-        compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens), batch)
+        compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens), batch, calibrating)
     except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback
         reason = f"{reason}: compilation failed ({first_line(exc)}), eager"
         log.warning("model.compile: %s", reason)
