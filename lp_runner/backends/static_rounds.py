@@ -321,7 +321,7 @@ class StaticRounds:
     def warm_up(self, arena: KVArena, size: int, max_rows: int | None = None) -> float:
         """Compile, and on a GPU capture, every row bucket up to ``max_rows`` (default: the ladder's top) on
         ``arena`` (the job's: its rounds then replay what this records) at every K/V width a round in its first
-        ``size`` slots reads (``widths``): the shapes a job whose regions fill those slots runs, so none is
+        ``size`` slots reads (``widths_past``): the shapes a job whose regions fill those slots runs, so none is
         recorded mid-job. The rounds' K/V is left in a region of ``size`` slots, released after. Returns the
         seconds it took; ``capture_s`` holds each bucket's (all its widths)."""
         region = arena.region(size)
@@ -346,8 +346,8 @@ class StaticRounds:
     def widths_past(self, rows: int, region: KVRegion) -> list[int]:
         """For a bucket of ``rows``, one cached length per K/V width its rounds read in ``region``: the widths
         from the bucket's own to that of the region's last slot (``BucketLadder.kv_width``), which a job whose
-        generations' regions fill the same slots reads. Example: a region of 600 slots at 0 of an arena of 1280,
-        8 rows -> widths 256, 512, 1024: cached lengths [0, 504, 592]. A model whose rounds are not cut to their live
+        generations' regions fill the same slots reads. Example: a region of 608 slots at 0 of an arena of 1280,
+        8 rows -> widths 256, 512, 1024: cached lengths [0, 504, 600]. A model whose rounds are not cut to their live
         width (its layers take no round attention) reads the whole arena: one length."""
         if not self.live_width:
             return [0]

@@ -59,6 +59,28 @@ def test_kv_width_refuses_a_round_past_the_buffer() -> None:
         BucketLadder().kv_width(1500, 1024)
 
 
+@pytest.mark.parametrize(
+    "rows, size, expected",
+    [
+        (8, 608, [0, 504, 600]),  # the docstring: widths 256, 512, 1024 (the region's last slot, 608, reads 1024)
+        (2, 208, [0]),  # the whole region within the smallest width
+        (512, 608, [0, 96]),  # a bucket at its own width 512, then the region's end
+        (8, 1024, [0, 504, 1016]),  # ends exactly on a power of two: 1024 is its width
+    ],
+)
+def test_the_warm_up_reads_every_width_of_its_region(tiny, rows: int, size: int, expected: list[int]) -> None:
+    """One cached length per K/V width a bucket's rounds read in the region, each reading its width."""
+    adapter = ModelAdapter(tiny("llama"), bucketed=True)
+    arena = adapter.new_arena(1024)
+    region = arena.region(size)
+    assert region.size == size and arena.capacity == 1024 + MIN_CAPACITY
+    pasts = adapter.rounds.widths_past(rows, region)
+    assert pasts == expected
+    widths = [adapter.rounds.ladder.kv_width(past + rows, arena.capacity) for past in pasts]
+    assert widths == sorted(set(widths))  # each a different width, none skipped from the smallest one up
+    assert widths[-1] == adapter.rounds.ladder.kv_width(size, arena.capacity)
+
+
 @pytest.mark.parametrize("rows", [(), (1, 2), (4, 2), (2, 2)])
 def test_a_ladder_must_increase_from_two(rows) -> None:
     with pytest.raises(ValueError, match="increasing"):
