@@ -94,12 +94,11 @@ class ModelAdapter:
         backend = detect_backend(model) if backend is None else backend
         self.backend = backend.transformers_layers() if compile else backend
         self.vocab_size = model.config.get_text_config().vocab_size
-        self.kv_shape = self._kv_shape()  # (K/V heads, head dim) of every attention layer
+        # (K/V heads, head dim) of every attention layer; and whether transformers' layers take a round's own
+        # attention (``batched_attention`` over a batch's segments, a bucketed round's ``round_attention``): plain
+        # sdpa layers that hand the forward's keywords down. Any other attention runs one segment under a 4-D mask
+        self.kv_shape, self.segmented = self._probe()
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        # transformers' layers take a round's own attention (``batched_attention`` over a batch's segments, a
-        # bucketed round's ``round_attention``) where their attention is plain sdpa and hands the forward's
-        # keywords down; any other attention runs one segment under a 4-D mask over the arena
-        self.segmented = self._takes_round_attention()
         bucketed = (self.device.type == "cuda" or compile) if bucketed is None else bucketed or compile
         self.rounds = self._static_rounds() if bucketed else None
         self._arena: KVArena | None = None  # the job's arena, held across jobs and calls (``claim_arena``)
@@ -108,18 +107,28 @@ class ModelAdapter:
         self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation
 
     @torch.inference_mode()
-    def _kv_shape(self) -> tuple[int, int]:
-        """(K/V heads, head dim) as the attention layers cache them, read from a one-token forward of the model on
-        transformers' own cache: configs name them in several ways (``num_key_value_heads``, ``n_head``,
+    def _probe(self) -> tuple[tuple[int, int], bool]:
+        """(K/V heads, head dim) as the attention layers cache them, and whether a round may name its attention in
+        its forward (``attention.reaches_attention``), from a one-token forward of the model on transformers' own
+        cache. Decided once, here; the model's config is never switched.
+
+        The shape is read from the cache: configs name it in several ways (``num_key_value_heads``, ``n_head``,
         ``multi_query``, ...), some models ignore a field they accept, and the arena must hold what the layers
         write. One arena holds every layer, so the layers must agree, and keys and values must share a head dim."""
-        cache = DynamicCache(config=self.model.config)
-        self.model(
-            input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=True, **{self._cache_kw: cache}
-        )
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        caches: list[DynamicCache] = []
+
+        def one_token(**keywords) -> None:
+            caches.append(DynamicCache(config=self.model.config))
+            self.model(input_ids=ids, use_cache=True, **{self._cache_kw: caches[-1]}, **keywords)
+
+        layers = sum(_is_attention_layer(layer) for layer in DynamicCache(config=self.model.config).layers)
+        keyword = supports_round_attention(self.model.config) and reaches_attention(one_token, layers)
+        if not keyword:  # the plain forward, on a fresh cache
+            one_token()
         shapes = {
             (layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[1], layer.values.shape[3])
-            for layer in cache.layers
+            for layer in caches[-1].layers
             if _is_attention_layer(layer) and layer.is_initialized
         }
         if len(shapes) != 1:
@@ -133,24 +142,11 @@ class ModelAdapter:
                 f"{type(self.model).__name__} cannot run under lp_runner: its keys ({heads} x {dim}) and values "
                 f"({v_heads} x {v_dim}) differ in shape"
             )
-        return heads, dim
+        return (heads, dim), keyword
 
     def _static_rounds(self) -> StaticRounds:
         return StaticRounds(
             self.call, self.dtype, self.device, self.kv_shape, compile=self.compiled, attention_keyword=self.segmented
-        )
-
-    @torch.inference_mode()
-    def _takes_round_attention(self) -> bool:
-        """Whether a round may name its attention in its forward (``attention.reaches_attention``): plain sdpa
-        layers that all hand the keyword down. Decided once, here; the model's config is never switched."""
-        if not supports_round_attention(self.model.config):
-            return False
-        cache = DynamicCache(config=self.model.config)
-        layers = sum(_is_attention_layer(layer) for layer in cache.layers)
-        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-        return reaches_attention(
-            lambda **kw: self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache}, **kw), layers
         )
 
     def _check_takes_packed_masks(self) -> None:
