@@ -36,7 +36,13 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from lp_runner.backends import detect_backend
-from lp_runner.backends.attention import BATCHED, SegmentedRound, packed_gqa, supports_packed_gqa
+from lp_runner.backends.attention import (
+    ROUND_KEYWORD,
+    SegmentedRound,
+    batched_attention,
+    reaches_attention,
+    supports_round_attention,
+)
 from lp_runner.backends.base import ForwardBackend
 from lp_runner.backends.batch import BatchRound, RoundRows, Rows, pack_round
 from lp_runner.backends.kv_cache import MIN_CAPACITY, KVArena, KVRegion
@@ -88,33 +94,41 @@ class ModelAdapter:
         backend = detect_backend(model) if backend is None else backend
         self.backend = backend.transformers_layers() if compile else backend
         self.vocab_size = model.config.get_text_config().vocab_size
-        self.kv_shape = self._kv_shape()  # (K/V heads, head dim) of every attention layer
+        # (K/V heads, head dim) of every attention layer; and whether transformers' layers take a round's own
+        # attention (``batched_attention`` over a batch's segments, a bucketed round's ``round_attention``): plain
+        # sdpa layers that hand the forward's keywords down. Any other attention runs one segment under a 4-D mask
+        self.kv_shape, self.segmented = self._probe()
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        # transformers' layers take a batch's segments where their attention is plain sdpa (``batched_attention``
-        # slices each segment's keys); any other attention runs one segment under a 4-D mask over the arena
-        self.segmented = supports_packed_gqa(model.config)
         bucketed = (self.device.type == "cuda" or compile) if bucketed is None else bucketed or compile
-        self.rounds = (
-            StaticRounds(self.call, self.dtype, self.device, self.kv_shape, compile=compile) if bucketed else None
-        )
+        self.rounds = self._static_rounds() if bucketed else None
         self._arena: KVArena | None = None  # the job's arena, held across jobs and calls (``claim_arena``)
         self._claimed = False
         self._arena_lock = threading.Lock()
         self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation
 
     @torch.inference_mode()
-    def _kv_shape(self) -> tuple[int, int]:
-        """(K/V heads, head dim) as the attention layers cache them, read from a one-token forward of the model on
-        transformers' own cache: configs name them in several ways (``num_key_value_heads``, ``n_head``,
+    def _probe(self) -> tuple[tuple[int, int], bool]:
+        """(K/V heads, head dim) as the attention layers cache them, and whether a round may name its attention in
+        its forward (``attention.reaches_attention``), from a one-token forward of the model on transformers' own
+        cache. Decided once, here; the model's config is never switched.
+
+        The shape is read from the cache: configs name it in several ways (``num_key_value_heads``, ``n_head``,
         ``multi_query``, ...), some models ignore a field they accept, and the arena must hold what the layers
         write. One arena holds every layer, so the layers must agree, and keys and values must share a head dim."""
-        cache = DynamicCache(config=self.model.config)
-        self.model(
-            input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), use_cache=True, **{self._cache_kw: cache}
-        )
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        caches: list[DynamicCache] = []
+
+        def one_token(**keywords) -> None:
+            caches.append(DynamicCache(config=self.model.config))
+            self.model(input_ids=ids, use_cache=True, **{self._cache_kw: caches[-1]}, **keywords)
+
+        layers = sum(_is_attention_layer(layer) for layer in DynamicCache(config=self.model.config).layers)
+        keyword = supports_round_attention(self.model.config) and reaches_attention(one_token, layers)
+        if not keyword:  # the plain forward, on a fresh cache
+            one_token()
         shapes = {
             (layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[1], layer.values.shape[3])
-            for layer in cache.layers
+            for layer in caches[-1].layers
             if _is_attention_layer(layer) and layer.is_initialized
         }
         if len(shapes) != 1:
@@ -128,7 +142,12 @@ class ModelAdapter:
                 f"{type(self.model).__name__} cannot run under lp_runner: its keys ({heads} x {dim}) and values "
                 f"({v_heads} x {v_dim}) differ in shape"
             )
-        return heads, dim
+        return (heads, dim), keyword
+
+    def _static_rounds(self) -> StaticRounds:
+        return StaticRounds(
+            self.call, self.dtype, self.device, self.kv_shape, compile=self.compiled, attention_keyword=self.segmented
+        )
 
     def _check_takes_packed_masks(self) -> None:
         """Find how this model's transformers layers take a round, or refuse it in one line.
@@ -151,6 +170,8 @@ class ModelAdapter:
                 return
             except Exception:  # noqa: BLE001 - the model's own code refused the segments: try the 4-D mask
                 self.segmented = False
+                if self.rounds is not None:
+                    self.rounds = self._static_rounds()  # the model's own attention, over the whole buffer
         try:
             two_tokens()
         except Exception as exc:  # whatever the model's own code raised: the message says which model and why
@@ -310,10 +331,9 @@ class ModelAdapter:
             # no layer may use it: a mask of no keys broadcasts to none (one of width 1 would broadcast to every
             # slot), so an attention that is not ``batched_attention`` fails instead of reading other segments' keys
             placeholder = torch.zeros(1, 1, len(ids), 0, dtype=self.dtype, device=device)
-            with packed_gqa(self.model.config, BATCHED):
-                return self.call(
-                    ids, positions, dict.fromkeys(batch.masks, placeholder), arena.cache, logit_rows, lp_batch=rnd
-                )
+            masks = dict.fromkeys(batch.masks, placeholder)
+            attend = {ROUND_KEYWORD: batched_attention, "lp_batch": rnd}
+            return self.call(ids, positions, masks, arena.cache, logit_rows, **attend)
         if not single:
             raise ValueError(f"{type(self.model).__name__}'s attention takes one generation per round")
         # the model's own attention over the region's live slots only, under the segment's [Q, past + Q] mask
@@ -334,16 +354,18 @@ class ModelAdapter:
             return "its cache has layers that are not plain attention layers"
         return None
 
-    def warm_up(self, capacity: int, batch: int = 1) -> float:
-        """Compile before the job (a compiled round compiles on its first call): every row bucket on the job
-        arena, at the size the job's round loop claims (``batch`` generations of at most ``capacity`` positions),
-        so the job's rounds replay what this records. Returns the seconds it took (0 when eager)."""
+    def warm_up(self, capacity: int, batch: int = 1, arena_slots: int = 0) -> float:
+        """Compile before the job (a compiled round compiles on its first call): every row bucket at every K/V
+        width on the job arena, at the size the job's round loop claims (``batch`` generations of at most
+        ``capacity`` positions) or ``arena_slots`` if more (what start-up measurements after the warm-up claim:
+        sized first, the arena does not grow under the graphs recorded here), so the job's rounds replay what
+        this records. Returns the seconds it took (0 when eager)."""
         if not self.compiled:
             return 0.0
         size = self.region_size(capacity)
-        arena = self.claim_arena(size * batch)
+        arena = self.claim_arena(max(size * batch, arena_slots))
         try:
-            return self.rounds.warm_up(arena, size)
+            return self.rounds.warm_up(arena, size * batch)
         finally:
             self.release_arena(arena)
 

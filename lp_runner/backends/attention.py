@@ -10,24 +10,22 @@ a K/V head become ``groups * Q`` rows of that head and the mask is tiled to matc
 the same per-row dot products without the copy.
 
 It is the attention each segment of a round runs on transformers' layers where the backend has no kernel of its
-own (``torch_backend.TorchBackend.segment_attention``, under ``batched_attention``). The adapter switches a model
-to the round's attention for its own forwards only (the ``packed_gqa`` context), and only from plain ``sdpa``:
-every other caller of the same model object (HF ``generate``, the tests' oracles) keeps transformers' path.
+own (``torch_backend.TorchBackend.segment_attention``, under ``batched_attention``). A round names its attention in
+its own forward call (the ``lp_attention`` keyword, which transformers' layers hand down to the attention function
+with the forward's other keywords), through one dispatch registered as transformers' ``sdpa`` at the adapter's
+construction (``install_round_dispatch``): the model's config is never switched, so every other caller of the same
+model object (HF ``generate`` on another thread, the tests' oracles) runs transformers' own sdpa, unchanged.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-PACKED_GQA = "lp_runner_packed_gqa_sdpa"
 
 
 def special_attention(kwargs: dict) -> bool:
@@ -100,7 +98,8 @@ def batched_attention(
     buffer only, through its own mask, with the attention a round of that generation alone runs (``inner``), one
     call per segment. The model's forward hands ``lp_batch`` down to here as a keyword; a model whose layers do
     not (or that calls another attention) fails loudly instead, on the placeholder mask's width (the adapter's
-    construction probe finds out, and takes a 4-D mask instead)."""
+    construction probe finds out, and takes a 4-D mask instead). It runs where the round passes it as
+    ``lp_attention``, with its segments as ``lp_batch``."""
     if lp_batch is None:
         raise RuntimeError("batched attention called without its round (the model did not pass lp_batch down)")
     masks = lp_batch.masks[lp_batch.layer_windows[module.layer_idx]]
@@ -121,42 +120,64 @@ def batched_attention(
     return torch.cat(outs, dim=1), None
 
 
-BATCHED = "lp_runner_batched"
+ROUND_KEYWORD = "lp_attention"  # the forward keyword that carries a round's attention down to its layers
 
 
-def register(name: str, attention: Callable) -> None:
-    """``attention`` as transformers' attention implementation ``name`` (what ``packed_gqa`` switches a model
-    to), with sdpa's masks, should one ever be built: how a backend adds its own attention."""
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
-
-
-register(PACKED_GQA, packed_gqa_sdpa)
-register(BATCHED, batched_attention)
-
-
-def supports_packed_gqa(config) -> bool:
-    """True where the switch is safe: plain sdpa on a config without sub-configs (whose settings it could clobber)."""
+def supports_round_attention(config) -> bool:
+    """True where a round may hand its attention down by keyword: plain sdpa (the implementation the dispatch sits
+    under) on a config without sub-configs (a composite model's sub-models would receive the keyword too)."""
     return getattr(config, "_attn_implementation", None) == "sdpa" and not getattr(config, "sub_configs", None)
 
 
-_SWITCH = threading.RLock()  # held while a forward runs with a switched attention (see ``packed_gqa``)
+def _sdpa_or_round(fallback: Callable) -> Callable:
+    """transformers' ``sdpa`` entry as the dispatch: the attention a round passes as ``lp_attention``, else
+    ``fallback`` (the function registered as ``sdpa`` before, transformers' own), called exactly as transformers
+    calls it."""
+
+    def sdpa_or_round(module, query, key, value, attention_mask, *args, lp_attention=None, **kwargs):
+        attend = fallback if lp_attention is None else lp_attention
+        return attend(module, query, key, value, attention_mask, *args, **kwargs)
+
+    sdpa_or_round.fallback = fallback
+    return sdpa_or_round
 
 
-@contextmanager
-def packed_gqa(config, implementation: str = PACKED_GQA) -> Iterator[None]:
-    """Run the model with ``implementation`` (``PACKED_GQA``, ``BATCHED``, or a backend's own: ``register``)
-    inside the block; the config's own implementation is restored on exit.
+_INSTALL = threading.Lock()  # two adapters built at once must not wrap the dispatch twice
 
-    transformers reads ``config._attn_implementation`` inside every layer's forward, and a config is shared by
-    whoever holds the model: LP ranks on threads over one model (the tests), or a thread calling the model's own
-    ``generate`` beside a lookahead forward. So the switch holds a lock for the block (re-entrant: a switched
-    forward may switch again) and restores what it found, never a fixed name: another thread's forward never
-    runs under this one's attention, and a nested switch cannot leave plain sdpa where it found its caller's."""
-    with _SWITCH:
-        previous = config._attn_implementation
-        config._attn_implementation = implementation
-        try:
-            yield
-        finally:
-            config._attn_implementation = previous
+
+def install_round_dispatch() -> Callable:
+    """Register the dispatch (``_sdpa_or_round``) as transformers' ``sdpa`` attention, once per process (the
+    adapter's construction calls it); returns the function a forward without the keyword runs.
+
+    transformers picks a layer's attention by name from ``config._attn_implementation`` on every forward, and the
+    config is shared by whoever holds the model: LP ranks on threads over one model, a thread calling the model's
+    own ``generate`` beside a job. Switching that name for a round's forward made every other caller of the model
+    run the round's attention while it lasted. Here the name never changes: each round names its attention in its
+    own call (``lp_attention``, handed down through the forward's keywords as ``lp_batch`` is), and a call without
+    it runs the ``sdpa`` function registered before, unchanged. Nothing is written per forward and nothing is
+    locked."""
+    with _INSTALL:
+        current = AttentionInterface()["sdpa"]  # a new interface reads the class-wide mapping only
+        if getattr(current, "fallback", None) is None:
+            current = _sdpa_or_round(current)
+            AttentionInterface.register("sdpa", current)
+        return current.fallback
+
+
+def reaches_attention(forward: Callable[..., object], layers: int) -> bool:
+    """True where ``forward(lp_attention=...)`` (a small forward of the model) hands the keyword down to the
+    attention of each of its ``layers`` attention layers: the round's attention then runs in every layer. A model
+    whose layers drop the forward's keywords (StableLM, Falcon) or call another attention runs transformers' own
+    under a 4-D mask instead; which one is decided here, once, not per round."""
+    fallback = install_round_dispatch()
+    seen: list[torch.nn.Module] = []
+
+    def probe(module, *args, **kwargs):
+        seen.append(module)
+        return fallback(module, *args, **kwargs)
+
+    try:
+        forward(**{ROUND_KEYWORD: probe})
+    except Exception:  # noqa: BLE001 - a forward that refuses the keyword: the model's own attention serves it
+        return False
+    return len(seen) == layers

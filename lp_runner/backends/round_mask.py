@@ -29,10 +29,6 @@ generation's rows see their own region's slots and none of these.
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-ROUND_ATTENTION = "lp_runner_round_sdpa"
 
 
 def round_mask(
@@ -91,10 +87,3 @@ def round_attention(
         packed, key[:, :, :width], value[:, :, :width], attn_mask=attention_mask, dropout_p=dropout, scale=scaling
     )  # [1, H_kv, groups * B, D]
     return out.reshape(query.shape).transpose(1, 2).contiguous(), None  # [1, B, H, D]
-
-
-def register_round_attention() -> str:
-    """Make ``round_attention`` selectable by name (transformers' registry; idempotent). Returns the name."""
-    AttentionInterface.register(ROUND_ATTENTION, round_attention)
-    AttentionMaskInterface.register(ROUND_ATTENTION, sdpa_mask)  # never used: the round passes its own mask
-    return ROUND_ATTENTION

@@ -35,18 +35,17 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lp_runner.backends.attention import packed_gqa, supports_packed_gqa
+from lp_runner.backends.attention import ROUND_KEYWORD
 from lp_runner.backends.batch import RoundRows, Rows
 from lp_runner.backends.buckets import BucketLadder
 from lp_runner.backends.kv_cache import KVArena, KVRegion
 from lp_runner.backends.model_call import ModelCall
-from lp_runner.backends.round_mask import register_round_attention, round_mask
+from lp_runner.backends.round_mask import round_attention, round_mask
 from lp_runner.device import pins_host_memory, synchronizer
 
 CAPTURE_CALLS = 3  # calls per bucket at warm-up: CUDA graph trees run a new shape once, record it, then replay
@@ -136,6 +135,11 @@ def stage(
     return host
 
 
+def _dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (its own counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def static_address(t: torch.Tensor) -> None:
     """Mark ``t``'s address static for the compiler (a graph reads it in place), without a guard on it.
 
@@ -172,18 +176,20 @@ class StaticRounds:
         kv_shape: tuple[int, int],
         compile: bool = False,
         ladder: BucketLadder | None = None,
+        attention_keyword: bool = False,
     ) -> None:
         """``call``: the model's forward as the adapter resolved it (cache keyword, masks per layer type);
         ``kv_shape``: (K/V heads, head dim). ``compile``: rounds on a job's arena at a bucket run through
-        ``torch.compile`` (CUDA graphs on a GPU); otherwise eager, at the same shapes."""
+        ``torch.compile`` (CUDA graphs on a GPU); otherwise eager, at the same shapes. ``attention_keyword``: the
+        model's layers hand the round's attention down by keyword (``attention.reaches_attention``)."""
         self.call, self.dtype, self.device = call, dtype, device
         self.ladder = ladder or BucketLadder()
         config = call.model.config
-        # plain sdpa models attend through ``round_attention`` (live width, packed heads, the mask tiled once);
-        # others keep their own attention over the whole buffer with an untiled mask
-        self.live_width = supports_packed_gqa(config)
+        # sdpa models whose layers take the keyword attend through ``round_attention`` (live width, packed heads,
+        # the mask tiled once); others keep their own attention over the whole buffer with an untiled mask
+        self.live_width = attention_keyword
         self.groups = config.get_text_config().num_attention_heads // kv_shape[0] if self.live_width else 1
-        self.attention = register_round_attention() if self.live_width else None
+        self.attention = round_attention if self.live_width else None  # what each round passes (``_round``)
         self.pin = pins_host_memory(device)
         self.sync = synchronizer(device)
         self.compiled = (
@@ -192,6 +198,10 @@ class StaticRounds:
             else None
         )
         self.capture_s: dict[int, float] = {}  # per row bucket: the seconds of its warm-up calls (compile, capture)
+        # what compiled rounds made so far (``counts``): compilations of the round function, and the distinct
+        # (bucket, K/V width, arena tensor) shapes run compiled (on CUDA, one graph recorded for each)
+        self.compiles = 0
+        self._shapes: set[tuple[int, int, int, int]] = set()
         self._marked: dict[int, weakref.ref] = {}  # id -> arena tensor whose layers' views are marked static
         self._staged: dict[int, StagedInputs] = {}  # per row bucket
         self._key_slots: dict[int, torch.Tensor] = {}  # per K/V width: arange(width) on the device
@@ -234,10 +244,20 @@ class StaticRounds:
         graph = self.compiled is not None and self.ladder.captured(bucket) and self._replays(arena)
         if graph:
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs may be overwritten now
-        call = self.compiled if graph else self._round
-        with packed_gqa(self.call.model.config, self.attention) if self.attention else nullcontext():
-            logits = call(*staged.round_inputs, self._slots(width), arena.cache)
+        if not graph:
+            logits = self._round(*staged.round_inputs, self._slots(width), arena.cache)
+        else:
+            self._shapes.add((bucket, width, id(arena), arena.allocations))
+            compiled = _dynamo_graphs()
+            logits = self.compiled(*staged.round_inputs, self._slots(width), arena.cache)
+            self.compiles += _dynamo_graphs() - compiled
         return logits[: sum(len(r.logit_rows) for r in rounds)]
+
+    def counts(self) -> tuple[int, int]:
+        """(compilations of the round function, distinct shapes run compiled) so far: a job that warmed up every
+        shape it uses adds neither after its start-up (on CUDA a new shape is a graph recorded mid-job, while the
+        other ranks wait)."""
+        return self.compiles, len(self._shapes)
 
     def _round(
         self,
@@ -252,7 +272,7 @@ class StaticRounds:
         cache,  # the arena's DynamicCache
     ) -> torch.Tensor:  # [B, vocab]
         """The round itself, the function that is compiled: its masks (one per window, shared by every layer of
-        that window), then the model's forward."""
+        that window), then the model's forward, naming its attention (``self.attention``) where it has one."""
         masks = {
             window: round_mask(
                 visibility,
@@ -267,7 +287,8 @@ class StaticRounds:
             )
             for window in set(self.call.mask_windows.values())
         }
-        return self.call(input_ids, position_ids, masks, cache, logit_rows)  # [B, vocab]
+        attend = {} if self.attention is None else {ROUND_KEYWORD: self.attention}
+        return self.call(input_ids, position_ids, masks, cache, logit_rows, **attend)  # [B, vocab]
 
     def _staging(self, rows: int) -> StagedInputs:
         """The device staging buffer of a bucket (made once, static: a graph reads it in place), or a new one for
@@ -299,20 +320,41 @@ class StaticRounds:
     @torch.inference_mode()
     def warm_up(self, arena: KVArena, size: int, max_rows: int | None = None) -> float:
         """Compile, and on a GPU capture, every row bucket up to ``max_rows`` (default: the ladder's top) on
-        ``arena`` (the job's: its rounds then replay what this records), in a region of ``size`` slots, at the
-        smallest K/V width (the other widths are recorded at their first rounds). Returns the seconds it took;
-        ``capture_s`` holds each bucket's."""
+        ``arena`` (the job's: its rounds then replay what this records) at every K/V width a round in its first
+        ``size`` slots reads (``widths_past``): the shapes a job whose regions fill those slots runs, so none is
+        recorded mid-job. The rounds' K/V is left in a region of ``size`` slots, released after. Returns the
+        seconds it took; ``capture_s`` holds each bucket's (all its widths)."""
         region = arena.region(size)
         start = time.perf_counter()
+        calls = CAPTURE_CALLS if self.sync is not None else 1  # a CPU compiles at the first call, captures nothing
         for rows in self.ladder.rows:
             if max_rows is not None and rows > max(max_rows, self.ladder.rows[0]):
                 break
             t = time.perf_counter()
             causal = torch.ones(rows, rows, dtype=torch.bool).tril()
-            for _ in range(CAPTURE_CALLS):
-                self.forward([Rows([0] * rows, range(rows), causal, range(rows))], [region])
+            for past in self.widths_past(rows, region):
+                for _ in range(calls):
+                    region.length = past  # the cached prefix whose round reads the width (its values unused)
+                    self.forward([Rows([0] * rows, range(rows), causal, range(rows))], [region])
             if self.sync is not None:
                 self.sync()
             self.capture_s[rows] = time.perf_counter() - t
+        region.length = 0
         arena.release(region)
         return time.perf_counter() - start
+
+    def widths_past(self, rows: int, region: KVRegion) -> list[int]:
+        """For a bucket of ``rows``, one cached length per K/V width its rounds read in ``region``: the widths
+        from the bucket's own to that of the region's last slot (``BucketLadder.kv_width``), which a job whose
+        generations' regions fill the same slots reads. Example: a region of 608 slots at 0 of an arena of 1280,
+        8 rows -> widths 256, 512, 1024: cached lengths [0, 504, 600]. A model whose rounds are not cut to their live
+        width (its layers take no round attention) reads the whole arena: one length."""
+        if not self.live_width:
+            return [0]
+        capacity, first, end = region.arena.capacity, region.base, region.base + region.size
+        width, top = self.ladder.kv_width(first + rows, capacity), self.ladder.kv_width(end, capacity)
+        out = [0]
+        while width < top:
+            width = self.ladder.kv_width(width + 1, capacity)
+            out.append(min(width, end) - first - rows)
+        return out

@@ -112,10 +112,17 @@ class Coordinator:
         self._by_name = {src.name: src for src in self.sources}
 
     def observe(self, trajectory_ngrams: Iterable[tuple[int, Sequence[int]]], history: Sequence[int], num_new: int):
-        """After a round: the window's n-grams, then the committed tokens, reach the pool and the context index."""
-        self.pool.insert_many(trajectory_ngrams)
+        """After a round: the window's n-grams, then the committed tokens, reach the pool and the context index.
+        The pool queues them (``NGramPool.defer_many``): the next plan reads the live key's only, and inserts
+        those; ``flush`` inserts the rest once the next forward is launched. Plans are the same either way."""
+        self.pool.defer_many(trajectory_ngrams)
         for source in self.sources:
             source.observe(history, num_new)
+
+    def flush(self) -> None:
+        """The n-grams ``observe`` queued for keys the plan did not read, inserted (host work the round loop does
+        while its forward runs)."""
+        self.pool.flush()
 
     def feedback(self, plan: RoundPlan, candidate: int, hits: int) -> None:
         """The round's winner (global candidate index, -1 if none) tells its source how its proposal fared."""

@@ -2,6 +2,11 @@
 
 Why LRU with a per-key cap: the verification budget per round is G suffixes for one key, so keeping more per key
 only costs memory, and the freshest trajectory n-grams are the ones most likely to match the text being written.
+
+A round's n-grams are queued (``defer_many``), not inserted, where the round is committed: the next round reads
+one key only (its live key), so only that key's queued n-grams are inserted before it plans (``candidates`` does
+it), and the rest once its forward is launched (``flush``), off the round's critical path. Each key's n-grams are
+still inserted in their order before that key is read, so every read sees what inserting at once would give.
 """
 
 from __future__ import annotations
@@ -26,10 +31,44 @@ class NGramPool:
         self.cap = cap
         self.suffix_len = suffix_len
         self._buckets: dict[int, OrderedDict[Suffix, None]] = {}
+        self._queued: list[tuple[int, Sequence[int]]] = []  # deferred n-grams, in insertion order
 
     def insert(self, key: int, suffix: Sequence[int]) -> None:
         if self.cap == 0:
             return
+        if self._queued:
+            self._settle(key)  # this key's queued n-grams go first: its LRU order is the order they came in
+        self._insert(key, suffix)
+
+    def insert_many(self, ngrams: Iterable[tuple[int, Sequence[int]]]) -> None:
+        for key, suffix in ngrams:
+            self.insert(key, suffix)
+
+    def defer_many(self, ngrams: Iterable[tuple[int, Sequence[int]]]) -> None:
+        """Queue ``ngrams`` for insertion: each key's are inserted before that key is next read (``candidates``)
+        or written, the rest at ``flush``. Reads see the same pool as after ``insert_many``."""
+        if self.cap:
+            self._queued.extend(ngrams)
+
+    def flush(self) -> None:
+        """Insert every queued n-gram, in order (after the round's forward is launched)."""
+        queued, self._queued = self._queued, []
+        for key, suffix in queued:
+            self._insert(key, suffix)
+
+    def _settle(self, key: int) -> None:
+        """Insert ``key``'s queued n-grams (in order), keeping the others queued.
+
+        Example: queued [(5, a), (7, b), (5, c)], settle 5 -> 5 gets a then c; [(7, b)] stays queued."""
+        rest = []
+        for ngram in self._queued:
+            if ngram[0] == key:
+                self._insert(key, ngram[1])
+            else:
+                rest.append(ngram)
+        self._queued = rest
+
+    def _insert(self, key: int, suffix: Sequence[int]) -> None:
         suffix = tuple(suffix)
         if len(suffix) != self.suffix_len:
             raise ValueError(f"suffix length {len(suffix)} != {self.suffix_len}")
@@ -43,12 +82,10 @@ class NGramPool:
         if len(bucket) > self.cap:
             bucket.popitem(last=False)
 
-    def insert_many(self, ngrams: Iterable[tuple[int, Sequence[int]]]) -> None:
-        for key, suffix in ngrams:
-            self.insert(key, suffix)
-
     def candidates(self, key: int, limit: int) -> list[Suffix]:
-        """Up to ``limit`` suffixes for ``key``, most recently inserted first."""
+        """Up to ``limit`` suffixes for ``key``, most recently inserted first (its queued n-grams inserted first)."""
+        if self._queued:
+            self._settle(key)
         bucket = self._buckets.get(key)
         if not bucket or limit <= 0:
             return []
@@ -61,9 +98,12 @@ class NGramPool:
 
     def bucket(self, key: int) -> list[Suffix]:
         """The suffixes for ``key``, oldest first (for tests and inspection)."""
+        if self._queued:
+            self._settle(key)
         return list(self._buckets.get(key, ()))
 
     def __len__(self) -> int:
+        self.flush()
         return sum(len(b) for b in self._buckets.values())
 
 

@@ -186,6 +186,8 @@ class RoundLoop:
         t = time.perf_counter()
         try:
             logits = self.adapter.run(layouts, kvs)
+            for gen in gens:  # while the forward runs (asynchronous on a GPU): pool insertions the plans did not read
+                gen.coord.flush()
             readbacks = self.verifier.read_back_many(logits, layouts, prepared)  # the round's one device->host read
         except BaseException:
             for kv, past in zip(kvs, past_lens, strict=True):

@@ -83,10 +83,11 @@ class PoolSource:
         pass  # pool suffixes have a fixed length
 
     def observe(self, history: Sequence[int], num_new: int) -> None:
-        """Repair: the committed text's newly completed n-grams are verified continuations."""
+        """Repair: the committed text's newly completed n-grams are verified continuations (queued: the pool
+        inserts the next live key's before it plans, the rest after the round's launch)."""
         if self.from_output and num_new > 0:
             tail = history[-(num_new + self.ngram_size - 1) :]
-            self.pool.insert_many(sequence_ngrams(tail, self.ngram_size))
+            self.pool.defer_many(sequence_ngrams(tail, self.ngram_size))
 
 
 class ContextSource:

@@ -373,8 +373,10 @@ def choose_forward(
     if say is not None:
         say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
     fast = ModelAdapter(adapter.model, compile=True, backend=adapter.backend)
+    # the arena sized for the calibration that follows first: it must not grow under the warm-up's graphs
+    calibrating = RoundPolicy.arena_slots(worker.cfg, fast, cache_root, lambda: model_checksum(worker))
     try:
-        compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens), batch)
+        compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens), batch, calibrating)
     except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback
         reason = f"{reason}: compilation failed ({first_line(exc)}), eager"
         log.warning("model.compile: %s", reason)
@@ -418,7 +420,17 @@ def run_info(worker: Worker) -> dict:
 
 
 class TextStreamer:
-    """Prints committed tokens as text as soon as they decode to complete characters."""
+    """Prints committed tokens as text as soon as they decode to complete characters.
+
+    Each round decodes a window of the last rounds' tokens, not the whole output (the incremental detokenizing of
+    vLLM and TGI): ``ids[prefix:read]`` was printed when ``read`` was the end, and where the text of ``ids[prefix:]``
+    ends in a complete character, what follows the text of ``ids[prefix:read]`` is new. The window starts a round
+    back, at a token whose text was printed whole, so what a decoder does at a sequence's start (a split
+    character's bytes, SentencePiece's leading space) it does in both decodes alike, and the printed text is the
+    whole output's decode (tested on multi-byte characters with the embedded byte-level BPE tokenizer).
+
+    Example: rounds commit [a, b], [c], [d]: round 2 decodes [a, b, c] and [a, b] and prints the text after the
+    latter; round 3 decodes [c, d] and [c]."""
 
     def __init__(
         self, tokenizer: Any, write: Callable[[str], None], shown: Sequence[int] = (), printed: int | None = None
@@ -428,17 +440,26 @@ class TextStreamer:
         self.tokenizer = tokenizer
         self.write = write
         self.ids: list[int] = list(shown)
+        self.prefix, self.read = 0, len(self.ids)  # the window's first token; the end of what is printed
         if printed is None:
-            printed = len(tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")) if shown else 0
-        self.printed = printed
+            printed = len(self._decode(0, None).rstrip("\ufffd")) if shown else 0
+        self.printed = printed  # characters of the window's text written
+
+    def _decode(self, start: int, stop: int | None) -> str:
+        return self.tokenizer.decode(self.ids[start:stop], skip_special_tokens=True)
 
     def __call__(self, tokens: Sequence[int]) -> None:
         self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._decode(self.prefix, None)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
             return
         self.write(text[self.printed :])
-        self.printed = len(text)
+        done = self._decode(self.read, None)  # the next window: from this round's first token
+        if done:  # (a round of special tokens only gives no text to anchor the next window: keep this one)
+            self.prefix, self.printed = self.read, len(done)
+        else:
+            self.printed = len(text)
+        self.read = len(self.ids)
 
 
 class Feeder(Protocol):

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from lp_runner.backends.kv_cache import ALIGN
 from lp_runner.backends.torch_backend import TORCH_KEY
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
@@ -63,6 +64,7 @@ HOST_SETTINGS = (
     LookaheadConfig(preset="off", window_size=4, ngram_size=4, verification_set_size=4),
 )
 HOST_TOKENS = 24
+HOST_PROMPT_TOKENS = 32
 # A coarser grid where the quick one would not fit the time the other LP ranks wait (their start-up collective
 # carries parallel.timeout_s): a large model on a CPU.
 COARSE_ROWS = (1, 2, 4, 8, 16, 32, 48)  # includes QUICK_HEAD_ROWS
@@ -238,7 +240,9 @@ def measure_host(adapter, seed: int = 0, tick: Callable[[int, int], None] | None
     preset (through the cached curve) and ``lp_runner tune``, so both price host time alike. ``tick(tokens, all
     tokens)``: after each round."""
     gen = GenerationConfig(max_new_tokens=HOST_TOKENS)
-    ids = torch.randint(0, adapter.vocab_size, (32,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = torch.randint(
+        0, adapter.vocab_size, (HOST_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
     groups = []
     total, done = HOST_TOKENS * len(HOST_SETTINGS), 0
 
@@ -270,6 +274,38 @@ def probe_seconds(adapter, sync=None, plan: MeasurementPlan | None = None) -> fl
     return time.perf_counter() - start
 
 
+def arena_slots(adapter, cache_root: Path, weights_checksum: str, recalibrate: bool = False) -> int:
+    """The job-arena slots ``calibrate`` will claim on ``adapter``: 0 where a cached curve serves, else the most
+    of the curve's regions (one per K/V length, all alive: ``costmodel.measure_curve``; either grid) and the host
+    time's generations. A compiled adapter's warm-up sizes the arena with it first (``ModelAdapter.warm_up``), so
+    the measurement after it does not grow the arena under the graphs it recorded."""
+    key = calibration_key(
+        adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.backend.key()
+    )
+    entry = None if recalibrate else _load_entry(cache_file(cache_root, key), key)
+    if entry is not None and _serves(*entry):
+        return 0
+    cheap = rows_are_cheap(adapter.device)
+    plans = (measurement_plan(cheap, max_positions=getattr(adapter, "max_positions", None)),)
+    plans += () if cheap else (measurement_plan(cheap, coarse=True),)
+    curve = max(sum(_aligned(adapter.region_size(max(kv, 1) + max(p.rows))) for kv in p.kv_lens) for p in plans)
+    gen = GenerationConfig(max_new_tokens=HOST_TOKENS)
+    host = max(
+        _aligned(adapter.region_size(LookaheadEngine(adapter, la, gen, []).capacity(HOST_PROMPT_TOKENS)))
+        for la in HOST_SETTINGS
+    )
+    return max(curve, host)
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN  # as ``KVArena.region`` places it
+
+
+def _serves(cached: CostCurve, tries: int) -> bool:
+    """A cached curve is used as it is: quiet, or the quietest of ``NOISY_TRIES`` measurements."""
+    return cached.spread <= NOISY_SPREAD or tries >= NOISY_TRIES
+
+
 def calibrate(
     adapter,
     cache_root: Path,
@@ -292,7 +328,7 @@ def calibrate(
     cached, tries = entry if entry is not None else (None, 0)
     threads = f"{key['threads']} threads, " if key["threads"] else ""
     what = f"on {key['device']} ({threads}{key['dtype']})"
-    if cached is not None and (cached.spread <= NOISY_SPREAD or tries >= NOISY_TRIES):
+    if cached is not None and _serves(cached, tries):
         if cached.spread > NOISY_SPREAD and log is not None:
             log(
                 f"the cached forward-cost curve {what} is noisy ({_spread_text(cached)}), the quietest of {tries} "

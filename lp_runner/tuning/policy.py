@@ -17,7 +17,13 @@ from pathlib import Path
 
 from lp_runner.config import Config, LookaheadConfig, internal_key
 from lp_runner.tuning.acceptance import Prior, fingerprint, table_from_text, table_text_for
-from lp_runner.tuning.calibrate import CALIBRATION_LIMIT_S, Calibration, calibrate, shared_calibration
+from lp_runner.tuning.calibrate import (
+    CALIBRATION_LIMIT_S,
+    Calibration,
+    arena_slots,
+    calibrate,
+    shared_calibration,
+)
 from lp_runner.tuning.costmodel import RowPlan, as_one_rank, batched_curve, shapes_from_records
 from lp_runner.tuning.preset import NOT_ROUND_SHAPE, AutoPreset
 from lp_runner.tuning.search import describe
@@ -83,6 +89,15 @@ class RoundPolicy:
             shape = {f"lookahead.{name}" for name in auto.pinned} - {f"lookahead.{n}" for n in NOT_ROUND_SHAPE}
             pinned = tuple(k for k in cfg.explicit if internal_key(k) in shape)
         return cls(auto.lookahead if auto else la, row_plan, cal, auto, pinned=pinned, batch=batch)
+
+    @staticmethod
+    def arena_slots(cfg: Config, adapter, cache_root: Path, weights_checksum: Callable[[], str]) -> int:
+        """The job-arena slots ``build`` claims on ``adapter`` (a calibration it measures: ``calibrate.
+        arena_slots``; 0 when it measures nothing), for the warm-up to size the arena before it records."""
+        la = cfg.lookahead
+        if la.preset != "auto" and not la.pad_rows:
+            return 0
+        return arena_slots(adapter, cache_root, weights_checksum(), cfg.run.recalibrate)
 
     def observe(
         self,

@@ -1,4 +1,4 @@
-"""packed_gqa_sdpa against transformers' own sdpa attention, and the adapter's switch to it and back.
+"""packed_gqa_sdpa against transformers' own sdpa attention, and the round's attention named per call, never switched.
 
 The engine-level oracle (HF greedy on every family and the embedded model, whose 9 query heads share 3 K/V
 heads) runs through this path in the other test files; here the attention function itself is compared with
@@ -8,20 +8,26 @@ transformers' on masked multi-row queries, where transformers repeats K/V and th
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
-from helpers import FAMILIES, additive_mask, random_prompt
+from helpers import FAMILIES, additive_mask, hf_greedy, random_prompt, tiny_model
+from transformers.generation.streamers import BaseStreamer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import lp_runner
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.backends.attention import (
-    BATCHED,
+    ROUND_KEYWORD,
+    batched_attention,
     packed_gqa_sdpa,
-    supports_packed_gqa,
+    supports_round_attention,
 )
 from lp_runner.backends.cpu.attention import native_gqa_attention
 from lp_runner.backends.cpu.prepack import native_unavailable_reason
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.models.loading import default_cache_dir
 
 
@@ -88,41 +94,53 @@ def test_native_attention_equals_transformers_sdpa(kv_heads: int, rows: int, dim
     assert not torch.equal(mask[..., past + rows :], torch.zeros_like(mask[..., past + rows :]))  # guard: hidden
 
 
+def _attention_spy(model) -> tuple[list[object], object]:
+    """What the first layer's attention is called with: the round's attention (``lp_attention``) or None."""
+    seen: list[object] = []
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get(ROUND_KEYWORD)), with_kwargs=True
+    )
+    return seen, hook
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_adapter_uses_packed_gqa_for_its_own_forwards_only(tiny, family: str) -> None:
+def test_a_round_names_its_attention_and_other_callers_keep_transformers(tiny, family: str) -> None:
     model = tiny(family)
-    assert supports_packed_gqa(model.config)
+    assert supports_round_attention(model.config)
     adapter = ModelAdapter(model)
-    seen: list[str] = []
-    attention = model.model.layers[0].self_attn
-    hook = attention.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    assert adapter.segmented  # every layer took the keyword at the construction probe
+    seen, hook = _attention_spy(model)
     try:
         tokens = random_prompt(6, seed=1)
         adapter.forward(torch.tensor(tokens), torch.arange(6), torch.ones(6, 6).bool().tril(), adapter.new_cache(),
                         torch.tensor([5]))  # fmt: skip
-        assert seen == [BATCHED]  # the round's segments, each attended with packed GQA (the backend's)
-        assert model.config._attn_implementation == "sdpa"  # restored: HF generate on this model is untouched
+        assert seen == [batched_attention]  # the round's segments, each attended with packed GQA (the backend's)
+        assert model.config._attn_implementation == "sdpa"  # never switched: HF generate on this model is untouched
         with torch.inference_mode():
-            model(input_ids=torch.tensor([tokens]))
-        assert seen == [BATCHED, "sdpa"]
+            got = model(input_ids=torch.tensor([tokens])).logits
+        assert seen == [batched_attention, None]
     finally:
         hook.remove()
-
-
-def test_switch_is_undone_when_the_forward_fails(tiny) -> None:
-    model = tiny("llama")
-    adapter = ModelAdapter(model)
-
-    def fail(module, args):
-        raise RuntimeError("injected")
-
-    hook = model.model.layers[1].register_forward_pre_hook(fail)
+    # a direct call runs transformers' own sdpa: the same logits as the reference implementation, eager
+    model.config._attn_implementation = "eager"
     try:
-        with pytest.raises(RuntimeError, match="injected"):
-            adapter.forward(torch.tensor([1, 2]), torch.arange(2), torch.ones(2, 2).bool().tril(),
-                            adapter.new_cache(), torch.tensor([1]))  # fmt: skip
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([tokens])).logits
+    finally:
+        model.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bucketed_rounds_name_the_round_attention(tiny) -> None:
+    model = tiny("llama")
+    adapter = ModelAdapter(model, bucketed=True)
+    seen, hook = _attention_spy(model)
+    try:
+        adapter.forward(torch.tensor([1, 2]), torch.arange(2), torch.ones(2, 2).bool().tril(), adapter.new_cache(),
+                        torch.tensor([1]))  # fmt: skip
     finally:
         hook.remove()
+    assert seen == [adapter.rounds.attention] and adapter.rounds.attention is not None
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -130,19 +148,124 @@ def test_other_implementations_are_left_alone(tiny) -> None:
     model = tiny("qwen2")
     model.config._attn_implementation = "eager"
     try:
-        assert not supports_packed_gqa(model.config)
+        assert not supports_round_attention(model.config)
         adapter = ModelAdapter(model)
+        assert not adapter.segmented
         seen: list[str] = []
         attention = model.model.layers[0].self_attn
-        hook = attention.register_forward_pre_hook(lambda m, a: seen.append(m.config._attn_implementation))
+        hook = attention.register_forward_pre_hook(
+            lambda m, a, kw: seen.append((m.config._attn_implementation, kw.get(ROUND_KEYWORD))), with_kwargs=True
+        )
         try:
             adapter.forward(torch.tensor([3]), torch.arange(1), torch.ones(1, 1).bool(), adapter.new_cache(),
                             torch.tensor([0]))  # fmt: skip
         finally:
             hook.remove()
-        assert seen == ["eager"]
+        assert seen == [("eager", None)]
     finally:
         model.config._attn_implementation = "sdpa"
+
+
+class _Overlaps:
+    """Counts the model's forwards that start while another thread's forward is in flight (hooks on the model)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.lock, self.in_flight, self.count = threading.Lock(), {}, 0
+        self.hooks = (model.register_forward_pre_hook(self._enter), model.register_forward_hook(self._leave))
+
+    def _enter(self, module, args) -> None:
+        me = threading.get_ident()
+        with self.lock:
+            self.count += any(n for t, n in self.in_flight.items() if t != me)
+            self.in_flight[me] = self.in_flight.get(me, 0) + 1
+
+    def _leave(self, module, args, out) -> None:
+        with self.lock:
+            self.in_flight[threading.get_ident()] -= 1
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+class _Handshake(BaseStreamer):
+    """A streamer that, at its generation's first new tokens, says it is mid-generation and waits (once) until the
+    other generation says so too: both are then in flight together, whatever the threads' scheduling."""
+
+    def __init__(self, mine: threading.Event, theirs: threading.Event) -> None:
+        self.mine, self.theirs, self.puts = mine, theirs, 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2 and not self.mine.is_set():  # the first put is the prompt
+            self.mine.set()
+            assert self.theirs.wait(60), "the other generation never started"
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("path", ["lp_runner.generate", "bucketed engine"])
+def test_hf_generate_beside_a_job_on_the_same_model_is_unaffected(path: str) -> None:
+    """HF greedy ``generate`` on one thread and a lookahead job on another, on one model object, at once: each gets
+    HF greedy's tokens. A round names its attention in its own call, so the other thread's forwards keep
+    transformers' sdpa (a round that switched the model's config made them run the round's attention)."""
+    model = tiny_model("llama")  # its own: hooks go on it
+    lp_prompt, hf_prompt = random_prompt(12, 3) * 2, random_prompt(10, 7)
+    lp_new, hf_new, repeats = 40, 24, 4
+    lp_want, hf_want = hf_greedy(model, lp_prompt, lp_new), hf_greedy(model, hf_prompt, hf_new)
+    lp_mid, hf_mid = threading.Event(), threading.Event()
+    got: dict[str, list[list[int]]] = {"lp": [], "hf": []}
+    errors: list[BaseException] = []
+
+    def lookahead() -> None:
+        if path == "lp_runner.generate":
+            for _ in range(repeats):
+                out = lp_runner.generate(model, torch.tensor([lp_prompt]), max_new_tokens=lp_new,
+                                         streamer=_Handshake(lp_mid, hf_mid))  # fmt: skip
+                got["lp"].append(out[0, len(lp_prompt) :].tolist())
+            return
+        adapter = ModelAdapter(model, bucketed=True)
+        la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
+        engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=lp_new), [])
+        for _ in range(repeats):
+            handshake = _Handshake(lp_mid, hf_mid)
+            handshake.put(None)  # the engine streams commits only: count the prompt's put
+            got["lp"].append(engine.generate(lp_prompt, on_commit=handshake.put).output_ids)
+
+    def hf() -> None:
+        ids = torch.tensor([hf_prompt])
+        for _ in range(repeats):
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=hf_new, do_sample=False,
+                                     num_beams=1, streamer=_Handshake(hf_mid, lp_mid))  # fmt: skip
+            got["hf"].append(out[0, len(hf_prompt) :].tolist())
+
+    def guarded(fn):
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the test below
+                errors.append(exc)
+                lp_mid.set(), hf_mid.set()  # never leave the other thread waiting
+
+        return run
+
+    overlaps = _Overlaps(model)
+    try:
+        threads = [threading.Thread(target=guarded(fn)) for fn in (lookahead, hf)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+    finally:
+        overlaps.remove()
+    if errors:
+        raise errors[0]
+    assert lp_mid.is_set() and hf_mid.is_set()  # both were mid-generation together
+    assert overlaps.count > 0  # forwards of the two threads ran at the same time
+    assert got["hf"] == [hf_want] * repeats  # HF's own output, every time
+    assert got["lp"] == [lp_want] * repeats  # and the job's is HF greedy's too
 
 
 def test_native_attention_frees_its_scratch() -> None:

@@ -235,3 +235,47 @@ def _run_cli(
     )
     assert proc.returncode == 0, proc.stderr
     return proc, json.loads((tmp_path / out).read_text().splitlines()[0])
+
+
+@pytest.mark.slow
+def test_a_compiled_job_compiles_and_grows_nothing_after_start_up(tiny_dir, tmp_path: Path, monkeypatch) -> None:
+    """A compiled CPU job (``model.compile: on``, the auto preset calibrating on the compiled forward into an empty
+    cache): start-up compiles, warms every (bucket, K/V width) pair up and sizes the arena for the calibration
+    before it; the job's rounds then compile nothing (dynamo's counter and the round function's own), run no
+    shape the warm-up did not (on CUDA each would be a graph recorded mid-job) and never regrow the arena. The
+    prompt is long enough for rounds of a few rows to read a K/V width past the smallest."""
+    from lp_runner.config import load_config
+    from lp_runner.jobs.prompts import PromptSpec
+    from lp_runner.jobs.worker import run_prompts, start_worker
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # restored after the test
+    threads = torch.get_num_threads()
+    cfg = load_config(
+        None,
+        [f"model.path={tiny_dir}", "model.compile=on", "model.threads=1", f"advanced.cache_dir={tmp_path / 'cache'}"]
+        + ["generation.max_new_tokens=48", "lookahead.preset=auto"],
+    )
+    # ~300 tokens: rounds after it read 512 slots, and the job's arena (1,024 slots and the spare) is smaller than
+    # the calibration's (2,048): unsized, the calibration after the warm-up would grow it
+    long = " ".join(f"w{k % 37}" for k in range(110))
+    specs = [PromptSpec(id="long", prompt=long, where="test"), PromptSpec(id="short", prompt="w1 w2 w3", where="t")]
+    try:
+        worker = start_worker(cfg, specs)
+        adapter = worker.adapter
+        assert adapter.compiled and worker.policy.calibration.source == "measured"  # the calibration ran here
+
+        def counts() -> tuple:
+            arena = adapter.claim_arena(1)
+            adapter.release_arena(arena)
+            return (*adapter.rounds.counts(), arena.allocations, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+        started = counts()
+        records = run_prompts(worker, specs)
+        assert counts() == started  # compilations, shapes run compiled, arena tensors, dynamo graphs
+    finally:
+        torch.set_num_threads(threads)
+    assert started[0] > 0 and started[1] > len(adapter.rounds.ladder.rows)  # guard: compiled, several widths
+    assert 256 < max(len(r["prompt_ids"]) for r in records) < 350
+    for rec in records:
+        want = hf_greedy(adapter.model, rec["prompt_ids"], 48, [adapter.model.generation_config.eos_token_id])
+        assert rec["output_ids"] == want

@@ -15,14 +15,13 @@ import pytest
 import torch
 from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AttentionInterface
 
 from lp_runner.backends import static_rounds
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.batch import Rows, pack_round
 from lp_runner.backends.buckets import BucketLadder
 from lp_runner.backends.kv_cache import MIN_CAPACITY, KVCapacityError
-from lp_runner.backends.round_mask import ROUND_ATTENTION, round_attention, round_mask
+from lp_runner.backends.round_mask import round_attention, round_mask
 from lp_runner.backends.static_rounds import StagedInputs, stage
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
@@ -58,6 +57,28 @@ def test_kv_width_is_the_live_power_of_two(length: int, capacity: int, expected:
 def test_kv_width_refuses_a_round_past_the_buffer() -> None:
     with pytest.raises(ValueError, match="1500 live positions do not fit a buffer of 1024"):
         BucketLadder().kv_width(1500, 1024)
+
+
+@pytest.mark.parametrize(
+    "rows, size, expected",
+    [
+        (8, 608, [0, 504, 600]),  # the docstring: widths 256, 512, 1024 (the region's last slot, 608, reads 1024)
+        (2, 208, [0]),  # the whole region within the smallest width
+        (512, 608, [0, 96]),  # a bucket at its own width 512, then the region's end
+        (8, 1024, [0, 504, 1016]),  # ends exactly on a power of two: 1024 is its width
+    ],
+)
+def test_the_warm_up_reads_every_width_of_its_region(tiny, rows: int, size: int, expected: list[int]) -> None:
+    """One cached length per K/V width a bucket's rounds read in the region, each reading its width."""
+    adapter = ModelAdapter(tiny("llama"), bucketed=True)
+    arena = adapter.new_arena(1024)
+    region = arena.region(size)
+    assert region.size == size and arena.capacity == 1024 + MIN_CAPACITY
+    pasts = adapter.rounds.widths_past(rows, region)
+    assert pasts == expected
+    widths = [adapter.rounds.ladder.kv_width(past + rows, arena.capacity) for past in pasts]
+    assert widths == sorted(set(widths))  # each a different width, none skipped from the smallest one up
+    assert widths[-1] == adapter.rounds.ladder.kv_width(size, arena.capacity)
 
 
 @pytest.mark.parametrize("rows", [(), (1, 2), (4, 2), (2, 2)])
@@ -246,11 +267,8 @@ def test_the_mask_is_built_once_per_round_and_every_layer_reads_it(monkeypatch) 
         return round_attention(module, query, key, value, attention_mask, **kwargs)
 
     monkeypatch.setattr(static_rounds, "round_mask", counting_mask)
-    AttentionInterface.register(ROUND_ATTENTION, recording_attention)
-    try:
-        rounds = list(_round_pairs(model, adapter, [1, 3, 5, 9], capacity=64))
-    finally:
-        AttentionInterface.register(ROUND_ATTENTION, round_attention)
+    monkeypatch.setattr(adapter.rounds, "attention", recording_attention)  # what each round names as its attention
+    rounds = list(_round_pairs(model, adapter, [1, 3, 5, 9], capacity=64))
     assert len(rounds) == 4
     assert len(built) == 5  # the prefill and four rounds: one mask each
     assert len(seen) == 5 * 3  # every layer of every round attended through the round mask

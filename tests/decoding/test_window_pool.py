@@ -157,3 +157,57 @@ def test_pool_rejects_bad_input() -> None:
 )
 def test_sequence_ngrams(tokens: list[int], n: int, expected: list) -> None:
     assert sequence_ngrams(tokens, n) == expected
+
+
+def test_deferred_ngrams_reach_a_key_before_it_is_read() -> None:
+    """Queued n-grams are inserted, in order, for the key read (the rest stay queued until ``flush``): every read
+    sees what inserting at once gives."""
+    pool, eager = NGramPool(cap=2, suffix_len=1), NGramPool(cap=2, suffix_len=1)
+    ngrams = [(5, (1,)), (7, (2,)), (5, (3,)), (5, (1,)), (5, (4,))]  # 5: (1,) re-used, then (3,) evicted
+    pool.defer_many(ngrams)
+    eager.insert_many(ngrams)
+    assert pool.candidates(5, 2) == eager.candidates(5, 2) == [(4,), (1,)]
+    assert pool._queued == [(7, (2,))]  # the other key's n-gram waits
+    pool.insert(7, (9,))  # a direct insert into a key with queued n-grams keeps their order
+    eager.insert(7, (9,))
+    assert pool.bucket(7) == eager.bucket(7) == [(2,), (9,)]
+    pool.defer_many([(8, (6,))])
+    pool.flush()
+    assert pool._queued == [] and pool.bucket(8) == [(6,)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("from_output", [True, False])
+def test_plans_are_the_same_with_the_pool_flushed_after_planning(seed: int, from_output: bool) -> None:
+    """Two coordinators fed the same rounds: one flushes its queued n-grams right after ``observe`` (every
+    insertion before the next plan, as the pool did before), the other as the round loop does (after planning,
+    while the forward runs). Every plan is the same, and so is the pool at the end. A small vocabulary and cap
+    make keys collide and buckets evict; the guards check that plans did read n-grams still queued."""
+    import random
+
+    from lp_runner.config import LookaheadConfig
+    from lp_runner.decoding.coordinator import Coordinator
+
+    rng = random.Random(seed)
+    la = LookaheadConfig(window_size=5, ngram_size=3, verification_set_size=3, pool_from_output=from_output)
+    prompt = [rng.randrange(12) for _ in range(16)]
+    late, early = Coordinator(la, 2, prompt), Coordinator(la, 2, prompt)
+    history = list(prompt)
+    settled = queued_after = pooled = 0
+    for _ in range(60):
+        live = history[-1]
+        waiting = sum(1 for key, _ in late.pool._queued if key == live)
+        plans = [coord.plan(history, depth=2) for coord in (late, early)]
+        assert plans[0] == plans[1] and plans[0].digest == plans[1].digest
+        pooled += "pool" in plans[0].sources
+        settled += waiting and "pool" in plans[0].sources  # the plan read n-grams that were queued
+        queued_after += bool(late.pool._queued)  # other keys' n-grams were still waiting at launch
+        late.flush()  # the round loop: after the forward's launch
+        emitted = [rng.randrange(12) for _ in range(rng.randint(1, 3))]
+        history += emitted
+        ngrams = [(rng.randrange(12), tuple(rng.randrange(12) for _ in range(2))) for _ in range(5)]
+        for coord in (late, early):
+            coord.observe(ngrams, history, len(emitted))
+        early.flush()  # the old order: every insertion before the next plan
+    assert settled > 0 and queued_after > 0 and pooled > 0
+    assert all(late.pool.bucket(k) == early.pool.bucket(k) for k in range(12))
