@@ -44,7 +44,7 @@ DESIGN = REPO / "docs" / "design.md"
 DOTTED = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\)|\[.*\]|\s*[=:<>].*)?")
 PATH = re.compile(r"[\w./-]+\.py")
 DATA_SUFFIXES = {"json", "jsonl", "bin", "md", "yaml", "yml", "txt", "csv", "png", "log", "so", "c", "h", "gguf"}
-DATA_SUFFIXES |= {"safetensors", "pt", "lock", "new", "partial", "sh", "html"}
+DATA_SUFFIXES |= {"safetensors", "pt", "lock", "new", "partial", "sh", "html", "gz", "tsv"}
 # Outside-library names a docstring may use bare, as their own docs do; each maps to where it lives (resolved).
 EXTERNAL = {
     "Tensor": "torch.Tensor",

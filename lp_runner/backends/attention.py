@@ -149,7 +149,7 @@ def install_round_dispatch() -> Callable:
     """Register the dispatch (``_sdpa_or_round``) as transformers' ``sdpa`` attention, once per process (the
     adapter's construction calls it); returns the function a forward without the keyword runs.
 
-    transformers picks a layer's attention by name from ``config._attn_implementation`` on every forward, and the
+    transformers picks a layer's attention by name from ``_attn_implementation`` of the model's config on every forward, and the
     config is shared by whoever holds the model: LP ranks on threads over one model, a thread calling the model's
     own ``generate`` beside a job. Switching that name for a round's forward made every other caller of the model
     run the round's attention while it lasted. Here the name never changes: each round names its attention in its
