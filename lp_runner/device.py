@@ -217,9 +217,9 @@ def set_fp32_precision(tf32: bool) -> None:
 
     Why both: torch keeps two records of the choice. The legacy setters (``set_float32_matmul_precision``,
     ``cudnn.allow_tf32``) write both records; the newer per-backend setters (torch >= 2.9) write only their own,
-    and a later read of the legacy record that disagrees with it raises. Inductor on torch 2.9-2.10 reads the
-    legacy record while it compiles, so setting only ``torch.backends.cuda.matmul.fp32_precision`` made every compile fail and
-    the compiled round fall back to eager. The legacy setters first (they exist on every admitted torch), then
+    and a later read of the legacy record that disagrees with it raises. Inductor on torch 2.9-2.10 reads the legacy
+    record while it compiles, so setting only ``torch.backends.cuda.matmul.fp32_precision`` made every compile fail
+    and the compiled round fall back to eager. The legacy setters first (they exist on every admitted torch), then
     the per-backend flags where they exist (they override a ``torch.backends.fp32_precision`` a caller may have
     set, to which cuDNN's ops would otherwise fall back). torch 2.9+ notes once that the legacy setters will be
     deprecated; that notice is silenced here, since it is the reading of the legacy record that still matters.

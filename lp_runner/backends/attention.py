@@ -149,10 +149,10 @@ def install_round_dispatch() -> Callable:
     """Register the dispatch (``_sdpa_or_round``) as transformers' ``sdpa`` attention, once per process (the
     adapter's construction calls it); returns the function a forward without the keyword runs.
 
-    transformers picks a layer's attention by name from ``_attn_implementation`` of the model's config on every forward, and the
-    config is shared by whoever holds the model: LP ranks on threads over one model, a thread calling the model's
-    own ``generate`` beside a job. Switching that name for a round's forward made every other caller of the model
-    run the round's attention while it lasted. Here the name never changes: each round names its attention in its
+    transformers picks a layer's attention by name from the config's ``_attn_implementation`` on every forward, and
+    the config is shared by whoever holds the model: LP ranks on threads over one model, a thread calling the
+    model's own ``generate`` beside a job. Switching that name for a round's forward made every other caller of the
+    model run the round's attention while it lasted. Here the name never changes: each round names its attention in its
     own call (``lp_attention``, handed down through the forward's keywords as ``lp_batch`` is), and a call without
     it runs the ``sdpa`` function registered before, unchanged. Nothing is written per forward and nothing is
     locked."""
