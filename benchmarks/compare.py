@@ -192,7 +192,8 @@ def config_policy(spec: str, adapter, model, recalibrate: bool) -> tuple[str, Ro
     if policy.calibration is not None:
         log(f"calibration {policy.calibration.source} in {policy.calibration.seconds:.2f} s")
     if policy.auto is not None:
-        log(f"auto preset: {policy.describe()['setting']} ({policy.auto.choice.reason})")
+        choice = policy.auto.choice
+        log(f"auto preset: {policy.describe()['setting']} ({choice.reason}; acceptance: {choice.acceptance})")
     return name, policy
 
 
