@@ -65,11 +65,15 @@ RAY_PORT_FLAGS = (
 
 # ---------------------------------------------------------------- fixtures
 
+CLUSTER_TOKEN = secrets.token_hex(32)  # this test process's clusters' token
+
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A one-node Ray cluster on loopback; token auth with a secret of this test run only (not ~/.ray)."""
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
+    """A one-node Ray cluster on loopback; token auth with a secret of this test run only (not ~/.ray). Every
+    cluster of one process takes the same secret (``CLUSTER_TOKEN``): Ray's client reads the token once per process,
+    so a second module's cluster with a new one refused this process's calls."""
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": CLUSTER_TOKEN, "RAY_USAGE_STATS_ENABLED": "0"}
     saved = {k: os.environ.get(k) for k in auth}
     os.environ.update(auth)  # this process's clients (job submission, state API) and every child
     if "ray" in sys.modules:  # imported before the auth env was set: refresh the cached mode, as Ray itself does
@@ -224,7 +228,9 @@ def _driver(overrides: list[str], prompts: int, order: list[int]):
     from lp_runner.jobs.ray import _Driver, _Queue
 
     specs = [PromptSpec(id=f"p{i}", prompt="x") for i in range(prompts)]
-    driver = _Driver(None, load_config(None, overrides), specs, None, single=False)
+    # no progress bar: its line reads a whole record's figures, and these records are the bookkeeping's alone
+    cfg = load_config(None, [*overrides, "advanced.progress=false"])
+    driver = _Driver(None, cfg, specs, None, single=False)
     driver.queue, driver.order = _Queue(), order
     return driver
 
@@ -637,7 +643,8 @@ def test_two_groups_of_three_refill_a_slot_as_its_generation_ends(cluster, tiny_
     assert len(starts) == 2, starts  # both groups ran prompts
     for group in starts.values():
         afters = [after for _, after in group]
-        assert afters[:3] == [0, 0, 0] and afters == sorted(afters), starts  # a full batch first, then refills
+        # a full batch first (a group that started late may find fewer than three left), then refills
+        assert afters[:3] == [0] * min(3, len(afters)) and afters == sorted(afters), starts
     assert any(after % 3 for group in starts.values() for _, after in group), starts  # a slot refilled alone
     records = read_jsonl(out)
     assert sorted(r["id"] for r in records) == sorted(f"p{i}" for i in range(len(texts)))
@@ -859,7 +866,8 @@ def test_single_prompt_streams_on_a_local_instance(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_resume_rebuilds_the_job_store(cluster, tiny_dir, tmp_path):
     """Under Ray, --resume starts the job store from the records already written (pool_scope: job): the resumed
-    job saves the store of the uninterrupted one."""
+    job saves the generations of the uninterrupted one. In another order: a job runs its prompts longest first, so
+    the two prompts the interrupted job ran went first whatever their length."""
     import json
 
     everything = write_prompts(tmp_path / "all.jsonl", PROMPTS)
@@ -876,7 +884,8 @@ def test_resume_rebuilds_the_job_store(cluster, tiny_dir, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     store_whole, store_resumed = (json.loads((tmp_path / f).read_text()) for f in ("w.json", "r.json"))
     assert store_whole["generations"] == len(PROMPTS)
-    assert store_resumed["sequences"] == store_whole["sequences"]
+    assert sorted(store_resumed["sequences"]) == sorted(store_whole["sequences"])
+    assert store_resumed["generations"] == store_whole["generations"]
 
 
 _SIGTERM_IN_A_WEAKREF_CALLBACK = """
