@@ -56,7 +56,7 @@ def model_section(folder: Path) -> list[str]:
     tokens = sum(len(r["output_ids"]) for r in records if tuple(r["window"]) == GREEDY)
     seconds = sum(r["seconds"] for r in records)
     lines = [
-        f"### {meta.get('model', folder.name)}",
+        f"### {meta.get('model', folder.name)}: {folder.name}",
         "",
         f"{len(ids)} prompts ({sum(k == 'code' for k in kinds.values())} code, "
         f"{sum(k == 'chat' for k in kinds.values())} chat), {tokens} greedy output tokens; recorded in "
