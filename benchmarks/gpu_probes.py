@@ -175,27 +175,3 @@ def capture_counts(device: torch.device) -> dict[str, int] | None:
     graphs = sum(nodes(roots) for roots in manager.roots.values())
     rerecords = sum(sum(per_function.values()) for per_function in manager.num_rerecord.values())
     return {"graphs": graphs, "rerecords": rerecords}
-
-
-def tf32_flags() -> dict[str, object]:
-    """Each reader of the float32 matmul precision (inductor reads the legacy ones while it compiles), its value or
-    ``"raises"`` (torch raises where the legacy record and a per-backend flag disagree)."""
-    backends = torch.backends
-    readers = {
-        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
-        "cuda.matmul.allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
-        "cudnn.allow_tf32": lambda: backends.cudnn.allow_tf32,
-    }
-    for name in ("cuda.matmul", "cudnn.conv", "cudnn.rnn"):
-        holder = backends
-        for part in name.split("."):
-            holder = getattr(holder, part, None)
-        if holder is not None and hasattr(holder, "fp32_precision"):
-            readers[f"{name}.fp32_precision"] = lambda holder=holder: holder.fp32_precision
-    out: dict[str, object] = {}
-    for name, read in readers.items():
-        try:
-            out[name] = read()
-        except RuntimeError:
-            out[name] = "raises"
-    return out

@@ -285,3 +285,28 @@ def resolve_threads(threads: int, cores: int | None = None, local_ranks: int | N
     cores = available_cores() if cores is None else cores
     local_ranks = local_world_size() if local_ranks is None else local_ranks
     return max(1, cores // max(1, local_ranks))
+
+
+def fp32_precision_readings() -> dict[str, object]:
+    """Every reader of the TF32 choice that inductor, cuBLAS or cuDNN may consult, its value or "raises" (torch
+    raises when a reading of the legacy record disagrees with a per-backend flag): what ``set_fp32_precision``
+    must leave agreeing, read back by the GPU check and the tests."""
+    backends = torch.backends
+    readers = {
+        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+        "cuda.matmul.allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": lambda: backends.cudnn.allow_tf32,
+    }
+    for name in ("cuda.matmul", "cudnn.conv", "cudnn.rnn"):
+        holder = backends
+        for part in name.split("."):
+            holder = getattr(holder, part, None)
+        if holder is not None and hasattr(holder, "fp32_precision"):
+            readers[f"{name}.fp32_precision"] = lambda holder=holder: holder.fp32_precision
+    out: dict[str, object] = {}
+    for name, read in readers.items():
+        try:
+            out[name] = read()
+        except RuntimeError:
+            out[name] = "raises"
+    return out

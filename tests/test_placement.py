@@ -28,6 +28,7 @@ from lp_runner.device import (
     Placement,
     bind,
     check_placement,
+    fp32_precision_readings,
     resolve_device,
     resolve_dist_backend,
     resolve_dtype,
@@ -225,30 +226,6 @@ def node(monkeypatch: pytest.MonkeyPatch, tf32_flags):
     return Node(monkeypatch)
 
 
-def tf32_readings() -> dict[str, object]:
-    """Every reader of the TF32 choice that inductor, cuBLAS or cuDNN may consult, its value or "raises" (torch
-    raises when a reading of the legacy record disagrees with a per-backend flag)."""
-    backends = torch.backends
-    readers = {
-        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
-        "cuda.matmul.allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
-        "cudnn.allow_tf32": lambda: backends.cudnn.allow_tf32,
-    }
-    for name in ("cuda.matmul", "cudnn.conv", "cudnn.rnn"):
-        holder = backends
-        for part in name.split("."):
-            holder = getattr(holder, part, None)
-        if holder is not None and hasattr(holder, "fp32_precision"):
-            readers[f"{name}.fp32_precision"] = lambda holder=holder: holder.fp32_precision
-    out: dict[str, object] = {}
-    for name, read in readers.items():
-        try:
-            out[name] = read()
-        except RuntimeError:
-            out[name] = "raises"
-    return out
-
-
 def _only_new_api_tf32() -> None:
     """What the old ``bind`` left on torch >= 2.9: the per-backend flag alone, the legacy record disagreeing."""
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
@@ -281,7 +258,7 @@ def test_binding_leaves_every_tf32_reader_in_agreement(node: Node, before, tf32:
         "cuda.matmul.allow_tf32": tf32,
         "cudnn.allow_tf32": tf32,
     }
-    readings = tf32_readings()
+    readings = fp32_precision_readings()
     expected.update({name: precision for name in readings if name.endswith(".fp32_precision")})
     assert readings == expected
     assert node.calls == [("set_device", CUDA0)]
@@ -293,7 +270,7 @@ def test_the_per_backend_flag_alone_is_what_broke_compiles(tf32_flags) -> None:
     if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         pytest.skip("this torch has no per-backend fp32_precision flags")
     _only_new_api_tf32()
-    assert tf32_readings()["get_float32_matmul_precision"] == "raises"
+    assert fp32_precision_readings()["get_float32_matmul_precision"] == "raises"
 
 
 class StopAtLoad(Exception):
