@@ -14,8 +14,9 @@ what a CPU cannot tell is None there.
 * ``peak_memory``: ``torch.cuda.max_memory_allocated`` over one call, reset before it.
 * ``capture_counts``: the CUDA graphs inductor's cudagraph tree has recorded on a device and how many it recorded
   again (a graph recorded twice replays stale addresses no more, but costs a capture mid-job); None off CUDA.
-* ``tf32_flags``: every reader of the TF32 choice (torch's legacy record and its per-backend flags), its value or
-  ``"raises"``: the compile probe's evidence that ``device.bind`` left them in agreement.
+* ``device.fp32_precision_readings`` (read here): every reader of the TF32 choice (torch's legacy record and its
+  per-backend flags), its value or ``"raises"``: the compile probe's evidence that ``device.bind`` left them in
+  agreement.
 """
 
 from __future__ import annotations

@@ -68,14 +68,19 @@ from benchmarks.gpu_probes import (  # noqa: E402
     compile_counts,
     host_us,
     peak_memory,
-    tf32_flags,
 )
 from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 from lp_runner.backends.kv_cache import MIN_CAPACITY, static_capacity  # noqa: E402
 from lp_runner.config import Config, GenerationConfig, LookaheadConfig  # noqa: E402
 from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
 from lp_runner.decoding.scheduler import PREFILL_CHUNK_ROWS  # noqa: E402
-from lp_runner.device import bind, place, set_fp32_precision, synchronizer  # noqa: E402
+from lp_runner.device import (  # noqa: E402
+    bind,
+    fp32_precision_readings,
+    place,
+    set_fp32_precision,
+    synchronizer,
+)
 from lp_runner.errors import first_line  # noqa: E402
 from lp_runner.models.loading import weights_checksum  # noqa: E402
 from lp_runner.parallel.comm import SoloCommunicator  # noqa: E402
@@ -514,7 +519,7 @@ def probe_part(args: argparse.Namespace, out: Path) -> bool:
     placement = place(args.device, "auto")
     bind(placement)
     result: dict = {**_header(args, "a float32 matmul", torch.float32), "placement": placement.describe()}
-    result["flags"] = flags = tf32_flags()
+    result["flags"] = flags = fp32_precision_readings()
     _write(out, {**result, "complete": False, "stage": "compile"})
     a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)  # [256, 256] each
     start = time.perf_counter()
@@ -542,7 +547,7 @@ def identity_part(args: argparse.Namespace, out: Path) -> bool:
     model, label, tokenizer = load_model(args, torch.float32)
     items = prompts(args, tokenizer, model.config.vocab_size)
     result: dict = {**_header(args, label, torch.float32), "new_tokens": args.new, "prompts": len(items)}
-    result.update(tf32=tf32_flags(), runs={}, complete=False, stage="hf-greedy")
+    result.update(tf32=fp32_precision_readings(), runs={}, complete=False, stage="hf-greedy")
     _write(out, result)
     oracle = [hf_greedy(model, ids, args.new) for ids in items]
     counts = compile_counts()

@@ -22,7 +22,8 @@ import torch
 from dist_helpers import REPO, env_with_repo
 
 from benchmarks.gpu_check import STEP_JSONS, cmd_cli_json, cmd_summarize
-from benchmarks.gpu_probes import capture_counts, compile_check, compile_counts, tf32_flags
+from benchmarks.gpu_probes import capture_counts, compile_check, compile_counts
+from lp_runner.device import fp32_precision_readings
 
 RETURN_FILES = {"gpu_check_summary.md", "gpu_check.tar.gz"}
 MAX_RETURN_BYTES = 16 * 2**20
@@ -56,7 +57,7 @@ def test_compile_counts_reads_this_torchs_counters():
 def test_probes_read_the_flags_and_leave_capture_counts_to_cuda():
     """The probe's TF32 readers answer on a CPU (the legacy ones and, on this torch, the per-backend ones); a CPU
     records no CUDA graph, so its capture counts are None, not 0."""
-    flags = tf32_flags()
+    flags = fp32_precision_readings()
     assert flags["get_float32_matmul_precision"] in ("highest", "high", "medium", "raises")
     assert "cuda.matmul.fp32_precision" in flags  # torch 2.13 has the per-backend flags
     assert capture_counts(torch.device("cpu")) is None
