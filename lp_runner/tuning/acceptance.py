@@ -40,7 +40,7 @@ from lp_runner.tuning.costmodel import RoundShape
 TABLE_FORMAT = 1
 GREEDY = (0, 0, 0)  # the record that holds a prompt's output: no window, one candidate
 # The default grid, cheapest first (rows per round at P = 1 grow with W x (N - 1) + G x (N - 1)): the Lookahead
-# paper's W = G shapes from 7-5-7 to 31-11-31, and W != G on both sides, so a fit can tell the window's columns
+# paper's W = G shapes from 7-5-7 to 63-8-63, and W != G on both sides, so a fit can tell the window's columns
 # from its candidates and N from both.
 DEFAULT_WINDOWS: tuple[tuple[int, int, int], ...] = (
     (7, 5, 7),
@@ -302,7 +302,8 @@ def window_summary(window: Sequence[int], recs: Sequence[dict]) -> dict:
     out.update(rows_per_round=round(mean_rows(recs), 1), prompts=len(recs))
     for kind in sorted({r["kind"] for r in recs}):
         part = [r for r in recs if r["kind"] == kind]
-        out[kind] = {"tokens_per_forward": round(decode_tpf(part), 4), "interval": list(bootstrap(part, decode_tpf))}
+        lo, hi = bootstrap(part, decode_tpf)
+        out[kind] = {"tokens_per_forward": round(decode_tpf(part), 4), "interval": [round(lo, 4), round(hi, 4)]}
     out["interval"] = [round(x, 4) for x in out["interval"]]
     return out
 
@@ -433,7 +434,7 @@ def fingerprint(model) -> str:
     return h.hexdigest()[:32]
 
 
-CACHE_FOLDER = "acceptance"  # under lp_runner's cache: tables ``record_for_model`` wrote, one per model fingerprint
+CACHE_FOLDER = "acceptance"  # under lp_runner's cache: the tables ``study --record-acceptance`` wrote, one per model
 
 
 def cached_table_path(cache_root: Path, model_fingerprint: str) -> Path:
