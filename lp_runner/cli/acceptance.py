@@ -76,7 +76,11 @@ def record_acceptance(
     adapter = ModelAdapter(model, backend=backend)
     gen = generation_config(cfg.generation.max_new_tokens)
     eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or ([tokenizer.eos_token_id] if tokenizer.eos_token_id else []))
+    eos = (
+        [eos]
+        if isinstance(eos, int)
+        else list(eos or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+    )
     checked = prepare_prompts(specs, tokenizer, cfg.generation.max_new_tokens, adapter.max_positions, "stop")
     prompts = [
         PromptToRecord(s.id, "chat" if s.messages is not None else "completion", ids)

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         if isinstance(exc, StudyInterrupted):
             return EXIT_INTERRUPTED
-        return exc.code if isinstance(exc, (RunFailed, NotExact)) else EXIT_USER_ERROR
+        from lp_runner.tuning.acceptance import NotGreedy
+
+        return exc.code if isinstance(exc, (RunFailed, NotExact, NotGreedy)) else EXIT_USER_ERROR
 
 
 @dataclass

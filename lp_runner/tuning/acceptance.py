@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from lp_runner.config import GenerationConfig, LookaheadConfig
-from lp_runner.errors import InputError
+from lp_runner.errors import InputError, LPError
 from lp_runner.tuning.costmodel import RoundShape
 
 TABLE_FORMAT = 1
@@ -133,6 +133,13 @@ def lookahead_for(window: Sequence[int]) -> LookaheadConfig:
     return LookaheadConfig(preset="off", window_size=w, ngram_size=n, verification_set_size=g)
 
 
+class NotGreedy(LPError):
+    """A window's output differs from the prompt's greedy one: its counts would not be the model's acceptance, so
+    the recording stops (exit ``code``), keeping every record made before."""
+
+    code = 1
+
+
 def read_records(path: Path) -> list[dict]:
     """Every whole line of a recording (a torn last line, from a kill mid-write, is skipped and rewritten)."""
     if not path.is_file():
@@ -178,7 +185,10 @@ def record(
                     greedy[p.id] = output
                     rec.update(prompt_ids=list(p.ids), output_ids=list(output))
                 elif output != greedy[p.id]:
-                    raise RuntimeError(f"{p.id} at {window_label(window)}: output differs from greedy (not exact)")
+                    raise NotGreedy(
+                        f"{p.id} at {window_label(window)}: the output differs from the prompt's greedy output (in "
+                        "half precision a top-two tie can; record in float32)"
+                    )
                 rec.update(
                     new_tokens=len(output),
                     forwards=len(rounds),

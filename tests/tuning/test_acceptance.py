@@ -15,6 +15,7 @@ from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.errors import InputError
 from lp_runner.tuning.acceptance import (
     GREEDY,
+    NotGreedy,
     PromptToRecord,
     fingerprint,
     generation_config,
@@ -78,7 +79,7 @@ def test_recording_resumes_after_a_torn_line_and_checks_every_window_against_gre
         output, rounds = run(la, ids)
         return [*output[:-1], output[-1] + 1], rounds
 
-    with pytest.raises(RuntimeError, match="differs from greedy"):
+    with pytest.raises(NotGreedy, match="differs from the prompt's greedy output"):
         record(wrong, prompts, [(5, 3, 5)], out, log=lambda m: None)
 
 
