@@ -21,15 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lp_runner.tuning.acceptance import (  # noqa: E402
     DEFAULT_WINDOWS,
     PromptToRecord,
-    fingerprint,
-    generation_config,
     read_records,
     record,
     table,
@@ -54,13 +50,13 @@ def main() -> None:
     name = MODELS.get(args.model, args.model)
     records_file = args.out / "records.jsonl"
     if not args.table_only:
-        torch.set_num_threads(args.threads)
-        run, tokenizer, weights = _runner(args.model, args.max_new_tokens)
+        rec = _recorder(args.model, args.max_new_tokens, args.threads)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "model.json").write_text(json.dumps({"model": name, "weights": weights}) + "\n", encoding="utf-8")
-        prompts = _prompts(args.prompts, tokenizer)
+        model_json = json.dumps({"model": name, "weights": rec.weights}) + "\n"
+        (args.out / "model.json").write_text(model_json, encoding="utf-8")
+        prompts = _prompts(args.prompts, rec.tokenizer)
         start = time.time()
-        record(run, prompts, windows, records_file, log=lambda m: print(m, file=sys.stderr, flush=True))
+        record(rec.run, prompts, windows, records_file, log=lambda m: print(m, file=sys.stderr, flush=True))
         print(f"recorded in {time.time() - start:.0f} s", file=sys.stderr)
     weights = json.loads((args.out / "model.json").read_text(encoding="utf-8"))["weights"]
     prompts = Path(args.prompts).name
@@ -75,32 +71,18 @@ def main() -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
-def _runner(model_name: str, max_new_tokens: int):
-    """(run(lookahead, ids) -> (output ids, round records), tokenizer, the model's fingerprint) on the CLI's CPU
-    backend."""
-    from lp_runner.backends import select_backend
-    from lp_runner.backends.adapter import ModelAdapter
-    from lp_runner.decoding.engine import LookaheadEngine
-    from lp_runner.models.loading import load_model_and_tokenizer, resolve_model_path
+def _recorder(model_name: str, max_new_tokens: int, threads: int):
+    """The model loaded as ``lp_runner study --record-acceptance`` loads it (``cli.acceptance.load_recorder``)."""
+    from lp_runner.cli.acceptance import load_recorder
+    from lp_runner.config import load_config
 
     spec = model_name
     if model_name == "qwen-coder":
         from benchmarks.real_model import qwen_coder_gguf
 
         spec = str(qwen_coder_gguf())
-    model, tokenizer, _ = load_model_and_tokenizer(resolve_model_path(spec), dtype=torch.float32)
-    weights = fingerprint(model)  # before the backend repacks the weights
-    backend = select_backend("auto", model, torch.device("cpu"), agree=lambda ms: ms)
-    adapter = ModelAdapter(model, backend=backend)
-    gen = generation_config(max_new_tokens)
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
-
-    def run(la, ids):
-        res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))
-        return list(res.output_ids), list(res.stats.records)
-
-    return run, tokenizer, weights
+    sets = [f"model.path={spec}", f"generation.max_new_tokens={max_new_tokens}", f"model.threads={threads}"]
+    return load_recorder(load_config(None, sets))
 
 
 def _prompts(source: str, tokenizer) -> list[PromptToRecord]:

@@ -12,17 +12,18 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from lp_runner.config import Config
+from lp_runner.config import Config, GenerationConfig, LookaheadConfig
 from lp_runner.errors import InputError
 from lp_runner.tuning.acceptance import (
     DEFAULT_WINDOWS,
     PromptToRecord,
     cached_table_path,
-    generation_config,
     read_records,
     record,
     table,
@@ -50,21 +51,28 @@ def parse_windows(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def record_acceptance(
-    cfg: Config, prompts_path: str, out: Path, windows: Sequence[tuple[int, int, int]], log: Callable[[str], None]
-) -> dict:
-    """Record, write the table (``OUT/table.json`` and the cache's copy for this model) and return it."""
+@dataclass
+class Recorder:
+    """The configured model loaded as a job's is, ready to record: ``run(lookahead, ids)`` generates once and
+    returns (output ids, the generation's ``RoundRecord``s)."""
+
+    run: Callable[[LookaheadConfig, Sequence[int]], tuple[list[int], list]]
+    tokenizer: Any
+    max_positions: int | None
+    weights: str  # the model's ``acceptance.fingerprint``, taken before the backend repacks the weights
+    dtype: torch.dtype
+    cache_root: Path
+
+
+def load_recorder(cfg: Config) -> Recorder:
+    """Load ``cfg``'s model (placement, dtype, threads, backend as a job does) for ``acceptance.record``."""
     from lp_runner.backends import select_backend
     from lp_runner.backends.adapter import ModelAdapter
     from lp_runner.decoding.engine import LookaheadEngine
     from lp_runner.device import bind, place, resolve_threads
-    from lp_runner.jobs.prompts import prepare_prompts, read_prompts
     from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
     from lp_runner.tuning.acceptance import fingerprint
 
-    specs = read_prompts(prompts_path)
-    if not specs:
-        raise InputError(f"{prompts_path}: no prompts to record on")
     placement = place(cfg.model.device, cfg.model.dtype)
     bind(placement)
     torch.set_num_threads(resolve_threads(cfg.model.threads))
@@ -74,31 +82,41 @@ def record_acceptance(
     cache_root = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else default_cache_dir()
     backend = select_backend(cfg.model.backend, model, placement.device, config=cfg.model, cache_root=cache_root)
     adapter = ModelAdapter(model, backend=backend)
-    gen = generation_config(cfg.generation.max_new_tokens)
+    gen = GenerationConfig(max_new_tokens=cfg.generation.max_new_tokens)
     eos = model.generation_config.eos_token_id
-    eos = (
-        [eos]
-        if isinstance(eos, int)
-        else list(eos or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
-    )
-    checked = prepare_prompts(specs, tokenizer, cfg.generation.max_new_tokens, adapter.max_positions, "stop")
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def run(la: LookaheadConfig, ids: Sequence[int]) -> tuple[list[int], list]:
+        res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))
+        return list(res.output_ids), list(res.stats.records)
+
+    return Recorder(run, tokenizer, adapter.max_positions, weights, placement.dtype, cache_root)
+
+
+def record_acceptance(
+    cfg: Config, prompts_path: str, out: Path, windows: Sequence[tuple[int, int, int]], log: Callable[[str], None]
+) -> dict:
+    """Record, write the table (``OUT/table.json`` and the cache's copy for this model) and return it."""
+    from lp_runner.jobs.prompts import prepare_prompts, read_prompts
+
+    specs = read_prompts(prompts_path)
+    if not specs:
+        raise InputError(f"{prompts_path}: no prompts to record on")
+    rec = load_recorder(cfg)
+    checked = prepare_prompts(specs, rec.tokenizer, cfg.generation.max_new_tokens, rec.max_positions, "stop")
     prompts = [
         PromptToRecord(s.id, "chat" if s.messages is not None else "completion", ids)
         for s, ids in zip(checked.specs, checked.ids, strict=True)
     ]
-
-    def run(la, ids):
-        res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))
-        return list(res.output_ids), list(res.stats.records)
-
     records_file = out / "records.jsonl"
-    record(run, prompts, windows, records_file, log)
-    name = f"{cfg.model.path} ({placement.dtype}), greedy".replace("torch.", "")
-    data = table(
-        read_records(records_file), name, Path(prompts_path).name, cfg.generation.max_new_tokens, weights, True
-    )
+    record(rec.run, prompts, windows, records_file, log)
+    name = f"{cfg.model.path} ({rec.dtype}), greedy".replace("torch.", "")
+    max_new = cfg.generation.max_new_tokens
+    data = table(read_records(records_file), name, Path(prompts_path).name, max_new, rec.weights, True)
     text = json.dumps(data, separators=(",", ":")) + "\n"
-    for target in (out / "table.json", cached_table_path(cache_root, weights)):
+    for target in (out / "table.json", cached_table_path(rec.cache_root, rec.weights)):
         _write_atomic(target, text)
         log(f"wrote {target}")
     return data

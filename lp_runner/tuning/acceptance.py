@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.config import LookaheadConfig
 from lp_runner.errors import InputError, LPError
 from lp_runner.tuning.costmodel import RoundShape
 
@@ -348,10 +348,6 @@ def slope_interval(by_window: dict[tuple, Sequence[dict]], seed: int = 0) -> tup
     rng = random.Random(seed)
     draws = sorted(fit([rng.randrange(n) for _ in range(n)]) for _ in range(BOOTSTRAP_DRAWS // 4))
     return fit(range(n)), draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
-
-
-def generation_config(max_new_tokens: int) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=max_new_tokens)
 
 
 @dataclass(frozen=True)

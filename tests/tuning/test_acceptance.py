@@ -10,7 +10,7 @@ import torch
 from helpers import curve_from_ms, random_prompt, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter
-from lp_runner.config import LookaheadConfig
+from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.errors import InputError
 from lp_runner.tuning.acceptance import (
@@ -18,7 +18,6 @@ from lp_runner.tuning.acceptance import (
     NotGreedy,
     PromptToRecord,
     fingerprint,
-    generation_config,
     load_table,
     read_records,
     record,
@@ -37,7 +36,7 @@ AMD_MS = {1: 10.0, 8: 11.0, 16: 13.0, 32: 17.0, 64: 26.0, 128: 45.0}
 
 def _runner(model, max_new_tokens: int):
     adapter = ModelAdapter(model)
-    gen = generation_config(max_new_tokens)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
 
     def run(la, ids):
         res = LookaheadEngine(adapter, la, gen, []).generate(list(ids))
