@@ -39,7 +39,7 @@ def _time_kernels(
 
     ``libs``: the native builds by name ("native", and "native@base" with ``--baseline``), each routed in before
     its calls are timed. The order rotates call by call, so that no kernel always runs in the caches another left."""
-    tiled = mask.repeat(groups, 1)[None, None]  # packed row r reads round row r % Q, as packed_gqa_sdpa tiles it
+    tiled = mask.repeat(groups, 1)[None, None]  # packed row r reads round row r % Q, as round_mask tiles it
     kernels = {name: (lib, lambda: native.attention(query, key, value, mask, scale)) for name, lib in libs.items()}
     kernels["sdpa"] = (
         None,

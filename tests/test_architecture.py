@@ -249,6 +249,37 @@ def test_one_kv_layer_kind_one_arena_one_forward_one_round_loop() -> None:
         assert _grep(rf"\b{removed}\b") == [], removed
 
 
+def test_one_stager_one_mask_builder_one_round_function() -> None:
+    """Every round, eager or compiled, on any backend: staged by one function (``staging.stage``), masked by one
+    (``round_mask.round_mask``), run by one (``rounds.Rounds._round``), which the adapter's one entry
+    (``ModelAdapter.run``) reaches through ``Rounds.forward``. The backend's whole layers plug in under it, chosen at
+    construction: no ``forward_model`` returns None for the round to fall back on another path. What the merge made
+    redundant is gone, not wrapped."""
+    backends = PACKAGE / "backends"
+    stagers = {f"{p.relative_to(REPO)}:{f}" for p in sorted(PACKAGE.rglob("*.py")) for f, _ in _calls(p, name="stage")}
+    assert stagers == {"lp_runner/backends/rounds.py:forward"}
+    builders = {
+        f"{p.relative_to(REPO)}:{f}" for p in sorted(PACKAGE.rglob("*.py")) for f, _ in _calls(p, name="round_mask")
+    }
+    assert builders == {"lp_runner/backends/rounds.py:_round"}
+    # an additive mask is made where a hidden value is written: the dtype's min, in the one builder only
+    hidden = {entry.split(":")[0] for entry in _grep(r"finfo\(.*\)\.min") if "cpu/native.py" not in entry}
+    assert hidden == {"lp_runner/backends/round_mask.py"}  # (native.py's is its self-test's random mask)
+    model_calls = {f for p in sorted(PACKAGE.rglob("*.py")) for f, r in _calls(p, attribute="call") if r == "self"}
+    assert model_calls == {"_round"}
+    forwards = {f"{f}:{r}" for f, r in _calls(backends / "adapter.py", attribute="forward") if "rounds" in r}
+    assert forwards == {"run:self.rounds"}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "forward_model":
+                returns = [r for r in ast.walk(node) if isinstance(r, ast.Return)]
+                assert all(r.value is not None and ast.unparse(r.value) != "None" for r in returns), path
+    removed_names = ("pack_round", "BatchRound", "Segments", "SegmentedRound", "batched_attention", "packed_gqa_sdpa",
+                     "native_gqa_attention", "StaticRounds", "segment_attention", "_eager")  # fmt: skip
+    for removed in removed_names:
+        assert _grep(rf"\b{removed}\b") == [], removed
+
+
 def _calls(path: Path, attribute: str | None = None, name: str | None = None) -> list[tuple[str, str]]:
     """(enclosing function, receiver) of every call in ``path`` of the method ``attribute`` (``x.run(...)``:
     receiver ``x``'s source) or of the function ``name`` (receiver '')."""

@@ -7,12 +7,12 @@ once, from the model's own signature (no class-name sniffing), and ``tests/backe
 operation on every supported model family and on the oldest supported transformers.
 
 Every round is one call, ``ModelAdapter.run``: one or more segments (one generation each: a lookahead round, a
-prefill chunk) packed into one forward (``backends.batch``), each writing its K/V at its own slots of one arena
-(``backends.kv_cache.KVArena``) and reading its own region only. The same function serves one generation and a
-batch, eager and compiled: on the backend's whole layers where it has them (the CPU plug-in), else on
-transformers' layers with each segment's attention (``attention.batched_attention``), or, for a model whose
-attention cannot take segments, one segment under a 4-D mask over the arena; rounds at a fixed row bucket
-(``static_rounds``: compiled, captured on CUDA) where the adapter is bucketed.
+prefill chunk) in one forward, each writing its K/V at its own slots of one arena (``backends.kv_cache.KVArena``)
+and reading its own region only. Under it is one round function (``rounds.Rounds``): the round staged once
+(``staging``), its mask built once (``round_mask``), then run on the backend's whole layers where it has them (the
+CPU plug-in), else on transformers' layers with the round's attention (by keyword, or the model's own under the
+round's mask); at fixed row buckets, compiled and captured on CUDA, where the adapter is bucketed. What runs is
+chosen once, here; no round falls back to another path.
 
 The kernels under the forward are its backend's (``backends.base.ForwardBackend``, chosen once at load by
 ``backends.select_backend``): the adapter asks it which attention a packed round runs and whether it runs whole
@@ -20,13 +20,14 @@ decoder layers itself, and never tests a kernel's name.
 
 Sliding-window layers (Mistral, Qwen2 with sliding layers, Gemma 2/3 local layers) keep every position here, like
 full layers, and see their window through the mask instead: each packed row masks the keys more than ``window - 1``
-positions before its own (``batch.pack_round``, ``round_mask``), so the window is per row, as in one-row decoding,
+positions before its own (``round_mask``), so the window is per row, as in one-row decoding,
 at any length. Hybrid models get one mask per layer type (``{"full_attention": ..., "sliding_attention": ...}``, the
 mapping transformers' hybrid models accept in place of a 4-D mask).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Sequence
@@ -36,18 +37,12 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from lp_runner.backends import detect_backend
-from lp_runner.backends.attention import (
-    ROUND_KEYWORD,
-    SegmentedRound,
-    batched_attention,
-    reaches_attention,
-    supports_round_attention,
-)
+from lp_runner.backends.attention import reaches_attention, supports_round_attention
 from lp_runner.backends.base import ForwardBackend
-from lp_runner.backends.batch import BatchRound, RoundRows, Rows, pack_round
 from lp_runner.backends.kv_cache import MIN_CAPACITY, KVArena, KVRegion
 from lp_runner.backends.model_call import ModelCall
-from lp_runner.backends.static_rounds import StaticRounds
+from lp_runner.backends.rounds import Rounds
+from lp_runner.backends.staging import RoundRows, Rows
 from lp_runner.errors import LPError
 
 SLIDING = "sliding_attention"  # the layer type whose mask is windowed (transformers' name in ``layer_types``)
@@ -68,11 +63,11 @@ class ModelAdapter:
         backend: ForwardBackend | None = None,
         bucketed: bool | None = None,
     ) -> None:
-        """``compile``: rounds through ``torch.compile`` at row buckets (``static_rounds.StaticRounds``; CUDA
-        graphs on a GPU); eager stays the fallback and the oracle. ``backend``: the kernels the forward runs on,
-        chosen at load (``backends.select_backend``); default: the model's own (``backends.detect_backend``).
-        ``bucketed`` (None: on a CUDA device, or compiled): every round, of one generation or several, at a row
-        bucket on the arena's fixed addresses, its mask built on the device (``round_mask``)."""
+        """``compile``: rounds through ``torch.compile`` at row buckets (``rounds.Rounds``; CUDA graphs on a GPU);
+        eager stays the fallback and the oracle. ``backend``: the kernels the forward runs on, chosen at load
+        (``backends.select_backend``); default: the model's own (``backends.detect_backend``). ``bucketed`` (None:
+        on a CUDA device, or compiled): every round, of one generation or several, at a row bucket on the arena's
+        fixed addresses."""
         self.model = model
         self.compiled = compile
         params = inspect.signature(model.forward).parameters
@@ -95,12 +90,12 @@ class ModelAdapter:
         self.backend = backend.transformers_layers() if compile else backend
         self.vocab_size = model.config.get_text_config().vocab_size
         # (K/V heads, head dim) of every attention layer; and whether transformers' layers take a round's own
-        # attention (``batched_attention`` over a batch's segments, a bucketed round's ``round_attention``): plain
-        # sdpa layers that hand the forward's keywords down. Any other attention runs one segment under a 4-D mask
-        self.kv_shape, self.segmented = self._probe()
+        # attention by keyword: plain sdpa layers that hand the forward's keywords down. Any other attention runs
+        # under the round's mask as a 4-D mask
+        self.kv_shape, self.keyword = self._probe()
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        bucketed = (self.device.type == "cuda" or compile) if bucketed is None else bucketed or compile
-        self.rounds = self._static_rounds() if bucketed else None
+        self.bucketed = (self.device.type == "cuda" or compile) if bucketed is None else bucketed or compile
+        self.rounds = self._rounds()
         self._arena: KVArena | None = None  # the job's arena, held across jobs and calls (``claim_arena``)
         self._claimed = False
         self._arena_lock = threading.Lock()
@@ -144,34 +139,42 @@ class ModelAdapter:
             )
         return (heads, dim), keyword
 
-    def _static_rounds(self) -> StaticRounds:
-        return StaticRounds(
-            self.call, self.dtype, self.device, self.kv_shape, compile=self.compiled, attention_keyword=self.segmented
+    def _rounds(self) -> Rounds:
+        """The one round function, its layers and attention chosen here, once: the backend's whole layers where
+        it has them, else transformers' layers with the backend's round attention where they take it by keyword."""
+        backend = self.backend
+        return Rounds(
+            self.call,
+            self.dtype,
+            self.device,
+            self.kv_shape,
+            layers=functools.partial(backend.forward_model, self.model) if backend.whole_layers else None,
+            attention=backend.round_attention if self.keyword else None,
+            tiled_mask=backend.tiled_mask,
+            bucketed=self.bucketed,
+            compile=self.compiled,
         )
 
     def _check_takes_packed_masks(self) -> None:
         """Find how this model's transformers layers take a round, or refuse it in one line.
 
-        A model whose sdpa layers hand the forward's keywords down to their attention takes the round's segments
-        (``batched_attention``); one whose layers do not (StableLM, Falcon) fails on the placeholder mask, loudly,
-        and takes a 4-D mask over its region instead. ALiBi models (BLOOM, Falcon with ``alibi``) build their
-        position bias from a 2-D padding mask and fail on a 4-D one too: refused. A two-token forward of each
-        finds out, before any prompt is run or anything is compiled.
-        """
+        A model whose sdpa layers hand the forward's keywords down to their attention takes the round's attention
+        by keyword; one whose layers mishandle it fails, loudly, and runs its own attention under the round's
+        mask instead. ALiBi models (BLOOM, Falcon with ``alibi``) build their position bias from a 2-D padding
+        mask and fail on a 4-D one: refused. A two-token round of each finds out, before any prompt is run or
+        anything is compiled."""
 
         def two_tokens() -> None:
-            self.forward(
-                torch.zeros(2, dtype=torch.long), torch.arange(2), causal(2), self.new_cache(), torch.tensor([1])
-            )
+            region = self.new_cache(2)
+            self.run([Rows([0, 0], [0, 1], causal(2), [1])], [region])
 
-        if self.segmented:
+        if self.keyword:
             try:
                 two_tokens()
                 return
-            except Exception:  # noqa: BLE001 - the model's own code refused the segments: try the 4-D mask
-                self.segmented = False
-                if self.rounds is not None:
-                    self.rounds = self._static_rounds()  # the model's own attention, over the whole buffer
+            except Exception:  # noqa: BLE001 - the model's own code refused the round's attention: try the mask
+                self.keyword = False
+                self.rounds = self._rounds()
         try:
             two_tokens()
         except Exception as exc:  # whatever the model's own code raised: the message says which model and why
@@ -200,7 +203,7 @@ class ModelAdapter:
             capacity,
             attention_layer=_is_attention_layer,
             growable=growable,
-            spare=MIN_CAPACITY if self.rounds is not None else 0,
+            spare=MIN_CAPACITY if self.bucketed else 0,
         )
 
     def claim_arena(self, capacity: int) -> KVArena:
@@ -241,7 +244,7 @@ class ModelAdapter:
     def region_size(self, need: int) -> int:
         """The slots a generation of at most ``need`` positions (its prompt, its budget and one round) holds:
         a bucketed round pads its rows to the bucket, and the fillers' K/V lands past the round's rows."""
-        return need + (self.rounds.ladder.max_rows if self.rounds is not None else 0)
+        return need + (self.rounds.ladder.max_rows if self.bucketed else 0)
 
     def new_cache(self, capacity: int = 0) -> KVRegion:
         """A scratch generation's K/V (probes, measurements, tests): the one region of an arena of its own,
@@ -278,78 +281,18 @@ class ModelAdapter:
         rows = [len(r.tokens) for r in rounds]
         for region, p, q in zip(regions, past, rows, strict=True):
             region.reserve(p + q)
-        if self.rounds is not None:
-            pad = self.rounds.ladder.rows_for(sum(rows)) - sum(rows)  # the fillers' slots, after the last segment's
-            regions[-1].reserve(past[-1] + rows[-1] + pad)
-            logits = self.rounds.forward(rounds, regions)
-        else:
-            windows = list(self.mask_windows.values())
-            logits = self._eager(pack_round(rounds, [r.base for r in regions], past, windows, self.dtype), arena)
+        if self.bucketed:  # the fillers' slots, after the last segment's
+            regions[-1].reserve(past[-1] + rows[-1] + self.rounds.ladder.rows_for(sum(rows)) - sum(rows))
+        logits = self.rounds.forward(rounds, regions)
         for region, p, q in zip(regions, past, rows, strict=True):
             region.length = p + q
         return logits
 
-    def _eager(self, batch: BatchRound, arena: KVArena) -> torch.Tensor:  # [L, vocab]
-        """A packed round, eager: the backend's whole layers where it has them (one call over the segments),
-        else transformers' layers attending per segment, else (one segment) under a 4-D mask over its region."""
-        device = self.device
-        moved = device.type != "cpu"  # the round's host tensors go to the model's device (a CPU's are there)
-
-        def to(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device) if moved else t
-
-        slots = to(batch.slots)
-        seg = batch.segments
-        single = seg.count == 1
-        for layer in arena.layers():
-            layer.write_slots, layer.read_slots = slots, None
-            layer.length = batch.past[0] if single else 0  # what transformers may ask: the cached prefix
-        ids, positions, logit_rows = to(batch.input_ids), to(batch.position_ids), to(batch.logit_rows)
-        if self.backend.whole_layers:
-            masks = {window: to(m) for window, m in batch.masks.items()}
-            logits = self.backend.forward_model(
-                self.model, ids, positions, self.call.mask(masks), arena.cache, logit_rows, segments=seg
-            )
-            if logits is not None:
-                return logits
-        if self.segmented:
-            starts, bases, widths = seg.start.tolist(), seg.base.tolist(), seg.width.tolist()
-            masks = {
-                window: tuple(to(batch.segment_mask(window, b))[None, None] for b in range(seg.count))
-                for window in batch.masks
-            }
-            layer_types = getattr(self.model.config.get_text_config(), "layer_types", None) or [""] * len(
-                arena.cache.layers
-            )
-            rnd = SegmentedRound(
-                rows=tuple(zip(starts[:-1], starts[1:], strict=True)),
-                keys=tuple((b, b + w) for b, w in zip(bases, widths, strict=True)),
-                masks=masks,
-                layer_windows=tuple(self.mask_windows[t if self.mask_per_type else ""] for t in layer_types),
-                inner=self.backend.segment_attention,
-            )
-            # no layer may use it: a mask of no keys broadcasts to none (one of width 1 would broadcast to every
-            # slot), so an attention that is not ``batched_attention`` fails instead of reading other segments' keys
-            placeholder = torch.zeros(1, 1, len(ids), 0, dtype=self.dtype, device=device)
-            masks = dict.fromkeys(batch.masks, placeholder)
-            attend = {ROUND_KEYWORD: batched_attention, "lp_batch": rnd}
-            return self.call(ids, positions, masks, arena.cache, logit_rows, **attend)
-        if not single:
-            raise ValueError(f"{type(self.model).__name__}'s attention takes one generation per round")
-        # the model's own attention over the region's live slots only, under the segment's [Q, past + Q] mask
-        base, width = int(seg.base[0]), int(seg.width[0])
-        for layer in arena.layers():
-            layer.read_slots = (base, base + width)
-        masks = {window: to(batch.segment_mask(window, 0))[None, None] for window in batch.masks}
-        return self.call(ids, positions, masks, arena.cache, logit_rows)
-
     def batch_structure(self) -> str | None:
         """Why this model's layers cannot take a round of several generations (one line), or None where they
-        may: the backend's whole layers, or transformers' sdpa layers that hand the forward's keywords down to
-        their attention over plain attention cache layers. Whether they then compute it exactly is the decoding
-        side's probe (``decoding.batch_round.batch_support``)."""
-        if not (self.backend.whole_layers or self.segmented):
-            return f"{type(self.model).__name__} runs {self.model.config._attn_implementation} attention"
+        may: every layer's K/V in the arena (plain attention cache layers), so the round's one mask keeps each
+        generation to its own region. Whether they then compute it exactly is the decoding side's probe
+        (``decoding.batch_round.batch_support``)."""
         if not all(_is_attention_layer(layer) for layer in DynamicCache(config=self.model.config).layers):
             return "its cache has layers that are not plain attention layers"
         return None

@@ -1,6 +1,6 @@
 """What a forward backend is: the kernels a model's forward runs on, chosen once at load (``backends.select_backend``).
 
-The adapter (``backends.adapter.ModelAdapter``) asks its backend, and nothing else, which attention a packed round
+The adapter (``backends.adapter.ModelAdapter``) asks its backend, and nothing else, which attention a round
 runs, whether the backend runs the decoder layers itself, and what names its forwards in cache keys and records;
 it never tests a kernel's name. Two backends exist: transformers' own layers (``torch_backend.TorchBackend``: what
 a GPU and ``model.backend: torch`` run) and lp_runner's CPU kernels (the ``backends.cpu`` plug-in, imported only
@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import torch
+    from collections.abc import Sequence
 
-    from lp_runner.backends.batch import Segments
+    import torch
 
 
 class ForwardBackend(Protocol):
@@ -23,8 +23,9 @@ class ForwardBackend(Protocol):
 
     name: str  # the backend in records: "torch" or "cpu"
     kernels: str  # the forward's kernels, as cache keys and records name them (e.g. "torch")
-    # one segment's attention in a batched round on transformers' layers (``attention.batched_attention``'s inner)
-    segment_attention: Callable
+    # a round's attention on transformers' layers, passed by keyword (``round_mask.round_attention``'s contract)
+    round_attention: Callable
+    tiled_mask: bool  # whether ``round_attention`` reads the mask tiled for the packed query heads
     # decoder layers the backend runs whole, in one call, on static K/V buffers (``forward_model``); 0: none
     whole_layers: int
 
@@ -36,15 +37,15 @@ class ForwardBackend(Protocol):
     def forward_model(
         self,
         model: torch.nn.Module,
-        input_ids: torch.Tensor,  # [R]
-        position_ids: torch.Tensor,  # [R]
-        mask,  # [mask_size] flat additive masks per segment (``segments``), or {layer type: such a mask}
+        input_ids: torch.Tensor,  # [B]
+        position_ids: torch.Tensor,  # [B]
+        mask,  # the round's [1, 1, B, K] additive mask (``round_mask``, not tiled), or {layer type: such a mask}
         cache,  # the arena's DynamicCache (``kv_cache.ArenaLayer``s), write slots set
         logit_rows: torch.Tensor,  # [L]
-        segments: Segments,
-    ) -> torch.Tensor | None:
-        """A whole round through the backend's own layers: logits [L, vocab], or None where it does not serve this
-        round (no whole layers, another cache or mask), and transformers' layers run it."""
+        spans: Sequence[tuple[int, int, int]],  # per generation: its rows, its region's first slot, its keys
+    ) -> torch.Tensor:
+        """A whole round through the backend's own layers: logits [L, vocab]. Called only where ``whole_layers``
+        is non-zero (the round function decides once, at construction)."""
         ...
 
     def transformers_layers(self) -> ForwardBackend:

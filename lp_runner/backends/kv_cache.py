@@ -10,11 +10,11 @@ chunk or a lookahead round), as gpt-fast's KVCache.update and vLLM's slot mappin
 * A generation owns a contiguous ``KVRegion`` of slots (position j in slot ``base + j``), sized when it starts (its
   prompt, its budget and one round's rows) and freed when it ends. A round writes its rows at explicit slots
   (``ArenaLayer.write_slots``, set by the adapter before the forward) and attention reads each region's live
-  slots only (the segments of ``backends.batch.BatchRound``); nothing is erased: a crop shortens the region's
+  slots only (the round's mask, ``round_mask``); nothing is erased: a crop shortens the region's
   length and the next round overwrites the tail.
 * The arena is allocated once, at the job's need, and grows (a larger tensor holding the old one, every view
   re-made) only when a region no longer fits; ``allocations`` counts the tensors made, since a captured graph
-  reads the arena at fixed addresses (``static_rounds``: a new tensor means graphs recorded again).
+  reads the arena at fixed addresses (``rounds``: a new tensor means graphs recorded again).
 
 Regions are placed first fit. When no gap is large enough the live regions are slid to the front (``compact``:
 a copy of their cached slots, rare) and, if the arena is still too small, it grows. Example (capacity 256):

@@ -3,8 +3,7 @@
 A round hands the model its rows (ids, positions), its masks, the arena's cache and the rows whose logits it
 reads; transformers' keyword for the cache moved (``past_key_values`` up to 5.23, ``cache`` from 5.24) and hybrid
 models take one mask per layer type. ``ModelCall`` resolves both once (the adapter builds it from the model's own
-signature and cache layout), so the eager paths (``adapter``) and the bucketed round that is compiled
-(``static_rounds``) make the same call.
+signature and cache layout) for the one round function (``rounds.Rounds``), eager or compiled.
 """
 
 from __future__ import annotations

@@ -1,22 +1,22 @@
-"""A static round's attention mask, built once per round on the device, and the attention that reads it.
+"""Every round's attention mask, built once per round from its staged inputs, and the attention that reads it.
 
-The eager path builds each segment's [Q, past + Q] float mask on the host (``batch.pack_round``) and every layer's
-attention tiles it for its packed query heads (``packed_gqa_sdpa``). A round at a fixed shape (``static_rounds``)
-instead builds its mask inside the round's own (compiled, captured) function from a few small device tensors: the
-[B, B] in-round visibility (the layout's row roles, already reduced to who sees whom), the cached length and the rows'
-positions. It is built once, already tiled for the packed heads, only as wide as the round's live K/V width
-(``buckets.BucketLadder.kv_width``), and every layer reads that one tensor: ``round_attention`` cuts the K/V buffer to
-the mask's width, so attention reads the live part of the capacity, not all of it.
+The one mask builder of the package. A round (``rounds.Rounds``) builds its mask from a few small tensors of its
+staged inputs (``staging.StagedInputs``): the [B, B] in-round visibility (the layout's row roles, already reduced to
+who sees whom), each row's cached prefix and the rows' positions; on a GPU inside the round's own compiled,
+captured function. It is built once, only as wide as the round's live K/V width (the ladder's power of two on a
+bucketed round, the live end on an eager one), tiled for the packed query heads where the attention wants it, and
+every layer of one window reads that one tensor: ``round_attention`` cuts the K/V buffer to the mask's width, so
+attention reads the live part of the capacity, not all of it. The native layers read the same mask, cut to each
+generation's keys (``cpu.native_layers``).
 
 Slot k of the arena is seen by row i, whose generation's region caches its prefix in slots first[i] .. end[i] - 1
 (its cached positions 0 .. end[i] - first[i] - 1), when
     first[i] <= k < end[i]                           (its cached prefix; every row of the generation sees all of it)
     k = write_slot[j] and visibility[i, j]           (a row of the round, as the round's visibility says)
 and, for a layer with a sliding window w, when also position[i] - position(k) < w, where position(k) is k - first[i]
-for a cached slot and row j's position for the slot row j writes (transformers' rule, per row, as ``batch.
-pack_round`` cuts it). Other generations' slots and slots past the round are hidden: the visibility is
-block-diagonal, one block per generation. This is each segment's mask of ``batch.pack_round`` placed at its region's
-slots and cut to the live width, the same values slot for slot.
+for a cached slot and row j's position for the slot row j writes (transformers' rule, per row, as one-row
+decoding applies it). Other generations' slots and slots past the round are hidden: the visibility is
+block-diagonal, one block per generation.
 
 Example: one generation, first = 0, past = 2, B = 2 rows at positions [2, 3] writing slots [2, 3] with visibility
 [[1, 0], [1, 1]], width 4:
@@ -29,6 +29,8 @@ generation's rows see their own region's slots and none of these.
 from __future__ import annotations
 
 import torch
+
+from lp_runner.backends.attention import pack_heads, special_attention, unpack_heads
 
 
 def round_mask(
@@ -45,19 +47,15 @@ def round_mask(
     """The round's mask for one window (see the module doc), tiled ``groups`` times along the rows (packed row
     g * B + i reads row i). Pure tensor ops on the inputs' device, no host read: it runs inside a captured graph."""
     rows = visibility.shape[0]
-    # the round's row that writes each slot (-1: none); a gather of the visibility then says who sees it
-    writer = torch.full_like(key_slots, -1).scatter(0, write_slots, torch.arange(rows, device=key_slots.device))  # [K]
-    in_round = writer >= 0  # [K]
-    seen = visibility.index_select(1, writer.clamp(min=0)) & in_round  # [B, K]
-    cached = (key_slots >= cached_from[:, None]) & (key_slots < cached_to[:, None])  # [B, K]
-    visible = seen | cached  # [B, K]
+    visible = (key_slots >= cached_from[:, None]) & (key_slots < cached_to[:, None])  # [B, K]: the cached prefix
+    visible.index_copy_(1, write_slots, visibility)  # the round's own slots, as its visibility says
     if window is not None:
-        key_positions = torch.where(
-            in_round, positions.index_select(0, writer.clamp(min=0)), key_slots - cached_from[:, None]
-        )  # [B, K]
-        visible = visible & (positions[:, None] - key_positions < window)  # [B, K]
+        key_positions = (key_slots - cached_from[:, None]).index_copy_(
+            1, write_slots, positions.expand(rows, rows)
+        )  # [B, K]: a cached slot's position in the row's region, a round row's own position
+        visible &= positions[:, None] - key_positions < window
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-        ~visible, torch.finfo(dtype).min
+        visible.logical_not(), torch.finfo(dtype).min
     )  # [B, K]
     if groups > 1:
         mask = mask.repeat(groups, 1)  # [groups * B, K]
@@ -76,14 +74,21 @@ def round_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # ([1, B, H, D], no weights)
     """sdpa over the first K slots of the buffer (K: the mask's width), the ``groups`` query heads of each K/V
-    head packed as rows of that head (``attention.packed_gqa_sdpa``'s layout: head h = kv * groups + g becomes
-    row g * B + i), with the round's one mask as built, no per-layer tiling or repeat of K/V heads."""
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
+    head packed as rows of that head (``attention.pack_heads``: head h = kv * groups + g becomes row g * B + i),
+    with the round's one mask as built, no per-layer tiling or repeat of K/V heads.
+
+    Why packed: transformers' sdpa path serves grouped-query attention with a mask and several rows by
+    ``repeat_kv``, which copies every cached K and V head ``groups`` times, in every layer, on every forward; the
+    packing computes the same per-row dot products on the heads in place."""
+    if special_attention(kwargs):
         raise ValueError("round attention is plain sdpa: no softcap, position bias or attention sinks")
-    batch, heads, rows, dim = query.shape
     kv_heads, width = key.shape[1], attention_mask.shape[-1]
-    packed = query.reshape(batch, kv_heads, heads // kv_heads * rows, dim)  # [1, H_kv, groups * B, D]
     out = torch.nn.functional.scaled_dot_product_attention(
-        packed, key[:, :, :width], value[:, :, :width], attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+        pack_heads(query, kv_heads),
+        key[:, :, :width],
+        value[:, :, :width],
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
     )  # [1, H_kv, groups * B, D]
-    return out.reshape(query.shape).transpose(1, 2).contiguous(), None  # [1, B, H, D]
+    return unpack_heads(out, query.shape), None  # [1, B, H, D]

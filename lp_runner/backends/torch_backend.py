@@ -1,16 +1,15 @@
 """transformers' own layers as a forward backend: what a model on a GPU runs, and any model under
 ``model.backend: torch``.
 
-The adapter's packed rounds still attend through ``attention.packed_gqa_sdpa`` (the K/V heads read in place, not
-repeated per query head) and batched rounds through ``attention.batched_attention`` over it; everything else is
-transformers' and torch's code.
+A round still attends through ``round_mask.round_attention`` (the K/V heads read in place, not repeated per query
+head, over the live part of the arena); everything else is transformers' and torch's code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lp_runner.backends.attention import packed_gqa_sdpa
+from lp_runner.backends.round_mask import round_attention
 
 TORCH_KEY = {"kernels": "torch", "build": ""}  # the calibration and compile-record key fields of torch's kernels
 
@@ -25,14 +24,15 @@ class TorchBackend:
 
     name = "torch"
     kernels = "torch"
-    segment_attention = staticmethod(packed_gqa_sdpa)
+    round_attention = staticmethod(round_attention)
+    tiled_mask = True
     whole_layers = 0
 
     def key(self) -> dict[str, str]:
         return dict(TORCH_KEY)
 
-    def forward_model(self, model, input_ids, position_ids, mask, cache, logit_rows, segments) -> None:
-        return None  # transformers' layers run every round
+    def forward_model(self, model, input_ids, position_ids, mask, cache, logit_rows, spans):
+        raise RuntimeError("transformers' layers run every round here: the torch backend has no whole layers")
 
     def transformers_layers(self) -> TorchBackend:
         return self

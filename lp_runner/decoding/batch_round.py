@@ -1,7 +1,7 @@
 """Whether a model's layers run a round of several generations exactly: probed once per adapter.
 
 A round of several generations (``run.batch`` > 1) is the adapter's one forward over several segments
-(``backends.batch``), each reading its own region of the arena. The layers' structure says whether that can work
+(``backends.staging``), each reading its own region of the arena. The layers' structure says whether that can work
 (``ModelAdapter.batch_structure``); ``probe`` checks that it does, against each generation's round alone.
 """
 
@@ -20,17 +20,16 @@ PROBE_TOLERANCE = {torch.float32: 1e-4}  # logits of a batched round against sep
 def probe(adapter: ModelAdapter) -> str | None:
     """Why ``adapter`` cannot run batched rounds exactly, or None: two generations (prompts of 5 and 3 tokens) as
     one batched prefill, then one batched round of a live key and a 2-token candidate each, against the same
-    rounds run by each generation alone (one segment, on an arena of its own). Catches a model whose layers do
-    not hand the batch down to the attention (it fails on the placeholder mask) or attend across segments."""
-    # the reference rounds run eager on the same kernels: a compiled adapter's graph is for its own job's shapes
-    reference = ModelAdapter(adapter.model, backend=adapter.backend) if adapter.compiled else adapter
+    rounds run by each generation alone (one segment, on an arena of its own). Catches a model whose layers
+    attend across generations. Every round here is on a scratch arena, so a compiled adapter runs its round
+    function eagerly: the same function its graphs were compiled from, no second adapter."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, adapter.vocab_size, (n,), generator=gen).tolist() for n in (5, 3)]
     tol = PROBE_TOLERANCE.get(adapter.dtype, 3e-2)
     try:
         arena = adapter.new_arena(64, growable=True)
         regions = [arena.region(16), arena.region(16)]
-        alone = [reference.new_cache(64) for _ in prompts]
+        alone = [adapter.new_cache(64) for _ in prompts]
         for past in ([0, 0], [len(p) for p in prompts]):
             layouts = [
                 compile_round(p, 0, [[]], (0, 0), []) if not k else compile_round(p[-1:], k, [[]], (0, 0), [p[:2]])
@@ -38,7 +37,7 @@ def probe(adapter: ModelAdapter) -> str | None:
             ]
             got = adapter.run(layouts, regions).float().split([len(la.logit_rows) for la in layouts])
             for b, layout in enumerate(layouts):
-                want = reference.run([layout], [alone[b]]).float()
+                want = adapter.run([layout], [alone[b]]).float()
                 if not torch.allclose(got[b], want, rtol=tol, atol=tol):
                     err = (got[b] - want).abs().max().item()
                     return f"a batched round's logits differ from separate forwards by {err:.3g}"

@@ -61,7 +61,7 @@ class RoundResult:
 def lay_out(state: RoundState, plan: RoundPlan, rank: int, row_plan: RowCounts | None) -> RoundLayout:
     """This rank's share of ``plan`` as one packed round (padded to the row count ``row_plan`` says, if any): its
     tokens and positions, and its shape's mask and logit rows (made once per shape). It makes no tensor: the
-    backend stages every generation's rows of the round at once (``backends.batch``)."""
+    backend stages every generation's rows of the round at once (``backends.staging``)."""
     columns, candidates = plan.for_rank(rank)
     levels = state.window.levels
     padding = 0

@@ -11,7 +11,7 @@ every round. Whether it pays is a measured question, per device:
   than the compilation costs; rounds are estimated as the job's token budget (a round commits at least one
   token, so this is an upper bound: it favours compiling only for jobs that are long anyway). Without a record,
   ``auto`` runs eager and says how to get one, except on CUDA for a job of ``FIRST_CAPTURE_TOKENS`` or more:
-  there compiling captures a CUDA graph per row bucket (``backends.static_rounds``), the saving a small model's
+  there compiling captures a CUDA graph per row bucket (``backends.rounds``), the saving a small model's
   launch-bound rounds are after, and the first long job makes the measurement (it records it as ``on`` does),
   so every later job decides from this device's own figures;
 * ``off`` never compiles.

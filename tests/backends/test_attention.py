@@ -1,4 +1,5 @@
-"""packed_gqa_sdpa against transformers' own sdpa attention, and the round's attention named per call, never switched.
+"""The round's attention (``round_mask.round_attention``, the CPU backend's native one) against transformers' own sdpa
+attention, and the round's attention named per call, never switched.
 
 The engine-level oracle (HF greedy on every family and the embedded model, whose 9 query heads share 3 K/V
 heads) runs through this path in the other test files; here the attention function itself is compared with
@@ -18,14 +19,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import lp_runner
 from lp_runner.backends.adapter import ModelAdapter
-from lp_runner.backends.attention import (
-    ROUND_KEYWORD,
-    batched_attention,
-    packed_gqa_sdpa,
-    supports_round_attention,
-)
-from lp_runner.backends.cpu.attention import native_gqa_attention
+from lp_runner.backends.attention import ROUND_KEYWORD, supports_round_attention
+from lp_runner.backends.cpu.attention import native_round_attention
 from lp_runner.backends.cpu.prepack import native_unavailable_reason
+from lp_runner.backends.round_mask import round_attention
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.models.loading import default_cache_dir
@@ -52,7 +49,8 @@ def test_packed_gqa_equals_transformers_sdpa(kv_heads: int, rows: int) -> None:
     visibility |= torch.eye(rows, dtype=torch.bool)  # every row sees itself, as in every round layout
     mask = additive_mask(visibility, past, torch.float32)  # [1, 1, Q, past + Q]
     module = _Attention(heads // kv_heads)
-    got, _ = packed_gqa_sdpa(module, query, key, value, mask, scaling=dim**-0.5)
+    tiled = mask.repeat(1, 1, heads // kv_heads, 1)  # packed row g * Q + i reads row i (``round_mask``'s groups)
+    got, _ = round_attention(module, query, key, value, tiled, scaling=dim**-0.5)
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
     assert got.shape == want.shape == (1, rows, heads, dim)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -74,9 +72,9 @@ def _native_or_skip():
 @pytest.mark.parametrize("dim", [16, 256, 12])  # the vector path (shortest and widest head) and the scalar one
 @pytest.mark.parametrize("kv_heads,rows", [(1, 1), (2, 1), (2, 2), (3, 2), (6, 3), (1, 9)])
 def test_native_attention_equals_transformers_sdpa(kv_heads: int, rows: int, dim: int) -> None:
-    """native_gqa_attention (the native loop up to NATIVE_MAX_ROWS packed rows, packed_gqa_sdpa beyond) against
-    transformers' sdpa, on a static cache's buffer: slots past the round hidden by the mask, heads strided (a
-    buffer's first slots, as the append-buffer cache passes them)."""
+    """native_round_attention (the native loop up to NATIVE_MAX_ROWS packed rows, sdpa beyond) against
+    transformers' sdpa, on an arena layer's buffer: slots past the round hidden by the mask, slots past the mask's
+    width not read at all, heads strided (a buffer's first slots)."""
     _native_or_skip()
     gen = torch.Generator().manual_seed(7 * kv_heads + rows + dim)
     heads, past, capacity = 6, 13, 40
@@ -87,7 +85,9 @@ def test_native_attention_equals_transformers_sdpa(kv_heads: int, rows: int, dim
     mask = additive_mask(visibility, past, torch.float32, width=capacity)  # [1, 1, Q, capacity]
     module = _Attention(heads // kv_heads)
     with torch.inference_mode():
-        got, _ = native_gqa_attention(module, query, key, value, mask, scaling=dim**-0.5)
+        wide = torch.cat([key, torch.full_like(key, float("nan"))], dim=2)  # past the mask's width: never read
+        wide_values = torch.cat([value, torch.full_like(value, float("nan"))], dim=2)
+        got, _ = native_round_attention(module, query, wide, wide_values, mask, scaling=dim**-0.5)
         want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
     assert got.shape == want.shape == (1, rows, heads, dim)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -108,17 +108,17 @@ def test_a_round_names_its_attention_and_other_callers_keep_transformers(tiny, f
     model = tiny(family)
     assert supports_round_attention(model.config)
     adapter = ModelAdapter(model)
-    assert adapter.segmented  # every layer took the keyword at the construction probe
+    assert adapter.keyword  # every layer took the keyword at the construction probe
     seen, hook = _attention_spy(model)
     try:
         tokens = random_prompt(6, seed=1)
         adapter.forward(torch.tensor(tokens), torch.arange(6), torch.ones(6, 6).bool().tril(), adapter.new_cache(),
                         torch.tensor([5]))  # fmt: skip
-        assert seen == [batched_attention]  # the round's segments, each attended with packed GQA (the backend's)
+        assert seen == [round_attention]  # the round's attention (the backend's: packed GQA over the live width)
         assert model.config._attn_implementation == "sdpa"  # never switched: HF generate on this model is untouched
         with torch.inference_mode():
             got = model(input_ids=torch.tensor([tokens])).logits
-        assert seen == [batched_attention, None]
+        assert seen == [round_attention, None]
     finally:
         hook.remove()
     # a direct call runs transformers' own sdpa: the same logits as the reference implementation, eager
@@ -150,7 +150,7 @@ def test_other_implementations_are_left_alone(tiny) -> None:
     try:
         assert not supports_round_attention(model.config)
         adapter = ModelAdapter(model)
-        assert not adapter.segmented
+        assert not adapter.keyword
         seen: list[str] = []
         attention = model.model.layers[0].self_attn
         hook = attention.register_forward_pre_hook(

@@ -30,9 +30,10 @@ from dist_helpers import (
 from helpers import hf_greedy, random_prompt, stand_in_builds, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter, causal
-from lp_runner.backends.batch import Segments, pack_round
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, prepack_linears
+from lp_runner.backends.round_mask import round_mask
+from lp_runner.backends.staging import StagedInputs, stage
 from lp_runner.config import ConfigError, GenerationConfig, LookaheadConfig, load_config
 from lp_runner.decoding.batch_round import batch_support
 from lp_runner.decoding.engine import Job, LookaheadEngine
@@ -83,32 +84,48 @@ def assert_batched(results: dict, batch: int) -> None:
 # ---------------------------------------------------------------- the batched round's contract
 
 
-def test_pack_round_worked_example() -> None:
-    """backends.batch's docstring: A (past 5, live key + one candidate token) in slots 0.., B (past 3) in 64.."""
+def _staged(layouts, bases, pasts):
+    """``stage`` of the rounds at their own rows and logit rows, with the K slots its mask reads (the live end)."""
+    segments = list(zip(layouts, bases, pasts, strict=True))
+    rows, logits = sum(len(la.tokens) for la in layouts), sum(len(la.logit_rows) for la in layouts)
+    staged = StagedInputs.views(stage(rows, logits, segments), rows, logits)
+    width = max(b + p + len(la.tokens) for la, b, p in segments)
+    return staged, torch.arange(width)
+
+
+def _mask(staged: StagedInputs, keys: torch.Tensor, window: int | None) -> torch.Tensor:  # [B, K] bool: seen
+    inputs = (staged.visibility, staged.cached_from, staged.cached_to, staged.position_ids, staged.write_slots)
+    return round_mask(*inputs, keys, window, torch.float32)[0, 0] == 0
+
+
+def test_staging_worked_example() -> None:
+    """backends.staging's docstring: A (past 5, live key + one candidate token) in slots 0.., B (past 3) in 64.."""
     a = compile_round([11], 5, [[]], (0, 0), [[12]])
     b = compile_round([21], 3, [[]], (0, 0), [])
-    batch = pack_round([a, b], [0, 64], [5, 3], [None], torch.float32)
-    assert batch.input_ids.tolist() == [11, 12, 21]
-    assert batch.position_ids.tolist() == [5, 6, 3]
-    assert batch.slots.tolist() == [5, 6, 67]
-    assert batch.segments.start.tolist() == [0, 2, 3]
-    assert batch.segments.base.tolist() == [0, 64]
-    assert batch.segments.width.tolist() == [7, 4]
-    assert batch.segments.moff.tolist() == [0, 14]
-    assert batch.logit_rows.tolist() == [0, 1, 2] and batch.logit_counts == (2, 1)
-    visible = [(m == 0).int().tolist() for m in (batch.segment_mask(None, 0), batch.segment_mask(None, 1))]
-    assert visible == [[[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]], [[1, 1, 1, 1]]]
+    staged, keys = _staged([a, b], [0, 64], [5, 3])
+    assert staged.input_ids.tolist() == [11, 12, 21]
+    assert staged.position_ids.tolist() == [5, 6, 3]
+    assert staged.write_slots.tolist() == [5, 6, 67]
+    assert staged.cached_from.tolist() == [0, 0, 64] and staged.cached_to.tolist() == [5, 5, 67]
+    assert staged.logit_rows.tolist() == [0, 1, 2]
+    seen = _mask(staged, keys, None)
+    assert [torch.nonzero(row).flatten().tolist() for row in seen] == [
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 3, 4, 5, 6],
+        [64, 65, 66, 67],
+    ]  # each row its own region's prefix and rows, nothing of the other generation
 
 
-def test_pack_round_sliding_window_is_per_row() -> None:
+def test_the_round_mask_sliding_window_is_per_row() -> None:
     """Window 3: the live key at position 4 sees keys 2..4; its candidate row at 5 loses key 2 as well."""
     a = compile_round([9], 4, [[]], (0, 0), [[8]])
-    batch = pack_round([a], [16], [4], [3], torch.float32)
-    assert (batch.segment_mask(3, 0) == 0).int().tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    staged, keys = _staged([a], [16], [4])
+    seen = _mask(staged, keys, 3)[:, 16:]
+    assert seen.int().tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
 
 
-def test_segments_worked_example() -> None:
-    seg = Segments.of([2, 3], [0, 512], [100, 40])
+def test_segment_table_worked_example() -> None:
+    seg = native.SegmentTable.of([2, 3], [0, 512], [100, 40])
     assert (seg.start.tolist(), seg.moff.tolist(), seg.mask_size) == ([0, 2, 5], [0, 200], 320)
 
 
@@ -215,7 +232,7 @@ def test_native_attention_reads_only_its_own_segment() -> None:
         masks.append(m)
     q_rows = sum(rows)
     query = torch.randn(heads, groups * q_rows, dim, generator=gen)
-    segments = Segments.of(rows, bases, widths)
+    segments = native.SegmentTable.of(rows, bases, widths)
     out = native.attention_segments(query, keys, values, torch.cat([m.reshape(-1) for m in masks]), 0.125, segments)
     assert torch.isfinite(out).all()
     first = 0
@@ -233,15 +250,15 @@ def test_batched_round_equals_isolated_forwards(path: str, family: str) -> None:
     """Three generations with cached prefixes of 30, 5 and 17 positions, then one batched round of ordinary,
     lookahead and verification rows: every logit equals the generation's own forward on its own cache (native:
     bit for bit), and the K/V written lands in its own region only. The arena's other slots hold NaN where a row
-    reads its own region's slots only (a row that attended to any key outside its region would poison its
-    logits); bucketed rounds (a GPU's path, eager here) read the live width under a mask, so there they hold
-    large finite garbage, which a row that saw it would turn into other logits."""
+    reads its own region's slots only (the native layers: a row that attended to any key outside its region would
+    poison its logits); transformers' layers read the live width under the round's mask, so there they hold large
+    finite garbage, which a row that saw it would turn into other logits."""
     stock = tiny_model(family)
     model = native_model(stock) if path == "native" else stock
     adapter = ModelAdapter(model, bucketed=path == "bucketed")
     assert (adapter.backend.whole_layers > 0) == (path == "native")
     arena = adapter.new_arena(192)
-    poison = 1e4 if path == "bucketed" else float("nan")
+    poison = float("nan") if path == "native" else 1e4
     with torch.inference_mode():  # the arena is an inference tensor
         arena.tensor.fill_(poison)
     gen = torch.Generator().manual_seed(7)
@@ -274,41 +291,20 @@ def test_batched_round_equals_isolated_forwards(path: str, family: str) -> None:
             torch.testing.assert_close(regions[b].keys(i), cache.keys(i), rtol=1e-5, atol=1e-5)
             assert regions[b].length == end
             if path != "bucketed":  # a bucketed round's fillers write past the last segment's rows
-                assert torch.isnan(layer.keys[:, :, regions[b].base + end : regions[b].base + 64]).all()  # untouched
+                untouched = layer.keys[:, :, regions[b].base + end : regions[b].base + 64]
+                assert (torch.isnan(untouched) if path == "native" else untouched == poison).all()
 
 
 def test_probe_refuses_a_model_that_attends_across_generations(monkeypatch) -> None:
     """``batch_round.batch_support`` compares a batched round with separate forwards: masks that let the second
     generation see the first's keys are caught (the run then keeps one prompt at a time)."""
-    import lp_runner.backends.adapter as bf
+    import lp_runner.backends.rounds as rounds_module
 
-    real = bf.pack_round
-
-    def leaky(layouts, bases, past_lens, windows, dtype):  # every segment also sees every slot below its own
-        batch = real(layouts, bases, past_lens, windows, dtype)
-        seg = batch.segments
-        masks = {}
-        for w in batch.masks:
-            parts = []
-            for b in range(seg.count):
-                m = batch.segment_mask(w, b)
-                parts.append(torch.cat([torch.zeros(m.shape[0], int(seg.base[b])), m], 1).reshape(-1))
-            masks[w] = torch.cat(parts)
-        rows = (seg.start[1:] - seg.start[:-1]).tolist()
-        wide = Segments.of(rows, [0] * seg.count, (seg.width + seg.base).tolist())
-        return bf.BatchRound(
-            batch.input_ids,
-            batch.position_ids,
-            batch.slots,
-            wide,
-            masks,
-            batch.logit_rows,
-            batch.logit_counts,
-            batch.past,
-        )
+    def leaky(visibility, cached_from, *rest):  # every row also sees every slot below its own region
+        return round_mask(visibility, torch.zeros_like(cached_from), *rest)
 
     adapter = ModelAdapter(tiny_model("llama"))
-    monkeypatch.setattr(bf, "pack_round", leaky)
+    monkeypatch.setattr(rounds_module, "round_mask", leaky)
     assert "differ from separate forwards" in batch_support(adapter)
     assert batch_support(ModelAdapter(tiny_model("llama"))) is not None  # the same leak, another adapter
     monkeypatch.undo()
@@ -560,7 +556,7 @@ def test_segment_attention_on_each_build(build: str, native_routing) -> None:
         for m in masks:
             m[:, 0] = 0.0
         query = torch.randn(2, 3 * sum(rows), dim, generator=gen)
-        flat, segments = torch.cat([m.reshape(-1) for m in masks]), Segments.of(rows, bases, widths)
+        flat, segments = torch.cat([m.reshape(-1) for m in masks]), native.SegmentTable.of(rows, bases, widths)
         out = {}
         for name in ("default", build):
             native.route(native.library(str(default_cache_dir()), () if name == "default" else flags))

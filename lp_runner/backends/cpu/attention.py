@@ -1,7 +1,7 @@
-"""The native attention for a round's segments on transformers' layers: what the CPU backend's models on native
-products attend with (``backend.CpuBackend.segment_attention``, under ``attention.batched_attention``).
+"""The native attention of a round on transformers' layers: what the CPU backend's models on native products
+attend with where their decoder layers are not native (``backend.CpuBackend.round_attention``).
 
-It packs the query heads per K/V head as ``backends.attention.packed_gqa_sdpa`` does and calls the native loop
+It packs the query heads per K/V head as ``round_mask.round_attention`` does and calls the native loop
 (``native.attention``, ``csrc/attention.c``) instead of sdpa, up to ``NATIVE_MAX_ROWS`` packed rows.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lp_runner.backends.attention import pack_heads, packed_gqa_sdpa, special_attention, unpack_heads
+from lp_runner.backends.attention import pack_heads, special_attention, unpack_heads
 from lp_runner.backends.cpu import native
 
 # packed rows (query heads per K/V head x round rows) up to which the native loop runs. Call by call against torch's
@@ -29,8 +29,7 @@ def packed_attention(
     scale: float,
 ) -> torch.Tensor:  # [H_kv, M, D]
     """The packed rows' attention, its kernel chosen by their number: the native loop up to ``NATIVE_MAX_ROWS``
-    packed rows, torch's sdpa beyond, on the same inputs ``packed_gqa_sdpa`` gives it (the mask tiled per query
-    head)."""
+    packed rows, torch's sdpa beyond (the mask tiled per query head)."""
     if query.shape[1] <= NATIVE_MAX_ROWS:
         return native.attention(query, key, value, mask, scale)
     tiled = mask.repeat(query.shape[1] // mask.shape[0], 1)  # [M, K]
@@ -39,37 +38,26 @@ def packed_attention(
     )[0]
 
 
-def native_gqa_attention(
+def native_round_attention(
     module: torch.nn.Module,
-    query: torch.Tensor,  # [B, H, Q, D]
-    key: torch.Tensor,  # [B, H_kv, K, D]
-    value: torch.Tensor,  # [B, H_kv, K, D]
-    attention_mask: torch.Tensor | None,  # [B or 1, 1, Q, K]
+    query: torch.Tensor,  # [1, H, B, D]
+    key: torch.Tensor,  # [1, H_kv, capacity, D]: the whole arena layer
+    value: torch.Tensor,  # [1, H_kv, capacity, D]
+    attention_mask: torch.Tensor,  # [1, 1, B, K]: the round's mask (``round_mask``), not tiled
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:  # ([B, Q, H, D], no weights)
-    """``packed_gqa_sdpa`` with lp_runner's native attention (``native.attention``) for rounds of a few rows: the
-    same packing, the same mask, softmax over the visible keys only. Models whose products are native use it for
-    each segment of a round on transformers' layers (the CPU backend's ``segment_attention``: the library is then
-    built and probed). Rounds of more than ``NATIVE_MAX_ROWS``
-    packed rows run torch's sdpa (``packed_attention`` chooses); batches, other dtypes and special attention
-    (softcap, position bias) keep ``packed_gqa_sdpa``."""
-    batch, _, _, dim = query.shape
-    if (
-        batch != 1
-        or attention_mask is None
-        or attention_mask.dim() != 4
-        or attention_mask.shape[:2] != (1, 1)
-        or special_attention(kwargs)
-        or dropout
-        or query.dtype != torch.float32
-        or query.device.type != "cpu"
-    ):
-        return packed_gqa_sdpa(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
+) -> tuple[torch.Tensor, None]:  # ([1, B, H, D], no weights)
+    """``round_mask.round_attention`` with lp_runner's native attention (``native.attention``) for rounds of a
+    few rows: the same packing of query heads onto their K/V head, over the first K slots of the buffer (K: the
+    mask's width), softmax over the visible keys only; rounds of more than ``NATIVE_MAX_ROWS`` packed rows run
+    torch's sdpa (``packed_attention`` chooses). The mask arrives untiled (packed row r reads row r % B): what the
+    CPU backend asks of the round (``CpuBackend.tiled_mask``)."""
+    if special_attention(kwargs) or dropout:
+        raise ValueError("round attention is plain attention: no softcap, position bias, sinks or dropout")
+    dim, width = query.shape[-1], attention_mask.shape[-1]
     scale = scaling if scaling is not None else dim**-0.5
-    out = packed_attention(pack_heads(query, key.shape[1])[0], key[0], value[0], attention_mask[0, 0], scale)
-    return unpack_heads(out, query.shape), None
+    packed = pack_heads(query, key.shape[1])[0]  # [H_kv, groups * B, D]
+    out = packed_attention(packed, key[0, :, :width], value[0, :, :width], attention_mask[0, 0], scale)
+    return unpack_heads(out[None], query.shape), None

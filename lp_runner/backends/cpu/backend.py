@@ -15,13 +15,12 @@ import weakref
 
 import torch
 
-from lp_runner.backends.attention import packed_gqa_sdpa
 from lp_runner.backends.base import ForwardBackend
-from lp_runner.backends.batch import Segments
 from lp_runner.backends.cpu import native, native_layers
-from lp_runner.backends.cpu.attention import native_gqa_attention
+from lp_runner.backends.cpu.attention import native_round_attention
 from lp_runner.backends.cpu.native_layers import NATIVE_LAYERS_SUFFIX, LayerWeights, native_layer_weights
 from lp_runner.backends.cpu.prepack import KERNELS, NATIVE_KERNELS, PrepackChoice, apply_prepack, packed_choice
+from lp_runner.backends.round_mask import round_attention
 from lp_runner.backends.torch_backend import TorchBackend
 
 
@@ -43,7 +42,9 @@ class CpuBackend:
         self.stacks: native_layers.Stacks = weakref.WeakKeyDictionary()  # the layers bound to each live cache
         self.native = KERNELS[choice.kernel] in NATIVE_KERNELS
         self.kernels = choice.kernels + (NATIVE_LAYERS_SUFFIX if layer_weights else "")  # each forward: its curve
-        self.segment_attention = native_gqa_attention if self.native else packed_gqa_sdpa
+        # a round on transformers' layers attends natively on native products (the mask untiled), else with sdpa
+        self.round_attention = native_round_attention if self.native else round_attention
+        self.tiled_mask = not self.native
 
     def key(self) -> dict[str, str]:
         """The kernels' name and, on native products, the build of the library that runs them (a new version of
@@ -58,12 +59,10 @@ class CpuBackend:
         mask,
         cache,
         logit_rows: torch.Tensor,
-        segments: Segments,
-    ) -> torch.Tensor | None:
-        if not self.layer_weights:
-            return None
+        spans,
+    ) -> torch.Tensor:
         return native_layers.forward_model(
-            model, self.layer_weights, self.stacks, input_ids, position_ids, mask, cache, logit_rows, segments
+            model, self.layer_weights, self.stacks, input_ids, position_ids, mask, cache, logit_rows, spans
         )
 
     def transformers_layers(self) -> CpuBackend:

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from lp_runner.backends.batch import Segments
 from lp_runner.backends.cpu.ops import define_op
 from lp_runner.errors import first_line
 
@@ -49,6 +48,41 @@ LIBRARY = "lp_runner's native kernels"  # how messages name the library
 BLOCK = 32  # output columns per packed block (NB in the source)
 BUILD_TIMEOUT_S = 120.0
 EXTRA_FLAGS_ENV = "LP_RUNNER_NATIVE_CFLAGS"  # extra compiler flags, appended (tests and benchmarks: other ISAs)
+
+
+@dataclass(frozen=True)
+class SegmentTable:
+    """``csrc/lp_native.h``'s ``struct segments``: the generations of a round as the C entries take them. Segment b
+    holds round rows ``start[b]`` .. ``start[b + 1] - 1``, its key j is buffer slot ``base[b] + j`` for j below
+    ``width[b]``, and its mask rows (``width[b]`` floats each) start at float ``moff[b]`` of the flat mask.
+
+    Example: two generations of 2 and 3 rows, regions at slots 0 and 512, 100 and 40 keys visible ->
+    start (0, 2, 5), base (0, 512), width (100, 40), moff (0, 200); the flat mask holds 2 x 100 + 3 x 40 floats."""
+
+    start: torch.Tensor  # [n + 1] int64
+    base: torch.Tensor  # [n] int64
+    width: torch.Tensor  # [n] int64
+    moff: torch.Tensor  # [n] int64
+    mask_size: int  # floats of the flat mask: sum of rows x width
+
+    @classmethod
+    def of(cls, rows: list[int], base: list[int], width: list[int]) -> SegmentTable:
+        """From each segment's row count, first slot and key count (the mask's rows packed in segment order)."""
+        start, moff, offset = [0], [], 0
+        for r, w in zip(rows, width, strict=True):
+            start.append(start[-1] + r)
+            moff.append(offset)
+            offset += r * w
+        fields = (start, base, width, moff)
+        table = torch.tensor([v for f in fields for v in f], dtype=torch.long).split([len(f) for f in fields])
+        return cls(*table, offset)
+
+    @property
+    def count(self) -> int:
+        return self.base.shape[0]
+
+    def pointers(self) -> tuple[int, int, int, int, int]:
+        return (self.count, *(t.data_ptr() for t in (self.start, self.base, self.width, self.moff)))
 
 
 class NativeUnavailable(RuntimeError):
@@ -402,7 +436,7 @@ def attention_segments(
     value: torch.Tensor,  # [H, C, D], as key
     mask: torch.Tensor,  # [mask_size] flat: each segment's [rows, width] additive rows, in segment order
     scale: float,
-    segments: Segments,
+    segments: SegmentTable,
 ) -> torch.Tensor:  # [H, M, D] float32
     """``attention`` over a batched round's segments: each round row attends to its own segment's keys only,
     with the value a call of its segment alone gives, bit for bit (``csrc/attention.c``)."""
@@ -554,13 +588,13 @@ class LayerStack:
         sin: torch.Tensor,  # [R, D]
         slots: torch.Tensor,  # [R] int64: where each row's K/V goes, in every layer's buffer
         masks: list[torch.Tensor],  # per layer, [R, C] additive (layers of one attention type share one)
-        segments: Segments | None = None,
+        segments: SegmentTable | None = None,
     ) -> None:
         """Every layer on ``hidden``: the values ``llama_layer`` gives layer by layer, bit for bit. Every size,
         shape and slot is checked before any layer runs.
 
-        ``segments``: a batched round (``Segments``): each mask is then the flat [mask_size] of every segment's
-        rows over its own keys, and each row's K/V slot must lie in its segment's keys."""
+        ``segments``: the round's generations (``SegmentTable``): each mask is then the flat [mask_size] of every
+        segment's rows over its own keys, and each row's K/V slot must lie in its segment's keys."""
         layers = self.layers
         if segments is not None:
             self._run_segments(hidden, cos, sin, slots, masks, segments)
@@ -633,7 +667,7 @@ class LayerStack:
         sin: torch.Tensor,  # [R, D]
         slots: torch.Tensor,  # [R] int64
         masks: list[torch.Tensor],  # per layer, [mask_size] flat
-        segments: Segments,
+        segments: SegmentTable,
     ) -> None:
         if _ROUTED.layers_segments is None:
             raise NativeUnavailable(NOT_LOADED if _ROUTED.layers is None else "this build has no layers over segments")

@@ -15,9 +15,10 @@ convention, grouped-query attention, SiLU-gated MLP, optional q/k/v biases) whos
 native ``SharedInputProduct``s and whose o/down products are native ``PackedLinear``s. Anything else keeps its
 own forward.
 
-When: the adapter's eager rounds (``forward_model``, the CPU backend's, which also replaces transformers' model loop
-around the layers) on the K/V arena (``kv_cache.ArenaLayer``s, whose write slots the adapter sets), one or more
-segments (generations) per round, each reading its own region through its own mask, of any number of rows: a
+When: the layers' implementation under the one round function (``rounds.Rounds``), chosen once when the backend is
+made: every eager round of such a model runs ``forward_model`` (which also replaces transformers' model loop around
+the layers) on the round's staged inputs and its one mask, on the K/V arena (``kv_cache.ArenaLayer``s, whose write
+slots the round sets), one or more generations per round, each reading its own region, of any number of rows: a
 prompt's prefill too, which ran 1.2-1.7x faster natively
 than through transformers' layers on the same products (16-1200 rows of the embedded model, 2 threads; torch's
 sdpa there attends over the whole buffer, the native loop only up to each row's last visible key). The model
@@ -34,14 +35,13 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lp_runner.backends.batch import Segments
 from lp_runner.backends.cpu import native
 from lp_runner.backends.cpu.prepack import NATIVE_KERNELS, PackedLinear, ProductSlice, SharedInputProduct
-from lp_runner.backends.kv_cache import ArenaLayer
 
 # decoder layer and norm classes whose forward is the one lp_native_llama_layer computes (checked by name: the
 # classes live in each model's own transformers module)
@@ -152,59 +152,49 @@ def forward_model(
     model: torch.nn.Module,
     layer_weights: tuple[LayerWeights, ...],  # per decoder layer (``native_layer_weights``)
     stacks: Stacks,  # the caller's stacks of bound layers, per cache (``_stack``)
-    input_ids: torch.Tensor,  # [R]
-    position_ids: torch.Tensor,  # [R]
-    mask,  # [mask_size] flat additive masks, segment after segment, or {layer type: such a mask}
+    input_ids: torch.Tensor,  # [B]
+    position_ids: torch.Tensor,  # [B]
+    mask,  # the round's [1, 1, B, K] additive mask (``round_mask``, not tiled), or {layer type: such a mask}
     cache,  # the arena's DynamicCache of ArenaLayers, write slots set
     logit_rows: torch.Tensor,  # [L]
-    segments: Segments,
-) -> torch.Tensor | None:  # [L, vocab], or None: not this kind of forward (the caller runs the model's own)
+    spans: Sequence[tuple[int, int, int]],  # per generation: its rows, its region's first slot, the keys it reads
+) -> torch.Tensor:  # [L, vocab]
     """A whole round through the native layers without transformers' model loop: the embedding, the rotary
     tables, one C call for all the layers, the final norm and the output layer on the logit rows, each the module or
     kernel the model's own forward would use, in the same order.
 
     Why: around the layers' C calls, transformers' model and layer code cost about 3.4 ms of Python per forward
     of the embedded model on a 2-core CPU (module calls, keyword plumbing, the mask mapping), a sixth of a
-    one-row round. For a causal LM of ``MODEL_CLASSES`` (whose forward is exactly these steps: no embedding
-    scale, no logit soft-cap) whose layers are ``layer_weights`` (``native_layer_weights``); None otherwise, and
-    for rounds it does not serve (another cache or mask), which the model's own forward runs.
+    one-row round. Only for a model ``native_layer_weights`` accepted (its checks are made once, there).
 
-    ``segments``: the round's generations (``backends.batch``): each mask is flat ([mask_size]: every segment's
-    rows over its own keys) and the C call attends per segment."""
-    if type(model).__name__ not in MODEL_CLASSES or torch.compiler.is_compiling():
-        return None
+    The C call attends per generation (``native.SegmentTable``): each one's rows over its own region's keys only,
+    through the round's mask cut to those keys (a view where one generation's region starts the arena)."""
     base = model.model
-    layers = _decoder_layers(model)
-    weights = list(layer_weights)
-    if layers is None or not weights or len(weights) != len(layers) or len(layers) != len(cache.layers):
-        return None
     cached = cache.layers
-    if not all(isinstance(c, ArenaLayer) and c.write_slots is not None for c in cached):
-        return None
-    # each layer's attention type, as the model's own loop reads it (Qwen2: config.layer_types; None: one mask)
-    types_ = list(getattr(model.config, "layer_types", None) or [None] * len(layers))
-    if len(types_) != len(layers):
-        return None
-    masks = {}
-    for key in set(types_):
-        m = mask if isinstance(mask, torch.Tensor) else (mask or {}).get(key)
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.float32:
-            return None
-        if m.shape != (segments.mask_size,):
-            return None
-        masks[key] = m.contiguous()
-    slots = {id(c.write_slots): c.write_slots for c in cached}  # the adapter sets one for all
-    if len(slots) != 1:
-        return None
-    hidden = base.embed_tokens(input_ids[None])  # [1, R, E]
-    if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
-        return None
+    types_ = list(getattr(model.config, "layer_types", None) or [None] * len(cached))
+    by_type = {key: _segment_masks(mask if isinstance(mask, torch.Tensor) else mask[key], spans) for key in set(types_)}
+    rows, bases, widths = zip(*spans, strict=True)
+    table = native.SegmentTable.of(list(rows), list(bases), list(widths))
+    hidden = base.embed_tokens(input_ids[None])  # [1, B, E]
     cos, sin = rotary_rows(base.rotary_emb, hidden, position_ids, cached[0].keys.shape[-2])
     h = hidden[0].contiguous()
-    stack = _stack(stacks, cache, weights)
-    stack.run(h, cos, sin, next(iter(slots.values())).contiguous(), [masks[key] for key in types_], segments)
+    stack = _stack(stacks, cache, list(layer_weights))
+    stack.run(h, cos, sin, cached[0].write_slots, [by_type[key] for key in types_], table)
     h = base.norm(h[None])[0]
     return model.lm_head(h.index_select(0, logit_rows))  # [L, vocab]
+
+
+def _segment_masks(mask: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """The round's [1, 1, B, K] mask as the C call reads it: each generation's rows over its own keys, flat, in
+    order. One generation whose region starts the arena and whose keys end the mask is the mask itself."""
+    full = mask[0, 0]  # [B, K]
+    if len(spans) == 1 and spans[0][1] == 0 and spans[0][2] == full.shape[1]:
+        return full.reshape(-1)
+    parts, row = [], 0
+    for q, first, width in spans:
+        parts.append(full[row : row + q, first : first + width].reshape(-1))
+        row += q
+    return torch.cat(parts)
 
 
 # rope types whose angles at a position depend on that position alone (the dynamic ones rescale with the length)
@@ -305,7 +295,15 @@ def native_layer_weights(model: torch.nn.Module) -> tuple[LayerWeights, ...] | s
     layers = _decoder_layers(model)
     if layers is None:
         return "no decoder layer list (model.model.layers)"
-    if native.routed().layer is None:
+    if type(model).__name__ not in MODEL_CLASSES:
+        return f"{type(model).__name__}'s forward is not a Llama, Mistral or Qwen2 causal LM's"
+    embed = model.get_input_embeddings().weight
+    if embed.dtype != torch.float32 or embed.device.type != "cpu":
+        return f"the embeddings are {embed.dtype} on {embed.device.type}, not float32 on a CPU"
+    layer_types = getattr(model.config, "layer_types", None)
+    if layer_types is not None and len(layer_types) != len(layers):
+        return f"{len(layer_types)} layer types for {len(layers)} decoder layers"
+    if native.routed().layers_segments is None:
         return "the native kernel is not loaded"
     weights, sizes = [], set()
     for layer in layers:

@@ -239,7 +239,7 @@ int lp_native_llama_layers(float *h, long L, void *const *ptrs, const float *eps
                          bf16, &one);
 }
 
-/* lp_native_llama_layers over a batched round (lp_runner/backends/batch.py): the rows of nseg generations, each
+/* lp_native_llama_layers over a batched round (lp_runner/backends/cpu/native.py, SegmentTable): the rows of nseg generations, each
    with its own region of the K/V buffers and its own mask rows (struct segments; masks[l] holds every segment's
    rows at the offsets moff), in one call, so the products read each weight once for every generation's rows.
    Every row's K/V slot must lie inside its segment's keys. A row's values are those of its segment's rows run

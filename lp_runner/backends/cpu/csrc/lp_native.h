@@ -77,7 +77,7 @@ static inline vec expv(vec x) {
   return (vec)((veci)(y * (vec)scale) & keep);
 }
 
-/* The rows of one call that share a K/V region: the generations of a batched round (lp_runner/backends/batch.py).
+/* The rows of one call that share a K/V region: the generations of a batched round (lp_runner/backends/cpu/native.py, SegmentTable).
    Segment b holds round rows [start[b], start[b + 1]); its key j is slot base[b] + j of the buffer, for j below
    width[b]; its mask rows are width[b] floats each, at mask + moff[b], its rows in order. No row of a segment
    reads another segment's keys or mask. A plain round is one segment: rows [0, Q), base 0, width C, offset 0. */

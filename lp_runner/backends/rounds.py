@@ -1,8 +1,17 @@
-"""Rounds at fixed shapes on fixed buffers: the adapter's forward on a GPU, one CUDA graph per bucket.
+"""The one round function: every round of the adapter, staged once, masked once, run eager or compiled.
 
-On a GPU a small model's round is bound by kernel launches and host work, not by arithmetic: gpt-fast and vLLM
-replay each decode step as a CUDA graph, which needs every input at a fixed shape and a fixed address. A
-``StaticRounds`` gives the adapter's forward exactly that, one round at a time:
+A round (one or more generations' rows, ``staging``) runs in three steps, the same on every device and backend:
+
+* staged: ``staging.stage`` writes its ids, positions, write slots, cached-prefix bounds, logit rows and [B, B]
+  visibility into one host tensor. An eager round on a CPU reads that tensor's views itself; on a GPU one
+  non-blocking copy fills the bucket's staging buffer (pinned host memory);
+* masked: ``_round`` builds the round's mask from those inputs (``round_mask``: once per round and window, every
+  layer of that window reads it, only as wide as the round's live K/V);
+* run: by the backend's whole decoder layers where it has them (the CPU backend's native layers, chosen once when
+  the backend is made), else by the model's forward on transformers' layers, which take the round's attention by
+  keyword (``attention.reaches_attention``, decided once) or run their own under the mask as a 4-D mask.
+
+Bucketed rounds (``bucketed``; a GPU, or ``compile``) give CUDA graphs what they need:
 
 * shapes: the round runs at its row bucket (``buckets.BucketLadder``: filler rows that see only themselves, seen
   by no one, their K/V past the round, as ``layout.compile_round``'s padding) and reads a power-of-two live K/V width;
@@ -11,20 +20,16 @@ replay each decode step as a CUDA graph, which needs every input at a fixed shap
   generation a region of it), its layers' views marked static for the compiler (``torch._dynamo.
   mark_static_address``, transformers' ``StaticCache`` does the same) the first time a round reads it; its inputs
   are views of one staging buffer per bucket, also static;
-* one copy in: the round's ids, positions, logit rows, write slots, region bounds and [B, B] visibility are
-  written into one host tensor (pinned on CUDA) and copied to the bucket's staging buffer with one non-blocking
-  copy; the mask is built from them inside the round (``round_mask``: once per round, every layer reads it, only
-  the live width);
-* compiled (``compile``): ``torch.compile(mode="reduce-overhead", dynamic=True)`` of the whole round. One
+* compiled (``compile``): ``torch.compile(mode="reduce-overhead", dynamic=True)`` of ``_round``. One
   compilation serves every bucket (rows and width are symbols; the model's floats are constants,
   ``constant_floats``); inductor's CUDA graph trees record one graph per distinct shape on its first calls and
   replay it after. On a CPU the same call compiles the same graph and skips the capture (nothing to capture
   there): tests run this path on a CPU, minus the capture.
 
-Rounds that cannot replay a graph run the same round function eagerly on the same buffers: a round of more rows
-than the ladder's top, and any round on a scratch arena (``KVArena.growable``: probes, measurements), whose
-addresses change as it grows. Eager stays the oracle: ``test_static_rounds`` holds compiled rounds to the
-eager ones (argmax, at every bucket boundary) and eager static rounds to the adapter's ordinary forward.
+Rounds that cannot replay a graph run the same function eagerly on the same buffers: a round of more rows than the
+ladder's top, and any round on a scratch arena (``KVArena.growable``: probes, measurements), whose addresses
+change as it grows. Eager stays the oracle: ``test_rounds`` holds compiled rounds to the eager ones (argmax, at
+every bucket boundary) and eager rounds to separate forwards and to HF greedy.
 
 The logits a compiled round returns live in the graph's memory: valid until the adapter's next forward (the
 engine reads each round's logits back before it runs the next).
@@ -35,104 +40,18 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from lp_runner.backends.attention import ROUND_KEYWORD
-from lp_runner.backends.batch import RoundRows, Rows
 from lp_runner.backends.buckets import BucketLadder
 from lp_runner.backends.kv_cache import KVArena, KVRegion
 from lp_runner.backends.model_call import ModelCall
-from lp_runner.backends.round_mask import round_attention, round_mask
+from lp_runner.backends.round_mask import round_mask
+from lp_runner.backends.staging import RoundRows, Rows, StagedInputs, stage
 from lp_runner.device import pins_host_memory, synchronizer
 
 CAPTURE_CALLS = 3  # calls per bucket at warm-up: CUDA graph trees run a new shape once, record it, then replay
-_INT_FIELDS = 6  # int64 vectors of B in the staging buffer: ids, positions, logit rows, write slots, first, end
-
-
-@dataclass(frozen=True)
-class StagedInputs:
-    """One bucket's device inputs: views of one staging buffer that a round's single copy fills.
-
-    Byte layout for B rows: int64 [ids | positions | logit rows | write slots | cached from | cached to] (B each),
-    then the [B, B] visibility as bytes (bool). Row i sees the cached slots ``cached_from[i]`` .. ``cached_to[i]
-    - 1`` (its generation's region's cached prefix) and the in-round rows its visibility row names. Example, B = 2:
-    8 x 12 = 96 bytes of integers, 4 of visibility, 100 in all."""
-
-    buffer: torch.Tensor  # [nbytes] uint8
-    input_ids: torch.Tensor  # [B] int64
-    position_ids: torch.Tensor  # [B] int64
-    logit_rows: torch.Tensor  # [B] int64
-    write_slots: torch.Tensor  # [B] int64
-    cached_from: torch.Tensor  # [B] int64: the first slot of the row's region
-    cached_to: torch.Tensor  # [B] int64: past its cached prefix
-    visibility: torch.Tensor  # [B, B] bool
-
-    @staticmethod
-    def nbytes(rows: int) -> int:
-        return 8 * _INT_FIELDS * rows + rows * rows
-
-    @property
-    def round_inputs(self) -> tuple[torch.Tensor, ...]:
-        """The views the round function reads, in its parameters' order (``StaticRounds._round``)."""
-        return (
-            self.input_ids,
-            self.position_ids,
-            self.logit_rows,
-            self.write_slots,
-            self.cached_from,
-            self.cached_to,
-            self.visibility,
-        )
-
-    @classmethod
-    def views(cls, buffer: torch.Tensor, rows: int) -> StagedInputs:
-        ints = buffer[: 8 * _INT_FIELDS * rows].view(torch.int64)  # [6B]
-        vis = buffer[8 * _INT_FIELDS * rows :].view(torch.bool).view(rows, rows)  # [B, B]
-        fields = (ints[k * rows : (k + 1) * rows] for k in range(_INT_FIELDS))
-        return cls(buffer, *fields, vis)
-
-
-def stage(
-    rows: int,
-    segments: Sequence[tuple[RoundRows, int, int]],  # each segment's rows, its region's first slot, cached positions
-    pin: bool,
-) -> torch.Tensor:  # [StagedInputs.nbytes(rows)] uint8, host (pinned when ``pin``)
-    """The round's inputs, segment after segment, padded to ``rows`` rows, written once into one host tensor
-    (``StagedInputs``' layout).
-
-    Filler rows repeat the last row's token and position, see only themselves and are seen by no one (so every
-    real row computes what it would without them); their K/V goes to the slots after the last segment's rows, in
-    its region (``ModelAdapter.region_size`` leaves the ladder's top there), past anything the round commits.
-    Filler logit rows read row 0 and are dropped. A fresh host tensor per round: torch's pinned-memory allocator
-    keeps a block from reuse until the copy that reads it has run.
-
-    Example: segments (2 rows, region at 0, past 5) and (1 row, region at 64, past 3) in a bucket of 4: write
-    slots [5, 6, 67, 68], cached from [0, 0, 64, 0], cached to [5, 5, 67, 0], visibility block-diagonal with the
-    filler seeing itself."""
-    host = torch.empty(StagedInputs.nbytes(rows), dtype=torch.uint8, pin_memory=pin)
-    raw = host.numpy()
-    ints = raw[: 8 * _INT_FIELDS * rows].view(np.int64).reshape(_INT_FIELDS, rows)  # [6, B]
-    vis = raw[8 * _INT_FIELDS * rows :].reshape(rows, rows)  # [B, B]
-    ids, pos, logits, writes, first, end = ints
-    vis[:] = 0
-    r = n = 0  # rows and logit rows so far
-    for seg, base, past in segments:
-        q, k = len(seg.tokens), len(seg.logit_rows)
-        ids[r : r + q], pos[r : r + q] = seg.tokens, seg.positions
-        logits[n : n + k] = seg.logit_rows
-        logits[n : n + k] += r
-        writes[r : r + q] = np.arange(base + past, base + past + q)
-        first[r : r + q], end[r : r + q] = base, base + past
-        vis[r : r + q, r : r + q] = seg.visibility.numpy()
-        r, n = r + q, n + k
-    ids[r:], pos[r:], logits[n:] = ids[r - 1], pos[r - 1], 0
-    writes[r:] = np.arange(writes[r - 1] + 1, writes[r - 1] + 1 + rows - r)
-    first[r:] = end[r:] = 0  # no cached key
-    vis[np.arange(r, rows), np.arange(r, rows)] = 1  # a filler sees itself only
-    return host
 
 
 def _dynamo_graphs() -> int:
@@ -165,8 +84,9 @@ def constant_floats(compiled: Callable[..., torch.Tensor]) -> Callable[..., torc
     return torch._dynamo.config.patch(specialize_float=True)(compiled)
 
 
-class StaticRounds:
-    """One generation's rounds at fixed shapes on fixed buffers, eager or compiled (see the module doc)."""
+class Rounds:
+    """Every round of an adapter: staged once (``staging.stage``), masked once (``round_mask``), run by one
+    function (``_round``), eager or compiled (see the module doc)."""
 
     def __init__(
         self,
@@ -174,22 +94,33 @@ class StaticRounds:
         dtype: torch.dtype,
         device: torch.device,
         kv_shape: tuple[int, int],
+        *,
+        layers: Callable[..., torch.Tensor] | None = None,
+        attention: Callable | None = None,
+        tiled_mask: bool = True,
+        bucketed: bool = False,
         compile: bool = False,
         ladder: BucketLadder | None = None,
-        attention_keyword: bool = False,
     ) -> None:
         """``call``: the model's forward as the adapter resolved it (cache keyword, masks per layer type);
-        ``kv_shape``: (K/V heads, head dim). ``compile``: rounds on a job's arena at a bucket run through
-        ``torch.compile`` (CUDA graphs on a GPU); otherwise eager, at the same shapes. ``attention_keyword``: the
-        model's layers hand the round's attention down by keyword (``attention.reaches_attention``)."""
+        ``kv_shape``: (K/V heads, head dim). ``layers``: the backend's whole decoder layers
+        (``ForwardBackend.forward_model`` bound to the model), which then run every eager round instead of
+        transformers' layers. ``attention``: the round attention transformers' layers take by keyword
+        (``attention.reaches_attention``; its mask tiled for the packed query heads where ``tiled_mask``), or None:
+        the model's own attention under the round's mask as a 4-D mask. ``bucketed``: rows padded to the ladder's
+        buckets and K/V read at its widths (fixed shapes, fixed addresses: what CUDA graphs replay); otherwise each
+        round runs at its own rows and live width. ``compile``: bucketed rounds on a job's arena run through
+        ``torch.compile`` (CUDA graphs on a GPU)."""
         self.call, self.dtype, self.device = call, dtype, device
         self.ladder = ladder or BucketLadder()
-        config = call.model.config
-        # sdpa models whose layers take the keyword attend through ``round_attention`` (live width, packed heads,
-        # the mask tiled once); others keep their own attention over the whole buffer with an untiled mask
-        self.live_width = attention_keyword
-        self.groups = config.get_text_config().num_attention_heads // kv_shape[0] if self.live_width else 1
-        self.attention = round_attention if self.live_width else None  # what each round passes (``_round``)
+        self.bucketed = bucketed or compile
+        self.layers = layers
+        # an attention taken by keyword reads the live width (the mask's) of the buffer; the model's own reads
+        # the slots the arena hands it: the live width too where shapes are free, the whole buffer on a bucket
+        self.attention = attention
+        self.live_width = attention is not None or layers is not None or not self.bucketed
+        heads = call.model.config.get_text_config().num_attention_heads
+        self.groups = heads // kv_shape[0] if attention is not None and tiled_mask and layers is None else 1
         self.pin = pins_host_memory(device)
         self.sync = synchronizer(device)
         self.compiled = (
@@ -204,7 +135,8 @@ class StaticRounds:
         self._shapes: set[tuple[int, int, int, int]] = set()
         self._marked: dict[int, weakref.ref] = {}  # id -> arena tensor whose layers' views are marked static
         self._staged: dict[int, StagedInputs] = {}  # per row bucket
-        self._key_slots: dict[int, torch.Tensor] = {}  # per K/V width: arange(width) on the device
+        self._key_slots: dict[int, torch.Tensor] = {}  # per K/V width: arange(width) on the device (buckets)
+        self._all_slots = torch.empty(0, dtype=torch.long)  # 0 .. n-1 on the device: eager widths are its views
 
     def _replays(self, arena: KVArena) -> bool:
         """True when rounds on ``arena`` may replay graphs: a job's arena (sized at its start, not growable),
@@ -224,34 +156,50 @@ class StaticRounds:
 
     def forward(self, rounds: Sequence[RoundRows], regions: Sequence[KVRegion]) -> torch.Tensor:  # [sum R, vocab]
         """One round of the generations in ``regions`` (each region's length: the positions cached before the
-        round), staged in one copy and run at its bucket (compiled when it can replay a graph). The caller
-        reserved the regions for their rows, the last one also for the bucket's fillers, and advances their
-        lengths."""
+        round), staged in one host tensor and run by ``_round``: at its bucket and compiled where it can replay a
+        graph, else eager (on a device, after one copy of the staged inputs). The caller reserved the regions for
+        their rows, the last one also for the bucket's fillers, and advances their lengths."""
         arena = regions[0].arena
         rows = [len(r.tokens) for r in rounds]
-        bucket = self.ladder.rows_for(sum(rows))
+        real, logits = sum(rows), sum(len(r.logit_rows) for r in rounds)
+        bucket = self.ladder.rows_for(real) if self.bucketed else real
         ends = [region.base + region.length + q for region, q in zip(regions, rows, strict=True)]
-        live = max(max(ends), ends[-1] + bucket - sum(rows))  # the fillers write after the last segment's rows
-        width = self.ladder.kv_width(live, arena.capacity) if self.live_width else arena.capacity
+        live = max(max(ends), ends[-1] + bucket - real)  # the fillers write after the last segment's rows
+        if not self.bucketed:
+            width = live
+        else:
+            width = self.ladder.kv_width(live, arena.capacity) if self.live_width else arena.capacity
         segments = [(r, region.base, region.length) for r, region in zip(rounds, regions, strict=True)]
-        host = stage(bucket, segments, self.pin)
-        staged = self._staging(bucket)
-        staged.buffer.copy_(host, non_blocking=True)  # the round's one host->device copy
-        single = len(regions) == 1
-        for layer in arena.layers():
-            layer.write_slots, layer.read_slots = staged.write_slots, None
-            layer.length = regions[0].base + regions[0].length if single else 0
         graph = self.compiled is not None and self.ladder.captured(bucket) and self._replays(arena)
+        staged_logits = bucket if self.bucketed else logits  # a bucket's logit rows are a fixed shape too
+        host = stage(bucket, staged_logits, segments, self.pin)
+        if self.device.type == "cpu" and not graph:
+            staged = StagedInputs.views(host, bucket, staged_logits)  # the round reads the host tensor itself
+        else:
+            staged = self._staging(bucket, staged_logits)
+            staged.buffer.copy_(host, non_blocking=True)  # the round's one host->device copy
+        single = len(regions) == 1
+        # the model's own attention (no keyword) reads the slots the arena hands it: the live ones where shapes
+        # are free; the round's attention cuts the buffer to its mask's width itself
+        read = (0, width) if self.attention is None and not self.bucketed else None
+        for layer in arena.layers():
+            layer.write_slots, layer.read_slots = staged.write_slots, read
+            layer.length = regions[0].base + regions[0].length if single else 0
         if graph:
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs may be overwritten now
-        if not graph:
-            logits = self._round(*staged.round_inputs, self._slots(width), arena.cache)
-        else:
             self._shapes.add((bucket, width, id(arena), arena.allocations))
             compiled = _dynamo_graphs()
-            logits = self.compiled(*staged.round_inputs, self._slots(width), arena.cache)
+            out = self.compiled(*staged.round_inputs, self._slots(width), arena.cache)
             self.compiles += _dynamo_graphs() - compiled
-        return logits[: sum(len(r.logit_rows) for r in rounds)]
+        else:
+            spans = None
+            if self.layers is not None:  # each generation's rows and keys (a bucket's fillers: the last one's)
+                spans = [(q, region.base, region.length + q) for q, region in zip(rows, regions, strict=True)]
+                q, first, keys = spans[-1]
+                spans[-1] = (q + bucket - real, first, keys + bucket - real)
+            key_slots = self._slots(width) if self.bucketed else self._eager_slots(width)
+            out = self._round(*staged.round_inputs, key_slots, arena.cache, spans)
+        return out[:logits]
 
     def counts(self) -> tuple[int, int]:
         """(compilations of the round function, distinct shapes run compiled) so far: a job that warmed up every
@@ -263,16 +211,18 @@ class StaticRounds:
         self,
         input_ids: torch.Tensor,  # [B]
         position_ids: torch.Tensor,  # [B]
-        logit_rows: torch.Tensor,  # [B]
+        logit_rows: torch.Tensor,  # [L]
         write_slots: torch.Tensor,  # [B]
         cached_from: torch.Tensor,  # [B]
         cached_to: torch.Tensor,  # [B]
         visibility: torch.Tensor,  # [B, B] bool
         key_slots: torch.Tensor,  # [K]
         cache,  # the arena's DynamicCache
-    ) -> torch.Tensor:  # [B, vocab]
+        spans: Sequence[tuple[int, int, int]] | None = None,  # the whole layers' generations (eager only)
+    ) -> torch.Tensor:  # [L, vocab]
         """The round itself, the function that is compiled: its masks (one per window, shared by every layer of
-        that window), then the model's forward, naming its attention (``self.attention``) where it has one."""
+        that window), then the backend's whole layers where it has them, else the model's forward naming its
+        attention (``self.attention``) where it takes one."""
         masks = {
             window: round_mask(
                 visibility,
@@ -287,23 +237,32 @@ class StaticRounds:
             )
             for window in set(self.call.mask_windows.values())
         }
+        if self.layers is not None and spans is not None:
+            return self.layers(input_ids, position_ids, self.call.mask(masks), cache, logit_rows, spans)
         attend = {} if self.attention is None else {ROUND_KEYWORD: self.attention}
-        return self.call(input_ids, position_ids, masks, cache, logit_rows, **attend)  # [B, vocab]
+        return self.call(input_ids, position_ids, masks, cache, logit_rows, **attend)  # [L, vocab]
 
-    def _staging(self, rows: int) -> StagedInputs:
+    def _staging(self, rows: int, logits: int) -> StagedInputs:
         """The device staging buffer of a bucket (made once, static: a graph reads it in place), or a new one for
-        a round past the ladder."""
-        staged = self._staged.get(rows)
+        a round past the ladder or of free shape."""
+        staged = self._staged.get(rows) if logits == rows else None
         if staged is None:
             with torch.inference_mode():
-                buffer = torch.empty(StagedInputs.nbytes(rows), dtype=torch.uint8, device=self.device)
-            staged = StagedInputs.views(buffer, rows)
-            if not self.ladder.captured(rows):
+                buffer = torch.empty(StagedInputs.nbytes(rows, logits), dtype=torch.uint8, device=self.device)
+            staged = StagedInputs.views(buffer, rows, logits)
+            if not (self.bucketed and self.ladder.captured(rows)):
                 return staged
             for field in staged.round_inputs:
                 static_address(field)
             self._staged[rows] = staged
         return staged
+
+    def _eager_slots(self, width: int) -> torch.Tensor:
+        """[width] int64 0 .. width-1 on the device: a view of one vector, remade only when a wider round comes."""
+        if self._all_slots.shape[0] < width:
+            with torch.inference_mode():
+                self._all_slots = torch.arange(max(width, 2 * self._all_slots.shape[0]), device=self.device)
+        return self._all_slots[:width]
 
     def _slots(self, width: int) -> torch.Tensor:
         """[width] int64 0 .. width-1 on the device (made once per width, static)."""

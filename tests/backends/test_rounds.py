@@ -1,9 +1,8 @@
-"""Bucketed static rounds (``static_rounds.StaticRounds``): the GPU's round path, run here on the CPU minus the capture.
+"""The one round function (``rounds.Rounds``), bucketed: the GPU's round path, run here on the CPU minus the capture.
 
-Oracles: the adapter's ordinary eager forward for single rounds (the same logits to fp32 rounding, the same
-argmax), HF greedy ``generate`` for whole generations, ``batch.pack_round``'s segment mask (placed at the region's
-slots) for the round mask slot by slot, and the compiled rounds against the eager static ones at every bucket
-boundary.
+Oracles: the adapter's unbucketed eager rounds for single rounds (the same logits to fp32 rounding, the same
+argmax), HF greedy ``generate`` for whole generations, the visibility rule written out slot by slot (``_rule_mask``)
+for the round mask, and the compiled rounds against the eager bucketed ones at every bucket boundary.
 What a CPU cannot show: the CUDA graphs themselves (inductor's graph trees skip the capture on a CPU and run the
 same compiled code); ``benchmarks/gpu_check.sh`` measures them where a GPU exists. The compiling tests are slow
 (one compilation of a tiny model: some 20 s on two cores).
@@ -16,13 +15,12 @@ import torch
 from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lp_runner.backends import static_rounds
+from lp_runner.backends import rounds as rounds_module
 from lp_runner.backends.adapter import ModelAdapter, causal
-from lp_runner.backends.batch import Rows, pack_round
 from lp_runner.backends.buckets import BucketLadder
 from lp_runner.backends.kv_cache import MIN_CAPACITY, KVCapacityError
 from lp_runner.backends.round_mask import round_attention, round_mask
-from lp_runner.backends.static_rounds import StagedInputs, stage
+from lp_runner.backends.staging import Rows, StagedInputs, stage
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 
@@ -91,18 +89,26 @@ def test_a_ladder_must_increase_from_two(rows) -> None:
 
 
 def _masks_of(segments, window, capacity: int):
-    """(round_mask's inputs for ``segments`` = [(rows, region base, past)], the masks it must give: each segment's
-    ``pack_round`` mask placed at its region's slots, every other slot hidden) -> [sum rows, capacity]."""
-    packed = pack_round([r for r, _, _ in segments], [b for _, b, _ in segments], [p for _, _, p in segments],
-                        [window], torch.float32)  # fmt: skip
+    """(round_mask's inputs for ``segments`` = [(rows, region base, past)], the mask it must give) -> [sum rows,
+    capacity]: the visibility rule of ``round_mask``'s docstring applied slot by slot, in plain Python loops (an
+    oracle independent of the tensor code): row i of a generation sees its region's cached prefix and the round's
+    rows its visibility names, minus, under a sliding window w, every key whose position is w or more behind its
+    own; every other slot is hidden."""
+    hidden = torch.finfo(torch.float32).min
     total = sum(len(r.tokens) for r, _, _ in segments)
-    want = torch.full((total, capacity), torch.finfo(torch.float32).min)
+    want = torch.full((total, capacity), hidden)
     visibility = torch.zeros(total, total, dtype=torch.bool)
     first, end, writes = (torch.zeros(total, dtype=torch.long) for _ in range(3))
     row = 0
-    for b, (rows, base, past) in enumerate(segments):
+    for rows, base, past in segments:
         q = len(rows.tokens)
-        want[row : row + q, base : base + past + q] = packed.segment_mask(window, b)
+        for i in range(q):
+            position = rows.positions[i]
+            keys = {base + j: j for j in range(past)}  # slot -> its position
+            keys |= {base + past + j: rows.positions[j] for j in range(q) if rows.visibility[i, j]}
+            for slot, key_position in keys.items():
+                if window is None or position - key_position < window:
+                    want[row + i, slot] = 0.0
         visibility[row : row + q, row : row + q] = rows.visibility
         first[row : row + q], end[row : row + q] = base, base + past
         writes[row : row + q] = torch.arange(base + past, base + past + q)
@@ -132,8 +138,8 @@ def _segment(rows: int, past: int, seed: int) -> Rows:
     ],
 )
 def test_round_mask_is_each_segments_mask_at_its_regions_slots(window, segments, width, capacity) -> None:
-    """Slot for slot each segment's packed mask (``pack_round``, its per-row sliding window included) placed at
-    its region's slots, every other slot (other generations', past the round) hidden, cut to ``width``."""
+    """Slot for slot the visibility rule (``_masks_of``, its per-row sliding window included) at each region's
+    slots, every other slot (other generations', past the round) hidden, cut to ``width``."""
     segs = [(_segment(q, past, seed=10 * k + q), base, past) for k, (q, base, past) in enumerate(segments)]
     (visibility, first, end, positions, writes), want = _masks_of(segs, window, capacity)
     keys = torch.arange(width)
@@ -174,9 +180,9 @@ def test_stage_writes_every_input_once_padded_to_the_bucket() -> None:
     a_vis = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
     a = Rows((7, 8), (5, 6), a_vis, (0, 1))
     b = Rows((9,), (3,), torch.ones(1, 1, dtype=torch.bool), (0,))
-    host = stage(4, [(a, 0, 5), (b, 64, 3)], False)
-    assert host.dtype == torch.uint8 and host.numel() == StagedInputs.nbytes(4) == 8 * 24 + 16
-    staged = StagedInputs.views(host.clone(), 4)
+    host = stage(4, 4, [(a, 0, 5), (b, 64, 3)], False)
+    assert host.dtype == torch.uint8 and host.numel() == StagedInputs.nbytes(4, 4) == 8 * 24 + 16
+    staged = StagedInputs.views(host.clone(), 4, 4)
     assert staged.input_ids.tolist() == [7, 8, 9, 9]  # the filler repeats the last row
     assert staged.position_ids.tolist() == [5, 6, 3, 3]
     assert staged.logit_rows.tolist() == [0, 1, 2, 0]  # each segment's own, shifted; the filler's reads row 0
@@ -266,15 +272,16 @@ def test_the_mask_is_built_once_per_round_and_every_layer_reads_it(monkeypatch) 
         seen.append((id(attention_mask), attention_mask.shape[-1], key.shape[-2]))
         return round_attention(module, query, key, value, attention_mask, **kwargs)
 
-    monkeypatch.setattr(static_rounds, "round_mask", counting_mask)
+    monkeypatch.setattr(rounds_module, "round_mask", counting_mask)
     monkeypatch.setattr(adapter.rounds, "attention", recording_attention)  # what each round names as its attention
     rounds = list(_round_pairs(model, adapter, [1, 3, 5, 9], capacity=64))
     assert len(rounds) == 4
-    assert len(built) == 5  # the prefill and four rounds: one mask each
-    assert len(seen) == 5 * 3  # every layer of every round attended through the round mask
+    assert len(seen) == 5 * 3  # every layer of every round (the prefill and four) attended through the round mask
+    masks = {id(m) for m in built}  # the reference adapter's rounds build theirs with the same function
     for r in range(5):
         layers = seen[3 * r : 3 * (r + 1)]
-        assert {entry[0] for entry in layers} == {id(built[r])}  # the one mask of that round, not a copy per layer
+        assert len({entry[0] for entry in layers}) == 1  # the one mask of that round, not a copy per layer
+        assert layers[0][0] in masks
     width, capacity = seen[-1][1:]
     assert width == 256 and capacity == 1024 + MIN_CAPACITY  # the live width of the buffer is read, not its capacity
 
@@ -292,29 +299,51 @@ class _Copies(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_round_inputs_arrive_in_one_copy(monkeypatch) -> None:
+@pytest.mark.parametrize("bucketed", [True, False])
+def test_a_round_inputs_are_views_of_one_staged_tensor(monkeypatch, bucketed: bool) -> None:
     """The ids, positions, logit rows, write slots, region bounds and visibility the round function reads are
-    views of one staging buffer, filled by exactly one copy per round."""
+    views of one tensor, staged once per round (on a CPU the eager round reads the host tensor itself; a device
+    fills its staging buffer from it in one copy: ``test_compiled_round_inputs_arrive_in_one_copy``)."""
     model = tiny_model("llama")
-    adapter = ModelAdapter(model, bucketed=True)
+    adapter = ModelAdapter(model, bucketed=bucketed)
     cache = adapter.job_region(64)
     adapter.forward(torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
-    staging = adapter.rounds._staging(8)
     received = []
     real = adapter.rounds._round
 
     def recording(*args):
-        received.extend(a for a in args if isinstance(a, torch.Tensor))
+        received.append([a for a in args if isinstance(a, torch.Tensor)])
         return real(*args)
 
     monkeypatch.setattr(adapter.rounds, "_round", recording)
+    staged = []
+    real_stage = rounds_module.stage
+    monkeypatch.setattr(rounds_module, "stage", lambda *a: staged.append(real_stage(*a)) or staged[-1])
+    adapter.forward(torch.arange(5), torch.arange(10, 15), causal(5), cache, torch.arange(5))
+    assert len(staged) == len(received) == 1  # one staged tensor, one call of the round function
+    storage = staged[0].untyped_storage().data_ptr()
+    inputs = [t for t in received[0] if t.untyped_storage().data_ptr() == storage]
+    assert len(inputs) == 7  # ids, positions, logit rows, write slots, cached from / to, visibility
+    assert all(layer.write_slots.untyped_storage().data_ptr() == storage for layer in cache.arena.layers())
+    assert inputs[2].numel() == (8 if bucketed else 5)  # logit rows: the bucket's, or the round's own
+
+
+@pytest.mark.slow
+def test_compiled_round_inputs_arrive_in_one_copy() -> None:
+    """A round that replays a graph reads its inputs from the bucket's static staging buffer, filled by exactly
+    one copy of the staged host tensor per round."""
+    model = tiny_model("llama")
+    torch._dynamo.reset()
+    adapter = ModelAdapter(model, compile=True)
+    adapter.warm_up(64)
+    cache = adapter.job_region(64)
+    adapter.forward(torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
+    staging = adapter.rounds._staging(8, 8)
     with _Copies(staging.buffer) as copies:
         adapter.forward(torch.arange(5), torch.arange(10, 15), causal(5), cache, torch.arange(5))
     assert copies.count == 1
-    storage = staging.buffer.untyped_storage().data_ptr()
-    inputs = [t for t in received if t.untyped_storage().data_ptr() == storage]
-    assert len(inputs) == 7  # ids, positions, logit rows, write slots, cached from / to, visibility
-    assert all(layer.write_slots.untyped_storage().data_ptr() == storage for layer in cache.arena.layers())
+    assert all(layer.write_slots is staging.write_slots for layer in cache.arena.layers())
+    adapter.release_region(cache)
 
 
 # ---------------------------------------------------------------------------------------- fixed addresses
