@@ -347,12 +347,13 @@ def test_calibration_syncs_the_ranks_own_gpu(node: Node, monkeypatch) -> None:
     from types import SimpleNamespace
 
     from lp_runner.tuning import calibrate
+    from lp_runner.tuning.costmodel import CostCurve
 
     seen = {}
 
-    def measure(adapter, kvs, rows, reps, sync, head_rows, tick):
+    def measure(adapter, kvs, rows, reps, sync, head_rows, tick, max_spread, max_reps, budget_s, clock):
         seen["sync"] = sync
-        return "curve"
+        return CostCurve.linear(0.01, 0.001)
 
     monkeypatch.setattr(calibrate, "measure_curve", measure)
     calibrate.measure_quick(SimpleNamespace(device=CUDA1))

@@ -474,6 +474,8 @@ def _machine() -> str:
 
 def _summary(report: dict) -> str:
     """What the terminal shows: per P the figures the report's tables hold, one convention (> 1 faster)."""
+    from lp_runner.studies.report import rows_label
+
     lines = []
     meas = report.get("measured")
     if meas:
@@ -481,7 +483,7 @@ def _summary(report: dict) -> str:
             lines.append(
                 f"measured {p['label']}: {p['ms_per_token']:.3f} ms/token (spread {100 * p['spread']:.0f}%), speed vs "
                 f"P=1 {_x(p['speed_vs_p1'])}, {p['tokens_per_forward']:.2f} tokens/forward, "
-                f"{p['rank0_rows']:.1f} rows a round (rank 0's), window {p['window']}"
+                f"{rows_label(p['busiest_rank_rows'])} rows a round on the busiest rank, window {p['window']}"
             )
         lines.append(f"outputs identical at every P: {meas['identical_outputs']}")
         lines += [f"warning: {w}" for w in meas.get("warnings", [])]

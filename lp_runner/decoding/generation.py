@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.coordinator import Coordinator, RoundPlan
 from lp_runner.decoding.job_store import JobPool
@@ -28,6 +30,7 @@ from lp_runner.decoding.round import KVStore, RoundResult, RoundState, lay_out, 
 from lp_runner.decoding.verify.greedy import cut_emitted
 from lp_runner.decoding.verify.verifier import ReadBack, Verifier
 from lp_runner.decoding.window import JacobiWindow
+from lp_runner.parallel.comm import Communicator
 from lp_runner.parallel.exchange import Decision, Entry
 
 OnCommit = Callable[[Sequence[int]], None]
@@ -188,9 +191,19 @@ class Generation:
         if self.on_commit is not None:
             self.on_commit(self._emitted)
 
-    def close(self) -> None:
-        """The generation is over: its wall time, and (``pool_scope: job``) its output joins the job's store
-        (identically on every rank, in the same order)."""
+    def close(self, comm: Communicator | None) -> None:
+        """The generation is over: its wall time, every rank's rows of its rounds (``GenerationStats
+        .set_rank_rows``), and (``pool_scope: job``) its output joins the job's store (identically on every rank,
+        in the same order).
+
+        Under LP the rows come from one all_gather per generation, not per round: every rank of the group closes
+        the same generations in the same order, after the same number of rounds, so the payloads are of one
+        length. It is not a round's collective (``stats.collectives`` counts those)."""
         self.stats.seconds = time.perf_counter() - self.started
+        own = [rec.rows for rec in self.stats.records]  # [rounds]
+        if comm is None or not own:
+            self.stats.set_rank_rows([own])
+        else:
+            self.stats.set_rank_rows(comm.all_gather(torch.tensor(own, dtype=torch.long)).tolist())  # [P, rounds]
         if self.store is not None:
             self.store.add(self.prompt_ids, self.output_ids)

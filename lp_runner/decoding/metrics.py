@@ -60,6 +60,10 @@ class GenerationStats:
     forward_share: float = 0.0
     batch_rows_share: float = 0.0
     prefill_chunks: int = 0  # forwards that cached a long prompt's leading rows before its first round
+    # every rank's rows over the rounds (rank order) and the busiest rank's, round by round (``set_rank_rows``,
+    # at the generation's end): what a round costs under LP is its busiest rank's forward, not rank 0's
+    rank_rows: list[int] = field(default_factory=list)
+    busiest_rows: int = 0
 
     def add_prefill_chunk(self, rows: int, forward_s: float) -> None:
         """A forward of a long prompt's leading rows alone (``Generation.prefill_chunk``): a forward and its rows,
@@ -100,6 +104,15 @@ class GenerationStats:
         if rec.winner_candidate >= 0:
             self.count_source(rec.plan_sources[rec.winner_candidate], "accepted", rec.hits)
 
+    def set_rank_rows(self, per_rank: Sequence[Sequence[int]]) -> None:
+        """Every rank's rows of every round (``per_rank[r][i]``: rank r's rows in round i, ``RoundRecord.rows``)
+        summed per rank, and the busiest rank's rows summed over the rounds (the largest of each round's).
+
+        Example: rank 0 ran 5, 3, 3 rows and rank 1 ran 4, 6, 2 -> rank_rows [11, 12], busiest_rows 5 + 6 + 3 =
+        14 (no one rank was the busiest in every round, so it exceeds both totals)."""
+        self.rank_rows = [sum(rows) for rows in per_rank]
+        self.busiest_rows = sum(max(column) for column in zip(*per_rank, strict=True))
+
     @property
     def tokens_per_forward(self) -> float:
         return self.new_tokens / self.forwards if self.forwards else 0.0
@@ -112,12 +125,17 @@ class GenerationStats:
     def mean_rows(self) -> float:
         return self.rows / self.rounds if self.rounds else 0.0
 
+    @property
+    def mean_busiest_rows(self) -> float:
+        return self.busiest_rows / self.rounds if self.rounds else 0.0
+
     def summary(self) -> dict[str, float | int]:
         d = {k: v for k, v in asdict(self).items() if k != "records"}  # sources included
         d.update(
             tokens_per_forward=round(self.tokens_per_forward, 4),
             tokens_per_s=round(self.tokens_per_s, 3),
             mean_rows=round(self.mean_rows, 2),
+            mean_busiest_rows=round(self.mean_busiest_rows, 2),
         )
         for k in ("forward_s", "comm_s", "host_s", "seconds", "forward_share", "batch_rows_share"):
             d[k] = round(d[k], 6)
@@ -136,6 +154,7 @@ def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
         "verified_rounds",
         "accepted_tokens",
         "collectives",
+        "busiest_rows",
     )
     tot: dict[str, float] = {k: 0 for k in keys}
     times = {"forward_s": 0.0, "comm_s": 0.0, "host_s": 0.0, "seconds": 0.0}
@@ -152,6 +171,7 @@ def combine(stats: Iterable[GenerationStats]) -> dict[str, float | int]:
     out["tokens_per_forward"] = round(tot["new_tokens"] / tot["forwards"], 4) if tot["forwards"] else 0.0
     out["tokens_per_s"] = round(tot["new_tokens"] / secs, 3) if secs else 0.0
     out["mean_rows"] = round(tot["rows"] / tot["rounds"], 2) if tot["rounds"] else 0.0
+    out["mean_busiest_rows"] = round(tot["busiest_rows"] / tot["rounds"], 2) if tot["rounds"] else 0.0
     out["mean_padded_rows"] = round(tot["padded_rows"] / tot["rounds"], 2) if tot["rounds"] else 0.0
     for k in ("forward_s", "comm_s", "host_s"):
         out[k.replace("_s", "_share")] = round(times[k] / secs, 4) if secs else 0.0

@@ -130,7 +130,7 @@ class RoundLoop:
             still = []
             for job, gen in active:
                 if gen.finished:
-                    gen.close()
+                    gen.close(self.comm)
                     self.arena.release(gen.state.kv)
                     on_done(job, GenerationResult(gen.output_ids, gen.stats, gen.la))
                 else:

@@ -17,8 +17,9 @@ the cores or a spread exceeds ``SPREAD_WARNING``.
 Each run's records file is its own, so an interrupted study resumes: a run whose file holds every prompt is
 skipped (a torn last line from a kill dropped), a partial one is run again with the job's own ``--resume``.
 
-Per prompt it keeps what the job's records carry: latency, tokens/s, tokens per forward, packed rows per round
-(rank 0's: the records carry no other rank's), the time split forward / host / communication (``stats``;
+Per prompt it keeps what the job's records carry: latency, tokens/s, tokens per forward, the busiest rank's
+packed rows per round (``busiest_rank_rows``: under LP a round costs its busiest rank's forward, and the record
+carries every rank's rows, gathered once per generation), the time split forward / host / communication (``stats``;
 communication includes any wait for a slower rank), and whether the output equals P = 1's (it must: LP is exact;
 a difference fails the study, ``NotExact``).
 """
@@ -267,12 +268,33 @@ def _percentile(xs: Sequence[float], q: float) -> float:
     return s[k]
 
 
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    """The mean (2 decimals), or None where any value is unknown (a mean of the others would be another figure)."""
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 2) if known and len(known) == len(values) else None
+
+
 def spread(values: Sequence[float]) -> float:
     """(largest - smallest) / median of one P's repetitions; 0.0 for fewer than two."""
     if len(values) < 2:
         return 0.0
     med = _percentile(values, 0.5)
     return (max(values) - min(values)) / med if med else 0.0
+
+
+def busiest_rank_rows(rec: dict) -> float | None:
+    """The busiest rank's rows a round in one record (the largest rank's of each round, mean over the rounds):
+    ``stats.busiest_rows`` over ``stats.rounds``. None for a record at P > 1 written before records carried every
+    rank's rows (a resumed study's older file); at P = 1 the one rank's rows are the busiest.
+
+    Example: rank 0 ran 5, 3, 3 rows and rank 1 ran 4, 6, 2 -> busiest_rows 14 over 3 rounds -> 4.67."""
+    st = rec.get("stats", {})
+    rounds = st.get("rounds", 0)
+    if not rounds:
+        return 0.0
+    if "busiest_rows" in st:
+        return st["busiest_rows"] / rounds
+    return st.get("rows", 0) / rounds if rec.get("workers", 1) == 1 else None
 
 
 def window_label(rec: dict) -> str:
@@ -348,7 +370,6 @@ def summarize(
         for i in ids:
             r = recs[i]
             st = r.get("stats", {})
-            rounds = max(st.get("rounds", 0), 1)
             secs = r["seconds"] or 0.0
             prompts.append(
                 {
@@ -357,7 +378,7 @@ def summarize(
                     "new_tokens": r["new_tokens"],
                     "tokens_per_s": r["new_tokens"] / secs if secs else 0.0,
                     "tokens_per_forward": r["tokens_per_forward"],
-                    "rank0_rows": st.get("rows", 0) / rounds,
+                    "busiest_rank_rows": busiest_rank_rows(r),
                     "forward_s": st.get("forward_s", 0.0),
                     "host_s": st.get("host_s", 0.0),
                     "comm_s": st.get("comm_s", 0.0),
@@ -378,7 +399,7 @@ def summarize(
                 "latency_p50_s": round(_percentile(lat, 0.5), 4),
                 "latency_p90_s": round(_percentile(lat, 0.9), 4),
                 "tokens_per_forward": round(sum(x["tokens_per_forward"] for x in prompts) / len(prompts), 3),
-                "rank0_rows": round(sum(x["rank0_rows"] for x in prompts) / len(prompts), 2),
+                "busiest_rank_rows": _mean_or_none([x["busiest_rank_rows"] for x in prompts]),
                 "forward_share": round(sum(x["forward_s"] for x in prompts) / total, 4),
                 "host_share": round(sum(x["host_s"] for x in prompts) / total, 4),
                 "comm_share": round(sum(x["comm_s"] for x in prompts) / total, 4),

@@ -20,6 +20,11 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+def rows_label(value: float | None) -> str:
+    """A measured row count a round; "n/a" where a record at P > 1 lacks every rank's rows (an older file)."""
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def markdown(report: dict) -> str:
     md: list[str] = [f"# Strong-scaling study ({report['date']})", ""]
     meas = report.get("measured")
@@ -31,7 +36,7 @@ def markdown(report: dict) -> str:
             f"identical to P={meas['base_workers']}'s at every P: **{meas['identical_outputs']}**.",
             "",
             "| P | window | ms/token (median) | spread | speed vs P=1 (> 1 faster) | its range over repetitions | "
-            "latency p50 s | p90 s | tokens/forward | rows/round (rank 0) | forward | host | comm (incl. wait) | "
+            "latency p50 s | p90 s | tokens/forward | busiest rank's rows/round | forward | host | comm (incl. wait) | "
             "identical |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -41,8 +46,8 @@ def markdown(report: dict) -> str:
                 f"| {r['label']} | {r['window']} | {r['ms_per_token']:.3f} | {100 * r['spread']:.0f}% | "
                 f"{_x(r['speed_vs_p1'])} | {f'{rng[0]:.2f}-{rng[1]:.2f}x' if rng else 'n/a'} | "
                 f"{r['latency_p50_s']:.3f} | {r['latency_p90_s']:.3f} | {r['tokens_per_forward']:.2f} | "
-                f"{r['rank0_rows']:.1f} | {100 * r['forward_share']:.0f}% | {100 * r['host_share']:.0f}% | "
-                f"{100 * r['comm_share']:.0f}% | {r['identical_to_base']} |"
+                f"{rows_label(r['busiest_rank_rows'])} | {100 * r['forward_share']:.0f}% | "
+                f"{100 * r['host_share']:.0f}% | {100 * r['comm_share']:.0f}% | {r['identical_to_base']} |"
             )
         md.append("")
         md += [f"**Warning:** {w}" for w in meas.get("warnings", [])]
@@ -126,7 +131,9 @@ def plot(report: dict, path: Path) -> bool:
         left.plot(ps, [r["latency_p50_s"] for r in meas["points"]], "s", label="measured latency p50 (s)")
         left.plot(ps, [r["latency_p90_s"] for r in meas["points"]], "^", label="measured latency p90 (s)")
         right.plot(ps, [r["tokens_per_forward"] for r in meas["points"]], "s", label="measured tokens/forward")
-        right.plot(ps, [r["rank0_rows"] for r in meas["points"]], "^-", label="measured rows/round (rank 0)")
+        rows = [r["busiest_rank_rows"] for r in meas["points"]]
+        if None not in rows:  # older records without every rank's rows: no line rather than rank 0's
+            right.plot(ps, rows, "^-", label="measured rows/round (busiest rank)")
     if sim:
         ps = [p["workers"] for p in sim["points"]]
         if meas:  # the simulated latency of a median prompt: ms/token x its measured tokens

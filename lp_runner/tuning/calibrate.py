@@ -7,18 +7,23 @@ one and shipped as a constant is wrong on the other; the curve measured where th
 
 The quick curve: the body cost (LM head on one row) at every row count of the device's plan and two K/V lengths,
 plus the head on every row at the largest count (``costmodel.measure_curve(head_rows=...)``); repetitions
-interleaved, medians. ``measurement_plan`` chooses the grid by device (``device.rows_are_cheap``): on a CPU
-``QUICK_ROWS`` to 48 rows (about 90 forwards; a round past that costs more than it earns there, so it is
-extrapolated), on a GPU ``GPU_ROWS`` to 512 rows at ``GPU_KV`` (120 forwards: the flat part of a GPU's curve is
-where the Jacobi window and wide verification pay, and where it ends only a measurement finds). Then
-``measure_host`` times the host part of the engine's own rounds (``costmodel.HostCost``), which every search
-prices, the start-up preset and ``lp_runner tune`` alike. The curve is cached under the cache dir, keyed by
-everything that changes it (device model, threads, dtype, weights checksum, torch version, the backend's key
-fields (its kernels and their build), and the grid through ``CALIBRATION_VERSION``), and reused;
-``--recalibrate`` measures again. A curve measured on a busy machine (its repetitions disagree: ``NOISY_SPREAD``)
-is used and cached, but the next run measures again and the quieter curve stays: a moment's load does not price
-every later run's choices. A machine that stays busy would make every start-up measure again, so a noisy curve is
-measured at most ``NOISY_TRIES`` times; after that the quietest one is used until ``--recalibrate``.
+interleaved, medians, repeated until every point's spread is bounded (``CURVE_SPREAD``, at most ``CURVE_MAX_REPS``
+sweeps and within the measurement's time budget), then made monotone (``CostCurve.monotone``): no row count is
+priced below a smaller one's cost. Why both: two start-up calibrations of one model on one quiet CPU an hour apart
+put 8 rows at 1.65x and at 1.05x one row's cost, and the later measured 3 rows cheaper than 1 (0.90x), so every 1-
+and 2-row round was padded to 3 (``RowPlan``) on the strength of one noisy point. ``measurement_plan`` chooses the
+grid by device (``device.rows_are_cheap``): on a CPU ``QUICK_ROWS`` to 48 rows (about 90 forwards; a round past
+that costs more than it earns there, so it is extrapolated), on a GPU ``GPU_ROWS`` to 512 rows at ``GPU_KV`` (120
+forwards: the flat part of a GPU's curve is where the Jacobi window and wide verification pay, and where it ends
+only a measurement finds). Then ``measure_host`` times the host part of the engine's own rounds
+(``costmodel.HostCost``), which every search prices, the start-up preset and ``lp_runner tune`` alike. The curve is
+cached under the cache dir, keyed by everything that changes it (device model, threads, dtype, weights checksum,
+torch version, the backend's key fields (its kernels and their build), and the grid through
+``CALIBRATION_VERSION``), and reused; ``--recalibrate`` measures again. A curve measured on a busy machine (its
+repetitions disagree: ``NOISY_SPREAD``) is used and cached, but the next run measures again and the quieter curve
+stays: a moment's load does not price every later run's choices. A machine that stays busy would make every
+start-up measure again, so a noisy curve is measured at most ``NOISY_TRIES`` times; after that the quietest one is
+used until ``--recalibrate``.
 
 A measurement says how far it got every ``PROGRESS_EVERY_S`` and stops at ``CALIBRATION_LIMIT_S`` (under LP, within
 the other ranks' collective timeout): on a machine far busier than its cores, or with more threads than cores, it
@@ -49,11 +54,16 @@ from lp_runner.device import rows_are_cheap, synchronizer
 from lp_runner.tuning.costmodel import CostCurve, HostCost, measure_curve
 from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
 
-CALIBRATION_VERSION = 3  # bump when the measurement (or its grid) changes: older cache entries are then ignored
+CALIBRATION_VERSION = 4  # bump when the measurement (or its grid) changes: older cache entries are then ignored
 QUICK_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # rounds past 48 rows: extrapolated from 32-48
 QUICK_KV = (64, 512)
 QUICK_HEAD_ROWS = (48,)
 QUICK_REPS = 3  # + one warm-up sweep (medians of 3: one noisy forward moves no point)
+# Repeated (QUICK_REPS more sweeps at a time, interleaved) while some point's repetitions disagree by more than
+# this (``costmodel.point_spreads``), up to CURVE_MAX_REPS sweeps: a passing load is outvoted, a lasting one
+# leaves the curve noisy (NOISY_SPREAD) and measured again at the next start-up.
+CURVE_SPREAD = 0.10
+CURVE_MAX_REPS = 4 * QUICK_REPS
 GPU_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 GPU_KV = (512, 2048)
 GPU_HEAD_ROWS = (512,)
@@ -104,6 +114,8 @@ class Calibration:
             "seconds": round(self.seconds, 3),
             "device": self.key["device"],
             "spread": round(self.curve.spread, 3),
+            "worst_spread": round(self.curve.worst_spread, 3),  # the noisiest point's, which bounds the sweeps
+            "sweeps": self.curve.sweeps,
             "noisy": self.noisy,
             "file": self.path,  # the curve itself, with its measured host time (``lp_runner study --curve job``)
         }
@@ -219,18 +231,28 @@ def measurement_plan(cheap_rows: bool, coarse: bool = False, max_positions: int 
     return MeasurementPlan(QUICK_ROWS, QUICK_KV, QUICK_HEAD_ROWS, QUICK_REPS)
 
 
-def measure_quick(adapter, budget_s: float | None = None, tick: Callable[[int, int], None] | None = None) -> CostCurve:
-    """The quick curve on the device's plan; with ``budget_s``, the coarse grid when one probe forward says the
-    plan would take longer (about 2 x the probe's seconds per forward: most forwards have fewer rows than the
-    probe's). ``tick``: as ``costmodel.measure_curve`` takes it."""
+def measure_quick(
+    adapter,
+    budget_s: float | None = None,
+    tick: Callable[[int, int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostCurve:
+    """The quick curve on the device's plan, repeated until its spread is bounded and made monotone (the module
+    doc); with ``budget_s``, the coarse grid when one probe forward says the plan would take longer (about 2 x the
+    probe's seconds per forward: most forwards have fewer rows than the probe's), and no more sweeps than fit in
+    it. ``tick``, ``clock``: as ``costmodel.measure_curve`` takes them.
+
+    Example (body ms at one K/V length, medians): 1 -> 100, 2 -> 105, 3 -> 90, 4 -> 108 is priced 100, 105, 105,
+    108, so no 1- or 2-row round is padded to 3 rows (``RowPlan.from_curve``)."""
     sync = synchronizer(adapter.device)
     cheap = rows_are_cheap(adapter.device)
     plan = measurement_plan(cheap, max_positions=getattr(adapter, "max_positions", None))
     if budget_s is not None and not cheap and probe_seconds(adapter, sync, plan) * plan.forwards / 2 > budget_s:
         plan = measurement_plan(cheap, coarse=True)
+    bound = {"max_spread": CURVE_SPREAD, "max_reps": CURVE_MAX_REPS, "budget_s": budget_s, "clock": clock}
     return measure_curve(
-        adapter, plan.kv_lens, plan.rows, reps=plan.reps, sync=sync, head_rows=plan.head_rows, tick=tick
-    )
+        adapter, plan.kv_lens, plan.rows, reps=plan.reps, sync=sync, head_rows=plan.head_rows, tick=tick, **bound
+    ).monotone()
 
 
 def measure_host(adapter, seed: int = 0, tick: Callable[[int, int], None] | None = None) -> HostCost:

@@ -79,6 +79,10 @@ class CostCurve:
     # entry from before it was recorded)
     spread: float = 0.0
     host: HostCost | None = None
+    # the noisiest row count's spread (``point_spreads``) and the timed sweeps it ended at (``measure_curve``'s
+    # max_spread bounds the former); 0 where unknown
+    worst_spread: float = 0.0
+    sweeps: int = 0
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -142,12 +146,16 @@ class CostCurve:
 
     def to_dict(self) -> dict:
         d = {"points": [asdict(p) for p in self.points], "spread": self.spread}
+        if self.sweeps:
+            d.update(worst_spread=self.worst_spread, sweeps=self.sweeps)
         return d if self.host is None else {**d, "host": self.host.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostCurve:
         host = HostCost(**d["host"]) if d.get("host") is not None else None
-        return cls(tuple(CurvePoint(**p) for p in d["points"]), float(d.get("spread", 0.0)), host)
+        points = tuple(CurvePoint(**p) for p in d["points"])
+        worst, sweeps = float(d.get("worst_spread", 0.0)), int(d.get("sweeps", 0))
+        return cls(points, float(d.get("spread", 0.0)), host, worst, sweeps)
 
     @classmethod
     def linear(cls, one_row_s: float, per_row_s: float, max_rows: int = 512, kv_len: int = 0) -> CostCurve:
@@ -179,14 +187,20 @@ def measure_curve(
     tick: Callable[[int, int], None] | None = None,
     max_spread: float | None = None,
     max_reps: int | None = None,
+    budget_s: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> CostCurve:
     """Median forward seconds for every (K/V length, Q), head on one row and on all rows.
 
-    ``max_spread``: measured until its spread is bounded: while the repetitions disagree by more than this
-    (``repetition_spread``), another ``reps`` interleaved sweeps are run, up to ``max_reps`` in all (default
-    4 x ``reps``); the curve records the spread it ended at. Why: a curve measured while the machine was busy is
+    ``max_spread``: measured until its spread is bounded: while the repetitions of some (K/V length, Q) disagree
+    by more than this (``point_spreads``, the largest), another ``reps`` interleaved sweeps are run, up to
+    ``max_reps`` in all (default 4 x ``reps``), and none once the sweeps so far say the next ``reps`` would end
+    past ``budget_s`` seconds (None: no time bound). The curve records the spreads and the sweeps it ended at
+    (``CostCurve.worst_spread``, ``spread``, ``sweeps``). Why: a curve measured while the machine was busy is
     bent by it (8 rows at 1.65x one row's cost in one start-up calibration, 1.05x an hour later), and every
-    choice priced on it follows the bend; more sweeps let the median see through a passing load.
+    choice priced on it follows the bend; more sweeps let the median see through a passing load, and the trimmed
+    spread (``point_spreads``) falls as they outvote it. ``clock``: the timer each forward is read with (a test
+    injects a fake one to choose what every forward measures).
 
     Repetitions are interleaved (every Q once per sweep, sweep order rotated), so a slow drift of a shared
     machine spreads over all Q instead of bending the curve. ``sync`` (``device.synchronizer``: a GPU's own sync) runs
@@ -206,17 +220,20 @@ def measure_curve(
     sizes = {max(kv_len, 1): adapter.region_size(max(kv_len, 1) + max(rows)) for kv_len in kv_lens}
     arena = adapter.claim_arena(sum(sizes.values()))
     try:
-        bound = (max_spread, max_reps if max_reps is not None else 4 * reps)
-        return _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound)
+        bound = (max_spread, max_reps if max_reps is not None else 4 * reps, budget_s)
+        return _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound, clock)
     finally:
         for region in list(arena.regions):
             arena.release(region)
         adapter.release_arena(arena)
 
 
-def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound=(None, 0)) -> CostCurve:
+def _sweep(
+    adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound=(None, 0, None), clock=time.perf_counter
+) -> CostCurve:
     """``measure_curve``'s timed forwards, on regions of ``arena`` of ``sizes`` slots per K/V length; ``bound``:
-    (max_spread, max_reps), more sweeps while the spread exceeds max_spread (None: ``reps`` sweeps)."""
+    (max_spread, max_reps, budget_s), more sweeps while a point's spread exceeds max_spread (None: ``reps``
+    sweeps), within max_reps and budget_s."""
     caches = {}
     for kv_len, size in sizes.items():
         cache = arena.region(size)
@@ -230,9 +247,10 @@ def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound=
     cases = [(kv, q, "body_s") for kv in caches for q in rows]
     cases += [(kv, q, "all_s") for kv in caches for q in sorted(head_at)]
     times: dict[tuple[int, int, str], list[float]] = {c: [] for c in cases}
-    max_spread, max_reps = bound
+    max_spread, max_reps, budget_s = bound
     target = reps + 1  # sweeps to run, the first a warm-up
     done, rep = 0, 0
+    began = clock()
     while True:
         while rep < target:
             k = (rep * 7) % len(cases)
@@ -241,10 +259,10 @@ def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound=
                 vis = torch.ones(q, q, dtype=torch.bool).tril()
                 logit_rows = torch.arange(q - 1, q) if head == "body_s" else torch.arange(q)
                 sync()
-                start = time.perf_counter()
+                start = clock()
                 adapter.forward(ids, torch.arange(kv, kv + q), vis, caches[kv], logit_rows)
                 sync()
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start
                 caches[kv].crop(kv)
                 if rep > 0:  # the first sweep warms allocators and kernels
                     times[(kv, q, head)].append(elapsed)
@@ -254,9 +272,12 @@ def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound=
             rep += 1
         if max_spread is None or target - 1 >= max_reps:
             break
-        if repetition_spread([times[(kv, q, "body_s")] for kv in caches for q in rows]) <= max_spread:
+        if max(point_spreads([times[(kv, q, "body_s")] for kv in caches for q in rows]), default=0.0) <= max_spread:
             break
-        target = min(target + reps, max_reps + 1)
+        more = min(target + reps, max_reps + 1)
+        if budget_s is not None and (clock() - began) * more / target > budget_s:
+            break  # the sweeps so far, scaled to the next target: past the budget (a caller's time limit)
+        target = more
     body = {(kv, q): _median(times[(kv, q, "body_s")]) for kv in caches for q in rows}
     full = {(kv, q): _median(times[(kv, q, "all_s")]) for kv in caches for q in head_at}
     per_logit_row = {  # seconds of one more logit row, per K/V length (from the largest Q with a head measured)
@@ -267,7 +288,9 @@ def _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound=
         for kv in caches
         for q in rows
     ]
-    return CostCurve(tuple(points), repetition_spread([times[(kv, q, "body_s")] for kv in caches for q in rows]))
+    repetitions = [times[(kv, q, "body_s")] for kv in caches for q in rows]
+    worst = max(point_spreads(repetitions), default=0.0)
+    return CostCurve(tuple(points), repetition_spread(repetitions), worst_spread=worst, sweeps=target - 1)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -278,9 +301,28 @@ def _median(xs: Sequence[float]) -> float:
 JITTER_S = 0.002  # what one time slice of another process adds to a forward (see repetition_spread)
 
 
+def point_spreads(repetitions: Sequence[Sequence[float]]) -> list[float]:
+    """Per point measured more than once: how far its repetitions disagree beyond the scheduler's jitter,
+    (slowest - fastest - ``JITTER_S``, at least 0) / median, after leaving out the quarter of its repetitions at
+    each end (none of fewer than 4). Why trimmed: the full range only grows as repetitions are added, so a
+    measurement repeated until its spread is bounded would never stop once one forward met a passing load; with
+    the ends left out, repetitions that outvote the load bring it down.
+
+    Example (seconds): [0.10, 0.15, 0.10] -> (0.15 - 0.10 - 0.002) / 0.10 = 0.48; the same with five more 0.10s
+    (8 repetitions, 2 left out at each end) -> 0.0."""
+    out = []
+    for t in repetitions:
+        s = sorted(t)
+        cut = len(s) // 4
+        s = s[cut : len(s) - cut]
+        if len(t) > 1 and _median(s) > 0:
+            out.append(max(s[-1] - s[0] - JITTER_S, 0.0) / _median(s))
+    return out
+
+
 def repetition_spread(repetitions: Sequence[Sequence[float]]) -> float:
-    """How far a curve's repetitions disagree beyond the scheduler's jitter: per point (slowest - fastest -
-    ``JITTER_S``, at least 0) / median, the median over the points measured more than once; 0.0 where none was.
+    """How far a curve's repetitions disagree beyond the scheduler's jitter: the median over the points measured
+    more than once of ``point_spreads``; 0.0 where none was.
 
     Why: a curve measured while something else loads the machine (another job, a test suite, a build) is bent by
     it, and every choice priced by it follows the bend; the spread says so. Why less the jitter: a time slice
@@ -288,9 +330,7 @@ def repetition_spread(repetitions: Sequence[Sequence[float]]) -> float:
     model's forward and a twentieth of the embedded model's. Measured with the quick grid on a 2-core
     CPU: the embedded model 0.08-0.22 before the jitter came off on the quiet machine,
     0.61-0.95 with one busy process beside it."""
-    rel = sorted(
-        max(max(t) - min(t) - JITTER_S, 0.0) / _median(t) for t in repetitions if len(t) > 1 and _median(t) > 0
-    )
+    rel = sorted(point_spreads(repetitions))
     return rel[len(rel) // 2] if rel else 0.0
 
 
@@ -304,7 +344,9 @@ class RowPlan:
     A forward's cost is not monotone in its rows on every device: on one 2-core CPU 2-3 rows cost 1.6-1.9x one
     row while 8 rows cost 1.35x, so a 3-row round is cheaper run as 8 rows. The filler rows compute no logits, so
     both sides of the comparison are the body cost (head on one row). A target must beat the round's own count
-    by ``margin`` (a 3-repetition median is noisy), and no round is padded past the largest measured count.
+    by ``margin`` (a 3-repetition median is noisy), and no round is padded past the largest measured count. A
+    start-up calibration's curve is monotone (``calibrate.measure_quick``): on it no round is padded, since a dip
+    one measurement found is not a cost the device can be trusted to repeat.
 
     Example (body ms at K/V 512: 1 -> 56, 2 -> 89, 3 -> 108, 4 -> 85, 8 -> 76, 16 -> 88):
     rows_for(1) = 1, rows_for(2..6) = 8, rows_for(7) = 7 (8 rows within the margin), rows_for(9..16) unchanged.

@@ -6,6 +6,7 @@ target forwards (hence tokens per forward) must equal the single worker's.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import pytest
 import torch
 from dist_helpers import (
     JOB_PROMPTS,
+    LocalGroup,
     env_with_repo,
     hf_greedy_of,
     job_args,
@@ -31,7 +33,12 @@ from dist_helpers import (
     wait_for_file_lines,
     write_prompts,
 )
+from helpers import random_prompt, tiny_model
 
+from lp_runner.backends.adapter import ModelAdapter
+from lp_runner.config import GenerationConfig, LookaheadConfig
+from lp_runner.decoding.engine import LookaheadEngine
+from lp_runner.decoding.metrics import GenerationStats
 from lp_runner.parallel.comm import SoloCommunicator
 from lp_runner.parallel.exchange import Entry, agree_batch, pack_values, winner
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
@@ -175,6 +182,48 @@ def test_exchange_roundtrip_and_winner_ties_to_lowest_rank():
     assert (d.rank, d.emitted, d.candidate, d.won) == (2, (1, 2, 3, 4), -1, False)
 
 
+def test_set_rank_rows_sums_each_rank_and_the_busiest_round_by_round():
+    """Table of intent: the busiest rank's rows are the largest of each round's, summed, so they exceed every
+    rank's total when the busiest rank changes from round to round, and equal the only rank's alone."""
+    cases = [
+        ([[5, 3, 3], [4, 6, 2]], [11, 12], 14),  # rank 0 busiest in rounds 1 and 3, rank 1 in round 2
+        ([[4, 4], [2, 1]], [8, 3], 8),  # rank 0 always the busiest: its own total
+        ([[7, 1, 2]], [10], 10),  # one rank: its rows
+    ]
+    for per_rank, totals, busiest in cases:
+        stats = GenerationStats()
+        stats.set_rank_rows(per_rank)
+        assert (stats.rank_rows, stats.busiest_rows) == (totals, busiest), per_rank
+
+
+def test_every_ranks_rows_reach_each_generation_once_it_ends():
+    """P = 2 ranks on threads (``LocalGroup``), two prompts one after the other, window 7-5-7: on every rank each
+    generation's stats carry each rank's rows of its rounds, equal to what that rank recorded itself, and the
+    busiest rank's rows round by round, gathered in one all_gather per generation (the rounds' own stay one
+    each). Guard: rank 1 ran more rows than rank 0 in some round, so rank 0's rows alone would under-count."""
+    stock = tiny_model("llama")
+    prompts = [random_prompt(12, 0), random_prompt(30, 1)]
+    group = LocalGroup(2)
+    la = LookaheadConfig(window_size=7, ngram_size=5, verification_set_size=7)
+
+    def work(rank: int) -> tuple:
+        replica = copy.deepcopy(stock)  # each rank its own model, as each process has
+        engine = LookaheadEngine(ModelAdapter(replica), la, GenerationConfig(max_new_tokens=32), [], group.comm(rank))
+        return [engine.generate(p).stats for p in prompts], engine.comm.collectives
+
+    (stats0, collectives0), (stats1, collectives1) = group.run_ranks(work, timeout=300)
+    rounds = sum(s.rounds for s in stats0)
+    assert collectives0 == collectives1 == rounds + len(prompts)
+    rank1_busier = False
+    for s0, s1 in zip(stats0, stats1, strict=True):
+        own = [[rec.rows for rec in s.records] for s in (s0, s1)]  # [rank][round], as each rank recorded it
+        assert s0.rank_rows == s1.rank_rows == [sum(own[0]), sum(own[1])]
+        assert s0.busiest_rows == s1.busiest_rows == sum(max(a, b) for a, b in zip(*own, strict=True))
+        assert s0.summary()["mean_busiest_rows"] == round(s0.busiest_rows / s0.rounds, 2)
+        rank1_busier |= any(b > a for a, b in zip(*own, strict=True))
+    assert rank1_busier
+
+
 # ---------------------------------------------------------------- real torchrun runs
 
 
@@ -218,6 +267,12 @@ def test_lp_matches_single_worker_andhf_greedy_of(tmp_path, tiny_dir, wng):
         other_wins = sum(n for r in results[2] for rank, n in r["stats"]["wins_by_rank"].items() if rank != "0")
         assert other_wins > 0, [r["stats"]["wins_by_rank"] for r in results[2]]
     assert all(set(r["stats"]["wins_by_rank"]) == {"0"} for r in results[1])  # P = 1: the only rank wins
+    for nproc, records in results.items():
+        for r in records:  # every rank's rows, gathered once the generation ended (P = 1: the one rank's)
+            st = r["stats"]
+            assert len(st["rank_rows"]) == nproc and st["rank_rows"][0] == st["rows"], (nproc, r["id"])
+            assert max(st["rank_rows"]) <= st["busiest_rows"] <= sum(st["rank_rows"]), (nproc, r["id"])
+            assert min(st["rank_rows"]) > 0  # every rank ran rows (each re-feeds or feeds the live key)
 
 
 @pytest.mark.slow

@@ -13,13 +13,17 @@ from lp_runner.studies.measured import (
     SPREAD_WARNING,
     Run,
     aggregate,
+    busiest_rank_rows,
     drop_torn_lines,
+    records_path,
     schedule,
     spread,
+    summarize,
     threads_per_rank,
     warnings,
     window_label,
 )
+from lp_runner.studies.report import markdown
 
 
 def test_schedule_interleaves_p_values_over_repetitions():
@@ -80,3 +84,42 @@ def test_drop_torn_lines(tmp_path):
     assert drop_torn_lines(path) is True
     assert path.read_text() == whole
     assert drop_torn_lines(path) is False
+
+
+def _record(pid: str, workers: int, seconds: float, stats: dict) -> dict:
+    base = {"forward_s": 0.0, "host_s": 0.0, "comm_s": 0.0}
+    return {"id": pid, "output_ids": [1, 2, 3], "new_tokens": 3, "seconds": seconds, "tokens_per_forward": 1.0,
+            "window_size": 4, "ngram_size": 3, "verification_set_size": 4, "workers": workers,
+            "stats": {**base, **stats}}  # fmt: skip
+
+
+def test_study_table_reads_the_busiest_ranks_rows(tmp_path):
+    """The measured table's rows a round are the busiest rank's (``stats.busiest_rows`` over the rounds), not rank
+    0's: at P = 2 rank 0 ran 11 rows in 3 rounds but the busiest rank of each round ran 14 in all (4.67 a round).
+    At P = 1 the one rank is the busiest; a P = 2 record written before records carried every rank's rows reads
+    as unknown ("n/a"), never as rank 0's."""
+    p1 = _record("a", 1, 0.3, {"rounds": 3, "rows": 12, "rank_rows": [12], "busiest_rows": 12})
+    p2 = _record("a", 2, 0.2, {"rounds": 3, "rows": 11, "rank_rows": [11, 12], "busiest_rows": 14})
+    runs = [Run(1, 1, 0), Run(2, 1, 0)]
+    for run, rec in zip(runs, (p1, p2), strict=True):
+        records_path(tmp_path, run).write_text(json.dumps(rec) + "\n")
+    meas = summarize(tmp_path, ["a"], runs)
+    by_p = {pt["workers"]: pt for pt in meas["points"]}
+    assert by_p[1]["busiest_rank_rows"] == 4.0
+    assert by_p[2]["busiest_rank_rows"] == pytest.approx(14 / 3, abs=0.01)
+    assert by_p[2]["prompts"][0]["busiest_rank_rows"] == pytest.approx(14 / 3)
+    meas.update(prompts=1, prompts_file="p.jsonl", config=None, repeat=1, threads_per_rank=1)
+    table = markdown({"date": "today", "measured": meas})
+    assert "busiest rank's rows/round" in table and "rank 0" not in table
+    p2_line = next(line for line in table.splitlines() if line.startswith("| P=2 "))
+    assert "| 4.7 |" in p2_line and "| 3.7 |" not in p2_line  # 14 / 3, not rank 0's 11 / 3
+
+    older = {**p2, "stats": {k: v for k, v in p2["stats"].items() if k not in ("rank_rows", "busiest_rows")}}
+    assert busiest_rank_rows(older) is None
+    assert busiest_rank_rows({**older, "workers": 1}) == pytest.approx(11 / 3)  # one rank: its rows
+    records_path(tmp_path, runs[1]).write_text(json.dumps(older) + "\n")
+    meas = summarize(tmp_path, ["a"], runs)
+    assert [pt["busiest_rank_rows"] for pt in meas["points"]] == [4.0, None]
+    meas.update(prompts=1, prompts_file="p.jsonl", config=None, repeat=1, threads_per_rank=1)
+    assert "| n/a |" in next(line for line in markdown({"measured": meas, "date": "today"}).splitlines()
+                            if line.startswith("| P=2 "))  # fmt: skip

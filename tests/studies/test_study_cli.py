@@ -117,9 +117,10 @@ def test_measured_study_identical_across_p_and_resumes(tmp_path, tiny_dir):
     assert meas["identical_outputs"] is True and meas["pinned_window"] == [4, 3, 4]
     assert [r["workers"] for r in meas["points"]][-1] == 2 and meas["repeat"] == 3
     for point in meas["points"]:
-        assert {"latency_p50_s", "latency_p90_s", "tokens_per_forward", "rank0_rows", "spread", "forward_share",
+        assert {"latency_p50_s", "latency_p90_s", "tokens_per_forward", "busiest_rank_rows", "spread", "forward_share",
                 "host_share", "comm_share", "speed_vs_p1", "ms_per_token_reps"} <= set(point)  # fmt: skip
         assert len(point["ms_per_token_reps"]) == 3
+        assert point["busiest_rank_rows"] > 0  # every record carries every rank's rows
         assert [x["id"] for x in point["prompts"]] == ["a", "b"]
         assert all(x["identical_to_base"] and x["window"] == "4-3-4" for x in point["prompts"])
         assert all(x["latency_s"] > 0 and x["new_tokens"] > 0 for x in point["prompts"])

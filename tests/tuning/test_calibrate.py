@@ -18,18 +18,23 @@ from lp_runner.models.loading import weights_checksum
 from lp_runner.tuning import costmodel
 from lp_runner.tuning.calibrate import (
     COARSE_ROWS,
+    CURVE_MAX_REPS,
+    CURVE_SPREAD,
     NOISY_SPREAD,
     NOISY_TRIES,
+    QUICK_HEAD_ROWS,
     QUICK_KV,
+    QUICK_REPS,
     QUICK_ROWS,
     CalibrationTimeout,
     Ticker,
     cache_file,
     calibrate,
     calibration_key,
+    measure_quick,
     save,
 )
-from lp_runner.tuning.costmodel import CostCurve, repetition_spread
+from lp_runner.tuning.costmodel import CostCurve, RowPlan, measure_curve, point_spreads, repetition_spread
 
 
 def test_each_build_of_the_native_kernels_has_its_own_curve(native_routing) -> None:
@@ -172,6 +177,8 @@ def test_curve_roundtrip() -> None:
     noisy = CostCurve(curve.points, 0.7)
     assert CostCurve.from_dict(json.loads(json.dumps(noisy.to_dict()))) == noisy != curve
     assert CostCurve.from_dict({"points": noisy.to_dict()["points"]}).spread == 0.0  # a cache entry from before
+    bounded = CostCurve(curve.points, 0.05, worst_spread=0.09, sweeps=6)  # what the repeated measurement ended at
+    assert CostCurve.from_dict(json.loads(json.dumps(bounded.to_dict()))) == bounded
 
 
 def test_repetition_spread() -> None:
@@ -292,3 +299,104 @@ def test_a_long_measurement_says_how_far_it_got() -> None:
     now[0] = 401.0
     with pytest.raises(CalibrationTimeout):
         tick(5, 90)
+
+
+class FakeTimer:
+    """A clock that moves only when the wrapped adapter runs a forward, by ``cost(rows, logit rows, forward
+    index)`` seconds: the real forward runs (its K/V is what the measurement expects), and the test chooses what
+    each timed forward reads (``measure_curve(clock=...)``), noise included, with no wait."""
+
+    def __init__(self, adapter: ModelAdapter, cost) -> None:
+        self._adapter, self._cost = adapter, cost
+        self.now, self.forwards = 0.0, 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward(self, ids, *rest):
+        out = self._adapter.forward(ids, *rest)
+        self.now += self._cost(len(ids), len(rest[-1]), self.forwards)
+        self.forwards += 1
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._adapter, name)
+
+
+def _sweep_of(i: int) -> int:
+    """The sweep of forward ``i`` of ``measure_curve([8, 24], [1, 3])`` with the head at every row: 2 prefills,
+    then 8 cases a sweep (sweep 0 the warm-up)."""
+    return (i - 2) // 8
+
+
+def _cost(noisy) -> object:
+    """0.1 s + 10 ms a row + 1 ms a logit row, 1.5x in the sweeps ``noisy(sweep)`` names (a load on the machine)."""
+    return lambda rows, logits, i: (0.1 + 0.01 * rows + 0.001 * logits) * (1.5 if noisy(_sweep_of(i)) else 1.0)
+
+
+def test_point_spreads_leave_out_the_ends_so_more_sweeps_can_outvote_a_load() -> None:
+    """The full range of a point's repetitions only grows with more of them; the quarter at each end left out, a
+    load that met one forward of eight no longer counts. Fewer than 4 repetitions: nothing left out."""
+    j = costmodel.JITTER_S
+    assert point_spreads([[0.10, 0.15, 0.10]]) == [pytest.approx((0.05 - j) / 0.10)]
+    assert point_spreads([[0.10, 0.15, *[0.10] * 6]]) == [0.0]  # 2 left out at each end
+    assert point_spreads([[0.10, 0.15, 0.10, 0.15]]) == [pytest.approx((0.05 - j) / 0.15)]  # half of them: a load
+    assert point_spreads([[0.3], [0.1, 0.1]]) == [0.0]  # one repetition: no spread known
+
+
+def test_the_curve_is_measured_until_every_point_is_bounded(tiny) -> None:
+    """A load during the first timed sweep makes every point's repetitions 50% apart: 3 more sweeps are run, and
+    with 6 the load is outvoted (the trimmed spread is 0), so it stops there; without the load it stops after 3.
+    The curve records the sweeps and the spread it ended at, and its medians are the quiet costs."""
+    adapter = ModelAdapter(tiny("llama"))
+    for noisy, sweeps in ((lambda sweep: sweep == 1, 6), (lambda sweep: False, 3)):
+        fake = FakeTimer(adapter, _cost(noisy))
+        seen: list[int] = []
+        curve = measure_curve(fake, [8, 24], [1, 3], reps=3, max_spread=CURVE_SPREAD, max_reps=12, clock=fake,
+                              tick=lambda done, total, seen=seen: seen.append(done))  # fmt: skip
+        assert (curve.sweeps, len(seen)) == (sweeps, 8 * (sweeps + 1))
+        assert curve.worst_spread == 0.0 and curve.spread == 0.0
+        body = {(p.kv_len, p.rows): p.body_s for p in curve.points}
+        assert body == {(kv, q): pytest.approx(0.1 + 0.01 * q + 0.001) for kv in (8, 24) for q in (1, 3)}
+
+
+def test_the_repetitions_stop_at_their_cap_and_within_the_budget(tiny) -> None:
+    """A load every other sweep never lets the spread fall under the bound: the measurement stops at ``max_reps``
+    sweeps and records the spread it could not bound (the curve is then noisy, measured again next start-up);
+    with a time budget it stops where the next 3 sweeps would end past it (4 sweeps took 5.3 s of the fake
+    clock, 7 would take about 9.2 s, over 8)."""
+    adapter = ModelAdapter(tiny("llama"))
+    odd = _cost(lambda sweep: sweep % 2 == 1)
+    fake = FakeTimer(adapter, odd)
+    capped = measure_curve(fake, [8, 24], [1, 3], reps=3, max_spread=CURVE_SPREAD, max_reps=9, clock=fake)
+    assert capped.sweeps == 9 and capped.worst_spread > CURVE_SPREAD
+    fake = FakeTimer(adapter, odd)
+    timed = measure_curve(fake, [8, 24], [1, 3], reps=3, max_spread=CURVE_SPREAD, max_reps=9, clock=fake, budget_s=8.0)
+    assert timed.sweeps == 3 and timed.worst_spread > CURVE_SPREAD
+    assert fake.forwards == 2 + 8 * 4  # the prefills and 4 sweeps: none begun past the budget
+
+
+def test_a_dip_in_the_measured_curve_is_priced_at_the_smaller_row_counts_cost(tiny) -> None:
+    """The start-up curve (``measure_quick``) on a device where 3 rows measure cheaper than 1 (0.090 s against
+    0.100 s, exactly, every sweep): measured as is, the dip pads every 1- and 2-row round to 3 rows
+    (``RowPlan``); the calibrated curve prices 3 rows at 2 rows' cost, is monotone at both K/V lengths, and pads
+    no round."""
+    body = {1: 0.100, 2: 0.105, 3: 0.090, 4: 0.108}
+
+    def cost(rows: int, logits: int, i: int) -> float:
+        return body.get(rows, 0.1 + 0.002 * rows) + 0.0005 * (logits - 1)
+
+    adapter = ModelAdapter(tiny("llama"))
+    fake = FakeTimer(adapter, cost)
+    raw = measure_curve(fake, QUICK_KV, QUICK_ROWS, reps=QUICK_REPS, head_rows=QUICK_HEAD_ROWS, clock=fake)
+    assert [RowPlan.from_curve(raw).rows_for(q, QUICK_KV[0]) for q in (1, 2, 3, 4)] == [3, 3, 3, 4]  # the dip's
+
+    fake = FakeTimer(adapter, cost)
+    curve = measure_quick(fake, clock=fake)
+    assert curve.sweeps == QUICK_REPS and QUICK_REPS < CURVE_MAX_REPS  # quiet: no sweep beyond the first 3
+    for kv in QUICK_KV:
+        priced = [curve.seconds(q, 1, kv) for q in QUICK_ROWS]
+        assert priced == sorted(priced), kv
+        assert curve.seconds(3, 1, kv) == pytest.approx(0.105) and curve.seconds(1, 1, kv) == pytest.approx(0.100)
+        plan = RowPlan.from_curve(curve)
+        assert [plan.rows_for(q, kv) for q in range(1, max(QUICK_ROWS) + 1)] == list(range(1, max(QUICK_ROWS) + 1))

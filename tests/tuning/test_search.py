@@ -199,11 +199,13 @@ def test_measurement_plan_by_device() -> None:
 def test_cuda_calibration_measures_the_gpu_plan(monkeypatch) -> None:
     seen = {}
 
-    def measure(adapter, kvs, rows, reps, sync, head_rows, tick):
+    def measure(adapter, kvs, rows, reps, sync, head_rows, tick, max_spread, max_reps, budget_s, clock):
         seen.update(kvs=tuple(kvs), rows=tuple(rows), head_rows=tuple(head_rows))
-        return "curve"
+        seen.update(bound=(max_spread, max_reps, budget_s))
+        return CostCurve.linear(0.01, 0.001)
 
     monkeypatch.setattr(calibrate, "measure_curve", measure)
     monkeypatch.setattr(calibrate, "synchronizer", lambda device: None)
     calibrate.measure_quick(SimpleNamespace(device=torch.device("cuda", 0), max_positions=None), budget_s=1.0)
-    assert seen == {"kvs": GPU_KV, "rows": GPU_ROWS, "head_rows": (512,)}
+    bound = (calibrate.CURVE_SPREAD, calibrate.CURVE_MAX_REPS, 1.0)  # repeated until bounded, within the budget
+    assert seen == {"kvs": GPU_KV, "rows": GPU_ROWS, "head_rows": (512,), "bound": bound}
