@@ -14,12 +14,10 @@ exit 2 here, not a failure of every rank.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
 import sys
-import time
 from typing import TYPE_CHECKING
 
 from lp_runner import __version__
@@ -36,10 +34,12 @@ from lp_runner.errors import (
 from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
 from lp_runner.limits import check_path_text
-from lp_runner.logs import OneLineParser, StderrClosed, add_log_level, log, setup_logging
+from lp_runner.logs import OneLineParser, StderrClosed, add_log_level, log, setup_logging, tell_launcher
 from lp_runner.outfiles import EXIT_BROKEN_PIPE, StdoutClosed, check_not_an_input, check_writable, write_stdout
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from lp_runner.cli.launch import RankExit
 
 COMMANDS = ("run", "tune", "study", "fetch")
@@ -206,24 +206,6 @@ def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
             check_pool_out(cfg.run.pool_out)  # replaces a pool, never a file of another kind
 
 
-def tell_launcher(line: str) -> None:
-    """Under torchrun: this rank's ``error:`` line in the error file its agent reads (TORCHELASTIC_ERROR_FILE).
-
-    torchrun ends every job with a failed rank the same way, whatever the rank's exit code: its own
-    ``ChildFailedError`` traceback and exit 1 (``torch.distributed.launcher.api.launch_agent`` raises it for any
-    non-zero exit; nothing the ranks do changes that, short of exiting 0, which would call a failed job a success).
-    With this file its report's "Root Cause" names the rank's line ("traceback : error: prompt 'a' ...") and its
-    exit code (2: input, 3: a failed peer) instead of a link to the elastic docs. Elsewhere (the variable unset,
-    as under ``parallel.workers`` started by this CLI, which reports the ranks' own exit codes) nothing is written."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    # the format torch's own error handler writes (``ErrorHandler.record_exception``), the line as the "traceback"
-    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:  # the line is on stderr already
-        json.dump(record, f)
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -262,26 +244,35 @@ def run_self_launched(cfg: Config, argv: list[str], output: OutputFile | None) -
         return EXIT_BROKEN_PIPE
     codes = {e.returncode for e in result.exits}
     code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in codes), EXIT_PEER_FAILURE)
-    log.error("LP workers failed (exit code %d): %s", code, failure_story(first, result.stopped))
+    log.error("LP workers failed (exit code %d): %s", code, failure_story(first, result.stopped, result.said))
     return code
 
 
-def failure_story(first: RankExit, stopped: list[int]) -> str:
+def failure_story(first: RankExit, stopped: list[int], said: Collection[int] = ()) -> str:
     """Which rank ended the job, honestly: the first to end, unless it ended because a peer stopped answering
     (exit 3) and a rank was found stopped (SIGSTOP, a debugger) at that moment: then the stopped rank is why.
 
+    ``said``: the ranks that reported an ``error:`` line (``LaunchResult.said``). The line sends the reader to
+    the first rank's message above only when there is one: that rank reported it, or it ended in an uncaught
+    exception (exit 1), whose traceback Python prints; otherwise it says the rank wrote none.
+
     ``failure_story(RankExit(1, -9), [])`` -> "worker rank 1 was killed by SIGKILL first";
-    ``failure_story(RankExit(1, 3), [0])`` -> "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped
-    answering; worker rank 1 gave up waiting for it (see its message above)"."""
-    said = "; see its message above" if first.returncode > 0 else ""
+    ``failure_story(RankExit(1, 3), [0], [1])`` -> "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped
+    answering; worker rank 1 gave up waiting for it (see its message above)"; the same with ``said=[]`` ends
+    "...gave up waiting for it (it wrote no error line)"."""
+    wrote = first.rank in said or first.returncode == 1
     if first.returncode == EXIT_PEER_FAILURE and stopped:
         ranks = " and ".join(str(r) for r in stopped)
         one = len(stopped) == 1
+        where = "see its message above" if wrote else "it wrote no error line"
         return (
             f"worker rank {ranks} {'was' if one else 'were'} stopped (SIGSTOP or a debugger) and stopped answering; "
-            f"worker rank {first.rank} gave up waiting for {'it' if one else 'them'} (see its message above)"
+            f"worker rank {first.rank} gave up waiting for {'it' if one else 'them'} ({where})"
         )
-    return f"worker rank {first.rank} {first.describe()} first{said}"
+    said_line = ""
+    if first.returncode > 0:
+        said_line = "; see its message above" if wrote else " without an error line"
+    return f"worker rank {first.rank} {first.describe()} first{said_line}"
 
 
 # ---------------------------------------------------------------- this process runs the prompts
