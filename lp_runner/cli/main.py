@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from collections.abc import Collection
 
     from lp_runner.cli.launch import RankExit
+    from lp_runner.decoding.job_store import JobPool
+    from lp_runner.parallel.comm import Communicator
 
 COMMANDS = ("run", "tune", "study", "fetch")
 
@@ -293,12 +295,12 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
             worker = start_worker(cfg, specs)
         done = output.done if output is not None else set()
         if output is not None and done:
-            output.check_weights(model_checksum(worker))
+            output.check_weights(model_checksum(worker.adapter.model))
         everyone = worker.control or worker.comm  # the whole job (D > 1: its gloo control group)
         if everyone.world_size > 1:  # every rank runs the prompts rank 0's output lacks
             done = set(json.loads(everyone.all_gather_strings(json.dumps(sorted(done)))[0]))
         todo = worker.prompts.without(done)  # tokenized and checked once, at start-up
-        rebuild_store(worker, specs, output, everyone)
+        rebuild_store(worker.store, worker.is_main, specs, output, everyone)
         stream = None
         if single and cfg.run.stream and worker.is_main:
             stream = write_stdout
@@ -321,18 +323,21 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         _shutdown_group(clean=finished)
 
 
-def rebuild_store(worker, specs: list[PromptSpec], output: OutputFile | None, everyone) -> None:
+def rebuild_store(
+    store: JobPool | None, writes: bool, specs: list[PromptSpec], output: OutputFile | None, everyone: Communicator
+) -> None:
     """``--resume`` under ``pool_scope: job``: the job store starts from the outputs already written, in the
     job's prompt order, as if the job had not been interrupted (the store then holds what an uninterrupted
     run's would have held before the remaining prompts, whatever order the records were written in). Rank 0's
-    records, shared once, so every replica of a group's store is the same. Error records add nothing."""
-    if worker.store is None:
+    records (``writes``: this is rank 0), shared once over ``everyone``, so every replica of a group's store is the
+    same. Error records add nothing."""
+    if store is None:
         return
-    seen = output.finished_outputs([s.id for s in specs]) if output is not None and worker.is_main else []
+    seen = output.finished_outputs([s.id for s in specs]) if output is not None and writes else []
     if everyone.world_size > 1:
         seen = json.loads(everyone.all_gather_strings(json.dumps(seen))[0])
     for prompt_ids, output_ids in seen:
-        worker.store.add(prompt_ids, output_ids)
+        store.add(prompt_ids, output_ids)
 
 
 def _shutdown_group(clean: bool = True) -> None:
