@@ -250,19 +250,24 @@ def run_self_launched(cfg: Config, argv: list[str], output: OutputFile | None) -
     return code
 
 
+# Exit codes whose rank always wrote a message without leaving its error file: 1, an uncaught exception (Python
+# prints its traceback); 128 + SIGTERM, ``_on_sigterm`` (its line says why, and it leaves at once).
+_CODES_WITH_A_MESSAGE = frozenset({1, 128 + signal.SIGTERM})
+
+
 def failure_story(first: RankExit, stopped: list[int], said: Collection[int] = ()) -> str:
     """Which rank ended the job, honestly: the first to end, unless it ended because a peer stopped answering
     (exit 3) and a rank was found stopped (SIGSTOP, a debugger) at that moment: then the stopped rank is why.
 
     ``said``: the ranks that reported an ``error:`` line (``LaunchResult.said``). The line sends the reader to
-    the first rank's message above only when there is one: that rank reported it, or it ended in an uncaught
-    exception (exit 1), whose traceback Python prints; otherwise it says the rank wrote none.
+    the first rank's message above only when there is one: that rank reported it, or its exit code is one that
+    always comes with a message (``_CODES_WITH_A_MESSAGE``); otherwise it says the rank wrote none.
 
     ``failure_story(RankExit(1, -9), [])`` -> "worker rank 1 was killed by SIGKILL first";
     ``failure_story(RankExit(1, 3), [0], [1])`` -> "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped
     answering; worker rank 1 gave up waiting for it (see its message above)"; the same with ``said=[]`` ends
     "...gave up waiting for it (it wrote no error line)"."""
-    wrote = first.rank in said or first.returncode == 1
+    wrote = first.rank in said or first.returncode in _CODES_WITH_A_MESSAGE
     if first.returncode == EXIT_PEER_FAILURE and stopped:
         ranks = " and ".join(str(r) for r in stopped)
         one = len(stopped) == 1

@@ -260,6 +260,7 @@ def test_a_stopped_rank_is_named_as_the_cause(tiny_dir, prompts, tmp_path):
         ((1, 3), [], [1], "worker rank 1 exited with code 3 first; see its message above"),  # nobody found stopped
         ((1, 2), [0], [1], "worker rank 1 exited with code 2 first; see its message above"),  # its own input error
         ((1, 1), [], [], "worker rank 1 exited with code 1 first; see its message above"),  # Python's traceback
+        ((1, 143), [], [], "worker rank 1 exited with code 143 first; see its message above"),  # its SIGTERM line
         ((1, 3), [], [0], "worker rank 1 exited with code 3 first without an error line"),  # rank 0 spoke, not 1
         ((2, 3), [0, 1], [2], "worker rank 0 and 1 were stopped"),
         (
