@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
 import threading
+import time
 from typing import NoReturn
 
 from lp_runner.errors import LPError
@@ -112,6 +114,29 @@ def setup_logging(level: str = DEFAULT_LEVEL) -> None:
     log.addHandler(handler)
     log.setLevel(level.upper())
     log.propagate = False  # a host application's root handlers do not print the lines twice
+
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where a launcher reads a rank's error line (torchrun's name)
+
+
+def tell_launcher(line: str) -> None:
+    """This rank's ``error:`` line, also in the error file its launcher reads (``ERROR_FILE_ENV``), for the
+    launcher's own report; the line itself is on stderr already. Without the variable nothing is written.
+
+    Two launchers read it. torchrun ends every job with a failed rank the same way, whatever the rank's exit
+    code: its own ``ChildFailedError`` traceback and exit 1 (``torch.distributed.launcher.api.launch_agent``
+    raises it for any non-zero exit; nothing the ranks do changes that, short of exiting 0, which would call a
+    failed job a success). With this file its report's "Root Cause" names the rank's line ("traceback : error:
+    prompt 'a' ...") and its exit code (2: input, 3: a failed peer) instead of a link to the elastic docs. The
+    ranks ``parallel.workers`` starts without a launcher (``cli.launch``) each get a file too: the parent's
+    summary line sends the reader to a rank's message above only when that rank wrote one."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    # the format torch's own error handler writes (``ErrorHandler.record_exception``), the line as the "traceback"
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f)
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:

@@ -70,6 +70,7 @@ def load_recorder(cfg: Config) -> Recorder:
     from lp_runner.backends.adapter import ModelAdapter
     from lp_runner.decoding.engine import LookaheadEngine
     from lp_runner.device import bind, place, resolve_threads
+    from lp_runner.jobs.worker import eos_token_ids
     from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
     from lp_runner.tuning.acceptance import fingerprint
 
@@ -83,10 +84,7 @@ def load_recorder(cfg: Config) -> Recorder:
     backend = select_backend(cfg.model.backend, model, placement.device, config=cfg.model, cache_root=cache_root)
     adapter = ModelAdapter(model, backend=backend)
     gen = GenerationConfig(max_new_tokens=cfg.generation.max_new_tokens)
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos = eos_token_ids(model.generation_config, tokenizer)  # as a job's engine gets them
 
     def run(la: LookaheadConfig, ids: Sequence[int]) -> tuple[list[int], list]:
         res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))

@@ -16,6 +16,10 @@ are:
   (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS=1 unless
   set), in a session of its own (a terminal's Ctrl-C reaches this process, which forwards it), with SIGTERM as its
   parent-death signal (this process killed, even by SIGKILL: the ranks stop), stdout and stderr inherited;
+- each rank's error line: stderr stays the terminal's, so this process cannot see what a rank printed; a rank
+  that fails with an ``error:`` line also writes it to a file of this process's own (TORCHELASTIC_ERROR_FILE, the
+  name torchrun's agent gives the ranks; ``logs.tell_launcher``), which is how ``LaunchResult.said`` knows
+  which ranks spoke (the summary line sends the reader to a rank's message above only then);
 - the end: when a rank fails, the others get PEER_GRACE_S to end on their own (a bad prompt fails every rank
   alike, each saying so), then SIGTERM, then SIGKILL after STOP_GRACE_S; Ctrl-C / SIGTERM to this process is
   forwarded to every rank, with the same STOP_GRACE_S. This process is a child subreaper, so anything a rank
@@ -30,10 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -42,6 +48,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from lp_runner.errors import DistributedError
+from lp_runner.logs import ERROR_FILE_ENV
 
 PEER_GRACE_S = 3.0  # after a rank fails, how long the others get to end on their own before SIGTERM
 STOP_GRACE_S = 15.0  # after SIGTERM (or a forwarded Ctrl-C), how long the ranks get before SIGKILL
@@ -74,6 +81,7 @@ class LaunchResult:
     # ranks found stopped (SIGSTOP, a debugger) when the first failure came: a peer that gave up waiting on them
     # ended first, but they are why
     stopped: list[int] = field(default_factory=list)
+    said: dict[int, str] = field(default_factory=dict)  # rank -> the error line it reported (logs.tell_launcher)
 
     @property
     def first_failure(self) -> RankExit | None:
@@ -133,26 +141,43 @@ def launch_ranks(world: int, command: list[str], env: Mapping[str, str] | None =
     _become_subreaper()
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     procs: dict[int, subprocess.Popen] = {}
-    try:
-        for rank in range(world):
-            if signals:
-                break
-            procs[rank] = subprocess.Popen(
-                command,
-                env={**base, **rank_env(rank, world, store.port, run_id)},
-                start_new_session=True,
-                preexec_fn=_stop_with_parent,
-            )
-        if signals:  # arrived while the ranks were being started
-            _signal_all(_descendants(), signals[0])
-        _wait(procs, signals, result)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _stop_leftovers()
-        del store  # the rendezvous closes with the job
+    with tempfile.TemporaryDirectory(prefix="lp_runner-ranks-") as said_dir:
+        error_files = {rank: Path(said_dir, f"rank-{rank}.json") for rank in range(world)}
+        try:
+            for rank in range(world):
+                if signals:
+                    break
+                procs[rank] = subprocess.Popen(
+                    command,
+                    env={
+                        **base,
+                        **rank_env(rank, world, store.port, run_id),
+                        ERROR_FILE_ENV: str(error_files[rank]),
+                    },
+                    start_new_session=True,
+                    preexec_fn=_stop_with_parent,
+                )
+            if signals:  # arrived while the ranks were being started
+                _signal_all(_descendants(), signals[0])
+            _wait(procs, signals, result)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            _stop_leftovers()
+            del store  # the rendezvous closes with the job
+        result.said = {rank: line for rank, path in error_files.items() if (line := _error_line(path)) is not None}
     result.interrupted = signals[0] if signals else None
     return result
+
+
+def _error_line(path: Path) -> str | None:
+    """The ``error:`` line a rank left in its error file (``logs.tell_launcher``); None when it wrote none (or
+    a file that cannot be read: the line is on the terminal either way, and the summary claims nothing)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        return str(record["message"]["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _wait(procs: dict[int, subprocess.Popen], signals: list[int], result: LaunchResult) -> None:

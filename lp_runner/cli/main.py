@@ -14,12 +14,10 @@ exit 2 here, not a failure of every rank.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
 import sys
-import time
 from typing import TYPE_CHECKING
 
 from lp_runner import __version__
@@ -36,11 +34,15 @@ from lp_runner.errors import (
 from lp_runner.jobs.output import LOCK_HOLDER_ENV, OutputFile
 from lp_runner.jobs.prompts import PromptSpec, prompt_problem, read_prompts
 from lp_runner.limits import check_path_text
-from lp_runner.logs import OneLineParser, StderrClosed, add_log_level, log, setup_logging
+from lp_runner.logs import OneLineParser, StderrClosed, add_log_level, log, setup_logging, tell_launcher
 from lp_runner.outfiles import EXIT_BROKEN_PIPE, StdoutClosed, check_not_an_input, check_writable, write_stdout
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from lp_runner.cli.launch import RankExit
+    from lp_runner.decoding.job_store import JobPool
+    from lp_runner.parallel.comm import Communicator
 
 COMMANDS = ("run", "tune", "study", "fetch")
 
@@ -206,24 +208,6 @@ def check_outputs(cfg: Config, args: argparse.Namespace) -> None:
             check_pool_out(cfg.run.pool_out)  # replaces a pool, never a file of another kind
 
 
-def tell_launcher(line: str) -> None:
-    """Under torchrun: this rank's ``error:`` line in the error file its agent reads (TORCHELASTIC_ERROR_FILE).
-
-    torchrun ends every job with a failed rank the same way, whatever the rank's exit code: its own
-    ``ChildFailedError`` traceback and exit 1 (``torch.distributed.launcher.api.launch_agent`` raises it for any
-    non-zero exit; nothing the ranks do changes that, short of exiting 0, which would call a failed job a success).
-    With this file its report's "Root Cause" names the rank's line ("traceback : error: prompt 'a' ...") and its
-    exit code (2: input, 3: a failed peer) instead of a link to the elastic docs. Elsewhere (the variable unset,
-    as under ``parallel.workers`` started by this CLI, which reports the ranks' own exit codes) nothing is written."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    # the format torch's own error handler writes (``ErrorHandler.record_exception``), the line as the "traceback"
-    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:  # the line is on stderr already
-        json.dump(record, f)
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -262,26 +246,40 @@ def run_self_launched(cfg: Config, argv: list[str], output: OutputFile | None) -
         return EXIT_BROKEN_PIPE
     codes = {e.returncode for e in result.exits}
     code = next((c for c in (EXIT_USER_ERROR, 1, EXIT_INTERRUPTED) if c in codes), EXIT_PEER_FAILURE)
-    log.error("LP workers failed (exit code %d): %s", code, failure_story(first, result.stopped))
+    log.error("LP workers failed (exit code %d): %s", code, failure_story(first, result.stopped, result.said))
     return code
 
 
-def failure_story(first: RankExit, stopped: list[int]) -> str:
+# Exit codes whose rank always wrote a message without leaving its error file: 1, an uncaught exception (Python
+# prints its traceback); 128 + SIGTERM, ``_on_sigterm`` (its line says why, and it leaves at once).
+_CODES_WITH_A_MESSAGE = frozenset({1, 128 + signal.SIGTERM})
+
+
+def failure_story(first: RankExit, stopped: list[int], said: Collection[int] = ()) -> str:
     """Which rank ended the job, honestly: the first to end, unless it ended because a peer stopped answering
     (exit 3) and a rank was found stopped (SIGSTOP, a debugger) at that moment: then the stopped rank is why.
 
+    ``said``: the ranks that reported an ``error:`` line (``LaunchResult.said``). The line sends the reader to
+    the first rank's message above only when there is one: that rank reported it, or its exit code is one that
+    always comes with a message (``_CODES_WITH_A_MESSAGE``); otherwise it says the rank wrote none.
+
     ``failure_story(RankExit(1, -9), [])`` -> "worker rank 1 was killed by SIGKILL first";
-    ``failure_story(RankExit(1, 3), [0])`` -> "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped
-    answering; worker rank 1 gave up waiting for it (see its message above)"."""
-    said = "; see its message above" if first.returncode > 0 else ""
+    ``failure_story(RankExit(1, 3), [0], [1])`` -> "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped
+    answering; worker rank 1 gave up waiting for it (see its message above)"; the same with ``said=[]`` ends
+    "...gave up waiting for it (it wrote no error line)"."""
+    wrote = first.rank in said or first.returncode in _CODES_WITH_A_MESSAGE
     if first.returncode == EXIT_PEER_FAILURE and stopped:
         ranks = " and ".join(str(r) for r in stopped)
         one = len(stopped) == 1
+        where = "see its message above" if wrote else "it wrote no error line"
         return (
             f"worker rank {ranks} {'was' if one else 'were'} stopped (SIGSTOP or a debugger) and stopped answering; "
-            f"worker rank {first.rank} gave up waiting for {'it' if one else 'them'} (see its message above)"
+            f"worker rank {first.rank} gave up waiting for {'it' if one else 'them'} ({where})"
         )
-    return f"worker rank {first.rank} {first.describe()} first{said}"
+    said_line = ""
+    if first.returncode > 0:
+        said_line = "; see its message above" if wrote else " without an error line"
+    return f"worker rank {first.rank} {first.describe()} first{said_line}"
 
 
 # ---------------------------------------------------------------- this process runs the prompts
@@ -302,12 +300,12 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
             worker = start_worker(cfg, specs)
         done = output.done if output is not None else set()
         if output is not None and done:
-            output.check_weights(model_checksum(worker))
+            output.check_weights(model_checksum(worker.adapter.model))
         everyone = worker.control or worker.comm  # the whole job (D > 1: its gloo control group)
         if everyone.world_size > 1:  # every rank runs the prompts rank 0's output lacks
             done = set(json.loads(everyone.all_gather_strings(json.dumps(sorted(done)))[0]))
         todo = worker.prompts.without(done)  # tokenized and checked once, at start-up
-        rebuild_store(worker, specs, output, everyone)
+        rebuild_store(worker.store, worker.is_main, specs, output, everyone)
         stream = None
         if single and cfg.run.stream and worker.is_main:
             stream = write_stdout
@@ -330,18 +328,21 @@ def run_local(cfg: Config, specs: list[PromptSpec], output: OutputFile | None, s
         _shutdown_group(clean=finished)
 
 
-def rebuild_store(worker, specs: list[PromptSpec], output: OutputFile | None, everyone) -> None:
+def rebuild_store(
+    store: JobPool | None, writes: bool, specs: list[PromptSpec], output: OutputFile | None, everyone: Communicator
+) -> None:
     """``--resume`` under ``pool_scope: job``: the job store starts from the outputs already written, in the
     job's prompt order, as if the job had not been interrupted (the store then holds what an uninterrupted
     run's would have held before the remaining prompts, whatever order the records were written in). Rank 0's
-    records, shared once, so every replica of a group's store is the same. Error records add nothing."""
-    if worker.store is None:
+    records (``writes``: this is rank 0), shared once over ``everyone``, so every replica of a group's store is the
+    same. Error records add nothing."""
+    if store is None:
         return
-    seen = output.finished_outputs([s.id for s in specs]) if output is not None and worker.is_main else []
+    seen = output.finished_outputs([s.id for s in specs]) if output is not None and writes else []
     if everyone.world_size > 1:
         seen = json.loads(everyone.all_gather_strings(json.dumps(seen))[0])
     for prompt_ids, output_ids in seen:
-        worker.store.add(prompt_ids, output_ids)
+        store.add(prompt_ids, output_ids)
 
 
 def _shutdown_group(clean: bool = True) -> None:

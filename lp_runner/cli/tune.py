@@ -295,7 +295,7 @@ def _run(args) -> int:
         prompts,
         cfg.lookahead,
         gen,
-        eos_token_ids(worker),
+        eos_token_ids(adapter.model.generation_config, worker.tokenizer),
         curve,
         workers,
         1e-6 * args.allgather_us,

@@ -15,6 +15,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
+import torch
+
+from lp_runner.config import ParallelConfig
 from lp_runner.errors import DistributedError, first_line
 from lp_runner.jobs.prompts import JobPrompts
 from lp_runner.jobs.worker import (
@@ -22,7 +25,6 @@ from lp_runner.jobs.worker import (
     TextStreamer,
     Worker,
     error_records,
-    job_engine,
     run_jobs,
     save_store,
 )
@@ -47,7 +49,7 @@ def run_queued(
         raise ValueError("run_queued needs a worker started with parallel.groups > 1")
     timeout_s = worker.cfg.parallel.timeout_s
     policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
-    engine = job_engine(worker, policy)  # its store is this group's own (pool_scope=job): fed by the prompts it ran
+    engine = worker.engine(policy)  # its store is this group's own (pool_scope=job): fed by the prompts it ran
     order = prompts.order()
     records: list[dict] = []
 
@@ -60,13 +62,13 @@ def run_queued(
 
     collector = None
     if worker.is_main:
-        for _, rec in error_records(worker, prompts):
+        for _, rec in error_records(prompts, worker.error_record):
             rec["group"] = None
             deliver(rec)
         collector = RecordCollector(layout, len(order), timeout_s, deliver)
         collector.start()
     queue = JobQueue(store_client(timeout_s), worker.group) if worker.comm.rank == 0 else None
-    cores = share_cores(worker)
+    cores = share_cores(worker.device, worker.cfg.parallel)
     streamer = TextStreamer(worker.tokenizer, stream) if stream is not None and worker.is_main else None
 
     def on_commit(i: int, tokens: Sequence[int]) -> None:
@@ -78,7 +80,7 @@ def run_queued(
     # a claim whenever a slot of the group frees: every rank of it takes the leader's
     feed = PromptFeed(order, lambda: claim_for_group(queue, worker.comm), post, groups=layout.groups)
     try:
-        run_jobs(worker, engine, policy, prompts, feed, on_commit if streamer or cores else None)
+        run_jobs(engine, policy, prompts, feed, worker.record, on_commit if streamer or cores else None)
         if cores is not None:
             cores.leave()
         if queue is not None:
@@ -95,14 +97,15 @@ def run_queued(
         collector.join()
         if collector.error is not None:
             raise DistributedError(collector.error)
-    save_store(worker)  # world rank 0: group 0's store (each group keeps its own)
+    if worker.is_main:  # world rank 0: group 0's store (each group keeps its own)
+        save_store(worker.store, worker.cfg.run.pool_out, worker.tokenizer)
     return records
 
 
-def share_cores(worker: Worker) -> CoreShare | None:
+def share_cores(device: torch.device, parallel: ParallelConfig) -> CoreShare | None:
     """This rank's part in giving an idle group's cores to the busy ones (``parallel/cores.py``): CPU ranks with
     ``advanced.share_cores`` that share their node with other ranks; None elsewhere (a GPU's speed does not come
     from the host's threads)."""
-    if worker.device.type != "cpu" or not worker.cfg.parallel.share_cores:
+    if device.type != "cpu" or not parallel.share_cores:
         return None
-    return CoreShare.from_env(lambda: store_client(worker.cfg.parallel.timeout_s))
+    return CoreShare.from_env(lambda: store_client(parallel.timeout_s))

@@ -205,7 +205,7 @@ class Replica:
         import torch
 
         self.threads = torch.get_num_threads()
-        errors = error_records(self.worker, self.worker.prompts) if self.worker.is_main else []
+        errors = error_records(self.worker.prompts, self.worker.error_record) if self.worker.is_main else []
         return self.worker.load_s, self.worker.policy.batch, self.worker.prompts.order(), errors
 
     def share_threads(self, node_ranks: int, idle_mask: int, index: int) -> None:
@@ -221,7 +221,7 @@ class Replica:
         """The loaded model's weights checksum (what ``--resume`` compares with the output's records)."""
         from lp_runner.jobs.worker import model_checksum
 
-        return model_checksum(self.worker)
+        return model_checksum(self.worker.adapter.model)
 
     def run(
         self,
@@ -241,7 +241,7 @@ class Replica:
 
         Rank 0 queues ("tokens", i, ids), ("text", i, str) and ("record", i, rec), i the prompt's index in the
         driver's list; the driver polls them."""
-        from lp_runner.jobs.worker import PromptFeed, TextStreamer, job_engine, run_jobs
+        from lp_runner.jobs.worker import PromptFeed, TextStreamer, run_jobs
         from lp_runner.parallel.groups import claim_for_group
 
         worker = self.worker
@@ -274,7 +274,7 @@ class Replica:
         feed = PromptFeed(worker.prompts.order(), lambda: claim_for_group(claims, worker.comm), post, groups, 0, first)
         policy = worker.policy
         self._take_shared_threads()
-        run_jobs(worker, job_engine(worker, policy), policy, worker.prompts, feed, on_commit, prefixes)
+        run_jobs(worker.engine(policy), policy, worker.prompts, feed, worker.record, on_commit, prefixes)
 
     def _take_shared_threads(self) -> None:
         import torch
@@ -286,10 +286,9 @@ class Replica:
     def save_store(self, path: str) -> None:
         """``advanced.pool_out`` with D > 1 groups: lane 0's store, saved once after the job (as torchrun saves group
         0's)."""
-        from lp_runner.jobs.worker import tokenizer_fingerprint
+        from lp_runner.jobs.worker import save_store
 
-        if self.worker.store is not None:
-            self.worker.store.save(path, tokenizer_fingerprint(self.worker.tokenizer))
+        save_store(self.worker.store, path, self.worker.tokenizer)
 
     def poll(self) -> list[tuple]:
         with self.lock:

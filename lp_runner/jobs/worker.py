@@ -22,7 +22,7 @@ import torch
 
 from lp_runner.backends import check_backend, select_backend
 from lp_runner.backends.adapter import ModelAdapter
-from lp_runner.config import Config
+from lp_runner.config import Config, GenerationConfig
 from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
 from lp_runner.decoding.job_store import JobPool, tokenizer_fingerprint
 from lp_runner.decoding.layout import check_model_fits, longest_candidate, max_round_rows
@@ -69,6 +69,10 @@ from lp_runner.tuning.policy import RoundPolicy
 
 @dataclass
 class Worker:
+    """What one process's job holds, built once by ``start_worker``: the job loop's entry points (``run_prompts``,
+    ``queue.run_queued``, the Ray actor) keep it, and its methods hand the fields each step uses to functions
+    that take only those (``make_record``, ``job_engine``, ...), so a step can be read and tested alone."""
+
     cfg: Config
     comm: Communicator
     adapter: ModelAdapter
@@ -96,6 +100,36 @@ class Worker:
         """``specs`` tokenized and checked against this worker's model (``prompts.prepare_prompts``)."""
         gen, on_error = self.cfg.generation, self.cfg.run.on_error
         return prepare_prompts(specs, self.tokenizer, gen.max_new_tokens, self.adapter.max_positions, on_error)
+
+    def run_info(self) -> dict:
+        """``run_info`` of this worker's run, read at each record (the thread count can change mid-job)."""
+        return run_info(self.cfg, self.device, self.placement, self.load_peak_mib, self.load_peaks_mib)
+
+    def record(self, spec: PromptSpec, prompt_ids: Sequence[int], result: GenerationResult) -> dict:
+        """``make_record`` with what this worker ran: the job loop's records are made here, on the writing rank."""
+        return make_record(
+            spec,
+            prompt_ids,
+            result,
+            tokenizer=self.tokenizer,
+            cfg=self.cfg,
+            policy=self.policy,
+            model_path=self.model_path,
+            workers=self.comm.world_size,
+            group=self.group,
+            dist_backend=self.comm.backend,
+            checksum=model_checksum(self.adapter.model),
+            run=self.run_info(),
+        )
+
+    def error_record(self, spec: PromptSpec, error: str) -> dict:
+        """``make_error_record`` with this worker's config, weights and run."""
+        return make_error_record(spec, error, self.cfg, model_checksum(self.adapter.model), self.run_info())
+
+    def engine(self, policy: RoundPolicy) -> LookaheadEngine:
+        """``job_engine`` over this worker's model, group and job store."""
+        eos = eos_token_ids(self.adapter.model.generation_config, self.tokenizer)
+        return job_engine(self.adapter, policy, self.cfg.generation, eos, self.comm, self.store)
 
 
 def _rank0_timings(comm: Communicator, ms: dict[str, float]) -> dict[str, float]:
@@ -163,23 +197,31 @@ def start_worker(cfg: Config, specs: Sequence[PromptSpec] = ()) -> Worker:
     worker.layout, worker.control, worker.heartbeat = layout, control, heartbeat
     worker.group = layout.group if layout is not None else 0
     worker.store = job_store(cfg, tokenizer, adapter.vocab_size)  # --pool-in checked before the first forward
-    if (control or comm).world_size > 1:
-        check_peers(worker, control or comm)  # every rank of the job, not only of its group
+    if (control or comm).world_size > 1:  # every rank of the job, not only of its group
+        worker.load_peaks_mib = check_peers(cfg, model_checksum(model), load_peak_mib, control or comm)
     worker.prompts = worker.prepare(specs)  # on_error=stop: the first bad prompt raises here
     arena_tokens = arena_positions(cfg, max(map(len, worker.prompts.ids), default=0)) if specs else 0
     job_tokens = len(specs) * cfg.generation.max_new_tokens
     batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(specs))
     if why_not and worker.is_main:
         log.warning(why_not)
-    compile_choice = choose_forward(
-        worker, job_tokens, cache_root, say=_log if worker.is_main else None, arena_tokens=arena_tokens, batch=batch
+    worker.adapter, compile_choice = choose_forward(
+        cfg,
+        adapter,
+        comm,
+        job_tokens,
+        cache_root,
+        say=_log if worker.is_main else None,
+        arena_tokens=arena_tokens,
+        batch=batch,
+        keeps_record=worker.is_main,
     )
     worker.policy = RoundPolicy.build(
         cfg,
         worker.adapter,
         comm,
         cache_root=cache_root,
-        weights_checksum=lambda: model_checksum(worker),
+        weights_checksum=lambda: model_checksum(model),
         log=_log if worker.is_main else None,
         batch=batch,
         model_fingerprint=model_fingerprint,
@@ -238,24 +280,25 @@ def job_store(cfg: Config, tokenizer: Any, vocab_size: int | None = None) -> Job
     return store
 
 
-def save_store(worker: Worker) -> None:
-    """``advanced.pool_out``: the writing rank saves the job's store after the job's last prompt."""
-    if worker.cfg.run.pool_out and worker.store is not None and worker.is_main:
-        worker.store.save(worker.cfg.run.pool_out, tokenizer_fingerprint(worker.tokenizer))
+def save_store(store: JobPool | None, path: str, tokenizer: Any) -> None:
+    """``advanced.pool_out`` (``path``; empty: not asked for): the job's store after the job's last prompt, under
+    ``tokenizer``'s fingerprint. The writing rank calls it (one file per job)."""
+    if path and store is not None:
+        store.save(path, tokenizer_fingerprint(tokenizer))
 
 
 def _log(message: str) -> None:
     log.info(message)
 
 
-def check_peers(worker: Worker, comm: Communicator | None = None) -> None:
+def check_peers(cfg: Config, checksum: str, load_peak_mib: float, comm: Communicator) -> list[float]:
     """Every rank must run the same config on the same weights, or outputs would silently fork.
 
-    ``comm``: the ranks to compare (default: the worker's LP group); ranks in errors are its ranks. The same
-    message carries each rank's peak host memory at load, which the writing rank keeps for the records."""
-    mine = f"{worker.cfg.digest()}|{model_checksum(worker)}|{worker.load_peak_mib:.1f}"
-    everyone = (comm or worker.comm).all_gather_strings(mine)
-    worker.load_peaks_mib = [float(s.split("|")[2]) for s in everyone]
+    ``comm``: the ranks to compare (the whole job); ranks in errors are its ranks. The same message carries each
+    rank's peak host memory at load (``load_peak_mib``): returns every rank's, in rank order, for the records."""
+    mine = f"{cfg.digest()}|{checksum}|{load_peak_mib:.1f}"
+    everyone = comm.all_gather_strings(mine)
+    peaks = [float(s.split("|")[2]) for s in everyone]
     cfgs = {s.split("|")[0] for s in everyone}
     if len(cfgs) > 1:
         bad = [r for r, s in enumerate(everyone) if s.split("|")[0] != everyone[0].split("|")[0]]
@@ -263,12 +306,14 @@ def check_peers(worker: Worker, comm: Communicator | None = None) -> None:
     if len({s.split("|")[1] for s in everyone}) > 1:
         bad = [r for r, s in enumerate(everyone) if s.split("|")[1] != everyone[0].split("|")[1]]
         raise DistributedError(f"model weights differ between ranks: ranks {bad} differ from rank 0")
+    return peaks
 
 
-def eos_token_ids(worker: Worker) -> list[int]:
-    ids = worker.adapter.model.generation_config.eos_token_id
+def eos_token_ids(generation_config: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a generation: the model's ``generation_config``'s, else the tokenizer's (none: [])."""
+    ids = generation_config.eos_token_id
     if ids is None:
-        ids = worker.tokenizer.eos_token_id
+        ids = tokenizer.eos_token_id
     if ids is None:
         return []
     return [ids] if isinstance(ids, int) else list(ids)
@@ -277,54 +322,71 @@ def eos_token_ids(worker: Worker) -> list[int]:
 _CHECKSUMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def model_checksum(worker: Worker) -> str:
-    """``weights_checksum`` of the worker's model, computed once per model (one pass over the weights)."""
-    model = worker.adapter.model
+def model_checksum(model: torch.nn.Module) -> str:
+    """``weights_checksum`` of ``model``, computed once per model (one pass over the weights)."""
     if model not in _CHECKSUMS:
         _CHECKSUMS[model] = weights_checksum(model)
     return _CHECKSUMS[model]
 
 
-def make_error_record(worker: Worker, spec: PromptSpec, error: str) -> dict:
-    """``run.on_error=skip``: what the output keeps of a prompt that could not run (resume skips it too)."""
+def make_error_record(spec: PromptSpec, error: str, cfg: Config, checksum: str, run: dict) -> dict:
+    """``run.on_error=skip``: what the output keeps of a prompt that could not run (resume skips it too):
+    ``error``, and the job's settings, weights ``checksum`` and ``run`` (``run_info``) as a record has them."""
     return {
         "id": spec.id,
         "error": error,
-        "config_digest": output_digest(worker.cfg),
-        "weights_checksum": model_checksum(worker),
-        "config": output_settings(worker.cfg),
-        "run": run_info(worker),
+        "config_digest": output_digest(cfg),
+        "weights_checksum": checksum,
+        "config": output_settings(cfg),
+        "run": run,
     }
 
 
-def make_record(worker: Worker, spec: PromptSpec, prompt_ids: Sequence[int], result: GenerationResult) -> dict:
-    cfg, s = worker.cfg, result.stats
-    la = result.lookahead or (worker.policy.lookahead if worker.policy is not None else cfg.lookahead)  # that ran
+def make_record(
+    spec: PromptSpec,
+    prompt_ids: Sequence[int],
+    result: GenerationResult,
+    *,
+    tokenizer: Any,
+    cfg: Config,
+    policy: RoundPolicy | None,
+    model_path: Path,
+    workers: int,
+    group: int,
+    dist_backend: str,
+    checksum: str,
+    run: dict,
+) -> dict:
+    """The output's record of one finished generation: its tokens and text (``tokenizer``), its statistics, the
+    setting that ran (the result's, else ``policy``'s, else the config's), which group of how many ``workers``
+    made it, and what ``--resume`` checks (``cfg``'s digest, the weights ``checksum``) and re-runs (``run``)."""
+    s = result.stats
+    la = result.lookahead or (policy.lookahead if policy is not None else cfg.lookahead)  # the setting that ran
     return {
         "id": spec.id,
         "prompt_ids": list(prompt_ids),
         "output_ids": result.output_ids,
-        "text": worker.tokenizer.decode(result.output_ids, skip_special_tokens=True),
+        "text": tokenizer.decode(result.output_ids, skip_special_tokens=True),
         "new_tokens": len(result.output_ids),
         "forwards": s.forwards,
         "seconds": round(s.seconds, 6),
         "tokens_per_forward": round(s.tokens_per_forward, 4),
         "tokens_per_s": round(s.tokens_per_s, 3),
-        "model": str(worker.model_path),
+        "model": str(model_path),
         "window_size": la.window_size,
         "ngram_size": la.ngram_size,
         "verification_set_size": la.verification_set_size,
         "pool_from_prompt": la.pool_from_prompt,
-        "workers": worker.comm.world_size,
-        "group": worker.group,  # which of the parallel.groups LP groups generated it (0 with one group)
-        "dist_backend": worker.comm.backend,
+        "workers": workers,
+        "group": group,  # which of the parallel.groups LP groups generated it (0 with one group)
+        "dist_backend": dist_backend,
         "do_sample": cfg.generation.do_sample,
         "stats": s.summary(),
-        "policy": worker.policy.describe() if worker.policy is not None else {"preset": "off"},
+        "policy": policy.describe() if policy is not None else {"preset": "off"},
         "config_digest": output_digest(cfg),  # what ``--resume`` checks: same settings, same weights
-        "weights_checksum": model_checksum(worker),
+        "weights_checksum": checksum,
         "config": output_settings(cfg),
-        "run": run_info(worker),
+        "run": run,
     }
 
 
@@ -347,54 +409,69 @@ def _device_label(device: torch.device) -> str:
 
 
 def choose_forward(
-    worker: Worker, job_tokens: int, cache_root: Path, say=None, arena_tokens: int = 0, batch: int = 1
-) -> CompileChoice:
-    """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 decides, every rank of
-    the group follows; a compiled adapter replaces ``worker.adapter`` after compiling (timed). With ``on`` (or
-    ``auto`` capturing a CUDA device's first long job), rank 0 records what compiling cost and saved on this device
+    cfg: Config,
+    adapter: ModelAdapter,
+    comm: Communicator,
+    job_tokens: int,
+    cache_root: Path,
+    say: Callable[[str], None] | None = None,
+    arena_tokens: int = 0,
+    batch: int = 1,
+    keeps_record: bool = False,
+) -> tuple[ModelAdapter, CompileChoice]:
+    """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 of ``comm`` decides,
+    every rank of the group follows. Returns the adapter the job runs (``adapter`` itself, or a compiled one after
+    compiling, timed) and the choice. With ``on`` (or ``auto`` capturing a CUDA device's first long job), the rank
+    that ``keeps_record`` (the writing rank) records what compiling cost and saved on this device
     (when it has no record, or on ``--recalibrate``), which is what ``auto`` decides from next time; each row
     bucket's capture seconds go to the job's records (``CompileChoice.capture_s``). ``arena_tokens``: the K/V
     positions the job's longest generation can hold (``LookaheadEngine.capacity``), ``batch`` of them in flight;
     the warm-up compiles and captures on the job arena at that size, the one the job's rounds then run on, so no
     prompt of the job grows it mid-generation (a new arena means every captured graph recorded again, while the
     other ranks wait)."""
-    mode, adapter, comm = worker.cfg.model.compile, worker.adapter, worker.comm
+    mode = cfg.model.compile
     if mode == "off":
-        return CompileChoice(mode, False, "off")
-    key = record_key(adapter.device, adapter.dtype, model_checksum(worker), adapter.backend.key())
+        return adapter, CompileChoice(mode, False, "off")
+    checksum = model_checksum(adapter.model)
+    key = record_key(adapter.device, adapter.dtype, checksum, adapter.backend.key())
     path = record_file(cache_root, key)
-    record = None if worker.cfg.run.recalibrate else load_record(path, key)
+    record = None if cfg.run.recalibrate else load_record(path, key)
     compiled, reason = decide(mode, record, job_tokens, adapter.device.type)
     if comm.world_size > 1:  # rank 0's choice: the ranks of a group run one forward
         compiled, reason = json.loads(comm.all_gather_strings(json.dumps([compiled, reason]))[0])
     if not compiled:
-        return CompileChoice(mode, False, reason)
+        return adapter, CompileChoice(mode, False, reason)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))  # reused by the next run
     if say is not None:
         say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
     fast = ModelAdapter(adapter.model, compile=True, backend=adapter.backend)
     # the arena sized for the calibration that follows first: it must not grow under the warm-up's graphs
-    calibrating = RoundPolicy.arena_slots(worker.cfg, fast, cache_root, lambda: model_checksum(worker))
+    calibrating = RoundPolicy.arena_slots(cfg, fast, cache_root, lambda: checksum)
     try:
         compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens), batch, calibrating)
     except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback
         reason = f"{reason}: compilation failed ({first_line(exc)}), eager"
         log.warning("model.compile: %s", reason)
-        return CompileChoice(mode, False, reason)
+        return adapter, CompileChoice(mode, False, reason)
     if say is not None:
         say(f"compiled in {compile_s:.1f} s")
-    if comm.rank == 0 and worker.group == 0 and record is None:  # on, or auto capturing to measure (CUDA)
+    if keeps_record and record is None:  # on, or auto capturing to measure (CUDA)
         sync = synchronizer(adapter.device)
         try:
             save_record(path, key, measure_record(adapter, fast, compile_s, sync))
         except OSError as exc:  # a read-only cache costs the record, not the run
             log.warning("cannot save the compile record at %s: %s", path, exc.strerror or exc)
-    worker.adapter = fast
     capture_s = {rows: round(s, 3) for rows, s in fast.rounds.capture_s.items()} if fast.rounds else None
-    return CompileChoice(mode, True, reason, round(compile_s, 3), capture_s)  # per bucket: in every record
+    return fast, CompileChoice(mode, True, reason, round(compile_s, 3), capture_s)  # per bucket: in every record
 
 
-def run_info(worker: Worker) -> dict:
+def run_info(
+    cfg: Config,
+    device: torch.device,
+    placement: Placement | None = None,
+    load_peak_mib: float = 0.0,
+    load_peaks_mib: list[float] | None = None,
+) -> dict:
     """What a record needs besides its ``weights_checksum`` to be re-run: the whole resolved config (every
     section, and ``explicit``: the keys the user set, which the auto preset leaves alone), the package versions
     and the device that ran it. ``config_from_dict(rec["run"]["config"])`` rebuilds the Config; a YAML file of
@@ -403,20 +480,23 @@ def run_info(worker: Worker) -> dict:
     Example: ``{"config": {"model": {...}, ..., "explicit": ["generation.max_new_tokens"]}, "versions":
     {"lp_runner": "0.1.0", "torch": "2.13.0", ...}, "device": {"type": "cpu", "name": "AMD EPYC",
     "threads": 1, "dtype": "float32", "tf32": false, "dtype_choice": "auto: float32 on a CPU",
-    "load_peak_host_mib": 1410.2}}``."""
-    dev = worker.device
-    device = {
-        "type": dev.type,
-        "name": _device_label(dev),
+    "load_peak_host_mib": 1410.2}}``.
+
+    ``placement``: the device, dtype and TF32 as resolved (None: only the device's type and name are known);
+    ``load_peak_mib``: this rank's peak host memory after loading, ``load_peaks_mib`` every rank's
+    (``check_peers``; None: this rank's alone)."""
+    described = {
+        "type": device.type,
+        "name": _device_label(device),
         "threads": torch.get_num_threads(),  # model.threads resolved (0: the cores per rank)
     }
-    if worker.placement is not None:  # model.dtype resolved (auto), and what loading cost the host
-        device.update(
-            worker.placement.describe(),
-            load_peak_host_mib=round(worker.load_peak_mib, 1),
-            load_peak_host_mib_ranks=worker.load_peaks_mib or [round(worker.load_peak_mib, 1)],  # every rank's
+    if placement is not None:  # model.dtype resolved (auto), and what loading cost the host
+        described.update(
+            placement.describe(),
+            load_peak_host_mib=round(load_peak_mib, 1),
+            load_peak_host_mib_ranks=load_peaks_mib or [round(load_peak_mib, 1)],  # every rank's
         )
-    return {"config": worker.cfg.to_dict(), "versions": package_versions(), "device": device}
+    return {"config": cfg.to_dict(), "versions": package_versions(), "device": described}
 
 
 class TextStreamer:
@@ -546,7 +626,7 @@ def run_prompts(
     the same job (None: unknown); with the ones left here, the auto preset's count of generations still to start
     (``preset.payback``)."""
     policy = worker.policy or RoundPolicy.fixed(worker.cfg.lookahead)
-    engine = job_engine(worker, policy)
+    engine = worker.engine(policy)
     prefixes = {i: list(c) for i, c in enumerate(committed)} if committed is not None else {}
     if committed is not None and len(committed) != len(prompts.specs):
         raise ValueError(f"committed has {len(committed)} entries for {len(prompts.specs)} prompts")
@@ -558,7 +638,7 @@ def run_prompts(
             on_record(rec)
 
     if worker.is_main:
-        for i, rec in error_records(worker, prompts):
+        for i, rec in error_records(prompts, worker.error_record):
             deliver(i, rec)
     streamers: dict[int, TextStreamer] = {}
 
@@ -572,35 +652,38 @@ def run_prompts(
 
     feed = PromptFeed(prompts.order(), local_claims(), deliver if worker.is_main else None, later=later)
     hooked = worker.is_main and (stream is not None or on_commit is not None)
-    run_jobs(worker, engine, policy, prompts, feed, hook if hooked else None, prefixes)
-    save_store(worker)
+    run_jobs(engine, policy, prompts, feed, worker.record, hook if hooked else None, prefixes)
+    if worker.is_main:
+        save_store(worker.store, worker.cfg.run.pool_out, worker.tokenizer)
     return records
 
 
-def error_records(worker: Worker, prompts: JobPrompts) -> list[tuple[int, dict]]:
+def error_records(prompts: JobPrompts, error_record: Callable[[PromptSpec, str], dict]) -> list[tuple[int, dict]]:
     """(index, error record) of every prompt that cannot run (``run.on_error=skip``), in file order: the writer
-    puts them first, before any generation (no group runs them)."""
+    puts them first, before any generation (no group runs them). ``error_record(spec, error)`` makes one
+    (``Worker.error_record``)."""
     return [
-        (i, make_error_record(worker, spec, f"{spec.describe()}: {problem}"))
+        (i, error_record(spec, f"{spec.describe()}: {problem}"))
         for i, (spec, problem) in enumerate(zip(prompts.specs, prompts.problems, strict=True))
         if problem is not None
     ]
 
 
 def run_jobs(
-    worker: Worker,
     engine: LookaheadEngine,
     policy: RoundPolicy,
     prompts: JobPrompts,
     feed: Feeder,
+    record: Callable[[PromptSpec, Sequence[int], GenerationResult], dict],
     on_commit: Callable[[int, Sequence[int]], None] | None = None,
     prefixes: dict[int, Sequence[int]] | None = None,
 ) -> None:
     """The one job loop every launcher runs (one process, torchrun ranks, D groups, Ray actors): the prompts
     ``feed`` hands out, ``policy.batch`` in flight through ``engine.run`` (``scheduler.RoundLoop``), each slot
     refilled from ``feed`` as its generation ends, each from its committed prefix (``prefixes``, by index), its
-    sampling streams named by its id; as each finishes, its record (with the setting that ran) goes to
-    ``feed.post`` and the policy observes it (every rank the same tokens, in one order)."""
+    sampling streams named by its id; as each finishes, its record (``record(spec, prompt_ids, result)``, with
+    the setting that ran: ``Worker.record``) goes to ``feed.post`` on the writing rank, and the policy observes it
+    (every rank the same tokens, in one order)."""
     prefixes = prefixes or {}
     finished = [0]  # this group's generations finished so far
 
@@ -617,22 +700,21 @@ def run_jobs(
         i = job.tag
         finished[0] += 1
         if feed.writes:
-            feed.post(i, make_record(worker, prompts.specs[i], prompts.ids[i], result))
+            feed.post(i, record(prompts.specs[i], prompts.ids[i], result))
         if policy.observe(prompts.ids[i], result.output_ids, result.stats.records, result.lookahead, feed.remaining()):
             engine.set_lookahead(policy.lookahead)
 
     engine.run(next_job, on_done, batch=policy.batch)
 
 
-def job_engine(worker: Worker, policy: RoundPolicy) -> LookaheadEngine:
-    """The engine a worker's prompt loop runs: ``policy``'s setting and row plan, the group's communicator, and
-    the worker's job store (``pool_scope=job``: fed by the prompts it runs)."""
-    return LookaheadEngine(
-        worker.adapter,
-        policy.lookahead,
-        worker.cfg.generation,
-        eos_token_ids(worker),
-        worker.comm,
-        policy.row_plan,
-        store=worker.store,
-    )
+def job_engine(
+    adapter: ModelAdapter,
+    policy: RoundPolicy,
+    generation: GenerationConfig,
+    eos: Sequence[int],
+    comm: Communicator,
+    store: JobPool | None,
+) -> LookaheadEngine:
+    """The engine a prompt loop runs: ``policy``'s setting and row plan, the group's communicator, and the job
+    store (``pool_scope=job``: fed by the prompts it runs; None otherwise)."""
+    return LookaheadEngine(adapter, policy.lookahead, generation, eos, comm, policy.row_plan, store=store)

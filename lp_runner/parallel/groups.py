@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lp_runner.errors import EXIT_PEER_FAILURE, EXIT_USER_ERROR, ConfigError, DistributedError, LPError, first_line
-from lp_runner.logs import log
+from lp_runner.logs import log, tell_launcher
 
 STORE_PREFIX = "lp_runner/jobs/"  # keys of the work queue in the launcher's store
 HEARTBEAT_S = 1.0  # a leader's heartbeat period
@@ -167,6 +167,7 @@ def abort(message: str, code: int = EXIT_PEER_FAILURE) -> None:
     """A background thread found the job broken: say so and leave at once (the main thread may sit in a
     generation or a collective). Records already written are on disk; the kernel drops the output lock."""
     log.error("%s", message)
+    tell_launcher(f"error: {message}")
     os._exit(code)
 
 

@@ -254,19 +254,90 @@ def test_a_stopped_rank_is_named_as_the_cause(tiny_dir, prompts, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("first", "stopped", "story"),
+    ("first", "stopped", "said", "story"),
     [
-        ((1, -9), [], "worker rank 1 was killed by SIGKILL first"),
-        ((1, 3), [], "worker rank 1 exited with code 3 first; see its message above"),  # nobody found stopped
-        ((1, 2), [0], "worker rank 1 exited with code 2 first; see its message above"),  # its own input error
-        ((2, 3), [0, 1], "worker rank 0 and 1 were stopped"),
+        ((1, -9), [], [], "worker rank 1 was killed by SIGKILL first"),
+        ((1, 3), [], [1], "worker rank 1 exited with code 3 first; see its message above"),  # nobody found stopped
+        ((1, 2), [0], [1], "worker rank 1 exited with code 2 first; see its message above"),  # its own input error
+        ((1, 1), [], [], "worker rank 1 exited with code 1 first; see its message above"),  # Python's traceback
+        ((1, 143), [], [], "worker rank 1 exited with code 143 first; see its message above"),  # its SIGTERM line
+        ((1, 3), [], [0], "worker rank 1 exited with code 3 first without an error line"),  # rank 0 spoke, not 1
+        ((2, 3), [0, 1], [2], "worker rank 0 and 1 were stopped"),
+        (
+            (1, 3),
+            [0],
+            [],
+            "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped answering; worker rank 1 "
+            "gave up waiting for it (it wrote no error line)",
+        ),
     ],
 )
-def test_failure_story(first, stopped, story):
+def test_failure_story(first, stopped, said, story):
+    """The parent's summary points at a rank's message "above" only when that rank wrote one."""
     from lp_runner.cli.launch import RankExit
     from lp_runner.cli.main import failure_story
 
-    assert failure_story(RankExit(*first), stopped).startswith(story)
+    assert failure_story(RankExit(*first), stopped, said).startswith(story)
+
+
+# A rank of a fake job: rank 0 stops itself (SIGSTOP, as a stalled worker); rank 1 waits until it is stopped, as a
+# peer's collective would time out on it, then exits 3 (a failed peer), with or without an error line.
+_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(os.environ["FAKE_JOB_DIR"])
+if os.environ["RANK"] == "0":
+    (folder / "rank0.pid").write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(60)
+    sys.exit(0)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    pid = folder / "rank0.pid"
+    if pid.exists() and pid.read_text():
+        stat = Path(f"/proc/{pid.read_text()}/stat").read_text()
+        if stat[stat.rfind(")") + 2] == "T":
+            break
+    time.sleep(0.05)
+if os.environ["FAKE_RANK1_SAYS"] == "1":
+    from lp_runner.logs import tell_launcher
+    line = "error: [rank 1] a peer worker died or stalled during a collective"
+    print(line, file=sys.stderr, flush=True)
+    tell_launcher(line)
+sys.exit(3)
+"""
+# The parent: ``run_self_launched``'s launch and summary, on the fake ranks, with short grace periods (rank 0 only
+# ends at SIGKILL). Prints the result as JSON.
+_PARENT = """
+import json, sys
+from lp_runner.cli import launch
+from lp_runner.cli.main import failure_story
+launch.PEER_GRACE_S, launch.STOP_GRACE_S = 0.2, 0.5
+result = launch.launch_ranks(2, [sys.executable, "-c", sys.argv[1]])
+first = result.first_failure
+print(json.dumps({"first": [first.rank, first.returncode], "stopped": result.stopped, "said": result.said,
+                  "story": failure_story(first, result.stopped, result.said)}))
+"""
+
+
+@pytest.mark.parametrize("says", [False, True])
+def test_a_stopped_rank_s_silent_peer_is_not_sent_above(tmp_path, says):
+    """Rank 0 stopped and rank 1 giving up on it (exit 3) through the real launcher: the summary sends the reader
+    to rank 1's message "above" only when rank 1 wrote one (it used to, whether or not it had), and
+    ``LaunchResult.said`` holds the line it reported."""
+    env = env_with_repo(FAKE_JOB_DIR=str(tmp_path), FAKE_RANK1_SAYS="1" if says else "0")
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARENT, _RANK], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["first"] == [1, 3] and result["stopped"] == [0], result  # the case the story is about
+    line = "error: [rank 1] a peer worker died or stalled during a collective"
+    assert result["said"] == ({"1": line} if says else {})
+    assert (line in proc.stderr) == says  # what reached the terminal: the same as what the parent was told
+    head = "worker rank 0 was stopped (SIGSTOP or a debugger) and stopped answering; worker rank 1 gave up waiting"
+    tail = "see its message above" if says else "it wrote no error line"
+    assert result["story"] == f"{head} for it ({tail})"
 
 
 @pytest.mark.slow
