@@ -41,6 +41,7 @@ from lp_runner.backends.attention import reaches_attention, supports_round_atten
 from lp_runner.backends.base import ForwardBackend
 from lp_runner.backends.kv_cache import MIN_CAPACITY, KVArena, KVRegion
 from lp_runner.backends.model_call import ModelCall
+from lp_runner.backends.round_mask import round_attention
 from lp_runner.backends.rounds import Rounds
 from lp_runner.backends.staging import RoundRows, Rows
 from lp_runner.errors import LPError
@@ -141,16 +142,19 @@ class ModelAdapter:
 
     def _rounds(self) -> Rounds:
         """The one round function, its layers and attention chosen here, once: the backend's whole layers where
-        it has them, else transformers' layers with the backend's round attention where they take it by keyword."""
+        it has them, else transformers' layers with the backend's round attention where they take it by keyword
+        (a compiled adapter's: torch's sdpa, ``round_attention``, which the compiler traces; a backend's own
+        kernel is a call it cannot)."""
         backend = self.backend
+        attention, tiled = (round_attention, True) if self.compiled else (backend.round_attention, backend.tiled_mask)
         return Rounds(
             self.call,
             self.dtype,
             self.device,
             self.kv_shape,
             layers=functools.partial(backend.forward_model, self.model) if backend.whole_layers else None,
-            attention=backend.round_attention if self.keyword else None,
-            tiled_mask=backend.tiled_mask,
+            attention=attention if self.keyword else None,
+            tiled_mask=tiled,
             bucketed=self.bucketed,
             compile=self.compiled,
         )
