@@ -220,8 +220,12 @@ class ModelAdapter:
                 if arena is self._arena:
                     self._claimed = False
 
+    def _region_extra(self) -> int:
+        """The slots a region holds past its positions: a bucketed round's fillers write after its rows."""
+        return self.rounds.ladder.max_rows if self.bucketed else 0
+
     def _new_arena(self, needs: Sequence[int], *, growable: bool) -> KVArena:
-        extra = self.rounds.ladder.max_rows if self.bucketed else 0
+        extra = self._region_extra()
         return KVArena(
             self.model.config,
             self.kv_shape,
@@ -328,10 +332,8 @@ class ModelAdapter:
         seconds it took (0 when eager)."""
         if not self.compiled:
             return 0.0
-        with self.arena(needs) as arena:
-            most = max(arena.slots(n) for n in (needs, *others))
-            if most > arena.capacity:
-                arena.grow(most)
+        largest = max((needs, *others), key=lambda n: region_slots(n, self._region_extra()))
+        with self.arena(largest) as arena:  # one allocation, at the most any of them holds
             return self.rounds.warm_up(arena, arena.slots(needs), max_rows=max_rows)
 
 
