@@ -334,8 +334,8 @@ def main() -> None:
         variants.append(("bf16-weights", args.bf16_weights, ModelAdapter(bf16_model)))
     compile_s = None
     if args.compiled:
-        fast = ModelAdapter(packed_model, compile=True)
-        compile_s = fast.warm_up(max(len(ids) for _, ids in encoded) + args.max_new_tokens + 64)
+        fast = ModelAdapter(packed_model)  # its own adapter: the eager variants' stay eager
+        compile_s = fast.compile([max(len(ids) for _, ids in encoded) + args.max_new_tokens + 64])
         print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
         variants.append(("compiled", args.compiled, fast))
     for suffix, names, variant_adapter in variants:

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.forward_timing import scratch_region  # noqa: E402
 from benchmarks.machine_limits import (  # noqa: E402
     cpu_description,
     forward_bytes,
@@ -50,6 +51,7 @@ from benchmarks.machine_limits import (  # noqa: E402
 )
 from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
 from lp_runner.backends.cpu.prepack import apply_prepack  # noqa: E402
+from lp_runner.backends.staging import Rows  # noqa: E402
 from lp_runner.device import synchronizer  # noqa: E402
 from lp_runner.models.loading import load_model_and_tokenizer, resolve_model_path  # noqa: E402
 from lp_runner.tuning.costmodel import measure_curve  # noqa: E402
@@ -140,10 +142,10 @@ def main() -> None:
     if args.prepack != "off":
         model = copy.deepcopy(stock)
         print(f"linear layers: {apply_prepack(model, args.prepack).kernels}", flush=True)
-    adapter = ModelAdapter(model, compile=args.compile)
+    adapter = ModelAdapter(model)
     rows = sorted({1, *args.rows})  # Q=1 is every ratio's reference
     sync = synchronizer(adapter.device)
-    compile_s = adapter.warm_up(max(args.prefix) + max(rows)) if args.compile else 0.0
+    compile_s = adapter.compile([max(args.prefix) + max(rows)]) if args.compile else 0.0
     before = measure_limits(adapter.device, adapter.dtype)
     curve = measure_curve(adapter, args.prefix, rows, reps=args.reps, sync=sync)
     after = measure_limits(adapter.device, adapter.dtype)
@@ -152,15 +154,17 @@ def main() -> None:
     print(json.dumps({"copy_gb_s": round(limits.copy_gb_s, 1), "matmul_gflop_s": round(limits.matmul_gflop_s, 1)}))
     paired = {}  # (prefix, rows) -> the forwards against the limits of their moments (``paired_ratios``)
     for kv_len in args.prefix:
-        cache = adapter.new_cache(kv_len + max(rows))
+        cache = scratch_region(adapter, kv_len + max(rows))
         prefix_ids = torch.arange(kv_len) % adapter.vocab_size
         tril = torch.ones(kv_len, kv_len, dtype=torch.bool).tril()
-        adapter.forward(prefix_ids, torch.arange(kv_len), tril, cache, torch.tensor([kv_len - 1]))
+        adapter.run([Rows.of(prefix_ids, torch.arange(kv_len), tril, torch.tensor([kv_len - 1]))], [cache])
         for q in rows:
 
             def forward(q=q, cache=cache, kv_len=kv_len):
                 vis = torch.ones(q, q, dtype=torch.bool).tril()
-                adapter.forward(torch.arange(q), torch.arange(kv_len, kv_len + q), vis, cache, torch.tensor([q - 1]))
+                adapter.run(
+                    [Rows.of(torch.arange(q), torch.arange(kv_len, kv_len + q), vis, torch.tensor([q - 1]))], [cache]
+                )
                 cache.crop(kv_len)
 
             paired[(kv_len, q)] = paired_ratios(

@@ -12,6 +12,8 @@ import torch
 
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears
+from lp_runner.backends.kv_cache import KVRegion
+from lp_runner.backends.staging import Rows
 from lp_runner.models.loading import default_cache_dir, load_model_and_tokenizer, resolve_model_path
 
 
@@ -26,16 +28,23 @@ def native_embedded_model(threads: int) -> torch.nn.Module:
     return model
 
 
+def scratch_region(adapter: ModelAdapter, need: int = 0) -> KVRegion:
+    """A region for ``need`` positions in a scratch arena of its own (``ModelAdapter.arena(scratch=True)``: nothing
+    is handed back, and the region grows should a round outrun it)."""
+    with adapter.arena([need], scratch=True) as arena:
+        return arena.region(need)
+
+
 def prefilled_caches(
     adapters: dict[str, ModelAdapter], prefix: int, capacity: int, gen: torch.Generator
 ) -> dict[str, object]:
     """Per adapter, a cache of ``capacity`` slots holding the same random ``prefix`` tokens."""
     vocab = next(iter(adapters.values())).vocab_size
     tokens = torch.randint(0, vocab, (prefix,), generator=gen)
-    caches = {name: a.new_cache(capacity) for name, a in adapters.items()}
+    caches = {name: scratch_region(a, capacity) for name, a in adapters.items()}
     for name, a in adapters.items():
         if prefix:  # none: the rounds timed on it are prefills
-            a.forward(tokens, torch.arange(prefix), causal(prefix), caches[name], torch.tensor([prefix - 1]))
+            a.run([Rows.of(tokens, torch.arange(prefix), causal(prefix), torch.tensor([prefix - 1]))], [caches[name]])
     return caches
 
 
@@ -55,7 +64,9 @@ def time_rounds(
         k = rep % len(names)
         for name in names[k:] + names[:k]:
             start = time.perf_counter()
-            logits[name] = adapters[name].forward(ids, positions, causal(rows), caches[name], torch.arange(rows))
+            logits[name] = adapters[name].run(
+                [Rows.of(ids, positions, causal(rows), torch.arange(rows))], [caches[name]]
+            )
             elapsed = time.perf_counter() - start
             caches[name].crop(prefix)
             if rep:

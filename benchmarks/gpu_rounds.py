@@ -47,6 +47,7 @@ stopped by its timeout keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -61,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.forward_timing import scratch_region  # noqa: E402
 from benchmarks.gpu_probes import (  # noqa: E402
     RoundTimer,
     capture_counts,
@@ -71,6 +73,7 @@ from benchmarks.gpu_probes import (  # noqa: E402
 )
 from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 from lp_runner.backends.kv_cache import MIN_CAPACITY, static_capacity  # noqa: E402
+from lp_runner.backends.staging import Rows  # noqa: E402
 from lp_runner.config import Config, GenerationConfig, LookaheadConfig  # noqa: E402
 from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
 from lp_runner.decoding.scheduler import PREFILL_CHUNK_ROWS  # noqa: E402
@@ -274,26 +277,25 @@ def job_capacities(args, captured: ModelAdapter) -> list[int]:
 
 
 def arena_slots(adapter: ModelAdapter, capacity: int) -> int:
-    """The slots of the job arena a generation of ``capacity`` positions needs (``ModelAdapter.new_arena``: its
-    region, the ladder's top past its capacity, to the next power of two and ``MIN_CAPACITY`` more)."""
-    return static_capacity(adapter.region_size(capacity)) + MIN_CAPACITY
+    """The slots of the job arena a generation of ``capacity`` positions needs (``ModelAdapter.arena``: its
+    region, the ladder's top past its capacity, to the next power of two and ``MIN_CAPACITY`` more), priced by a
+    small scratch arena of the adapter's (the job arena is left as it is)."""
+    with adapter.arena(scratch=True) as arena:
+        return static_capacity(arena.slots([capacity])) + MIN_CAPACITY
 
 
 def arena_allocations(adapter: ModelAdapter) -> int:
     """The tensors the adapter's job arena has been allocated as (one more each time a job grew it)."""
-    arena = adapter.claim_arena(1)
-    adapter.release_arena(arena)
-    return arena.allocations
+    with adapter.arena() as arena:
+        return arena.allocations
 
 
 def warm_up(adapter: ModelAdapter, capacity: int, max_rows: int) -> float:
-    """The captured adapter's warm-up at a job of ``capacity`` positions, on its job arena (as a job starts)."""
-    size = adapter.region_size(capacity)
-    arena = adapter.claim_arena(size)
-    try:
-        return adapter.rounds.warm_up(arena, size, max_rows=max_rows)
-    finally:
-        adapter.release_arena(arena)
+    """The captured adapter's warm-up at a job of ``capacity`` positions, on its job arena (as a job starts): its
+    compilation (``ModelAdapter.compile``) the first time, its warm-up at that size after."""
+    if not adapter.compiled:
+        return adapter.compile([capacity], max_rows=max_rows)
+    return adapter.warm_up([capacity], max_rows=max_rows)
 
 
 class Report:
@@ -319,16 +321,18 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
     (``gpu_probes.RoundTimer``), capture seconds and argmax agreement; printed as they come."""
     caches = {}
     prefix = torch.arange(args.prefix) % 97
+    need = args.prefix + max(args.rows)
+    lent = contextlib.ExitStack()  # each adapter's job arena, handed back at the end
     for adapter in (eager, captured):
-        caches[id(adapter)] = cache = adapter.job_region(args.prefix + max(args.rows))
-        adapter.forward(prefix, torch.arange(args.prefix), causal(args.prefix), cache, torch.arange(1))
+        caches[id(adapter)] = cache = lent.enter_context(adapter.arena([need])).region(need)
+        adapter.run([Rows.of(prefix, torch.arange(args.prefix), causal(args.prefix), torch.arange(1))], [cache])
     rows_out = {}
     for rows in args.rows:
         ids = (torch.arange(rows) * 7) % 97
         pos = torch.arange(args.prefix, args.prefix + rows)
 
         def run(adapter: ModelAdapter, rows=rows, ids=ids, pos=pos) -> torch.Tensor:
-            return adapter.forward(ids, pos, causal(rows), caches[id(adapter)], torch.arange(rows))
+            return adapter.run([Rows.of(ids, pos, causal(rows), torch.arange(rows))], [caches[id(adapter)]])
 
         walls: dict[int, list[float]] = {id(eager): [], id(captured): []}
         devices: dict[int, list[float | None]] = {id(eager): [], id(captured): []}
@@ -366,8 +370,7 @@ def bucket_times(args, eager: ModelAdapter, captured: ModelAdapter, timer: Round
             f"{rows:4d} rows: eager {row['eager_ms']:8.3f} ms (host {row['eager_host_us']} us)  captured "
             f"{row['captured_ms']:8.3f} ms (host {row['captured_host_us']} us)  argmax same {same}/{rows}"
         )
-    for adapter in (eager, captured):
-        adapter.release_region(caches[id(adapter)])
+    lent.close()
     return rows_out
 
 
@@ -444,11 +447,13 @@ def capacity_sweep(args, captured: ModelAdapter, timer: RoundTimer) -> dict:
     result: dict = {"rows": rows, "prefix": args.prefix, "sizes": {}}
     need = args.prefix + rows
     for _ in range(2):
-        region = captured.new_cache(need)
-        captured.forward(prefix, torch.arange(args.prefix), causal(args.prefix), region, torch.arange(1))
+        region = scratch_region(captured, need)
+        captured.run([Rows.of(prefix, torch.arange(args.prefix), causal(args.prefix), torch.arange(1))], [region])
         walls = []
         for rep in range(args.reps + 1):  # the first records this arena's graph
-            seconds, _ = timer.wall(lambda r=region: captured.forward(ids, pos, causal(rows), r, torch.arange(rows)))
+            seconds, _ = timer.wall(
+                lambda r=region: captured.run([Rows.of(ids, pos, causal(rows), torch.arange(rows))], [r])
+            )
             if rep:
                 walls.append(seconds)
             region.crop(args.prefix)
@@ -471,7 +476,7 @@ def buckets_part(args: argparse.Namespace, model, label: str, dtype: torch.dtype
     vocab = model.config.get_text_config().vocab_size
     timer = RoundTimer(device)
     eager = ModelAdapter(model, bucketed=True)
-    captured = ModelAdapter(model, bucketed=True, compile=True)
+    captured = ModelAdapter(model, bucketed=True)  # compiled by its warm-up (``warm_up``)
     first, second = job_capacities(args, captured)
     if arena_slots(captured, second) <= arena_slots(captured, first):  # else the job check passes whatever happens
         raise SystemExit(f"--job-tokens {args.job_tokens}: the second prompt must need a larger arena than the first")
@@ -552,7 +557,7 @@ def identity_part(args: argparse.Namespace, out: Path) -> bool:
     oracle = [hf_greedy(model, ids, args.new) for ids in items]
     counts = compile_counts()
     eager = ModelAdapter(model, bucketed=True)
-    captured = ModelAdapter(model, bucketed=True, compile=True)
+    captured = ModelAdapter(model, bucketed=True)  # compiled by its warm-up (``warm_up``)
     result["stage"] = "warm-up"
     _write(out, result)
     result["warm_up_s"] = round(warm_up(captured, max(len(p) for p in items) + args.new + 64, args.warm_rows), 2)
@@ -632,7 +637,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
     sync = synchronizer(torch.device(args.device))
     cache = Path(args.cache_dir)
     eager = ModelAdapter(model, bucketed=True)
-    captured = ModelAdapter(model, bucketed=True, compile=True)
+    captured = ModelAdapter(model, bucketed=True)  # compiled by its warm-up (``warm_up``)
     warm_s = warm_up(captured, max(len(p) for p in items) + args.new + 64, args.warm_rows)
     result = {**_header(args, label, dtype), "new_tokens": args.new, "prompts": len(items) - 1}
     result["warm_up_s"] = round(warm_s, 2)

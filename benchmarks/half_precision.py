@@ -43,9 +43,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.compare import _answer, _engine_runner, config_policy  # noqa: E402
+from benchmarks.forward_timing import scratch_region  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.prompt_sets import bench16, heldout24  # noqa: E402
 from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
+from lp_runner.backends.staging import Rows  # noqa: E402
 from lp_runner.config import GenerationConfig, LookaheadConfig  # noqa: E402
 from lp_runner.decoding.engine import LookaheadEngine  # noqa: E402
 from lp_runner.decoding.verify.agreement import TOLERANCE_FACTOR, compare, first_difference, prefill_logits  # noqa: E402
@@ -96,7 +98,9 @@ def rounding_noise(adapter: ModelAdapter, ids: list[int], new: list[int], increm
     q = len(tokens)
     rows = torch.arange(len(ids) - 1, q - 1)  # [S]: the rows that predict new tokens 0..S-1
     visibility = torch.ones(q, q, dtype=torch.bool).tril()  # [Q, Q] causal
-    forced = adapter.forward(torch.tensor(tokens), torch.arange(q), visibility, adapter.new_cache(), rows).float()
+    forced = adapter.run(
+        [Rows.of(torch.tensor(tokens), torch.arange(q), visibility, rows)], [scratch_region(adapter)]
+    ).float()
     inc = incremental.float().to(forced.device)  # [S, vocab]
     top2 = inc.topk(2, dim=-1)  # values, indices: [S, 2]
     logit_shift = (inc - forced).abs().amax(-1).max().item()

@@ -40,6 +40,7 @@ from benchmarks.forward_timing import native_embedded_model, prefilled_caches  #
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 from lp_runner.backends.cpu import native  # noqa: E402
+from lp_runner.backends.staging import Rows  # noqa: E402
 from lp_runner.models.loading import default_cache_dir  # noqa: E402
 
 
@@ -99,7 +100,9 @@ def time_forwards(libs: dict, model: torch.nn.Module, rows: list[int], reps: int
                 native.route(libs[name])
                 start = time.perf_counter()
                 last = torch.arange(r) if prefix else torch.tensor([r - 1])  # a prefill: its last row's logits
-                logits[name, r] = adapter.forward(ids[r], torch.arange(prefix, prefix + r), causal(r), cache, last)
+                logits[name, r] = adapter.run(
+                    [Rows.of(ids[r], torch.arange(prefix, prefix + r), causal(r), last)], [cache]
+                )
                 elapsed = time.perf_counter() - start
                 cache.crop(prefix)
                 if rep:

@@ -27,11 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.forward_timing import native_embedded_model, time_row_counts  # noqa: E402
+from benchmarks.forward_timing import native_embedded_model, scratch_region, time_row_counts  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from benchmarks.tables import write_results  # noqa: E402
 from lp_runner.backends import detect_backend  # noqa: E402
 from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
+from lp_runner.backends.staging import Rows  # noqa: E402
 
 
 def time_prefills(adapters: dict[str, ModelAdapter], lengths: list[int], reps: int) -> list[dict]:
@@ -47,9 +48,11 @@ def time_prefills(adapters: dict[str, ModelAdapter], lengths: list[int], reps: i
         for rep in range(reps + 1):
             k = rep % len(names)
             for name in names[k:] + names[:k]:
-                cache = adapters[name].new_cache(n + 128 + 16)
+                cache = scratch_region(adapters[name], n + 128 + 16)
                 start = time.perf_counter()
-                logits[name] = adapters[name].forward(ids, torch.arange(n), causal(n), cache, torch.tensor([n - 1]))
+                logits[name] = adapters[name].run(
+                    [Rows.of(ids, torch.arange(n), causal(n), torch.tensor([n - 1]))], [cache]
+                )
                 if rep:
                     times[name].append(time.perf_counter() - start)
         row = {"prompt tokens": n, **{f"ms {name}": round(1e3 * statistics.median(times[name]), 1) for name in names}}
@@ -91,8 +94,8 @@ def main() -> None:
             write_results(Path(args.out), meta, caption, results)
         return
     if not args.no_compile:
-        adapters["compiled"] = ModelAdapter(model, compile=True)
-        compile_s = round(adapters["compiled"].warm_up(capacity), 1)
+        adapters["compiled"] = ModelAdapter(model)
+        compile_s = round(adapters["compiled"].compile([capacity]), 1)
         print(f"compiled in {compile_s} s", flush=True)
     results = time_row_counts(adapters, args.prefix, capacity, args.rows, args.reps)
     if args.out:

@@ -33,6 +33,7 @@ from benchmarks.forward_timing import prefilled_caches  # noqa: E402
 from benchmarks.machine_limits import cpu_description  # noqa: E402
 from lp_runner.backends.adapter import ModelAdapter, causal  # noqa: E402
 from lp_runner.backends.cpu.prepack import NATIVE_KERNEL, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.backends.staging import Rows  # noqa: E402
 from lp_runner.models.fetch import fetch_embedded_model  # noqa: E402
 from lp_runner.models.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
 
@@ -71,8 +72,8 @@ def one_order(order: list[str], rows: list[int], reps: int, prefix: int) -> dict
             for r in rows[rep % len(rows) :] + rows[: rep % len(rows)]:
                 for name in order[rep % 2 :] + order[: rep % 2]:
                     start = time.perf_counter()
-                    logits[name, r] = adapters[name].forward(
-                        ids[r], torch.arange(prefix, prefix + r), causal(r), caches[name], torch.arange(r)
+                    logits[name, r] = adapters[name].run(
+                        [Rows.of(ids[r], torch.arange(prefix, prefix + r), causal(r), torch.arange(r))], [caches[name]]
                     )
                     elapsed = time.perf_counter() - start
                     caches[name].crop(prefix)

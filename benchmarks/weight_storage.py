@@ -31,6 +31,7 @@ from benchmarks.machine_limits import cpu_description, forward_bytes, paired_rat
 from lp_runner.backends.adapter import ModelAdapter  # noqa: E402
 from lp_runner.backends.cpu import native  # noqa: E402
 from lp_runner.backends.cpu.prepack import KERNELS, native_unavailable_reason, prepack_linears  # noqa: E402
+from lp_runner.backends.staging import Rows  # noqa: E402
 from lp_runner.models.fetch import fetch_embedded_model  # noqa: E402
 from lp_runner.models.loading import default_cache_dir, embedded_model_dir, load_model_and_tokenizer  # noqa: E402
 
@@ -63,7 +64,9 @@ def main() -> None:
 
     def forward(name: str, q: int) -> None:
         vis = torch.ones(q, q, dtype=torch.bool).tril()
-        adapters[name].forward(torch.arange(q), torch.arange(kv, kv + q), vis, caches[name], torch.tensor([q - 1]))
+        adapters[name].run(
+            [Rows.of(torch.arange(q), torch.arange(kv, kv + q), vis, torch.tensor([q - 1]))], [caches[name]]
+        )
         caches[name].crop(kv)
 
     times: dict[tuple[str, int], list[float]] = {(n, q): [] for n in adapters for q in rows}

@@ -6,13 +6,14 @@ that wrap them live in conftest.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gzip
 import json
 import platform
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ from transformers import (
 )
 
 from lp_runner.backends.adapter import ModelAdapter
+from lp_runner.backends.kv_cache import KVRegion
+from lp_runner.backends.staging import Rows
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import GenerationResult, LookaheadEngine
 from lp_runner.tuning.costmodel import CostCurve, CurvePoint
@@ -234,6 +237,40 @@ def make_engine(
         GenerationConfig(max_new_tokens=max_new_tokens),  # do_sample=False, stop_on_eos=True by default
         list(eos_ids),
     )
+
+
+def scratch_region(adapter: ModelAdapter, need: int = 0) -> KVRegion:
+    """A region for ``need`` positions in a scratch arena of its own (``ModelAdapter.arena(scratch=True)``: nothing
+    is handed back, and the region grows should a round outrun it): one generation's K/V for a test."""
+    with adapter.arena([need], scratch=True) as arena:
+        return arena.region(need)
+
+
+@contextlib.contextmanager
+def job_region(adapter: ModelAdapter, need: int) -> Iterator[KVRegion]:
+    """A region for ``need`` positions in ``adapter``'s job arena, lent for the block (``ModelAdapter.arena``):
+    where a compiled adapter's rounds replay their graphs, as a job's do."""
+    with adapter.arena([need]) as arena:
+        yield arena.region(need)
+
+
+def one_round(
+    adapter: ModelAdapter,
+    input_ids: torch.Tensor | Sequence[int],  # [Q]
+    position_ids: torch.Tensor | Sequence[int],  # [Q]
+    visibility: torch.Tensor,  # [Q, Q] bool, in-round rows only; the cached prefix is always visible
+    region: KVRegion,
+    logit_rows: torch.Tensor | Sequence[int],  # [R]
+) -> torch.Tensor:  # [R, vocab]
+    """One generation's round on ``region``: ``ModelAdapter.run`` with one segment."""
+    return adapter.run([Rows.of(input_ids, position_ids, visibility, logit_rows)], [region])
+
+
+def compiled_adapter(model: PreTrainedModel, need: int = 64, **options: object) -> tuple[ModelAdapter, float]:
+    """An adapter of ``model`` (``options``: the constructor's) compiled and warmed up for one generation of
+    ``need`` positions (``ModelAdapter.compile``), and the warm-up's seconds."""
+    adapter = ModelAdapter(model, **options)
+    return adapter, adapter.compile([need])
 
 
 def humaneval_file() -> Path:

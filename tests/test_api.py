@@ -296,15 +296,15 @@ def test_adapter_is_kept_across_calls_and_freed_with_the_model() -> None:
     ModelAdapter.__init__ = counting
     try:
         first = lp_runner.generate(model, ids, max_new_tokens=8)
-        arena = made[0].claim_arena(1)
-        made[0].release_arena(arena)
+        with made[0].arena() as arena:
+            pass
         assert torch.equal(lp_runner.generate(model, ids, max_new_tokens=8), first)
-        assert len(made) == 1 and arena.allocations == 1 and made[0].claim_arena(1) is arena
-        made[0].release_arena(arena)
+        with made[0].arena() as again:
+            assert len(made) == 1 and arena.allocations == 1 and again is arena
         long = torch.cat([ids, _ids(400, seed=5)], dim=1)  # past the first arena: the same arena grows
         lp_runner.generate(model, long, max_new_tokens=8)
-        assert made[0].claim_arena(1) is arena and arena.allocations == 2
-        made[0].release_arena(arena)
+        with made[0].arena() as again:
+            assert again is arena and arena.allocations == 2
         model.to(torch.float64)
         lp_runner.generate(model, ids.clone(), max_new_tokens=8)
         assert len(made) == 2 and made[1].dtype == torch.float64

@@ -8,6 +8,7 @@ backend's plug-in.
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -267,8 +268,8 @@ def test_one_stager_one_mask_builder_one_round_function() -> None:
     assert hidden == {"lp_runner/backends/round_mask.py"}  # (native.py's is its self-test's random mask)
     model_calls = {f for p in sorted(PACKAGE.rglob("*.py")) for f, r in _calls(p, attribute="call") if r == "self"}
     assert model_calls == {"_round"}
-    forwards = {f"{f}:{r}" for f, r in _calls(backends / "adapter.py", attribute="forward") if "rounds" in r}
-    assert forwards == {"run:self.rounds"}
+    forwards = {f"{f}:{r}" for f, r in _calls(backends / "adapter.py", attribute="forward")}
+    assert forwards == {"run:round_function"}  # ``self.rounds``, or on a compiled adapter its eager one
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name == "forward_model":
@@ -300,6 +301,43 @@ def _calls(path: Path, attribute: str | None = None, name: str | None = None) ->
 
     visit(tree, "<module>")
     return found
+
+
+LENDERS_REMOVED = ("new_arena", "claim_arena", "release_arena", "job_region", "release_region", "region_size",
+                   "new_cache", "forward")  # fmt: skip
+
+
+def test_one_adapter_per_process_path_and_one_way_to_lend_kv() -> None:
+    """A job builds one ``ModelAdapter``: ``start_worker`` makes it and ``choose_forward`` compiles that one
+    (``ModelAdapter.compile``) instead of building a second beside it; the API (``_adapter_for``) and the acceptance
+    recorder are entry points of their own, one adapter each. K/V is lent one way, the context manager
+    ``ModelAdapter.arena`` (the job arena handed back on exit): no other public method of the adapter hands out an
+    arena or a region, and the methods that did are gone."""
+    from lp_runner.backends.adapter import ModelAdapter
+
+    makers = sorted(
+        f"{path.relative_to(REPO)}:{function}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for function, _ in _calls(path, name="ModelAdapter")
+    )
+    assert makers == [
+        "lp_runner/api.py:_adapter_for",
+        "lp_runner/cli/acceptance.py:load_recorder",
+        "lp_runner/jobs/worker.py:start_worker",
+    ]
+    public = {name: member for name, member in vars(ModelAdapter).items() if not name.startswith("_")}
+    lenders = sorted(
+        name
+        for name, member in public.items()
+        if callable(member) and re.search(r"\bKV(Arena|Region)\b", str(inspect.signature(member).return_annotation))
+    )
+    assert lenders == ["arena"]  # the scan finds the one there is: it returns Iterator[KVArena]
+    assert hasattr(public["arena"], "__wrapped__")  # a context manager (contextlib's), so the arena comes back
+    for removed in LENDERS_REMOVED:
+        assert removed not in public, removed
+        calls = [f"{path.relative_to(REPO)}:{f}" for path in sorted(PACKAGE.rglob("*.py")) for f, r in
+                 _calls(path, attribute=removed) if "adapter" in r]  # fmt: skip
+        assert calls == [], (removed, calls)
 
 
 def test_run_jobs_is_the_only_caller_of_the_engines_job_entry() -> None:

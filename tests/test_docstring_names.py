@@ -57,7 +57,7 @@ EXTERNAL = {
     "F": "torch.nn.functional",
     "ErrorHandler": "torch.distributed.elastic.multiprocessing.errors.ErrorHandler",
 }
-# The names the docs give an object of one type throughout (``adapter.region_size``): each a dotted path.
+# The names the docs give an object of one type throughout (``adapter.arena``): each a dotted path.
 VARIABLES = {
     "model": "transformers.PreTrainedModel",
     "cfg": "lp_runner.config.Config",

@@ -27,10 +27,11 @@ mapping transformers' hybrid models accept in place of a 4-D mask).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -39,7 +40,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from lp_runner.backends import detect_backend
 from lp_runner.backends.attention import reaches_attention, supports_round_attention
 from lp_runner.backends.base import ForwardBackend
-from lp_runner.backends.kv_cache import MIN_CAPACITY, KVArena, KVRegion
+from lp_runner.backends.kv_cache import MIN_CAPACITY, KVArena, KVRegion, region_slots
 from lp_runner.backends.model_call import ModelCall
 from lp_runner.backends.round_mask import round_attention
 from lp_runner.backends.rounds import Rounds
@@ -60,17 +61,16 @@ class ModelAdapter:
         self,
         model: PreTrainedModel,
         *,
-        compile: bool = False,
         backend: ForwardBackend | None = None,
         bucketed: bool | None = None,
     ) -> None:
-        """``compile``: rounds through ``torch.compile`` at row buckets (``rounds.Rounds``; CUDA graphs on a GPU);
-        eager stays the fallback and the oracle. ``backend``: the kernels the forward runs on, chosen at load
+        """Eager rounds, until ``compile`` makes them compiled (one adapter per job: the compiled rounds share its
+        arena, and its eager ones stay the oracle). ``backend``: the kernels the forward runs on, chosen at load
         (``backends.select_backend``); default: the model's own (``backends.detect_backend``). ``bucketed`` (None:
-        on a CUDA device, or compiled): every round, of one generation or several, at a row bucket on the arena's
-        fixed addresses."""
+        on a CUDA device): every round, of one generation or several, at a row bucket on the arena's fixed
+        addresses."""
         self.model = model
-        self.compiled = compile
+        self.compiled = False
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self._cache_kw = "cache"
@@ -88,19 +88,20 @@ class ModelAdapter:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         backend = detect_backend(model) if backend is None else backend
-        self.backend = backend.transformers_layers() if compile else backend
+        self.backend = backend
         self.vocab_size = model.config.get_text_config().vocab_size
         # (K/V heads, head dim) of every attention layer; and whether transformers' layers take a round's own
         # attention by keyword: plain sdpa layers that hand the forward's keywords down. Any other attention runs
         # under the round's mask as a 4-D mask
         self.kv_shape, self.keyword = self._probe()
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self.bucketed = (self.device.type == "cuda" or compile) if bucketed is None else bucketed or compile
+        self.bucketed = self.device.type == "cuda" if bucketed is None else bucketed
         self.rounds = self._rounds()
-        self._arena: KVArena | None = None  # the job's arena, held across jobs and calls (``claim_arena``)
+        self._arena: KVArena | None = None  # the job's arena, held across jobs and calls (``arena``)
         self._claimed = False
         self._arena_lock = threading.Lock()
         self._check_takes_packed_masks()  # eagerly: a model that cannot run is refused before any compilation
+        self._eager_rounds = self.rounds  # what ``run(eager=True)`` runs once ``compile`` replaced ``rounds``
 
     @torch.inference_mode()
     def _probe(self) -> tuple[tuple[int, int], bool]:
@@ -169,8 +170,8 @@ class ModelAdapter:
         anything is compiled."""
 
         def two_tokens() -> None:
-            region = self.new_cache(2)
-            self.run([Rows([0, 0], [0, 1], causal(2), [1])], [region])
+            with self.arena([2], scratch=True) as arena:
+                self.run([Rows([0, 0], [0, 1], causal(2), [1])], [arena.region(2)])
 
         if self.keyword:
             try:
@@ -190,104 +191,95 @@ class ModelAdapter:
 
     # ------------------------------------------------------------------------------------------------- K/V
 
-    def new_arena(self, capacity: int, *, growable: bool = False) -> KVArena:
-        """An arena of at least ``capacity`` slots for this model's attention layers (sliding ones too: their
-        window is a mask, so every position is kept and a rejected tail can be cropped). ``growable``: a region
-        may outgrow it (scratch arenas); a job's arena is sized at its start and grows only for new regions.
+    @contextlib.contextmanager
+    def arena(self, needs: Sequence[int] = (), *, scratch: bool = False) -> Iterator[KVArena]:
+        """The one way K/V is lent: an arena with room for a region of each of ``needs`` positions
+        (``KVArena.region(need)``, all alive at once), the holder's until the block ends.
 
-        A bucketed adapter's arena has ``MIN_CAPACITY`` slots past its power of two: a round's live K/V width
-        (a power of two that holds it, ``buckets.BucketLadder.kv_width``) then never equals the arena's size.
-        Where it did, dynamo unified the two sizes and the round's slice of the whole buffer was another graph,
-        compiled mid-job."""
+        The job arena (default): the adapter's own, held across jobs and ``lp_runner.generate`` calls, so a job
+        allocates its K/V once and on a GPU its captured graphs (recorded at warm-up, on this arena) replay at the
+        same addresses; grown to fit ``needs`` when it is lent. On exit, also on an exception, every region the
+        holder left in it is freed and the arena handed back. A second holder at the same time (LP ranks on
+        threads over one adapter) gets an arena of its own.
+
+        ``scratch``: a growable arena of the holder's alone (probes, measurements, tests), whose regions grow
+        should a round outrun them; it is never replayed on, and nothing is handed back.
+
+        Either way a region holds the room a bucketed round's filler rows write after its rows (the arena's
+        ``region_extra``), so the holder asks for the positions its generation needs. A bucketed adapter's arena
+        also has ``MIN_CAPACITY`` slots past its power of two: a round's live K/V width (a power of two that holds
+        it, ``buckets.BucketLadder.kv_width``) then never equals the arena's size. Where it did, dynamo unified the
+        two sizes and the round's slice of the whole buffer was another graph, compiled mid-job."""
+        if scratch:
+            arena = self._new_arena(needs, growable=True)
+            yield arena
+            return
+        arena = self._claim(needs)
+        try:
+            yield arena
+        finally:
+            for region in list(arena.regions):
+                arena.release(region)
+            with self._arena_lock:
+                if arena is self._arena:
+                    self._claimed = False
+
+    def _region_extra(self) -> int:
+        """The slots a region holds past its positions: a bucketed round's fillers write after its rows."""
+        return self.rounds.ladder.max_rows if self.bucketed else 0
+
+    def _new_arena(self, needs: Sequence[int], *, growable: bool) -> KVArena:
+        extra = self._region_extra()
         return KVArena(
             self.model.config,
             self.kv_shape,
             self.dtype,
             self.device,
-            capacity,
+            region_slots(needs, extra),
             attention_layer=_is_attention_layer,
             growable=growable,
             spare=MIN_CAPACITY if self.bucketed else 0,
+            region_extra=extra,
         )
 
-    def claim_arena(self, capacity: int) -> KVArena:
-        """The adapter's job arena, grown to at least ``capacity`` slots, for one round loop until
-        ``release_arena``: held across jobs and ``lp_runner.generate`` calls, so a job allocates its K/V once,
-        and on a GPU its captured graphs (recorded at warm-up, on this arena) replay at the same addresses. A
-        second loop running at the same time (LP ranks on threads over one adapter) gets an arena of its own."""
+    def _claim(self, needs: Sequence[int]) -> KVArena:
+        """The job arena grown to fit ``needs``, or a new one while it is lent (``arena``)."""
         with self._arena_lock:
             if self._claimed:
-                return self.new_arena(capacity)
+                return self._new_arena(needs, growable=False)
             if self._arena is None:
-                self._arena = self.new_arena(capacity)
-            elif self._arena.capacity < capacity:
-                if self._arena.regions:
-                    raise RuntimeError("the job arena was released with live regions")
-                self._arena.grow(capacity)
+                self._arena = self._new_arena(needs, growable=False)
+            elif self._arena.capacity < self._arena.slots(needs):
+                self._arena.grow(self._arena.slots(needs))
             self._claimed = True
             return self._arena
-
-    def release_arena(self, arena: KVArena) -> None:
-        """``arena``'s round loop is over (``claim_arena``)."""
-        with self._arena_lock:
-            if arena is self._arena:
-                self._claimed = False
-
-    def job_region(self, need: int) -> KVRegion:
-        """One generation's region of ``need`` positions in the job arena, claimed for it alone until
-        ``release_region`` (a measurement's or a probe's round loop of one generation: compiled rounds replay their
-        graphs there, as a job's do)."""
-        size = self.region_size(need)
-        return self.claim_arena(size).region(size)
-
-    def release_region(self, region: KVRegion) -> None:
-        """``job_region``'s region freed and its arena handed back."""
-        region.arena.release(region)
-        self.release_arena(region.arena)
-
-    def region_size(self, need: int) -> int:
-        """The slots a generation of at most ``need`` positions (its prompt, its budget and one round) holds:
-        a bucketed round pads its rows to the bucket, and the fillers' K/V lands past the round's rows."""
-        return need + (self.rounds.ladder.max_rows if self.bucketed else 0)
-
-    def new_cache(self, capacity: int = 0) -> KVRegion:
-        """A scratch generation's K/V (probes, measurements, tests): the one region of an arena of its own,
-        which grows should a round outrun it."""
-        return self.new_arena(self.region_size(capacity), growable=True).region(self.region_size(capacity))
 
     # ---------------------------------------------------------------------------------------------- rounds
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [Q]
-        position_ids: torch.Tensor,  # [Q]
-        visibility: torch.Tensor,  # [Q, Q] bool, in-round rows only; the cached prefix is always visible
-        kv: KVRegion,
-        logit_rows: torch.Tensor | Sequence[int],  # [R]
-    ) -> torch.Tensor:  # [R, vocab]
-        """One generation's round: ``run`` with one segment."""
-        return self.run([Rows.of(input_ids, position_ids, visibility, logit_rows)], [kv])
-
-    @torch.inference_mode()
-    def run(self, rounds: Sequence[RoundRows], regions: Sequence[KVRegion]) -> torch.Tensor:  # [sum R_b, vocab]
+    def run(
+        self, rounds: Sequence[RoundRows], regions: Sequence[KVRegion], *, eager: bool = False
+    ) -> torch.Tensor:  # [sum R_b, vocab]
         """The round's one forward: segment b's rows (``rounds[b]``) after the ``regions[b].length`` positions
         cached in its region, its K/V written at the slots after them; every segment's logit rows, in order. Each
         region's length then covers the round's rows, until publication keeps or crops them.
 
         Regions of one arena, each reserved for its rows (``KVRegion.reserve``: a generation's region is sized at
-        its start, so a round past it is an error, not a new buffer)."""
+        its start, so a round past it is an error, not a new buffer). ``eager``: on a compiled adapter, the eager
+        round function it was compiled from (what ``compile_choice.measure_record`` times the compiled one
+        against); otherwise the adapter's own."""
         arena = regions[0].arena
         if any(r.arena is not arena for r in regions):
             raise ValueError("the segments of a round must hold regions of one arena")
+        round_function = self._eager_rounds if eager else self.rounds
         arena.flush()  # last round's K/V moves, every generation's at once
         past = [r.length for r in regions]
         rows = [len(r.tokens) for r in rounds]
         for region, p, q in zip(regions, past, rows, strict=True):
             region.reserve(p + q)
-        if self.bucketed:  # the fillers' slots, after the last segment's
-            regions[-1].reserve(past[-1] + rows[-1] + self.rounds.ladder.rows_for(sum(rows)) - sum(rows))
-        logits = self.rounds.forward(rounds, regions)
+        if round_function.bucketed:  # the fillers' slots, after the last segment's
+            regions[-1].reserve(past[-1] + rows[-1] + round_function.ladder.rows_for(sum(rows)) - sum(rows))
+        logits = round_function.forward(rounds, regions)
         for region, p, q in zip(regions, past, rows, strict=True):
             region.length = p + q
         return logits
@@ -301,20 +293,52 @@ class ModelAdapter:
             return "its cache has layers that are not plain attention layers"
         return None
 
-    def warm_up(self, capacity: int, batch: int = 1, arena_slots: int = 0) -> float:
+    def compile(
+        self,
+        needs: Sequence[int],
+        measurements: Callable[[ModelAdapter], Sequence[Sequence[int]]] | None = None,
+        max_rows: int | None = None,
+    ) -> float:
+        """Every later round compiled (``torch.compile`` at row buckets, CUDA graphs on a GPU: ``rounds.Rounds``) on
+        transformers' layers (``ForwardBackend.transformers_layers``), then warmed up (``warm_up``) for a job whose
+        generations need ``needs`` positions each, all in flight at once. ``measurements(self)``, asked once the
+        adapter is compiled (a calibration is keyed by it): the regions each start-up measurement after the warm-up
+        holds at once, which the arena is sized for first, so none grows it under the graphs recorded here.
+        Returns the warm-up's seconds; ``max_rows``: the warm-up's largest row bucket (default: every bucket). The
+        eager round function stays, for ``run(eager=True)``.
+
+        One adapter per job: its arena and its model are the eager ones'. Should anything fail (no C++ compiler,
+        an op inductor cannot lower) the adapter is left eager, as it was, and the exception raised."""
+        if self.compiled:
+            raise RuntimeError("the adapter is already compiled")
+        if self._claimed:
+            raise RuntimeError("an adapter cannot be compiled while its job arena is lent")
+        before = (self.backend, self.bucketed, self.keyword, self.rounds, self._arena)
+        try:
+            self.compiled, self.bucketed = True, True
+            self.backend = self.backend.transformers_layers()
+            self.rounds = self._rounds()
+            self._arena = None  # the next is a bucketed one (spare slots, fillers' room)
+            self._check_takes_packed_masks()
+            others = measurements(self) if measurements is not None else ()
+            return self.warm_up(needs, *others, max_rows=max_rows)
+        except BaseException:
+            self.backend, self.bucketed, self.keyword, self.rounds, self._arena = before
+            self.compiled = False
+            raise
+
+    def warm_up(self, needs: Sequence[int], *others: Sequence[int], max_rows: int | None = None) -> float:
         """Compile before the job (a compiled round compiles on its first call): every row bucket at every K/V
-        width on the job arena, at the size the job's round loop claims (``batch`` generations of at most
-        ``capacity`` positions) or ``arena_slots`` if more (what start-up measurements after the warm-up claim:
-        sized first, the arena does not grow under the graphs recorded here), so the job's rounds replay what
-        this records. Returns the seconds it took (0 when eager)."""
+        width on the job arena, over the slots the job's generations (of ``needs`` positions, all in flight) take;
+        the arena sized for them or for any of ``others`` if more (what start-up measurements after the warm-up
+        hold at once: sized first, the arena does not grow under the graphs recorded here), so the job's rounds
+        replay what this records; ``max_rows``: the largest row bucket warmed (default: every bucket). Returns the
+        seconds it took (0 when eager)."""
         if not self.compiled:
             return 0.0
-        size = self.region_size(capacity)
-        arena = self.claim_arena(max(size * batch, arena_slots))
-        try:
-            return self.rounds.warm_up(arena, size * batch)
-        finally:
-            self.release_arena(arena)
+        largest = max((needs, *others), key=lambda n: region_slots(n, self._region_extra()))
+        with self.arena(largest) as arena:  # one allocation, at the most any of them holds
+            return self.rounds.warm_up(arena, arena.slots(needs), max_rows=max_rows)
 
 
 def attention_windows(config, cache: DynamicCache) -> tuple[dict[str, int | None], bool]:

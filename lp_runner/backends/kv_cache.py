@@ -8,7 +8,8 @@ chunk or a lookahead round), as gpt-fast's KVCache.update and vLLM's slot mappin
   The native layers read the same views; a commit's row moves are one slice copy per run over every layer at once
   (``copy_slots`` on the whole tensor).
 * A generation owns a contiguous ``KVRegion`` of slots (position j in slot ``base + j``), sized when it starts (its
-  prompt, its budget and one round's rows) and freed when it ends. A round writes its rows at explicit slots
+  prompt, its budget and one round's rows, plus the arena's ``region_extra``: the room a bucketed round's filler
+  rows write past its real rows) and freed when it ends. A round writes its rows at explicit slots
   (``ArenaLayer.write_slots``, set by the adapter before the forward) and attention reads each region's live
   slots only (the round's mask, ``round_mask``); nothing is erased: a crop shortens the region's
   length and the next round overwrites the tail.
@@ -37,6 +38,14 @@ from transformers.cache_utils import DynamicLayer
 
 MIN_CAPACITY = 256  # the smallest arena; capacities are powers of two from here (few compiled shapes)
 ALIGN = 16  # region sizes round up to this many slots (the native attention scores 16 keys at a time)
+
+
+def region_slots(needs: Sequence[int], extra: int = 0) -> int:
+    """The slots regions for ``needs`` positions each take in an arena whose regions hold ``extra`` slots more
+    (``KVArena.region_extra``), all alive at once: each rounded up to ``ALIGN``.
+
+    Example: needs (100, 40) with extra 64 -> 176 + 112 = 288 slots."""
+    return sum(-(-max(need + extra, 1) // ALIGN) * ALIGN for need in needs)
 
 
 def static_capacity(needed: int) -> int:
@@ -170,15 +179,18 @@ class KVArena:
         attention_layer: Callable[[object], bool] = lambda layer: True,
         growable: bool = True,
         spare: int = 0,
+        region_extra: int = 0,
     ) -> None:
         """``config``: the model's (its cache's layer kinds); ``kv_shape``: (K/V heads, head dim);
         ``attention_layer``: which of a fresh DynamicCache's layers hold K/V here (others are kept as they are);
         ``growable``: a region of the arena may outgrow it (scratch arenas), else only new regions grow it;
-        ``spare``: slots past the power of two of every capacity it takes (``ModelAdapter.new_arena`` says why)."""
+        ``spare``: slots past the power of two of every capacity it takes (``ModelAdapter.arena`` says why);
+        ``region_extra``: slots every region holds past the positions asked for (``region``): the room a bucketed
+        round's fillers write after its rows, so a caller asks for the positions its generation needs."""
         self.cache = DynamicCache(config=config)
         self._kv = [i for i, layer in enumerate(self.cache.layers) if attention_layer(layer)]
         self.kv_shape, self.dtype, self.device = kv_shape, dtype, torch.device(device)
-        self.growable, self.spare = growable, spare
+        self.growable, self.spare, self.region_extra = growable, spare, region_extra
         self.regions: list[KVRegion] = []  # live, by base
         self._moves: list[tuple[int, int]] = []  # pending (source slot, destination slot)
         self.allocations = self.compactions = self.growths = 0
@@ -207,9 +219,14 @@ class KVArena:
         """The arena's attention layers, in the model's order."""
         return [self.cache.layers[i] for i in self._kv]
 
-    def region(self, size: int) -> KVRegion:
-        """A region of at least ``size`` slots (first fit; compacting, then growing, when none is free)."""
-        size = -(-max(size, 1) // ALIGN) * ALIGN
+    def slots(self, needs: Sequence[int]) -> int:
+        """The slots regions for ``needs`` positions each take (``region``), all alive at once."""
+        return region_slots(needs, self.region_extra)
+
+    def region(self, need: int) -> KVRegion:
+        """A region for a generation of at most ``need`` positions: ``need`` plus ``region_extra`` slots, rounded
+        up to ``ALIGN`` (first fit; compacting, then growing, when none is free)."""
+        size = self.slots([need])
         self.flush()
         base = self._first_fit(size)
         if base is None and self.capacity - sum(r.size for r in self.regions) >= size:

@@ -280,10 +280,10 @@ class Rounds:
     def warm_up(self, arena: KVArena, size: int, max_rows: int | None = None) -> float:
         """Compile, and on a GPU capture, every row bucket up to ``max_rows`` (default: the ladder's top) on
         ``arena`` (the job's: its rounds then replay what this records) at every K/V width a round in its first
-        ``size`` slots reads (``widths_past``): the shapes a job whose regions fill those slots runs, so none is
-        recorded mid-job. The rounds' K/V is left in a region of ``size`` slots, released after. Returns the
-        seconds it took; ``capture_s`` holds each bucket's (all its widths)."""
-        region = arena.region(size)
+        ``size`` slots reads (``widths_past``): the shapes a job whose regions fill those slots (``KVArena.slots``)
+        runs, so none is recorded mid-job. The rounds' K/V is left in a region of ``size`` slots, released after.
+        Returns the seconds it took; ``capture_s`` holds each bucket's (all its widths)."""
+        region = arena.region(size - arena.region_extra)  # exactly ``size`` slots: the region adds its extra
         start = time.perf_counter()
         calls = CAPTURE_CALLS if self.sync is not None else 1  # a CPU compiles at the first call, captures nothing
         for rows in self.ladder.rows:

@@ -114,7 +114,7 @@ def stage(
 
     Filler rows (a round at a bucket larger than its rows) repeat the last row's token and position, see only
     themselves and are seen by no one; their K/V goes to the slots after the last segment's rows, in its region
-    (``ModelAdapter.region_size`` leaves room there), past anything the round commits. Filler logit rows read row 0
+    (its arena's ``region_extra`` leaves room there), past anything the round commits. Filler logit rows read row 0
     and are dropped. A fresh host tensor per round: torch's pinned-memory allocator keeps a block from reuse until
     the copy that reads it has run.
 

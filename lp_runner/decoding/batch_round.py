@@ -27,33 +27,37 @@ def probe(adapter: ModelAdapter) -> str | None:
     prompts = [torch.randint(0, adapter.vocab_size, (n,), generator=gen).tolist() for n in (5, 3)]
     tol = PROBE_TOLERANCE.get(adapter.dtype, 3e-2)
     try:
-        arena = adapter.new_arena(64, growable=True)
-        regions = [arena.region(16), arena.region(16)]
-        alone = [adapter.new_cache(64) for _ in prompts]
-        for past in ([0, 0], [len(p) for p in prompts]):
-            layouts = [
-                compile_round(p, 0, [[]], (0, 0), []) if not k else compile_round(p[-1:], k, [[]], (0, 0), [p[:2]])
-                for p, k in zip(prompts, past, strict=True)
-            ]
-            got = adapter.run(layouts, regions).float().split([len(la.logit_rows) for la in layouts])
-            for b, layout in enumerate(layouts):
-                want = adapter.run([layout], [alone[b]]).float()
-                if not torch.allclose(got[b], want, rtol=tol, atol=tol):
-                    err = (got[b] - want).abs().max().item()
-                    return f"a batched round's logits differ from separate forwards by {err:.3g}"
+        with adapter.arena([16, 16], scratch=True) as arena:
+            regions = [arena.region(16), arena.region(16)]
+            alone = []
+            for _ in prompts:
+                with adapter.arena([64], scratch=True) as own:
+                    alone.append(own.region(64))
+            for past in ([0, 0], [len(p) for p in prompts]):
+                layouts = [
+                    compile_round(p, 0, [[]], (0, 0), []) if not k else compile_round(p[-1:], k, [[]], (0, 0), [p[:2]])
+                    for p, k in zip(prompts, past, strict=True)
+                ]
+                got = adapter.run(layouts, regions).float().split([len(la.logit_rows) for la in layouts])
+                for b, layout in enumerate(layouts):
+                    want = adapter.run([layout], [alone[b]]).float()
+                    if not torch.allclose(got[b], want, rtol=tol, atol=tol):
+                        err = (got[b] - want).abs().max().item()
+                        return f"a batched round's logits differ from separate forwards by {err:.3g}"
     except Exception as exc:  # the model's own code refused the batch: say why in one line
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"a batched forward failed ({text})"
     return None
 
 
-_SUPPORT: weakref.WeakKeyDictionary[ModelAdapter, str | None] = weakref.WeakKeyDictionary()
+_SUPPORT: weakref.WeakKeyDictionary[object, str | None] = weakref.WeakKeyDictionary()
 
 
 def batch_support(adapter: ModelAdapter) -> str | None:
-    """Why ``adapter`` cannot run batched rounds exactly (one line), or None. Found out once per adapter: its
-    layers' structure (``ModelAdapter.batch_structure``), then a probe of two generations batched against their
-    separate forwards (``probe``)."""
-    if adapter not in _SUPPORT:
-        _SUPPORT[adapter] = adapter.batch_structure() or probe(adapter)
-    return _SUPPORT[adapter]
+    """Why ``adapter`` cannot run batched rounds exactly (one line), or None. Found out once per round function
+    of the adapter (``ModelAdapter.compile`` gives it another, on other layers): its layers' structure
+    (``ModelAdapter.batch_structure``), then a probe of two generations batched against their separate forwards
+    (``probe``)."""
+    if adapter.rounds not in _SUPPORT:
+        _SUPPORT[adapter.rounds] = adapter.batch_structure() or probe(adapter)
+    return _SUPPORT[adapter.rounds]

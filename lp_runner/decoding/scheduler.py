@@ -21,6 +21,7 @@ prefill with A's round 4); A ends in round 5, C runs alone from round 6.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,21 +99,19 @@ class RoundLoop:
         self.comm = engine.exchange_comm()
 
     def run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, GenerationResult], None]) -> None:
-        try:
-            self._run(next_job, on_done)
-        finally:
-            if self.arena is not None:
-                for region in list(self.arena.regions):  # a failed round's generations: their slots are free
-                    self.arena.release(region)
-                self.adapter.release_arena(self.arena)
+        # the job arena is lent at the first generation (``_kv_for``) and handed back when the loop ends, also
+        # when a round failed (its generations' regions freed with it)
+        with contextlib.ExitStack() as self._lent:
+            try:
+                self._run(next_job, on_done)
+            finally:
                 self.arena = None
 
     def _kv_for(self, need: int) -> KVRegion:
-        """A new generation's region of the job's arena (claimed at the first: room for ``batch`` of them)."""
-        size = self.adapter.region_size(need)
+        """A new generation's region of the job's arena (lent at the first: room for ``batch`` of them)."""
         if self.arena is None:
-            self.arena = self.adapter.claim_arena(size * self.batch)
-        return self.arena.region(size)
+            self.arena = self._lent.enter_context(self.adapter.arena([need] * self.batch))
+        return self.arena.region(need)
 
     def _run(self, next_job: Callable[[], Job | None], on_done: Callable[[Job, GenerationResult], None]) -> None:
         active: list[tuple[Job, Generation]] = []

@@ -205,7 +205,7 @@ def start_worker(cfg: Config, specs: Sequence[PromptSpec] = ()) -> Worker:
     batch, why_not = batch_for(cfg.run.batch, worker.adapter, len(specs))
     if why_not and worker.is_main:
         log.warning(why_not)
-    worker.adapter, compile_choice = choose_forward(
+    compile_choice = choose_forward(  # compiles the job's one adapter where it chooses to
         cfg,
         adapter,
         comm,
@@ -227,7 +227,7 @@ def start_worker(cfg: Config, specs: Sequence[PromptSpec] = ()) -> Worker:
         model_fingerprint=model_fingerprint,
     )
     worker.policy.compile = compile_choice.describe()
-    worker.policy.backend = worker.adapter.backend.describe()  # the compiled adapter's where it compiled
+    worker.policy.backend = worker.adapter.backend.describe()  # transformers' layers where it compiled
     return worker
 
 
@@ -418,20 +418,20 @@ def choose_forward(
     arena_tokens: int = 0,
     batch: int = 1,
     keeps_record: bool = False,
-) -> tuple[ModelAdapter, CompileChoice]:
+) -> CompileChoice:
     """Eager or compiled rounds for this job (``model.compile``, ``compile_choice``): rank 0 of ``comm`` decides,
-    every rank of the group follows. Returns the adapter the job runs (``adapter`` itself, or a compiled one after
-    compiling, timed) and the choice. With ``on`` (or ``auto`` capturing a CUDA device's first long job), the rank
-    that ``keeps_record`` (the writing rank) records what compiling cost and saved on this device
-    (when it has no record, or on ``--recalibrate``), which is what ``auto`` decides from next time; each row
-    bucket's capture seconds go to the job's records (``CompileChoice.capture_s``). ``arena_tokens``: the K/V
-    positions the job's longest generation can hold (``LookaheadEngine.capacity``), ``batch`` of them in flight;
-    the warm-up compiles and captures on the job arena at that size, the one the job's rounds then run on, so no
-    prompt of the job grows it mid-generation (a new arena means every captured graph recorded again, while the
-    other ranks wait)."""
+    every rank of the group follows. Compiles ``adapter`` itself where it chooses to (``ModelAdapter.compile``,
+    timed; the job's one adapter, left eager should compiling fail) and returns the choice. With ``on`` (or ``auto``
+    capturing a CUDA device's first long job), the rank that ``keeps_record`` (the writing rank) records what
+    compiling cost and saved on this device (when it has no record, or on ``--recalibrate``), which is what ``auto``
+    decides from next time; each row bucket's capture seconds go to the job's records (``CompileChoice.capture_s``).
+    ``arena_tokens``: the K/V positions the job's longest generation can hold (``LookaheadEngine.capacity``),
+    ``batch`` of them in flight; the warm-up compiles and captures on the job arena at that size, the one the job's
+    rounds then run on, so no prompt of the job grows it mid-generation (a new arena means every captured graph
+    recorded again, while the other ranks wait)."""
     mode = cfg.model.compile
     if mode == "off":
-        return adapter, CompileChoice(mode, False, "off")
+        return CompileChoice(mode, False, "off")
     checksum = model_checksum(adapter.model)
     key = record_key(adapter.device, adapter.dtype, checksum, adapter.backend.key())
     path = record_file(cache_root, key)
@@ -440,29 +440,30 @@ def choose_forward(
     if comm.world_size > 1:  # rank 0's choice: the ranks of a group run one forward
         compiled, reason = json.loads(comm.all_gather_strings(json.dumps([compiled, reason]))[0])
     if not compiled:
-        return adapter, CompileChoice(mode, False, reason)
+        return CompileChoice(mode, False, reason)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))  # reused by the next run
     if say is not None:
         say(f"compiling the forward ({reason}); compiled kernels are cached for next runs")
-    fast = ModelAdapter(adapter.model, compile=True, backend=adapter.backend)
-    # the arena sized for the calibration that follows first: it must not grow under the warm-up's graphs
-    calibrating = RoundPolicy.arena_slots(cfg, fast, cache_root, lambda: checksum)
-    try:
-        compile_s = fast.warm_up(max(RECORD_KV + 64, arena_tokens), batch, calibrating)
+    try:  # the job's own adapter, compiled; its arena sized for the calibration that follows first (it must not
+        # grow under the warm-up's graphs), priced on the compiled adapter (a calibration is keyed by it)
+        compile_s = adapter.compile(
+            [max(RECORD_KV + 64, arena_tokens)] * batch,
+            lambda compiled: RoundPolicy.arena_needs(cfg, compiled, cache_root, lambda: checksum),
+        )
     except Exception as exc:  # no C++ compiler, an op inductor cannot lower, ...: eager is the fallback
         reason = f"{reason}: compilation failed ({first_line(exc)}), eager"
         log.warning("model.compile: %s", reason)
-        return adapter, CompileChoice(mode, False, reason)
+        return CompileChoice(mode, False, reason)
     if say is not None:
         say(f"compiled in {compile_s:.1f} s")
     if keeps_record and record is None:  # on, or auto capturing to measure (CUDA)
         sync = synchronizer(adapter.device)
         try:
-            save_record(path, key, measure_record(adapter, fast, compile_s, sync))
+            save_record(path, key, measure_record(adapter, compile_s, sync))
         except OSError as exc:  # a read-only cache costs the record, not the run
             log.warning("cannot save the compile record at %s: %s", path, exc.strerror or exc)
-    capture_s = {rows: round(s, 3) for rows, s in fast.rounds.capture_s.items()} if fast.rounds else None
-    return fast, CompileChoice(mode, True, reason, round(compile_s, 3), capture_s)  # per bucket: in every record
+    capture_s = {rows: round(s, 3) for rows, s in adapter.rounds.capture_s.items()}
+    return CompileChoice(mode, True, reason, round(compile_s, 3), capture_s)  # per bucket: in every record
 
 
 def run_info(

@@ -46,12 +46,12 @@ from pathlib import Path
 
 import torch
 
-from lp_runner.backends.kv_cache import ALIGN
+from lp_runner.backends.staging import Rows
 from lp_runner.backends.torch_backend import TORCH_KEY
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.device import rows_are_cheap, synchronizer
-from lp_runner.tuning.costmodel import CostCurve, HostCost, measure_curve
+from lp_runner.tuning.costmodel import CostCurve, HostCost, curve_needs, measure_curve
 from lp_runner.tuning.records import keyed_path, read_keyed, write_keyed
 
 CALIBRATION_VERSION = 4  # bump when the measurement (or its grid) changes: older cache entries are then ignored
@@ -283,44 +283,36 @@ def measure_host(adapter, seed: int = 0, tick: Callable[[int, int], None] | None
 def probe_seconds(adapter, sync=None, plan: MeasurementPlan | None = None) -> float:
     """Seconds of one forward at the plan's most expensive point (most rows, longest K/V)."""
     plan = plan or measurement_plan(False)
-    cache = adapter.new_cache()
     kv, q = max(plan.kv_lens), max(plan.rows)
-    ids = torch.zeros(kv + q, dtype=torch.long)
-    adapter.forward(ids[:kv], torch.arange(kv), torch.ones(kv, kv, dtype=torch.bool).tril(), cache, torch.tensor([0]))
-    (sync or (lambda: None))()
-    start = time.perf_counter()
-    adapter.forward(
-        ids[kv:], torch.arange(kv, kv + q), torch.ones(q, q, dtype=torch.bool).tril(), cache, torch.arange(q)
-    )
-    (sync or (lambda: None))()
-    return time.perf_counter() - start
+    with adapter.arena([kv + q], scratch=True) as arena:
+        cache = arena.region(kv + q)
+        adapter.run([Rows([0] * kv, range(kv), torch.ones(kv, kv, dtype=torch.bool).tril(), [0])], [cache])
+        (sync or (lambda: None))()
+        start = time.perf_counter()
+        adapter.run([Rows([0] * q, range(kv, kv + q), torch.ones(q, q, dtype=torch.bool).tril(), range(q))], [cache])
+        (sync or (lambda: None))()
+        return time.perf_counter() - start
 
 
-def arena_slots(adapter, cache_root: Path, weights_checksum: str, recalibrate: bool = False) -> int:
-    """The job-arena slots ``calibrate`` will claim on ``adapter``: 0 where a cached curve serves, else the most
-    of the curve's regions (one per K/V length, all alive: ``costmodel.measure_curve``; either grid) and the host
-    time's generations. A compiled adapter's warm-up sizes the arena with it first (``ModelAdapter.warm_up``), so
-    the measurement after it does not grow the arena under the graphs it recorded."""
+def arena_needs(adapter, cache_root: Path, weights_checksum: str, recalibrate: bool = False) -> list[list[int]]:
+    """The regions ``calibrate`` holds at once on ``adapter``'s job arena, one list of positions per measurement:
+    none where a cached curve serves, else the curve's regions (one per K/V length, all alive:
+    ``costmodel.measure_curve``; either grid) and each host-time generation's. A compiled adapter's warm-up sizes
+    the arena for the most of them first (``ModelAdapter.compile``), so the measurements after it do not grow the
+    arena under the graphs it recorded."""
     key = calibration_key(
         adapter.device, adapter.dtype, weights_checksum, getattr(adapter, "compiled", False), adapter.backend.key()
     )
     entry = None if recalibrate else _load_entry(cache_file(cache_root, key), key)
     if entry is not None and _serves(*entry):
-        return 0
+        return []
     cheap = rows_are_cheap(adapter.device)
     plans = (measurement_plan(cheap, max_positions=getattr(adapter, "max_positions", None)),)
     plans += () if cheap else (measurement_plan(cheap, coarse=True),)
-    curve = max(sum(_aligned(adapter.region_size(max(kv, 1) + max(p.rows))) for kv in p.kv_lens) for p in plans)
+    curves = [curve_needs(p.kv_lens, p.rows) for p in plans]
     gen = GenerationConfig(max_new_tokens=HOST_TOKENS)
-    host = max(
-        _aligned(adapter.region_size(LookaheadEngine(adapter, la, gen, []).capacity(HOST_PROMPT_TOKENS)))
-        for la in HOST_SETTINGS
-    )
-    return max(curve, host)
-
-
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN  # as ``KVArena.region`` places it
+    hosts = [[LookaheadEngine(adapter, la, gen, []).capacity(HOST_PROMPT_TOKENS)] for la in HOST_SETTINGS]
+    return curves + hosts
 
 
 def _serves(cached: CostCurve, tries: int) -> bool:

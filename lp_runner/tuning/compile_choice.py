@@ -1,6 +1,6 @@
 """Whether a job runs its rounds through a compiled forward (``model.compile: off | on | auto``), and why.
 
-A compiled static-shape forward (``ModelAdapter(compile=True)``) costs a compilation at start-up (minutes on a
+A compiled static-shape forward (``ModelAdapter.compile``) costs a compilation at start-up (minutes on a
 2-core CPU for the embedded model, less from inductor's on-disk cache) and saves a device-dependent fraction of
 every round. Whether it pays is a measured question, per device:
 
@@ -106,37 +106,36 @@ def decide(mode: str, record: CompileRecord | None, job_tokens: int, device_type
     )
 
 
-def measure_record(eager, compiled, compile_s: float, sync=None) -> CompileRecord:
-    """One round's forward through ``eager`` and ``compiled`` (two adapters of one model), interleaved, medians of
-    ``RECORD_REPS``, averaged over ``RECORD_ROWS``; both already warm."""
+def measure_record(adapter, compile_s: float, sync=None) -> CompileRecord:
+    """One round's forward through ``adapter``'s eager round function and its compiled one (``ModelAdapter.run``
+    with ``eager=True`` and without: one adapter, both warm), interleaved, medians of ``RECORD_REPS``, averaged
+    over ``RECORD_ROWS``. Each on a region of the adapter's job arena: compiled rounds replay their graphs there."""
     from lp_runner.backends.adapter import causal
+    from lp_runner.backends.staging import Rows
 
-    times: dict[int, list[float]] = {id(eager): [], id(compiled): []}
-    caches = {}
-    prefix = torch.arange(RECORD_KV) % 97
-    for adapter in (eager, compiled):  # in each adapter's job arena: compiled rounds replay their graphs there
-        cache = adapter.job_region(RECORD_KV + max(RECORD_ROWS))
-        adapter.forward(prefix, torch.arange(RECORD_KV), causal(RECORD_KV), cache, torch.tensor([RECORD_KV - 1]))
-        caches[id(adapter)] = cache
-    for rows in RECORD_ROWS:
-        per: dict[int, list[float]] = {id(eager): [], id(compiled): []}
-        for _ in range(RECORD_REPS + 1):  # the first of each is a warm-up
-            for adapter in (eager, compiled):
-                start = time.perf_counter()
-                adapter.forward(
-                    torch.zeros(rows, dtype=torch.long),
-                    torch.arange(RECORD_KV, RECORD_KV + rows),
-                    causal(rows),
-                    caches[id(adapter)],
-                    torch.arange(rows),
-                )
-                if sync is not None:
-                    sync()
-                per[id(adapter)].append(time.perf_counter() - start)
-                caches[id(adapter)].crop(RECORD_KV)
-        for k, v in per.items():
-            times[k].append(sorted(v[1:])[len(v[1:]) // 2])
-    for adapter in (eager, compiled):
-        adapter.release_region(caches[id(adapter)])
-    mean = {k: sum(v) / len(v) for k, v in times.items()}
-    return CompileRecord(round(compile_s, 3), mean[id(eager)], mean[id(compiled)])
+    need = RECORD_KV + max(RECORD_ROWS)
+    means = {}
+    with adapter.arena([need, need]) as arena:
+        caches = {eager: arena.region(need) for eager in (True, False)}
+        for eager, cache in caches.items():
+            prefill = Rows([k % 97 for k in range(RECORD_KV)], range(RECORD_KV), causal(RECORD_KV), [RECORD_KV - 1])
+            adapter.run([prefill], [cache], eager=eager)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for rows in RECORD_ROWS:
+            per: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(RECORD_REPS + 1):  # the first of each is a warm-up
+                for eager, cache in caches.items():
+                    start = time.perf_counter()
+                    adapter.run(
+                        [Rows([0] * rows, range(RECORD_KV, RECORD_KV + rows), causal(rows), range(rows))],
+                        [cache],
+                        eager=eager,
+                    )
+                    if sync is not None:
+                        sync()
+                    per[eager].append(time.perf_counter() - start)
+                    cache.crop(RECORD_KV)
+            for k, v in per.items():
+                times[k].append(sorted(v[1:])[len(v[1:]) // 2])
+        means = {k: sum(v) / len(v) for k, v in times.items()}
+    return CompileRecord(round(compile_s, 3), means[True], means[False])

@@ -26,6 +26,7 @@ from functools import cached_property
 
 import torch
 
+from lp_runner.backends.staging import Rows
 from lp_runner.decoding.layout import RowCounts, round_size
 from lp_runner.parallel.sharding import assign_candidates, column_blocks, lookahead_rows
 
@@ -217,21 +218,22 @@ def measure_curve(
     sync = sync or (lambda: None)
     # one region per K/V length, all alive (every sweep visits every (K/V, Q, head) case), in the job's arena:
     # the rounds a job runs, on the arena it runs them on (a compiled adapter replays its graphs there)
-    sizes = {max(kv_len, 1): adapter.region_size(max(kv_len, 1) + max(rows)) for kv_len in kv_lens}
-    arena = adapter.claim_arena(sum(sizes.values()))
-    try:
+    needs = dict(zip((max(kv_len, 1) for kv_len in kv_lens), curve_needs(kv_lens, rows), strict=True))
+    with adapter.arena(list(needs.values())) as arena:
         bound = (max_spread, max_reps if max_reps is not None else 4 * reps, budget_s)
-        return _sweep(adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound, clock)
-    finally:
-        for region in list(arena.regions):
-            arena.release(region)
-        adapter.release_arena(arena)
+        return _sweep(adapter, arena, needs, rows, reps, head_rows, gen, sync, tick, bound, clock)
+
+
+def curve_needs(kv_lens: Sequence[int], rows: Sequence[int]) -> list[int]:
+    """The positions of each region ``measure_curve`` holds (one per K/V length, all alive): its prefix and the
+    most rows a timed round adds. Example: kv_lens (0, 256), rows (1, 8) -> [9, 264]."""
+    return [max(kv_len, 1) + max(rows) for kv_len in kv_lens]
 
 
 def _sweep(
     adapter, arena, sizes, rows, reps, head_rows, gen, sync, tick, bound=(None, 0, None), clock=time.perf_counter
 ) -> CostCurve:
-    """``measure_curve``'s timed forwards, on regions of ``arena`` of ``sizes`` slots per K/V length; ``bound``:
+    """``measure_curve``'s timed forwards, on regions of ``arena`` for ``sizes`` positions per K/V length; ``bound``:
     (max_spread, max_reps, budget_s), more sweeps while a point's spread exceeds max_spread (None: ``reps``
     sweeps), within max_reps and budget_s."""
     caches = {}
@@ -239,7 +241,7 @@ def _sweep(
         cache = arena.region(size)
         pre = torch.randint(0, adapter.vocab_size, (kv_len,), generator=gen)
         tril = torch.ones(kv_len, kv_len, dtype=torch.bool).tril()
-        adapter.forward(pre, torch.arange(kv_len), tril, cache, torch.tensor([kv_len - 1]))
+        adapter.run([Rows.of(pre, torch.arange(kv_len), tril, [kv_len - 1])], [cache])
         caches[kv_len] = cache
     head_at = set(rows) if head_rows is None else set(head_rows)
     if not head_at <= set(rows):
@@ -260,7 +262,7 @@ def _sweep(
                 logit_rows = torch.arange(q - 1, q) if head == "body_s" else torch.arange(q)
                 sync()
                 start = clock()
-                adapter.forward(ids, torch.arange(kv, kv + q), vis, caches[kv], logit_rows)
+                adapter.run([Rows.of(ids, torch.arange(kv, kv + q), vis, logit_rows)], [caches[kv]])
                 sync()
                 elapsed = clock() - start
                 caches[kv].crop(kv)

@@ -20,7 +20,7 @@ from lp_runner.tuning.acceptance import Prior, fingerprint, table_from_text, tab
 from lp_runner.tuning.calibrate import (
     CALIBRATION_LIMIT_S,
     Calibration,
-    arena_slots,
+    arena_needs,
     calibrate,
     shared_calibration,
 )
@@ -91,13 +91,14 @@ class RoundPolicy:
         return cls(auto.lookahead if auto else la, row_plan, cal, auto, pinned=pinned, batch=batch)
 
     @staticmethod
-    def arena_slots(cfg: Config, adapter, cache_root: Path, weights_checksum: Callable[[], str]) -> int:
-        """The job-arena slots ``build`` claims on ``adapter`` (a calibration it measures: ``calibrate.
-        arena_slots``; 0 when it measures nothing), for the warm-up to size the arena before it records."""
+    def arena_needs(cfg: Config, adapter, cache_root: Path, weights_checksum: Callable[[], str]) -> list[list[int]]:
+        """The regions ``build``'s measurements hold at once on ``adapter``'s job arena, one list per measurement
+        (a calibration it measures: ``calibrate.arena_needs``; none when it measures nothing), for the warm-up to
+        size the arena before it records."""
         la = cfg.lookahead
         if la.preset != "auto" and not la.pad_rows:
-            return 0
-        return arena_slots(adapter, cache_root, weights_checksum(), cfg.run.recalibrate)
+            return []
+        return arena_needs(adapter, cache_root, weights_checksum(), cfg.run.recalibrate)
 
     def observe(
         self,

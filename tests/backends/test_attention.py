@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from helpers import FAMILIES, additive_mask, hf_greedy, random_prompt, tiny_model
+from helpers import FAMILIES, additive_mask, hf_greedy, one_round, random_prompt, scratch_region, tiny_model
 from transformers.generation.streamers import BaseStreamer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -112,8 +112,14 @@ def test_a_round_names_its_attention_and_other_callers_keep_transformers(tiny, f
     seen, hook = _attention_spy(model)
     try:
         tokens = random_prompt(6, seed=1)
-        adapter.forward(torch.tensor(tokens), torch.arange(6), torch.ones(6, 6).bool().tril(), adapter.new_cache(),
-                        torch.tensor([5]))  # fmt: skip
+        one_round(
+            adapter,
+            torch.tensor(tokens),
+            torch.arange(6),
+            torch.ones(6, 6).bool().tril(),
+            scratch_region(adapter),
+            torch.tensor([5]),
+        )
         assert seen == [round_attention]  # the round's attention (the backend's: packed GQA over the live width)
         assert model.config._attn_implementation == "sdpa"  # never switched: HF generate on this model is untouched
         with torch.inference_mode():
@@ -136,8 +142,14 @@ def test_bucketed_rounds_name_the_round_attention(tiny) -> None:
     adapter = ModelAdapter(model, bucketed=True)
     seen, hook = _attention_spy(model)
     try:
-        adapter.forward(torch.tensor([1, 2]), torch.arange(2), torch.ones(2, 2).bool().tril(), adapter.new_cache(),
-                        torch.tensor([1]))  # fmt: skip
+        one_round(
+            adapter,
+            torch.tensor([1, 2]),
+            torch.arange(2),
+            torch.ones(2, 2).bool().tril(),
+            scratch_region(adapter),
+            torch.tensor([1]),
+        )
     finally:
         hook.remove()
     assert seen == [adapter.rounds.attention] and adapter.rounds.attention is not None
@@ -157,8 +169,14 @@ def test_other_implementations_are_left_alone(tiny) -> None:
             lambda m, a, kw: seen.append((m.config._attn_implementation, kw.get(ROUND_KEYWORD))), with_kwargs=True
         )
         try:
-            adapter.forward(torch.tensor([3]), torch.arange(1), torch.ones(1, 1).bool(), adapter.new_cache(),
-                            torch.tensor([0]))  # fmt: skip
+            one_round(
+                adapter,
+                torch.tensor([3]),
+                torch.arange(1),
+                torch.ones(1, 1).bool(),
+                scratch_region(adapter),
+                torch.tensor([0]),
+            )
         finally:
             hook.remove()
         assert seen == [("eager", None)]

@@ -9,6 +9,7 @@ cores: the compiling tests are slow.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -19,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
-from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
+from helpers import FAMILIES, compiled_adapter, hf_greedy, job_region, one_round, random_prompt, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu.prepack import apply_prepack, native_unavailable_reason
+from lp_runner.backends.staging import Rows
 from lp_runner.config import GenerationConfig, LookaheadConfig
 from lp_runner.decoding.engine import LookaheadEngine
 from lp_runner.models.loading import default_cache_dir
@@ -70,19 +72,58 @@ def test_auto_on_cuda_captures_a_long_first_job_then_decides_from_its_record() -
 
 
 def test_the_record_times_rounds_on_generation_caches() -> None:
-    """``measure_record`` times each adapter's rounds in its job arena, the one whose rounds replay captured graphs
-    (a scratch region's run eager, which would time eager twice); the arena is handed back after."""
+    """``measure_record`` times one adapter's eager and compiled round functions in its job arena, the one whose
+    rounds replay captured graphs (a scratch region's run eager, which would time eager twice); the arena is handed
+    back after, its regions freed."""
     from lp_runner.tuning.compile_choice import measure_record
 
     model = tiny_model("llama", vocab_size=128)  # the record's prefix reads token ids up to 96
-    first, second = ModelAdapter(model, bucketed=True), ModelAdapter(model, bucketed=True)
-    record = measure_record(first, second, compile_s=1.0)
+    adapter = ModelAdapter(model, bucketed=True)
+    record = measure_record(adapter, compile_s=1.0)
     assert record.eager_s > 0 and record.compiled_s > 0
-    for adapter in (first, second):
-        arena = adapter.claim_arena(1)  # handed back: the next claim gets it
+    with adapter.arena() as arena:  # handed back: the next holder gets it
         assert arena.allocations == 1 and not arena.regions
-        assert adapter.claim_arena(1) is not arena  # claimed again now: a second loop gets its own
-        adapter.release_arena(arena)
+        with adapter.arena() as other:  # lent now: a second holder gets its own
+            assert other is not arena
+
+
+@pytest.mark.slow
+def test_one_adapter_compiles_and_keeps_its_eager_rounds(tiny) -> None:
+    """``compile`` turns the adapter's own rounds compiled (no second adapter), its eager round function kept for
+    ``run(eager=True)``: both give the same logits on one job arena, and a failed compilation leaves the adapter
+    eager, as it was."""
+    model = tiny("llama")
+    adapter = ModelAdapter(model)
+    eager_rounds, backend = adapter.rounds, adapter.backend
+
+    def failing(compiled: ModelAdapter) -> list[list[int]]:
+        assert compiled.compiled  # asked once the adapter is compiled (a calibration is keyed by it)
+        raise RuntimeError("no compiler here")
+
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        adapter.compile([64], failing)
+    assert (adapter.rounds, adapter.backend, adapter.compiled, adapter.bucketed) == (
+        eager_rounds,
+        backend,
+        False,
+        False,
+    )
+    torch._dynamo.reset()
+    assert adapter.compile([64]) > 0
+    assert adapter.compiled and adapter.bucketed and adapter.rounds is not eager_rounds
+    assert adapter.rounds.compiled is not None and not adapter.backend.whole_layers  # transformers' layers
+    graph = adapter.rounds.compiled
+    replays = []
+    adapter.rounds.compiled = lambda *args: replays.append(1) or graph(*args)  # a spy: the graph still runs
+    prefix = random_prompt(20, seed=2)
+    logits = []
+    with adapter.arena([24, 24]) as arena:
+        for eager in (False, True):
+            region = arena.region(24)
+            adapter.run([Rows(prefix, range(20), causal(20), [19])], [region], eager=eager)
+            logits.append(adapter.run([Rows([3, 4], [20, 21], causal(2), [0, 1])], [region], eager=eager).clone())
+    assert len(replays) == 2  # the compiled side's two rounds, and none of the eager side's
+    torch.testing.assert_close(logits[0], logits[1])
 
 
 @pytest.mark.slow
@@ -90,8 +131,8 @@ def test_the_record_times_rounds_on_generation_caches() -> None:
 def test_compiled_rounds_equal_eager_rounds_and_hf_greedy(tiny, family: str) -> None:
     model = tiny(family)
     torch._dynamo.reset()  # this test counts compilations: none left from other tests' models
-    eager, compiled = ModelAdapter(model), ModelAdapter(model, compile=True)
-    assert compiled.warm_up(64) > 0
+    eager, (compiled, warm_s) = ModelAdapter(model), compiled_adapter(model)
+    assert warm_s > 0
     with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up's graph serves every later round
         _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager, compiled)
 
@@ -106,9 +147,9 @@ def test_native_kernels_compile_one_graph_for_every_round(tiny) -> None:
     model = copy.deepcopy(stock)
     apply_prepack(model, "native")
     torch._dynamo.reset()
-    eager, compiled = ModelAdapter(model), ModelAdapter(model, compile=True)
-    assert compiled.rounds is not None and compiled.rounds.compiled is not None
-    assert compiled.warm_up(64) > 0
+    eager, (compiled, warm_s) = ModelAdapter(model), compiled_adapter(model)
+    assert compiled.rounds.compiled is not None
+    assert warm_s > 0
     with torch._dynamo.config.patch(error_on_recompile=True):
         _compiled_rounds_equal_eager_rounds_and_hf_greedy(stock, eager, compiled)
 
@@ -123,48 +164,48 @@ def test_two_models_of_one_class_run_their_own_graphs() -> None:
         tiny_model("llama", seed=1, hidden_size=96, num_attention_heads=6, rms_norm_eps=1e-5),
     ]
     torch._dynamo.reset()
-    pairs = [(ModelAdapter(m), ModelAdapter(m, compile=True)) for m in models]
-    for _, compiled in pairs:
-        compiled.warm_up(64)
+    pairs = [(ModelAdapter(m), compiled_adapter(m)[0]) for m in models]
     caches = {}
+    lent = contextlib.ExitStack()
     for eager, compiled in pairs:
         for adapter in (eager, compiled):
-            caches[id(adapter)] = adapter.job_region(64)
-            adapter.forward(torch.arange(20), torch.arange(20), causal(20), caches[id(adapter)], torch.tensor([19]))
+            caches[id(adapter)] = lent.enter_context(job_region(adapter, 64))
+            one_round(adapter, torch.arange(20), torch.arange(20), causal(20), caches[id(adapter)], torch.tensor([19]))
     for rows in (1, 2, 5, 9):
         for eager, compiled in pairs:
             got, want = (
-                adapter.forward(torch.arange(rows), torch.arange(20, 20 + rows), causal(rows), caches[id(adapter)],
+                one_round(adapter, torch.arange(rows), torch.arange(20, 20 + rows), causal(rows), caches[id(adapter)],
                                 torch.arange(rows))
                 for adapter in (compiled, eager)
             )  # fmt: skip
             torch.testing.assert_close(got, want, msg=f"{rows} rows")
             for adapter in (eager, compiled):
                 caches[id(adapter)].crop(20)
+    lent.close()
 
 
 def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter, compiled: ModelAdapter) -> None:
     # single rounds on both sides of every bucket: rows = bucket and bucket + 1 (one row runs as two)
     prefix = random_prompt(40, seed=5)
     caches = {}
+    lent = contextlib.ExitStack()
     for adapter in (eager, compiled):
-        caches[id(adapter)] = adapter.job_region(128)
-        adapter.forward(torch.tensor(prefix), torch.arange(40), causal(40), caches[id(adapter)], torch.tensor([39]))
+        caches[id(adapter)] = lent.enter_context(job_region(adapter, 128))
+        one_round(adapter, torch.tensor(prefix), torch.arange(40), causal(40), caches[id(adapter)], torch.tensor([39]))
     for rows in sorted({1, *BUCKETS, *(b + 1 for b in BUCKETS)}):
         ids = torch.tensor(random_prompt(rows, seed=rows))
         if rows % 2:  # tensors made in inference mode too (as the engine's later rounds pass): one graph for both
             with torch.inference_mode():
                 ids = ids.clone()
         got, want = (
-            adapter.forward(ids, torch.arange(40, 40 + rows), causal(rows), caches[id(adapter)], torch.arange(rows))
+            one_round(adapter, ids, torch.arange(40, 40 + rows), causal(rows), caches[id(adapter)], torch.arange(rows))
             for adapter in (compiled, eager)
         )
         torch.testing.assert_close(got, want, msg=f"{rows} rows")
         assert torch.equal(got.argmax(-1), want.argmax(-1)), rows
         for adapter in (eager, compiled):
             caches[id(adapter)].crop(40)
-    for adapter in (eager, compiled):
-        adapter.release_region(caches[id(adapter)])
+    lent.close()
     # whole generations: window and candidates, padded to the buckets, against HF greedy
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     prompt = random_prompt(12, 3) * 2
@@ -177,7 +218,7 @@ def _compiled_rounds_equal_eager_rounds_and_hf_greedy(model, eager: ModelAdapter
 @pytest.mark.slow
 def test_compiled_embedded_model_equals_hf_greedy(embedded) -> None:
     model, tokenizer = embedded
-    compiled = ModelAdapter(model, compile=True)
+    compiled, _ = compiled_adapter(model)
     la = LookaheadConfig(window_size=5, ngram_size=4, verification_set_size=5)
     engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=48), [], row_plan=bucket_plan())
     for text in ("def fibonacci(n):\n    ", "The three primary colors are"):
@@ -265,8 +306,8 @@ def test_a_compiled_job_compiles_and_grows_nothing_after_start_up(tiny_dir, tmp_
         assert adapter.compiled and worker.policy.calibration.source == "measured"  # the calibration ran here
 
         def counts() -> tuple:
-            arena = adapter.claim_arena(1)
-            adapter.release_arena(arena)
+            with adapter.arena() as arena:
+                pass
             return (*adapter.rounds.counts(), arena.allocations, torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
         started = counts()

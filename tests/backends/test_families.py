@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from dist_helpers import REPO
-from helpers import MATRIX, WINDOW, hf_greedy, random_prompt, run_lookahead, tiny_model
+from helpers import MATRIX, WINDOW, hf_greedy, one_round, random_prompt, run_lookahead, scratch_region, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter, UnsupportedModelError
 from lp_runner.config import LookaheadConfig
@@ -80,15 +80,17 @@ def test_packed_rows_see_their_own_window(family: str) -> None:
     model = tiny_model(family)
     adapter = ModelAdapter(model)
     prefix = random_prompt(20, seed=7)
-    cache = adapter.new_cache()
-    adapter.forward(torch.tensor(prefix), torch.arange(20), torch.ones(20, 20).tril().bool(), cache, torch.tensor([19]))
+    cache = scratch_region(adapter)
+    one_round(
+        adapter, torch.tensor(prefix), torch.arange(20), torch.ones(20, 20).tril().bool(), cache, torch.tensor([19])
+    )
     tokens = [5, 9, 17, 33]
     positions = [20, 21, 21, 22]
     parents = [[0], [0, 1], [0, 2], [0, 2, 3]]  # in-round rows each row sees (itself included)
     visibility = torch.zeros(4, 4, dtype=torch.bool)  # [Q, Q]
     for row, seen in enumerate(parents):
         visibility[row, seen] = True
-    got = adapter.forward(torch.tensor(tokens), torch.tensor(positions), visibility, cache, torch.arange(4))
+    got = one_round(adapter, torch.tensor(tokens), torch.tensor(positions), visibility, cache, torch.arange(4))
     assert cache.length == 24  # every position is kept: the window is a mask, not a rolling buffer
     for row, seen in enumerate(parents):
         sequence = prefix + [tokens[k] for k in seen]

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import hf_greedy, random_prompt, tiny_model
+from helpers import hf_greedy, one_round, random_prompt, scratch_region, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lp_runner.backends.adapter import ModelAdapter, causal
@@ -40,7 +40,7 @@ class _Ops(TorchDispatchMode):
 def _random_region(layers: int, size: int = 16):
     """A region of ``size`` slots, full, in an arena of ``layers`` layers holding random K/V."""
     adapter = ModelAdapter(tiny_model("llama", num_hidden_layers=layers))
-    region = adapter.new_cache(size)
+    region = scratch_region(adapter, size)
     region.length = size
     gen = torch.Generator().manual_seed(layers)
     with torch.inference_mode():
@@ -92,28 +92,28 @@ def test_moves_equal_reading_every_source_before_any_write() -> None:
 
 def test_arena_views_are_the_layers_own_contiguous_buffers() -> None:
     adapter = ModelAdapter(tiny_model("llama", num_hidden_layers=3))
-    arena = adapter.new_arena(32)
-    assert arena.tensor.shape == (3, 2, 1, *adapter.kv_shape[:1], 256, adapter.kv_shape[1])
-    for i, layer in enumerate(arena.layers()):
-        assert layer.keys.is_contiguous() and layer.keys.data_ptr() == arena.tensor[i, 0].data_ptr()
-        assert layer.values.data_ptr() == arena.tensor[i, 1].data_ptr()
-    assert arena.cache.layers == arena.layers()  # every layer of a plain attention model holds K/V here
+    with adapter.arena() as arena:
+        assert arena.tensor.shape == (3, 2, 1, *adapter.kv_shape[:1], 256, adapter.kv_shape[1])
+        for i, layer in enumerate(arena.layers()):
+            assert layer.keys.is_contiguous() and layer.keys.data_ptr() == arena.tensor[i, 0].data_ptr()
+            assert layer.values.data_ptr() == arena.tensor[i, 1].data_ptr()
+        assert arena.cache.layers == arena.layers()  # every layer of a plain attention model holds K/V here
 
 
 def test_a_job_region_refuses_to_grow_a_scratch_region_grows() -> None:
     adapter = ModelAdapter(tiny_model("llama"))
-    job = adapter.new_arena(256)
-    region = job.region(240)
-    region.reserve(240)  # within its size: nothing to do
-    with pytest.raises(KVCapacityError, match="needs 300 K/V slots, past its generation's region of 240"):
-        region.reserve(300)
-    scratch = adapter.new_cache(16)
-    scratch.length = 3
-    with torch.inference_mode():
-        scratch.arena.tensor[..., :3, :] = 1.5
-    scratch.reserve(300)
-    assert scratch.size >= 300 and scratch.arena.capacity == 512 and scratch.arena.growths == 1
-    assert torch.equal(scratch.keys(0), torch.full_like(scratch.keys(0), 1.5))  # carried into the new arena
+    with adapter.arena([240]) as job:
+        region = job.region(240)
+        region.reserve(240)  # within its size: nothing to do
+        with pytest.raises(KVCapacityError, match="needs 300 K/V slots, past its generation's region of 240"):
+            region.reserve(300)
+        scratch = scratch_region(adapter, 16)
+        scratch.length = 3
+        with torch.inference_mode():
+            scratch.arena.tensor[..., :3, :] = 1.5
+        scratch.reserve(300)
+        assert scratch.size >= 300 and scratch.arena.capacity == 512 and scratch.arena.growths == 1
+        assert torch.equal(scratch.keys(0), torch.full_like(scratch.keys(0), 1.5))  # carried into the new arena
 
 
 def test_engine_generations_keep_one_arena_across_rounds_and_runs() -> None:
@@ -153,27 +153,29 @@ def test_a_region_anywhere_in_the_arena_equals_one_at_slot_0(family: str) -> Non
     garbage is finite because transformers' layers read the live width under the mask)."""
     model = tiny_model(family)
     adapter = ModelAdapter(model)
-    arena = adapter.new_arena(256)
-    with torch.inference_mode():
-        arena.tensor.fill_(1e4)
-    other, ours = arena.region(64), arena.region(64)
-    assert ours.base == 64
-    ref = adapter.new_cache(64)
-    tokens = torch.tensor(random_prompt(20, seed=2))
-    got, want = (adapter.forward(tokens, torch.arange(20), causal(20), kv, torch.tensor([19])) for kv in (ours, ref))
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    t = 20
-    for step in range(8):
-        ids = torch.tensor(random_prompt(4, seed=step))
-        positions = torch.arange(t, t + 4)
-        got, want = (adapter.forward(ids, positions, causal(4), kv, torch.arange(4)) for kv in (ours, ref))
-        assert torch.isfinite(got).all()
+    with adapter.arena([64, 64]) as arena:
+        with torch.inference_mode():
+            arena.tensor.fill_(1e4)
+        other, ours = arena.region(64), arena.region(64)
+        assert ours.base == 64
+        ref = scratch_region(adapter, 64)
+        tokens = torch.tensor(random_prompt(20, seed=2))
+        got, want = (
+            one_round(adapter, tokens, torch.arange(20), causal(20), kv, torch.tensor([19])) for kv in (ours, ref)
+        )
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-        for kv in (ours, ref):
-            kv.move([t + 3, t + 2], [t, t + 1])
-            kv.crop(t + 2)
-        t += 2
-    assert other.length == 0
+        t = 20
+        for step in range(8):
+            ids = torch.tensor(random_prompt(4, seed=step))
+            positions = torch.arange(t, t + 4)
+            got, want = (one_round(adapter, ids, positions, causal(4), kv, torch.arange(4)) for kv in (ours, ref))
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+            for kv in (ours, ref):
+                kv.move([t + 3, t + 2], [t, t + 1])
+                kv.crop(t + 2)
+            t += 2
+        assert other.length == 0
 
 
 def test_runs_groups_consecutive_moves() -> None:

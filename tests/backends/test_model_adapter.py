@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import FAMILIES, TINY_VOCAB, plain_cache, random_prompt
+from helpers import FAMILIES, TINY_VOCAB, one_round, plain_cache, random_prompt, scratch_region
 
 from lp_runner.backends.adapter import ModelAdapter, UnsupportedModelError, attention_windows
 
@@ -26,10 +26,10 @@ def causal(t: int) -> torch.Tensor:
 
 
 def prefill(adapter: ModelAdapter, tokens: list[int], logit_rows: list[int] | None = None):
-    cache = adapter.new_cache()
+    cache = scratch_region(adapter)
     t = len(tokens)
     rows = torch.tensor(logit_rows if logit_rows is not None else list(range(t)))
-    logits = adapter.forward(torch.tensor(tokens), torch.arange(t), causal(t), cache, rows)
+    logits = one_round(adapter, torch.tensor(tokens), torch.arange(t), causal(t), cache, rows)
     return cache, logits
 
 
@@ -60,7 +60,7 @@ def test_forward_matches_plain_forward_and_fills_our_cache(tiny, family: str) ->
     # decoding on from that cache equals a plain forward of the longer sequence: the cache really is used
     nxt = int(ref[-1].argmax())
     t = len(tokens)
-    step = adapter.forward(torch.tensor([nxt]), torch.tensor([t]), causal(1), cache, torch.tensor([0]))
+    step = one_round(adapter, torch.tensor([nxt]), torch.tensor([t]), causal(1), cache, torch.tensor([0]))
     with torch.inference_mode():
         ref2 = model(input_ids=torch.tensor([[*tokens, nxt]])).logits[0, -1]
     torch.testing.assert_close(step[0], ref2, atol=1e-5, rtol=1e-5)
@@ -156,17 +156,17 @@ def test_the_arena_holds_what_a_dynamic_cache_holds(tiny, family: str) -> None:
 
     model = tiny(family)
     adapter = ModelAdapter(model)
-    ours = adapter.new_cache(capacity=40)
+    ours = scratch_region(adapter, 40)
     ref = DynamicCache(config=model.config)
     tokens = torch.tensor(random_prompt(200, seed=8))
-    adapter.forward(tokens, torch.arange(200), causal(200), ours, torch.tensor([199]))
+    one_round(adapter, tokens, torch.arange(200), causal(200), ours, torch.tensor([199]))
     _hf_round(adapter, ref, tokens, torch.arange(200))
     gen = torch.Generator().manual_seed(9)
     for step in range(90):
         t = ref.get_seq_length()
         rows = 1 + step % 4
         ids = torch.randint(0, TINY_VOCAB, (rows,), generator=gen)
-        got = adapter.forward(ids, torch.arange(t, t + rows), causal(rows), ours, torch.arange(rows))
+        got = one_round(adapter, ids, torch.arange(t, t + rows), causal(rows), ours, torch.arange(rows))
         want = _hf_round(adapter, ref, ids, torch.arange(t, t + rows))
         torch.testing.assert_close(got, want, msg=f"round {step}: logits differ")
         if step % 5 == 0 and rows > 1:

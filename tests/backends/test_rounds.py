@@ -10,10 +10,20 @@ same compiled code); ``benchmarks/gpu_check.sh`` measures them where a GPU exist
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from helpers import FAMILIES, hf_greedy, random_prompt, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import (
+    FAMILIES,
+    compiled_adapter,
+    hf_greedy,
+    job_region,
+    one_round,
+    random_prompt,
+    scratch_region,
+    tiny_model,
+)
 
 from lp_runner.backends import rounds as rounds_module
 from lp_runner.backends.adapter import ModelAdapter, causal
@@ -69,10 +79,11 @@ def test_kv_width_refuses_a_round_past_the_buffer() -> None:
 def test_the_warm_up_reads_every_width_of_its_region(tiny, rows: int, size: int, expected: list[int]) -> None:
     """One cached length per K/V width a bucket's rounds read in the region, each reading its width."""
     adapter = ModelAdapter(tiny("llama"), bucketed=True)
-    arena = adapter.new_arena(1024)
-    region = arena.region(size)
-    assert region.size == size and arena.capacity == 1024 + MIN_CAPACITY
-    pasts = adapter.rounds.widths_past(rows, region)
+    with adapter.arena() as arena:
+        arena.grow(1024)
+        region = arena.region(size - arena.region_extra)  # a region of exactly ``size`` slots
+        assert region.size == size and arena.capacity == 1024 + MIN_CAPACITY
+        pasts = adapter.rounds.widths_past(rows, region)
     assert pasts == expected
     widths = [adapter.rounds.ladder.kv_width(past + rows, arena.capacity) for past in pasts]
     assert widths == sorted(set(widths))  # each a different width, none skipped from the smallest one up
@@ -202,22 +213,27 @@ def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, c
     the same prefix, cropped back after each: yields (rows, static logits, ordinary logits)."""
     ref = ModelAdapter(model)
     prefix = random_prompt(prefix_len, seed=5)
-    caches = {id(ref): ref.new_cache(capacity), id(static): static.job_region(capacity)}
-    for adapter in (ref, static):
-        adapter.forward(
-            torch.tensor(prefix), torch.arange(prefix_len), causal(prefix_len), caches[id(adapter)], torch.tensor([0])
-        )
-    for rows in rows_list:
-        ids = torch.tensor(random_prompt(rows, seed=rows))
-        positions = torch.arange(prefix_len, prefix_len + rows)
-        got, want = (
-            adapter.forward(ids, positions, causal(rows), caches[id(adapter)], torch.arange(rows))
-            for adapter in (static, ref)
-        )
-        yield rows, got, want
+    with job_region(static, capacity) as region:
+        caches = {id(ref): scratch_region(ref, capacity), id(static): region}
         for adapter in (ref, static):
-            caches[id(adapter)].crop(prefix_len)
-    static.release_region(caches[id(static)])
+            one_round(
+                adapter,
+                torch.tensor(prefix),
+                torch.arange(prefix_len),
+                causal(prefix_len),
+                caches[id(adapter)],
+                torch.tensor([0]),
+            )
+        for rows in rows_list:
+            ids = torch.tensor(random_prompt(rows, seed=rows))
+            positions = torch.arange(prefix_len, prefix_len + rows)
+            got, want = (
+                one_round(adapter, ids, positions, causal(rows), caches[id(adapter)], torch.arange(rows))
+                for adapter in (static, ref)
+            )
+            yield rows, got, want
+            for adapter in (ref, static):
+                caches[id(adapter)].crop(prefix_len)
 
 
 BOUNDARIES = sorted({1, *(b for b in (2, 4, 8, 16, 32)), *(b + 1 for b in (2, 4, 8, 16, 32))})
@@ -250,9 +266,8 @@ def test_bucketed_engine_equals_hf_greedy(family: str) -> None:
         result = engine.generate(prompt)
         assert result.output_ids == hf_greedy(model, prompt, 40), (family, seed)
         assert result.stats.forwards < 40  # candidates were accepted: multi-row rounds and row moves ran
-        arena = adapter.claim_arena(1)
-        arenas.add(arena.tensor.data_ptr())
-        adapter.release_arena(arena)
+        with adapter.arena() as arena:
+            arenas.add(arena.tensor.data_ptr())
     assert len(arenas) == 1  # the second generation reused the first one's arena
 
 
@@ -286,19 +301,6 @@ def test_the_mask_is_built_once_per_round_and_every_layer_reads_it(monkeypatch) 
     assert width == 256 and capacity == 1024 + MIN_CAPACITY  # the live width of the buffer is read, not its capacity
 
 
-class _Copies(TorchDispatchMode):
-    """Every copy into a given tensor's storage while active."""
-
-    def __init__(self, target: torch.Tensor) -> None:
-        super().__init__()
-        self.target, self.count = target.untyped_storage().data_ptr(), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() == self.target:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("bucketed", [True, False])
 def test_a_round_inputs_are_views_of_one_staged_tensor(monkeypatch, bucketed: bool) -> None:
     """The ids, positions, logit rows, write slots, region bounds and visibility the round function reads are
@@ -306,26 +308,26 @@ def test_a_round_inputs_are_views_of_one_staged_tensor(monkeypatch, bucketed: bo
     fills its staging buffer from it in one copy: ``test_compiled_round_inputs_arrive_in_one_copy``)."""
     model = tiny_model("llama")
     adapter = ModelAdapter(model, bucketed=bucketed)
-    cache = adapter.job_region(64)
-    adapter.forward(torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
-    received = []
-    real = adapter.rounds._round
+    with job_region(adapter, 64) as cache:
+        one_round(adapter, torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
+        received = []
+        real = adapter.rounds._round
 
-    def recording(*args):
-        received.append([a for a in args if isinstance(a, torch.Tensor)])
-        return real(*args)
+        def recording(*args):
+            received.append([a for a in args if isinstance(a, torch.Tensor)])
+            return real(*args)
 
-    monkeypatch.setattr(adapter.rounds, "_round", recording)
-    staged = []
-    real_stage = rounds_module.stage
-    monkeypatch.setattr(rounds_module, "stage", lambda *a: staged.append(real_stage(*a)) or staged[-1])
-    adapter.forward(torch.arange(5), torch.arange(10, 15), causal(5), cache, torch.arange(5))
-    assert len(staged) == len(received) == 1  # one staged tensor, one call of the round function
-    storage = staged[0].untyped_storage().data_ptr()
-    inputs = [t for t in received[0] if t.untyped_storage().data_ptr() == storage]
-    assert len(inputs) == 7  # ids, positions, logit rows, write slots, cached from / to, visibility
-    assert all(layer.write_slots.untyped_storage().data_ptr() == storage for layer in cache.arena.layers())
-    assert inputs[2].numel() == (8 if bucketed else 5)  # logit rows: the bucket's, or the round's own
+        monkeypatch.setattr(adapter.rounds, "_round", recording)
+        staged = []
+        real_stage = rounds_module.stage
+        monkeypatch.setattr(rounds_module, "stage", lambda *a: staged.append(real_stage(*a)) or staged[-1])
+        one_round(adapter, torch.arange(5), torch.arange(10, 15), causal(5), cache, torch.arange(5))
+        assert len(staged) == len(received) == 1  # one staged tensor, one call of the round function
+        storage = staged[0].untyped_storage().data_ptr()
+        inputs = [t for t in received[0] if t.untyped_storage().data_ptr() == storage]
+        assert len(inputs) == 7  # ids, positions, logit rows, write slots, cached from / to, visibility
+        assert all(layer.write_slots.untyped_storage().data_ptr() == storage for layer in cache.arena.layers())
+        assert inputs[2].numel() == (8 if bucketed else 5)  # logit rows: the bucket's, or the round's own
 
 
 @pytest.mark.slow
@@ -334,21 +336,19 @@ def test_compiled_round_inputs_arrive_in_one_copy(monkeypatch) -> None:
     staged host tensor (a dispatch mode cannot count the copy here: torch.compile refuses to run under one)."""
     model = tiny_model("llama")
     torch._dynamo.reset()
-    adapter = ModelAdapter(model, compile=True)
-    adapter.warm_up(64)
-    cache = adapter.job_region(64)
-    adapter.forward(torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
-    staging = adapter.rounds._staging(8, 8)
-    staged = []
-    real_stage = rounds_module.stage
-    monkeypatch.setattr(rounds_module, "stage", lambda *a: staged.append(real_stage(*a)) or staged[-1])
-    compiles = adapter.rounds.counts()[0]
-    adapter.forward(torch.arange(5), torch.arange(10, 15), causal(5), cache, torch.arange(5))
-    assert len(staged) == 1 and torch.equal(staging.buffer, staged[0])  # its bytes, in the static buffer
-    assert staging.buffer.data_ptr() != staged[0].data_ptr()
-    assert all(layer.write_slots is staging.write_slots for layer in cache.arena.layers())
-    assert adapter.rounds.counts()[0] == compiles  # replayed what the warm-up compiled
-    adapter.release_region(cache)
+    adapter, _ = compiled_adapter(model)
+    with job_region(adapter, 64) as cache:
+        one_round(adapter, torch.arange(10), torch.arange(10), causal(10), cache, torch.tensor([9]))
+        staging = adapter.rounds._staging(8, 8)
+        staged = []
+        real_stage = rounds_module.stage
+        monkeypatch.setattr(rounds_module, "stage", lambda *a: staged.append(real_stage(*a)) or staged[-1])
+        compiles = adapter.rounds.counts()[0]
+        one_round(adapter, torch.arange(5), torch.arange(10, 15), causal(5), cache, torch.arange(5))
+        assert len(staged) == 1 and torch.equal(staging.buffer, staged[0])  # its bytes, in the static buffer
+        assert staging.buffer.data_ptr() != staged[0].data_ptr()
+        assert all(layer.write_slots is staging.write_slots for layer in cache.arena.layers())
+        assert adapter.rounds.counts()[0] == compiles  # replayed what the warm-up compiled
 
 
 # ---------------------------------------------------------------------------------------- fixed addresses
@@ -370,27 +370,33 @@ def test_a_generation_region_never_moves_and_cannot_be_outrun() -> None:
     for seed in (1, 2):
         engine.generate(random_prompt(12, seed) * 2)
     assert len(addresses) == 1  # every round of both generations on the same arena
-    cache = adapter.job_region(10)
-    rows = cache.size + 1
-    with pytest.raises(KVCapacityError, match="past its generation's region"):
-        adapter.forward(torch.zeros(rows, dtype=torch.long), torch.arange(rows), causal(rows), cache, torch.tensor([0]))
+    with job_region(adapter, 10) as cache:
+        rows = cache.size + 1
+        with pytest.raises(KVCapacityError, match="past its generation's region"):
+            one_round(
+                adapter, torch.zeros(rows, dtype=torch.long), torch.arange(rows), causal(rows), cache, torch.tensor([0])
+            )
 
 
 def test_a_second_loop_at_once_gets_an_arena_of_its_own() -> None:
     """A second round loop alive at once (LP ranks on threads over one adapter) gets an arena of its own and the
-    same results; the job arena goes to the next loop once released; a scratch region grows its own arena."""
+    same results; the job arena goes to the next loop once handed back, also when the loop raised, its regions
+    freed; a scratch region grows its own arena."""
     model = tiny_model("llama")
     adapter = ModelAdapter(model, bucketed=True)
-    first, second = adapter.job_region(40), adapter.job_region(40)
-    assert first.arena is not second.arena
-    tokens = torch.tensor(random_prompt(9, seed=1))
-    a, b = (adapter.forward(tokens, torch.arange(9), causal(9), c, torch.arange(9)) for c in (first, second))
-    assert torch.equal(a, b)
-    adapter.release_region(first)
-    third = adapter.job_region(40)
-    assert third.arena is first.arena and third.base == first.base
-    scratch = adapter.new_cache()  # grows when outrun, like every scratch region
-    adapter.forward(torch.zeros(800, dtype=torch.long), torch.arange(800), causal(800), scratch, torch.tensor([0]))
+    with job_region(adapter, 40) as first, job_region(adapter, 40) as second:
+        assert first.arena is not second.arena
+        tokens = torch.tensor(random_prompt(9, seed=1))
+        a, b = (one_round(adapter, tokens, torch.arange(9), causal(9), c, torch.arange(9)) for c in (first, second))
+        assert torch.equal(a, b)
+    with pytest.raises(KeyError), job_region(adapter, 40) as third:  # a failed loop hands the arena back too
+        assert third.arena is first.arena and third.base == first.base
+        raise KeyError("a failed round")
+    assert not first.arena.regions
+    with job_region(adapter, 40) as fourth:
+        assert fourth.arena is first.arena and fourth.base == first.base
+    scratch = scratch_region(adapter)  # grows when outrun, like every scratch region
+    one_round(adapter, torch.zeros(800, dtype=torch.long), torch.arange(800), causal(800), scratch, torch.tensor([0]))
     assert scratch.arena.growths == 1 and scratch.length == 800
 
 
@@ -410,13 +416,12 @@ def test_compiled_rounds_one_graph_for_every_bucket_equal_eager_rounds(family: s
     model = tiny_model(family)
     torch._dynamo.reset()
     counters.clear()
-    compiled = ModelAdapter(model, bucketed=True, compile=True)
+    compiled, warm_s = compiled_adapter(model, bucketed=True)
     eager = ModelAdapter(model, bucketed=True)
-    assert compiled.warm_up(64) > 0
+    assert warm_s > 0
     assert set(compiled.rounds.capture_s) == set(compiled.rounds.ladder.rows)
-    arena = compiled.claim_arena(1)
-    compiled.release_arena(arena)
-    first = arena.tensor
+    with compiled.arena() as arena:
+        first = arena.tensor
     for layer in arena.layers():
         assert layer.keys._dynamo_static_input_type == layer.values._dynamo_static_input_type == "unguarded"
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -456,11 +461,11 @@ def test_compiled_batched_rounds_are_the_same_graph_and_exact() -> None:
     model = tiny_model("qwen2-hybrid")
     torch._dynamo.reset()
     counters.clear()
-    compiled = ModelAdapter(model, bucketed=True, compile=True)
+    compiled = ModelAdapter(model, bucketed=True)
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=30), [])
     prompts = [random_prompt(n, seed) * 2 for n, seed in ((12, 0), (3, 1), (20, 2), (7, 3), (9, 4))]
-    compiled.warm_up(engine.capacity(max(map(len, prompts))), batch=3)  # the arena the job's loop claims
+    compiled.compile([engine.capacity(max(map(len, prompts)))] * 3)  # the arena the job's loop claims
     done: dict = {}
     jobs = iter([Job(p, tag=i) for i, p in enumerate(prompts)])
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -469,9 +474,8 @@ def test_compiled_batched_rounds_are_the_same_graph_and_exact() -> None:
         assert done[i].output_ids == hf_greedy(model, prompt, 30), i
     assert max(rec.batch_size for r in done.values() for rec in r.stats.records) == 3  # rounds were shared
     assert counters["stats"]["unique_graphs"] == 1
-    arena = compiled.claim_arena(1)
-    assert arena.allocations == 1  # the job ran on the arena the warm-up recorded its graphs on
-    compiled.release_arena(arena)
+    with compiled.arena() as arena:
+        assert arena.allocations == 1  # the job ran on the arena the warm-up recorded its graphs on
 
 
 def test_warm_up_at_the_jobs_arena_is_the_arena_its_generations_run_on() -> None:
@@ -484,27 +488,32 @@ def test_warm_up_at_the_jobs_arena_is_the_arena_its_generations_run_on() -> None
     for warm, allocations in ((None, 1), (64, 2)):
         adapter = ModelAdapter(model, bucketed=True)
         engine = LookaheadEngine(adapter, la, GenerationConfig(max_new_tokens=20), [])
-        size = adapter.region_size(engine.capacity(len(prompt)) if warm is None else warm)
-        arena = adapter.claim_arena(size)
-        adapter.rounds.warm_up(arena, size, max_rows=4)
-        adapter.release_arena(arena)
+        need = engine.capacity(len(prompt)) if warm is None else warm
+        with adapter.arena([need]) as arena:
+            adapter.rounds.warm_up(arena, arena.slots([need]), max_rows=4)
         assert engine.generate(prompt).output_ids == hf_greedy(model, prompt, 20)
         assert arena.allocations == allocations, warm
 
 
 def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_len: int):
     prefix = random_prompt(prefix_len, seed=5)
-    caches = {id(a): a.job_region(prefix_len + 40) for a in (compiled, eager)}
+    lent = contextlib.ExitStack()
+    caches = {id(a): lent.enter_context(job_region(a, prefix_len + 40)) for a in (compiled, eager)}
     for adapter in (compiled, eager):
-        adapter.forward(
-            torch.tensor(prefix), torch.arange(prefix_len), causal(prefix_len), caches[id(adapter)], torch.tensor([0])
+        one_round(
+            adapter,
+            torch.tensor(prefix),
+            torch.arange(prefix_len),
+            causal(prefix_len),
+            caches[id(adapter)],
+            torch.tensor([0]),
         )
     out = []
     for rows in BOUNDARIES:
         ids = torch.tensor(random_prompt(rows, seed=rows))
         positions = torch.arange(prefix_len, prefix_len + rows)
         got, want = (
-            adapter.forward(ids, positions, causal(rows), caches[id(adapter)], torch.arange(rows)).clone()
+            one_round(adapter, ids, positions, causal(rows), caches[id(adapter)], torch.arange(rows)).clone()
             for adapter in (compiled, eager)
         )
         out.append((rows, got, want))
@@ -513,6 +522,5 @@ def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_l
                 caches[id(adapter)].move([prefix_len + rows - 1], [prefix_len])
         for adapter in (compiled, eager):
             caches[id(adapter)].crop(prefix_len)
-    for adapter in (compiled, eager):
-        adapter.release_region(caches[id(adapter)])
+    lent.close()
     return out

@@ -27,7 +27,7 @@ from dist_helpers import (
     wait_for,
     write_prompts,
 )
-from helpers import hf_greedy, random_prompt, stand_in_builds, tiny_model
+from helpers import hf_greedy, one_round, random_prompt, scratch_region, stand_in_builds, tiny_model
 
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu import native
@@ -133,24 +133,24 @@ def test_arena_first_fit_compaction_and_growth(tiny) -> None:
     """kv_cache's docstring example, with the K/V carried through the compaction and the growth (every layer's
     views re-made on the grown arena)."""
     adapter = ModelAdapter(tiny("llama"))
-    arena = adapter.new_arena(256)
-    first, second = arena.region(96), arena.region(64)
-    assert (arena.capacity, first.base, second.base) == (256, 0, 96)
-    keys = arena.layers()[0].keys
-    with torch.inference_mode():  # the arena is an inference tensor
-        keys[:, :, 96:106] = torch.arange(10.0)[None, None, :, None]  # the second region's cached positions
-    second.length = 10
-    second.move([3], [9])  # queued: applied with every region's moves before the next forward
-    assert keys[0, 0, 105, 0] == 9.0 and keys[0, 0, 99, 0] == 3.0
-    arena.release(first)
-    third = arena.region(128)
-    assert (second.base, third.base, arena.compactions) == (0, 64, 1)
-    assert arena.layers()[0].keys[0, 0, :10, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]  # carried, moved
-    fourth = arena.region(128)
-    assert (arena.capacity, fourth.base, arena.growths, arena.allocations) == (512, 192, 1, 2)
-    assert arena.layers()[0].keys[0, 0, :10, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]
-    assert second.keys(0)[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]
-    assert all(layer.keys.data_ptr() == arena.tensor[i, 0].data_ptr() for i, layer in enumerate(arena.layers()))
+    with adapter.arena() as arena:
+        first, second = arena.region(96), arena.region(64)
+        assert (arena.capacity, first.base, second.base) == (256, 0, 96)
+        keys = arena.layers()[0].keys
+        with torch.inference_mode():  # the arena is an inference tensor
+            keys[:, :, 96:106] = torch.arange(10.0)[None, None, :, None]  # the second region's cached positions
+        second.length = 10
+        second.move([3], [9])  # queued: applied with every region's moves before the next forward
+        assert keys[0, 0, 105, 0] == 9.0 and keys[0, 0, 99, 0] == 3.0
+        arena.release(first)
+        third = arena.region(128)
+        assert (second.base, third.base, arena.compactions) == (0, 64, 1)
+        assert arena.layers()[0].keys[0, 0, :10, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]  # carried, moved
+        fourth = arena.region(128)
+        assert (arena.capacity, fourth.base, arena.growths, arena.allocations) == (512, 192, 1, 2)
+        assert arena.layers()[0].keys[0, 0, :10, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]
+        assert second.keys(0)[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 3]
+        assert all(layer.keys.data_ptr() == arena.tensor[i, 0].data_ptr() for i, layer in enumerate(arena.layers()))
 
 
 def test_batched_curve_worked_example() -> None:
@@ -257,42 +257,47 @@ def test_batched_round_equals_isolated_forwards(path: str, family: str) -> None:
     model = native_model(stock) if path == "native" else stock
     adapter = ModelAdapter(model, bucketed=path == "bucketed")
     assert (adapter.backend.whole_layers > 0) == (path == "native")
-    arena = adapter.new_arena(192)
-    poison = float("nan") if path == "native" else 1e4
-    with torch.inference_mode():  # the arena is an inference tensor
-        arena.tensor.fill_(poison)
-    gen = torch.Generator().manual_seed(7)
-    prefixes = [random_prompt(n, seed=10 + n) for n in (30, 5, 17)]
-    regions = [arena.region(64) for _ in prefixes]
-    own = [adapter.new_cache(64) for _ in prefixes]
-    prefill = [compile_round(p, 0, [[]], (0, 0), []) for p in prefixes]
-    adapter.run(prefill, regions)
-    for p, cache in zip(prefixes, own, strict=True):
-        adapter.forward(torch.tensor(p), torch.arange(len(p)), causal(len(p)), cache, torch.tensor([len(p) - 1]))
-    levels = [torch.randint(0, 90, (3,), generator=gen).tolist(), torch.randint(0, 90, (4,), generator=gen).tolist()]
-    layouts = [
-        compile_round(prefixes[0][-1:] * 2, 29, [[]], (0, 0), [[1, 2, 3], [4]]),  # two ordinary rows (a re-feed)
-        compile_round(prefixes[1][-1:], 5, levels, (0, 4), [[7, 8]]),  # the window's rows and a candidate
-        compile_round(prefixes[2][-1:], 17, [[]], (0, 0), []),  # the live key alone
-    ]
-    past = [29, 5, 17]
-    own[0].crop(29)  # the first re-feeds its last cached position
-    regions[0].crop(29)
-    got = adapter.run(layouts, regions).split([len(layout.logit_rows) for layout in layouts])
-    for b, (layout, cache) in enumerate(zip(layouts, own, strict=True)):
-        alone = adapter.forward(layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows)
-        assert torch.isfinite(got[b]).all(), b
-        if path == "native":
-            assert torch.equal(got[b], alone), b
-        else:
-            torch.testing.assert_close(got[b], alone, rtol=1e-5, atol=1e-5)
-        end = past[b] + layout.num_rows
-        for i, layer in enumerate(arena.layers()):
-            torch.testing.assert_close(regions[b].keys(i), cache.keys(i), rtol=1e-5, atol=1e-5)
-            assert regions[b].length == end
-            if path != "bucketed":  # a bucketed round's fillers write past the last segment's rows
-                untouched = layer.keys[:, :, regions[b].base + end : regions[b].base + 64]
-                assert (torch.isnan(untouched) if path == "native" else untouched == poison).all()
+    with adapter.arena([64] * 3) as arena:
+        poison = float("nan") if path == "native" else 1e4
+        with torch.inference_mode():  # the arena is an inference tensor
+            arena.tensor.fill_(poison)
+        gen = torch.Generator().manual_seed(7)
+        prefixes = [random_prompt(n, seed=10 + n) for n in (30, 5, 17)]
+        regions = [arena.region(64) for _ in prefixes]
+        own = [scratch_region(adapter, 64) for _ in prefixes]
+        prefill = [compile_round(p, 0, [[]], (0, 0), []) for p in prefixes]
+        adapter.run(prefill, regions)
+        for p, cache in zip(prefixes, own, strict=True):
+            one_round(adapter, torch.tensor(p), torch.arange(len(p)), causal(len(p)), cache, torch.tensor([len(p) - 1]))
+        levels = [
+            torch.randint(0, 90, (3,), generator=gen).tolist(),
+            torch.randint(0, 90, (4,), generator=gen).tolist(),
+        ]
+        layouts = [
+            compile_round(prefixes[0][-1:] * 2, 29, [[]], (0, 0), [[1, 2, 3], [4]]),  # two ordinary rows (a re-feed)
+            compile_round(prefixes[1][-1:], 5, levels, (0, 4), [[7, 8]]),  # the window's rows and a candidate
+            compile_round(prefixes[2][-1:], 17, [[]], (0, 0), []),  # the live key alone
+        ]
+        past = [29, 5, 17]
+        own[0].crop(29)  # the first re-feeds its last cached position
+        regions[0].crop(29)
+        got = adapter.run(layouts, regions).split([len(layout.logit_rows) for layout in layouts])
+        for b, (layout, cache) in enumerate(zip(layouts, own, strict=True)):
+            alone = one_round(
+                adapter, layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows
+            )
+            assert torch.isfinite(got[b]).all(), b
+            if path == "native":
+                assert torch.equal(got[b], alone), b
+            else:
+                torch.testing.assert_close(got[b], alone, rtol=1e-5, atol=1e-5)
+            end = past[b] + layout.num_rows
+            for i, layer in enumerate(arena.layers()):
+                torch.testing.assert_close(regions[b].keys(i), cache.keys(i), rtol=1e-5, atol=1e-5)
+                assert regions[b].length == end
+                if path != "bucketed":  # a bucketed round's fillers write past the last segment's rows
+                    untouched = layer.keys[:, :, regions[b].base + end : regions[b].base + 64]
+                    assert (torch.isnan(untouched) if path == "native" else untouched == poison).all()
 
 
 def test_probe_refuses_a_model_that_attends_across_generations(monkeypatch) -> None:

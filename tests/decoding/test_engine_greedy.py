@@ -260,9 +260,8 @@ def test_failed_round_restores_the_cache(where: str) -> None:
     assert length_at_start > PROMPT_LEN  # the failing round was not the prefill
     assert region.length == length_at_start
     assert region not in region.arena.regions  # its slots are free
-    arena = engine.adapter.claim_arena(1)
-    assert arena is region.arena  # released to the adapter: the next run reuses it
-    engine.adapter.release_arena(arena)
+    with engine.adapter.arena() as arena:
+        assert arena is region.arena  # handed back to the adapter: the next run reuses it
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import FAMILIES, TINY_VOCAB, plain_cache
+from helpers import FAMILIES, TINY_VOCAB, one_round, plain_cache, scratch_region
 
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.decoding.engine import CommitPlan, kv_commit_plan
@@ -74,14 +74,19 @@ def test_commit_equals_plain_forward(tiny, family: str, num_ordinary: int, targe
     candidates = [decoy, winner]
 
     # the cached prefix, then one packed round (W=5, N=4 warm window, all columns, two candidates)
-    cache = adapter.new_cache()
+    cache = scratch_region(adapter)
     t = len(prefix)
-    adapter.forward(
-        torch.tensor(prefix), torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), cache, torch.tensor([t - 1])
+    one_round(
+        adapter,
+        torch.tensor(prefix),
+        torch.arange(t),
+        torch.ones(t, t, dtype=torch.bool).tril(),
+        cache,
+        torch.tensor([t - 1]),
     )
     levels = [[rng.randrange(TINY_VOCAB) for _ in range(w)] for w in (4, 5, 5)]
     layout = compile_round(ordinary, t, levels, (0, 5), candidates)
-    logits = adapter.forward(layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows)
+    logits = one_round(adapter, layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows)
     preds = logits.argmax(-1).tolist()
     verdict = greedy_verify(
         preds[layout.ordinary_logit], candidates, [[preds[i] for i in rows] for rows in layout.verify_logits]
@@ -107,15 +112,16 @@ def test_commit_equals_plain_forward(tiny, family: str, num_ordinary: int, targe
         torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=0)
     if target_hits:
         # negative control: without the copy, the frontier holds lookahead rows' K/V, not the winner's
-        stale = adapter.new_cache()
-        adapter.forward(
+        stale = scratch_region(adapter)
+        one_round(
+            adapter,
             torch.tensor(prefix),
             torch.arange(t),
             torch.ones(t, t, dtype=torch.bool).tril(),
             stale,
             torch.tensor([t - 1]),
         )
-        adapter.forward(layout.input_ids, layout.position_ids, layout.visibility, stale, layout.logit_rows)
+        one_round(adapter, layout.input_ids, layout.position_ids, layout.visibility, stale, layout.logit_rows)
         stale.crop(plan.length)
         assert not torch.allclose(cache_tensors(stale)[0][0], ref[0][0], atol=1e-5)
 
@@ -123,9 +129,14 @@ def test_commit_equals_plain_forward(tiny, family: str, num_ordinary: int, targe
 def test_move_rows_reads_sources_before_writing(tiny) -> None:
     # overlapping src/dst (shift left by one): every destination must get the *old* source value
     adapter = ModelAdapter(tiny("llama"))
-    cache = adapter.new_cache()
-    adapter.forward(
-        torch.arange(10), torch.arange(10), torch.ones(10, 10, dtype=torch.bool).tril(), cache, torch.tensor([9])
+    cache = scratch_region(adapter)
+    one_round(
+        adapter,
+        torch.arange(10),
+        torch.arange(10),
+        torch.ones(10, 10, dtype=torch.bool).tril(),
+        cache,
+        torch.tensor([9]),
     )
     before = [k.clone() for k, _ in cache_tensors(cache)]
     cache.move([3, 4, 5], [2, 3, 4])

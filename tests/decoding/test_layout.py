@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import FAMILIES, TINY_VOCAB
+from helpers import FAMILIES, TINY_VOCAB, one_round, scratch_region
 
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.decoding import layout as layout_module
@@ -237,10 +237,10 @@ def test_random_layout_logit_bookkeeping() -> None:
 
 def fill_prefix(adapter: ModelAdapter, prefix: list[int]):
     """A DynamicCache holding ``prefix``, written by a plain causal forward through the adapter."""
-    cache = adapter.new_cache()
+    cache = scratch_region(adapter)
     t = len(prefix)
     causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
-    adapter.forward(torch.tensor(prefix), torch.arange(t), causal, cache, torch.tensor([t - 1]))
+    one_round(adapter, torch.tensor(prefix), torch.arange(t), causal, cache, torch.tensor([t - 1]))
     assert cache.length == t
     return cache
 
@@ -266,7 +266,7 @@ def test_packed_forward_equals_separate_forwards(tiny, family: str) -> None:
 
         # every row's logits, to check the mask row by row (base-stripe rows included)
         all_rows = torch.arange(lay.num_rows)
-        packed = adapter.forward(lay.input_ids, lay.position_ids, lay.visibility, cache, all_rows)  # [Q, vocab]
+        packed = one_round(adapter, lay.input_ids, lay.position_ids, lay.visibility, cache, all_rows)  # [Q, vocab]
         assert packed.shape == (lay.num_rows, model.config.vocab_size)
         assert cache.length == past + lay.num_rows
         for i, row in enumerate(lay.rows):
@@ -277,7 +277,7 @@ def test_packed_forward_equals_separate_forwards(tiny, family: str) -> None:
 
         # the engine's call: only the logit rows; they must be exactly those rows of the full forward
         cache.crop(past)
-        some = adapter.forward(lay.input_ids, lay.position_ids, lay.visibility, cache, lay.logit_rows)
+        some = one_round(adapter, lay.input_ids, lay.position_ids, lay.visibility, cache, lay.logit_rows)
         assert some.shape == (len(lay.logit_rows), model.config.vocab_size)
         torch.testing.assert_close(some, packed[list(lay.logit_rows)], atol=1e-5, rtol=1e-5)
 
@@ -289,7 +289,7 @@ def test_packed_forward_equals_separate_forwards(tiny, family: str) -> None:
             cache.crop(past)
             wrong = lay.visibility.clone()
             wrong[last, hidden[-1]] = False
-            bad = adapter.forward(lay.input_ids, lay.position_ids, wrong, cache, torch.tensor([last]))
+            bad = one_round(adapter, lay.input_ids, lay.position_ids, wrong, cache, torch.tensor([last]))
             assert (bad[0] - packed[last]).abs().max().item() > 1e-3
             sabotaged += 1
     # guards: every kind of row was compared, several times, and the negative control ran

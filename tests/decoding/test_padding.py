@@ -10,7 +10,17 @@ import random
 
 import pytest
 import torch
-from helpers import AMD_MS, FAMILIES, TINY_VOCAB, curve_from_ms, hf_greedy, make_engine, random_prompt
+from helpers import (
+    AMD_MS,
+    FAMILIES,
+    TINY_VOCAB,
+    curve_from_ms,
+    hf_greedy,
+    make_engine,
+    one_round,
+    random_prompt,
+    scratch_region,
+)
 
 from lp_runner.backends.adapter import ModelAdapter
 from lp_runner.decoding.engine import kv_commit_plan
@@ -57,12 +67,12 @@ def test_padded_round_same_logits_and_committed_kv(tiny, family: str, extra: int
     candidates = [[rng.randrange(TINY_VOCAB) for _ in range(3)], [rng.randrange(TINY_VOCAB) for _ in range(2)]]
     results = []
     for pad in (0, extra):
-        cache = adapter.new_cache()
+        cache = scratch_region(adapter)
         t = len(prefix)
         tril = torch.ones(t, t, dtype=torch.bool).tril()
-        adapter.forward(torch.tensor(prefix), torch.arange(t), tril, cache, torch.tensor([t - 1]))
+        one_round(adapter, torch.tensor(prefix), torch.arange(t), tril, cache, torch.tensor([t - 1]))
         layout = compile_round([prefix[-1]], t, levels, (0, 4), candidates, padding=pad)
-        logits = adapter.forward(layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows)
+        logits = one_round(adapter, layout.input_ids, layout.position_ids, layout.visibility, cache, layout.logit_rows)
         assert logits.shape[0] == len(layout.logit_rows)  # [R, vocab]: no logits for the fillers
         plan = kv_commit_plan(t, layout, 0, 2)  # commit candidate 0's first two rows, as a winner would
         cache.move(plan.src, plan.dst)

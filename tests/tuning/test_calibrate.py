@@ -200,10 +200,10 @@ class BusyMachine:
     def __init__(self, adapter: ModelAdapter, seed: int = 0) -> None:
         self._adapter, self._draw = adapter, random.Random(seed)
 
-    def forward(self, *args, **kwargs):
+    def run(self, *args, **kwargs):
         if self._draw.random() < 0.5:
             time.sleep(0.08)
-        return self._adapter.forward(*args, **kwargs)
+        return self._adapter.run(*args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self._adapter, name)
@@ -313,9 +313,9 @@ class FakeTimer:
     def __call__(self) -> float:
         return self.now
 
-    def forward(self, ids, *rest):
-        out = self._adapter.forward(ids, *rest)
-        self.now += self._cost(len(ids), len(rest[-1]), self.forwards)
+    def run(self, rounds, regions):
+        out = self._adapter.run(rounds, regions)
+        self.now += self._cost(len(rounds[0].tokens), len(rounds[0].logit_rows), self.forwards)
         self.forwards += 1
         return out
 

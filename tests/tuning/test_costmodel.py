@@ -199,9 +199,8 @@ def test_measure_curve_times_the_rounds_a_job_runs_where_it_runs_them():
 
     adapter.rounds.forward = recording
     measure_curve(adapter, [8, 24], [1, 3], reps=1)
-    job = adapter.claim_arena(1)
-    assert seen and all(arena is job for arena in seen) and not job.growable and not job.regions
-    adapter.release_arena(job)
+    with adapter.arena() as job:
+        assert seen and all(arena is job for arena in seen) and not job.growable and not job.regions
 
 
 def test_coordinate_search_finds_a_known_optimum():

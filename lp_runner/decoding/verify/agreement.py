@@ -167,9 +167,8 @@ def prefill_logits(adapter: ModelAdapter, prompt_ids: Sequence[int], reference: 
     def at(step: int) -> torch.Tensor:
         tokens = [*prompt_ids, *reference[:step]]
         layout = compile_round(tokens, 0, [], (0, 0), [])
-        logits = adapter.forward(
-            layout.input_ids, layout.position_ids, layout.visibility, adapter.new_cache(), layout.logit_rows
-        )  # [1, vocab]
+        with adapter.arena([len(tokens)], scratch=True) as arena:
+            logits = adapter.run([layout], [arena.region(len(tokens))])  # [1, vocab]
         return logits[0]
 
     return at

@@ -22,9 +22,12 @@ from helpers import (
     FAMILIES,
     bf16_rounded_linears,
     code_and_chat_ids,
+    compiled_adapter,
     hf_greedy,
+    one_round,
     random_prompt,
     run_lookahead,
+    scratch_region,
     stand_in_builds,
 )
 from transformers import AutoModelForCausalLM
@@ -142,10 +145,10 @@ def test_rounds_are_the_float32_rounds_of_the_rounded_model(tiny, family: str) -
     prepack_linears(floats_model, kernel=KERNELS["native"])
     floats = ModelAdapter(floats_model)
     assert halves.backend.whole_layers == floats.backend.whole_layers == stock.config.num_hidden_layers
-    caches = [a.new_cache(64) for a in (halves, floats)]
+    caches = [scratch_region(a, 64) for a in (halves, floats)]
     prefix = torch.tensor(random_prompt(40, seed=1))
     logits = [
-        a.forward(prefix, torch.arange(40), causal(40), c, torch.tensor([39]))
+        one_round(a, prefix, torch.arange(40), causal(40), c, torch.tensor([39]))
         for a, c in zip((halves, floats), caches, strict=True)
     ]
     assert torch.equal(*logits)
@@ -156,7 +159,8 @@ def test_rounds_are_the_float32_rounds_of_the_rounded_model(tiny, family: str) -
         vis = vis.tril()
         positions = 40 + vis.sum(1) - 1
         logits = [
-            a.forward(ids, positions, vis, c, torch.arange(rows)) for a, c in zip((halves, floats), caches, strict=True)
+            one_round(a, ids, positions, vis, c, torch.arange(rows))
+            for a, c in zip((halves, floats), caches, strict=True)
         ]
         assert torch.equal(*logits), rows
         for a, b in zip(caches[0].arena.layers(), caches[1].arena.layers(), strict=True):
@@ -248,8 +252,8 @@ def test_compiled_rounds_equal_hf_greedy_on_the_rounded_model(tiny) -> None:
     """``model.compile`` over bfloat16-stored weights: the opaque native op dispatches on the packed dtype inside
     the compiled graph too."""
     stock = tiny("llama")
-    compiled = ModelAdapter(_bf16_model(stock), compile=True)
-    assert compiled.backend.kernels == NATIVE_BF16_FUSED and compiled.warm_up(64) > 0
+    compiled, warm_s = compiled_adapter(_bf16_model(stock))
+    assert compiled.backend.kernels == NATIVE_BF16_FUSED and warm_s > 0
     oracle = bf16_rounded_linears(stock)
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=32), [])

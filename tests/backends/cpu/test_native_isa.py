@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
-from helpers import hf_greedy, random_prompt, run_lookahead, stand_in_builds
+from helpers import hf_greedy, one_round, random_prompt, run_lookahead, scratch_region, stand_in_builds
 
 from lp_runner.backends.adapter import ModelAdapter, causal
 from lp_runner.backends.cpu import native
@@ -127,13 +127,13 @@ def test_rounds_on_each_build(tiny, build: str, routed_to) -> None:
     logits: dict[str, list[torch.Tensor]] = {}
     for name in ("default", build):
         routed_to(() if name == "default" else flags)
-        cache = adapter.new_cache(48)
-        adapter.forward(prefix, torch.arange(30), causal(30), cache, torch.tensor([29]))
+        cache = scratch_region(adapter, 48)
+        one_round(adapter, prefix, torch.arange(30), causal(30), cache, torch.tensor([29]))
         logits[name] = []
         for rows in (1, 3, 4, 9):
             ids = torch.randint(0, 50, (rows,), generator=torch.Generator().manual_seed(rows))
             positions = torch.arange(30, 30 + rows)
-            logits[name].append(adapter.forward(ids, positions, causal(rows), cache, torch.arange(rows)))
+            logits[name].append(one_round(adapter, ids, positions, causal(rows), cache, torch.arange(rows)))
             cache.crop(30)
     for got, want in zip(logits[build], logits["default"], strict=True):
         if bitwise:

@@ -15,7 +15,16 @@ import dataclasses
 import helpers
 import pytest
 import torch
-from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead, tiny_model
+from helpers import (
+    FAMILIES,
+    code_and_chat_ids,
+    hf_greedy,
+    one_round,
+    random_prompt,
+    run_lookahead,
+    scratch_region,
+    tiny_model,
+)
 
 from lp_runner.backends import detect_backend
 from lp_runner.backends.adapter import ModelAdapter, causal
@@ -60,9 +69,9 @@ def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> No
     assert not reference.backend.kernels.endswith(native_layers.NATIVE_LAYERS_SUFFIX)
     calls.clear()  # the adapters' own two-row probe ran natively
     prefix = torch.tensor(random_prompt(40, seed=1))
-    caches = [a.new_cache(64) for a in (reference, fast)]
+    caches = [scratch_region(a, 64) for a in (reference, fast)]
     ref_logits, fast_logits = (
-        a.forward(prefix, torch.arange(40), causal(40), c, torch.arange(40))
+        one_round(a, prefix, torch.arange(40), causal(40), c, torch.arange(40))
         for a, c in zip((reference, fast), caches, strict=True)
     )
     assert calls == [40] * layers  # the fast adapter's prefill of 40 rows runs natively too
@@ -77,7 +86,7 @@ def test_native_rounds_equal_the_original_layers(tiny, family: str, calls) -> No
         positions = 40 + vis.sum(1) - 1  # each row's depth in its branch
         before = len(calls)
         ref_logits, fast_logits = (
-            a.forward(ids, positions, vis, c, torch.arange(rows))
+            one_round(a, ids, positions, vis, c, torch.arange(rows))
             for a, c in zip((reference, fast), caches, strict=True)
         )
         assert calls[before:] == [rows] * layers
@@ -173,9 +182,9 @@ def _native_rounds(model: torch.nn.Module) -> list[torch.Tensor]:
     buffers replaced: their addresses change under the layers)."""
     adapter = ModelAdapter(model)
     prefix = 248  # the smallest buffer holds 256 slots: the kept rounds below outgrow it
-    caches = [adapter.new_cache(prefix + 8) for _ in range(2)]
+    caches = [scratch_region(adapter, prefix + 8) for _ in range(2)]
     for seed, cache in enumerate(caches):
-        adapter.forward(torch.tensor(random_prompt(prefix, seed=seed)), torch.arange(prefix), causal(prefix), cache,
+        one_round(adapter, torch.tensor(random_prompt(prefix, seed=seed)), torch.arange(prefix), causal(prefix), cache,
                         torch.tensor([prefix - 1]))  # fmt: skip
     gen = torch.Generator().manual_seed(5)
     out = []
@@ -184,14 +193,14 @@ def _native_rounds(model: torch.nn.Module) -> list[torch.Tensor]:
             ids = torch.randint(0, 50, (rows,), generator=gen)
             vis = (torch.rand(rows, rows, generator=gen) < 0.5) | torch.eye(rows, dtype=torch.bool)
             vis = vis.tril()
-            out.append(adapter.forward(ids, prefix + vis.sum(1) - 1, vis, cache, torch.arange(rows)))
+            out.append(one_round(adapter, ids, prefix + vis.sum(1) - 1, vis, cache, torch.arange(rows)))
             cache.crop(prefix)
     grown = caches[0]
     capacity = grown.arena.layers()[0].keys.shape[2]
     for step in range(3):
         past = prefix + 8 * step
         ids = torch.randint(0, 50, (8,), generator=gen)
-        out.append(adapter.forward(ids, torch.arange(past, past + 8), causal(8), grown, torch.arange(8)))
+        out.append(one_round(adapter, ids, torch.arange(past, past + 8), causal(8), grown, torch.arange(8)))
     assert grown.arena.layers()[0].keys.shape[2] > capacity, "the cache did not grow"
     return out + [t.clone() for c in caches for layer in c.arena.layers() for t in (layer.keys, layer.values)]
 
@@ -245,9 +254,9 @@ def test_a_finished_generations_buffers_are_freed_with_its_cache(tiny, calls) ->
 
     model = _native_model(tiny("llama"))
     adapter = ModelAdapter(model)
-    cache = adapter.new_cache(64)
-    adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
-    adapter.forward(torch.tensor([5, 6]), torch.tensor([8, 9]), causal(2), cache, torch.arange(2))
+    cache = scratch_region(adapter, 64)
+    one_round(adapter, torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
+    one_round(adapter, torch.tensor([5, 6]), torch.tensor([8, 9]), causal(2), cache, torch.arange(2))
     assert 2 in calls, "the round did not run on a layer stack"
     buffers = [weakref.ref(t) for c in cache.arena.layers() for t in (c.keys, c.values)]
     del cache
@@ -260,9 +269,9 @@ def test_each_layer_of_a_stack_reads_its_own_mask_and_buffers() -> None:
     layer, hidden state and K/V are those of ``llama_layer`` called layer by layer, bit for bit."""
     model = _native_model(tiny_model("llama", num_hidden_layers=3))
     adapter = ModelAdapter(model)
-    caches = [adapter.new_cache(64) for _ in range(2)]
+    caches = [scratch_region(adapter, 64) for _ in range(2)]
     for cache in caches:
-        adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
+        one_round(adapter, torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
     weights = list(adapter.backend.layer_weights)
     first = weights[0]
     capacity, dim = caches[0].arena.layers()[0].keys.shape[2:]
@@ -300,8 +309,8 @@ def test_a_slot_outside_the_buffer_is_refused_before_any_write(tiny) -> None:
     first layer runs: a bad slot is an error, and every buffer and the residual stream are left as they were."""
     model = _native_model(tiny("llama"))
     adapter = ModelAdapter(model)
-    cache = adapter.new_cache(64)
-    adapter.forward(torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
+    cache = scratch_region(adapter, 64)
+    one_round(adapter, torch.tensor(random_prompt(8, seed=3)), torch.arange(8), causal(8), cache, torch.tensor([7]))
     layer, weights = cache.arena.layers()[0], adapter.backend.layer_weights[0]
     all_weights = list(adapter.backend.layer_weights)
     stack = native.LayerStack(

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import REPO, make_tiny_folder, write_prompts
-from helpers import FAMILIES, code_and_chat_ids, hf_greedy, random_prompt, run_lookahead
+from helpers import FAMILIES, code_and_chat_ids, compiled_adapter, hf_greedy, random_prompt, run_lookahead
 
 from lp_runner.backends import detect_backend, select_backend
 from lp_runner.backends.adapter import ModelAdapter
@@ -360,8 +360,8 @@ def test_compiled_prepacked_rounds_equal_hf_greedy(tiny, monkeypatch, kernel) ->
     stock = tiny("llama")
     model = copy.deepcopy(stock)
     _, products = prepack_linears(model, kernel=kernel)
-    compiled = ModelAdapter(model, compile=True)
-    assert compiled.warm_up(64) > 0
+    compiled, warm_s = compiled_adapter(model)
+    assert warm_s > 0
     la = LookaheadConfig(window_size=4, ngram_size=3, verification_set_size=4)
     engine = LookaheadEngine(compiled, la, GenerationConfig(max_new_tokens=32), [])
     for seed in range(2):
