@@ -22,6 +22,7 @@ per-round work may scale with the capacity at all. The compiling tests are slow 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 import time
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from helpers import random_prompt, tiny_model
+from helpers import job_region, one_round, random_prompt, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lp_runner.backends.adapter import ModelAdapter, causal
@@ -142,7 +143,7 @@ def _compiled_round_code(adapter: ModelAdapter) -> str:
     from torch._inductor.utils import run_and_get_code
 
     with config.patch(benchmark_harness=True):
-        _, codes = run_and_get_code(adapter.warm_up, 64)  # resets dynamo first: the round compiles here
+        _, codes = run_and_get_code(adapter.compile, [64])  # resets dynamo first: the round compiles here
     assert len(codes) == 1  # one compiled graph: the whole round (``fullgraph``), no backward
     return codes[0]
 
@@ -150,8 +151,8 @@ def _compiled_round_code(adapter: ModelAdapter) -> str:
 def _check_code(adapter: ModelAdapter) -> RoundCode:
     """``read_round_code`` of the adapter's compiled round, asserting it found the capacity and every K/V view."""
     code = _compiled_round_code(adapter)
-    arena = adapter.claim_arena(1)  # the arena the warm-up compiled the round on
-    adapter.release_arena(arena)
+    with adapter.arena() as arena:  # the arena the warm-up compiled the round on
+        pass
     read = read_round_code(code, arena.capacity)
     layers = len(arena.layers())
     assert len(read.capacity_symbols) == 1 and len(read.kv_inputs) == 2 * layers  # the reading found the arena
@@ -166,19 +167,22 @@ def _round_seconds(adapter: ModelAdapter, capacities: tuple[int, ...]) -> list[f
     fresh arena of each capacity, rounds alternating between the arenas."""
     ids, positions = torch.tensor(random_prompt(ROWS, seed=2)), torch.arange(PREFIX, PREFIX + ROWS)
     regions = []
-    for capacity in capacities:
-        region = adapter.new_arena(capacity).region(PREFIX + 2 * ROWS)
-        prefix = torch.tensor(random_prompt(PREFIX, seed=1))
-        adapter.forward(prefix, torch.arange(PREFIX), causal(PREFIX), region, torch.tensor([PREFIX - 1]))
-        regions.append(region)
-    seconds: list[list[float]] = [[] for _ in regions]
-    for repeat in range(REPEATS + 1):
-        for region, spent in zip(regions, seconds, strict=True):
-            start = time.perf_counter()
-            adapter.forward(ids, positions, causal(ROWS), region, torch.arange(ROWS))
-            if repeat:  # the first round on each arena is not timed (its shape's first call)
-                spent.append(time.perf_counter() - start)
-            region.crop(PREFIX)
+    with contextlib.ExitStack() as stack:
+        for capacity in capacities:  # the job arena, then arenas of their own (a second holder's), none growable
+            arena = stack.enter_context(adapter.arena([capacity // 2 + 1]))
+            assert arena.capacity > capacity // 2 and not arena.growable
+            region = arena.region(PREFIX + 2 * ROWS)
+            prefix = torch.tensor(random_prompt(PREFIX, seed=1))
+            one_round(adapter, prefix, torch.arange(PREFIX), causal(PREFIX), region, torch.tensor([PREFIX - 1]))
+            regions.append(region)
+        seconds: list[list[float]] = [[] for _ in regions]
+        for repeat in range(REPEATS + 1):
+            for region, spent in zip(regions, seconds, strict=True):
+                start = time.perf_counter()
+                one_round(adapter, ids, positions, causal(ROWS), region, torch.arange(ROWS))
+                if repeat:  # the first round on each arena is not timed (its shape's first call)
+                    spent.append(time.perf_counter() - start)
+                region.crop(PREFIX)
     return [statistics.median(spent) for spent in seconds]
 
 
@@ -213,16 +217,14 @@ class _ArenaWrites(TorchDispatchMode):
 
 def _eager_round(adapter: ModelAdapter) -> tuple[KVArena, _ArenaWrites, int]:
     """A round of 5 rows after a prefill, on a job arena, under ``_ArenaWrites``; the arena's address before."""
-    region = adapter.job_region(64)
-    arena = region.arena
-    prefix = torch.tensor(random_prompt(10, seed=1))
-    adapter.forward(prefix, torch.arange(10), causal(10), region, torch.tensor([9]))
-    address = arena.tensor.data_ptr()
-    with _ArenaWrites(arena) as writes:
-        adapter.forward(
-            torch.tensor(random_prompt(5, seed=2)), torch.arange(10, 15), causal(5), region, torch.arange(5)
-        )
-    adapter.release_region(region)
+    with job_region(adapter, 64) as region:
+        arena = region.arena
+        prefix = torch.tensor(random_prompt(10, seed=1))
+        one_round(adapter, prefix, torch.arange(10), causal(10), region, torch.tensor([9]))
+        address = arena.tensor.data_ptr()
+        with _ArenaWrites(arena) as writes:
+            ids = torch.tensor(random_prompt(5, seed=2))
+            one_round(adapter, ids, torch.arange(10, 15), causal(5), region, torch.arange(5))
     return arena, writes, address
 
 
@@ -231,7 +233,7 @@ def _eager_round(adapter: ModelAdapter) -> tuple[KVArena, _ArenaWrites, int]:
 
 @pytest.fixture(scope="module")
 def compiled() -> tuple[ModelAdapter, RoundCode]:
-    adapter = ModelAdapter(tiny_model("llama"), compile=True)
+    adapter = ModelAdapter(tiny_model("llama"))
     return adapter, _check_code(adapter)
 
 
@@ -292,7 +294,7 @@ def test_the_checks_see_a_whole_layer_write(monkeypatch) -> None:
     model = tiny_model("llama")
     _, writes, _ = _eager_round(ModelAdapter(model, bucketed=True))
     assert writes.whole_layer["aten.copy_.default into the arena"] == 4  # keys and values of both layers
-    adapter = ModelAdapter(model, compile=True)
+    adapter = ModelAdapter(model)
     read = _check_code(adapter)
     assert any("empty_strided" in line for line in read.whole_arena)  # buffers of a whole layer (or slot mask)
     assert any("loops to" in line for line in read.whole_arena)  # kernels over every slot
