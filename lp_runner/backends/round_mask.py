@@ -54,9 +54,8 @@ def round_mask(
             1, write_slots, positions.expand(rows, rows)
         )  # [B, K]: a cached slot's position in the row's region, a round row's own position
         visible &= positions[:, None] - key_positions < window
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-        visible.logical_not(), torch.finfo(dtype).min
-    )  # [B, K]
+    zero = torch.zeros((), dtype=dtype, device=visible.device)  # the mask's dtype: the hidden value is its min
+    mask = torch.where(visible, zero, torch.finfo(dtype).min)  # [B, K]
     if groups > 1:
         mask = mask.repeat(groups, 1)  # [groups * B, K]
     return mask[None, None]  # [1, 1, groups * B, K]
