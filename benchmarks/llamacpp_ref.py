@@ -9,7 +9,9 @@ by token and its speed shows the distance between this project's forward and a n
 
 Optional: ``pip install llama-cpp-python`` (no wheel for this platform on PyPI: it builds llama.cpp from source
 with cmake, several minutes on two cores). ``compare.py --baselines greedy,llamacpp`` adds the row when it is
-installed and says how to get it when not.
+installed and says how to get it when not; ``--model qwen-coder`` (or a ``.gguf`` path) runs it on that model:
+
+    python benchmarks/compare.py --model qwen-coder --baselines greedy,llamacpp --configs "" --limit 1
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def same_weights(model, path: Path) -> int:
 def llamacpp_runner(threads: int, max_new: int, eos: int, gguf_path: Path):
     """A compare.py method: llama.cpp greedy (argmax) on ``gguf_path`` (an ``f32_gguf()``), ``threads`` threads,
     the prompt's own token ids (the GGUF's vocabulary is the tokenizer's), stopping at ``eos`` (the id HF greedy
-    stops at) or ``max_new`` tokens."""
+    stops at) or ``max_new`` tokens. The K/V cache stays llama.cpp's default (float16), so the row is llama.cpp as
+    it is usually run; the weights are HF's, but a near-tie between two logits could still flip a token."""
     try:
         from llama_cpp import Llama
     except ImportError:
