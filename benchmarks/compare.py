@@ -299,11 +299,16 @@ def main() -> None:
                 model, ids, args.max_new_tokens, eos, prompt_lookup_num_tokens=10, **hf_kw
             )
         elif name == "llamacpp":  # llama.cpp greedy on the same fp32 weights (benchmarks/llamacpp_ref.py)
-            from benchmarks.llamacpp_ref import llamacpp_runner
+            from benchmarks.llamacpp_ref import f32_gguf, llamacpp_runner, same_weights
 
             if args.sample or args.dtype != "float32":
                 raise SystemExit("--baselines llamacpp: fp32 greedy only (it runs the same fp32 weights)")
-            runners["llama.cpp"] = llamacpp_runner(args.threads, args.max_new_tokens, eos)
+            if args.model != "embedded" and source.suffix != ".gguf":
+                raise SystemExit("--baselines llamacpp: a GGUF model only (embedded, qwen-coder or a .gguf path)")
+            f32 = f32_gguf(None if args.model == "embedded" else source, log=lambda m: print(m, file=sys.stderr))
+            checked = same_weights(model, f32)
+            print(f"llama.cpp: {f32} ({checked} tensors equal to HF's)", file=sys.stderr, flush=True)
+            runners["llama.cpp"] = llamacpp_runner(args.threads, args.max_new_tokens, eos, f32)
     settings = {name: CONFIGS[name] for name in args.configs.split(",") if name}
     for name, la in settings.items():
         runners[name] = _engine_runner(LookaheadEngine(adapter, la, gen, eos_ids=[eos]))
