@@ -208,6 +208,13 @@ def test_stage_writes_every_input_once_padded_to_the_bucket() -> None:
 # ---------------------------------------------------------------------------------------------- eager rounds
 
 
+def _prefill(prefix: list[int], adapters, caches: dict) -> None:
+    """``prefix`` as one round on each adapter's region (``caches[id(adapter)]``)."""
+    n = len(prefix)
+    for adapter in adapters:
+        one_round(adapter, torch.tensor(prefix), torch.arange(n), causal(n), caches[id(adapter)], torch.tensor([0]))
+
+
 def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, capacity: int = 64):
     """Single rounds of each row count through ``static`` (in its job arena) and the ordinary eager adapter on
     the same prefix, cropped back after each: yields (rows, static logits, ordinary logits)."""
@@ -215,15 +222,7 @@ def _round_pairs(model, static: ModelAdapter, rows_list, prefix_len: int = 40, c
     prefix = random_prompt(prefix_len, seed=5)
     with job_region(static, capacity) as region:
         caches = {id(ref): scratch_region(ref, capacity), id(static): region}
-        for adapter in (ref, static):
-            one_round(
-                adapter,
-                torch.tensor(prefix),
-                torch.arange(prefix_len),
-                causal(prefix_len),
-                caches[id(adapter)],
-                torch.tensor([0]),
-            )
+        _prefill(prefix, (ref, static), caches)
         for rows in rows_list:
             ids = torch.tensor(random_prompt(rows, seed=rows))
             positions = torch.arange(prefix_len, prefix_len + rows)
@@ -499,15 +498,7 @@ def _pairs_compiled(model, compiled: ModelAdapter, eager: ModelAdapter, prefix_l
     prefix = random_prompt(prefix_len, seed=5)
     lent = contextlib.ExitStack()
     caches = {id(a): lent.enter_context(job_region(a, prefix_len + 40)) for a in (compiled, eager)}
-    for adapter in (compiled, eager):
-        one_round(
-            adapter,
-            torch.tensor(prefix),
-            torch.arange(prefix_len),
-            causal(prefix_len),
-            caches[id(adapter)],
-            torch.tensor([0]),
-        )
+    _prefill(prefix, (compiled, eager), caches)
     out = []
     for rows in BOUNDARIES:
         ids = torch.tensor(random_prompt(rows, seed=rows))
