@@ -9,6 +9,7 @@ the job (or the driver's py_modules) ships, as on a remote cluster.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import os
@@ -620,41 +621,55 @@ def test_two_groups_of_three_refill_a_slot_as_its_generation_ends(cluster, tiny_
     """parallel.groups=2 x workers=1 with run.batch=3: a group's slot takes the next prompt of the queue as soon as
     its generation ends, not once the whole batch is done. Read from the actors' own debug lines ("start 'ID' after
     N finished", one per start, prefixed by Ray with the actor's pid): in each group the first three start before
-    anything finished, and some later start came after a number of finishes that is not a whole batch (waiting for
-    a batch to drain would only ever start after 0, 3, 6, ...). Generations of different prompts end in different
-    rounds (lookahead accepts more on some). Every prompt starts once and its output is HF greedy's."""
-    texts = [
+    anything finished (in one round); a group's fourth start comes when its first generations end, i.e. after as
+    many finishes as its first batch has generations of the fewest forwards (waiting for a batch to drain would
+    start it after 3). Eight prompts for six slots: some group runs a fourth.
+
+    Which prompts a group gets depends on which claims first, so the prompts are chosen for the tiny model's
+    forwards at this budget (``lookahead.pool_scope=prompt``: a generation's forwards depend on its prompt alone,
+    not on what its group ran before): at most two prompts share a count, so no first batch ends in one round
+    whatever the claims. The test states that precondition from the records before it relies on it. Every prompt
+    starts once and its output is HF greedy's."""
+    texts = [  # forwards at MANY_TOKENS, as measured: two of each of four counts
         "a b c d e f g h i j k l",
-        "1, 2, 3,",
         "def f(x):\n    return",
         "x",
-        "Once upon a time there was",
+        "class sun alpha if one",
         "red green blue red green",
-        "The end.",
+        "alpha class else z delta green",
         "import os\nimport sys\n",
-        "q r s t",
-        "The list goes on and",
+        "z dog three for dog def",
     ]
-    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": t} for i, t in enumerate(texts)])
-    out, new = tmp_path / "o.jsonl", MANY_TOKENS  # long enough for lookahead to accept more on some than others
+    ids = [f"p{i}" for i in range(len(texts))]
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": i, "prompt": t} for i, t in zip(ids, texts, strict=True)])
+    out, new = tmp_path / "o.jsonl", MANY_TOKENS
     extra = (*_ray_args(1), "--set", "parallel.groups=2", "--set", "run.batch=3", "--log-level", "debug")
+    extra += ("--set", "lookahead.pool_scope=prompt")
     proc = _cli(_args(tiny_dir, prompts, out, new, *extra), 400, RAY_ADDRESS=cluster.gcs, RAY_DEDUP_LOGS="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    starts: dict[str, list[tuple[str, int]]] = {}
-    for pid, prompt, after in re.findall(r"pid=(\d+)[^)]*\).*?start '(p\d+)' after (\d+) finished", proc.stderr):
-        starts.setdefault(pid, []).append((prompt, int(after)))
-    assert sorted(p for group in starts.values() for p, _ in group) == sorted(f"p{i}" for i in range(len(texts)))
-    assert len(starts) == 2, starts  # both groups ran prompts
-    for group in starts.values():
-        afters = [after for _, after in group]
-        # a full batch first (a group that started late may find fewer than three left), then refills
-        assert afters[:3] == [0] * min(3, len(afters)) and afters == sorted(afters), starts
-    assert any(after % 3 for group in starts.values() for _, after in group), starts  # a slot refilled alone
     records = read_jsonl(out)
-    assert sorted(r["id"] for r in records) == sorted(f"p{i}" for i in range(len(texts)))
+    assert sorted(r["id"] for r in records) == sorted(ids)
     assert {r["group"] for r in records} == {0, 1}
     for rec in records:
         assert rec["output_ids"] == hf_greedy_of(tiny_dir, rec["prompt_ids"], new), rec["id"]
+    forwards = {r["id"]: r["forwards"] for r in records}
+    counts = collections.Counter(forwards.values())
+    assert max(counts.values()) <= 2, f"the precondition: at most two prompts of one forwards count, {forwards}"
+
+    starts: dict[str, list[tuple[str, int]]] = {}
+    for pid, prompt, after in re.findall(r"pid=(\d+)[^)]*\).*?start '(p\d+)' after (\d+) finished", proc.stderr):
+        starts.setdefault(pid, []).append((prompt, int(after)))
+    assert sorted(p for group in starts.values() for p, _ in group) == sorted(ids)  # each prompt started once
+    assert len(starts) == 2, starts  # both groups ran prompts
+    fourth = [group for group in starts.values() if len(group) > 3]
+    assert fourth, starts
+    for group in starts.values():
+        afters = [after for _, after in group]
+        # a full batch first (a group that started late may find fewer than three left), then refills in order
+        assert afters[:3] == [0] * min(3, len(afters)) and afters == sorted(afters), starts
+    for group in fourth:
+        first = [forwards[p] for p, _ in group[:3]]
+        assert group[3][1] == first.count(min(first)), (starts, forwards)  # refilled as its first ones ended
 
 
 @pytest.mark.slow
