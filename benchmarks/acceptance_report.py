@@ -48,6 +48,14 @@ def _interval(recs: list[dict]) -> str:
     return f"{decode_tpf(recs):.2f} [{lo:.2f}, {hi:.2f}]"
 
 
+def _threads(records: list[dict]) -> str:
+    """The threads the records ran on, as the report states them (records before the field: one thread)."""
+    counts = sorted({r.get("threads", 1) for r in records})
+    if len(counts) == 1:
+        return f"{counts[0]} thread" + ("s" if counts[0] > 1 else "")
+    return f"{counts[0]} to {counts[-1]} threads (each record says which)"
+
+
 def model_section(folder: Path) -> list[str]:
     records = read_records(folder / "records.jsonl")
     meta = json.loads((folder / "model.json").read_text("utf-8")) if (folder / "model.json").is_file() else {}
@@ -60,7 +68,8 @@ def model_section(folder: Path) -> list[str]:
         "",
         f"{len(ids)} prompts ({sum(k == 'code' for k in kinds.values())} code, "
         f"{sum(k == 'chat' for k in kinds.values())} chat), {tokens} greedy output tokens; recorded in "
-        f"{seconds / 3600:.1f} h of generation (1 thread, niced, beside other work: counts do not depend on speed).",
+        f"{seconds / 3600:.1f} h of generation ({_threads(records)}, niced, beside other work: counts do not depend "
+        "on speed).",
         "",
         "| window W-N-G | rows a round | tokens/forward (all) | code | chat | minus the row above |",
         "|---|---|---|---|---|---|",

@@ -56,7 +56,8 @@ def main() -> None:
         (args.out / "model.json").write_text(model_json, encoding="utf-8")
         prompts = _prompts(args.prompts, rec.tokenizer)
         start = time.time()
-        record(rec.run, prompts, windows, records_file, log=lambda m: print(m, file=sys.stderr, flush=True))
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        record(rec.run, prompts, windows, records_file, log, rec.threads)
         print(f"recorded in {time.time() - start:.0f} s", file=sys.stderr)
     weights = json.loads((args.out / "model.json").read_text(encoding="utf-8"))["weights"]
     prompts = Path(args.prompts).name

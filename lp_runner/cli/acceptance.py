@@ -62,6 +62,7 @@ class Recorder:
     weights: str  # the model's ``acceptance.fingerprint``, taken before the backend repacks the weights
     dtype: torch.dtype
     cache_root: Path
+    threads: int  # torch's intra-op threads the recording runs on (its wall times depend on them, counts do not)
 
 
 def load_recorder(cfg: Config) -> Recorder:
@@ -90,7 +91,8 @@ def load_recorder(cfg: Config) -> Recorder:
         res = LookaheadEngine(adapter, la, gen, eos).generate(list(ids))
         return list(res.output_ids), list(res.stats.records)
 
-    return Recorder(run, tokenizer, adapter.max_positions, weights, placement.dtype, cache_root)
+    threads = torch.get_num_threads()
+    return Recorder(run, tokenizer, adapter.max_positions, weights, placement.dtype, cache_root, threads)
 
 
 def record_acceptance(
@@ -109,7 +111,7 @@ def record_acceptance(
         for s, ids in zip(checked.specs, checked.ids, strict=True)
     ]
     records_file = out / "records.jsonl"
-    record(rec.run, prompts, windows, records_file, log)
+    record(rec.run, prompts, windows, records_file, log, rec.threads)
     name = f"{cfg.model.path} ({rec.dtype}), greedy".replace("torch.", "")
     max_new = cfg.generation.max_new_tokens
     data = table(read_records(records_file), name, Path(prompts_path).name, max_new, rec.weights, True)

@@ -159,12 +159,14 @@ def record(
     windows: Iterable[Sequence[int]],
     out: Path,
     log: Callable[[str], None] = print,
+    threads: int | None = None,
 ) -> list[dict]:
     """Record every (prompt, window) that ``out`` (a ``records.jsonl``) lacks, greedy first, then each window over
     every prompt (so a stopped recording holds whole windows first); returns every record of ``out``.
 
     ``run(lookahead, prompt_ids)`` generates once and returns (output ids, the generation's ``RoundRecord``s).
-    Each record is appended and flushed as it finishes."""
+    Each record is appended and flushed as it finishes, with its wall seconds and (``threads``, when given) the
+    threads that ran it: a recording resumed with other threads states each record's."""
     done = read_records(out)
     _rewrite_whole(out, done)
     have = {(r["prompt"], tuple(r["window"])) for r in done}
@@ -196,6 +198,8 @@ def record(
                     shapes=[_shape_row(r, window[0]) for r in rounds],
                     seconds=round(seconds, 2),
                 )
+                if threads is not None:
+                    rec["threads"] = threads
                 f.write(json.dumps(rec, separators=(",", ":")) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

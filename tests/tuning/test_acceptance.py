@@ -70,9 +70,11 @@ def test_recording_resumes_after_a_torn_line_and_checks_every_window_against_gre
         calls.append(la.window_size)
         return run(la, ids)
 
-    second = record(counting, prompts, [(3, 3, 3), (4, 3, 2)], out, log=lambda m: None)
+    second = record(counting, prompts, [(3, 3, 3), (4, 3, 2)], out, log=lambda m: None, threads=3)
     assert calls == [4, 4]  # only the new window, on both prompts
     assert len(second) == 6 and len(read_records(out)) == 6
+    # a resumed recording states the threads of the records it adds, and only of those
+    assert [r.get("threads") for r in read_records(out)] == [None] * 4 + [3, 3]
 
     def wrong(la, ids):
         output, rounds = run(la, ids)
