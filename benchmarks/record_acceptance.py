@@ -61,10 +61,9 @@ def main() -> None:
         print(f"recorded in {time.time() - start:.0f} s", file=sys.stderr)
     weights = json.loads((args.out / "model.json").read_text(encoding="utf-8"))["weights"]
     prompts = Path(args.prompts).name
-    data = table(
-        read_records(records_file), f"{name}, fp32, greedy", prompts, args.max_new_tokens, weights, args.preset
-    )
-    data["threads"] = args.threads
+    records = read_records(records_file)
+    data = table(records, f"{name}, fp32, greedy", prompts, args.max_new_tokens, weights, args.preset)
+    data["threads"] = sorted({r.get("threads", 1) for r in records})  # what the records ran on (counts: any)
     text = json.dumps(data, separators=(",", ":")) + "\n"
     for path in [args.out / "table.json", *([args.table] if args.table else [])]:
         path.parent.mkdir(parents=True, exist_ok=True)
