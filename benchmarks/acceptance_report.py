@@ -53,7 +53,7 @@ def _threads(records: list[dict]) -> str:
     counts = sorted({r.get("threads", 1) for r in records})
     if len(counts) == 1:
         return f"{counts[0]} thread" + ("s" if counts[0] > 1 else "")
-    return f"{counts[0]} to {counts[-1]} threads (each record says which)"
+    return f"{counts[0]} to {counts[-1]} threads"
 
 
 def model_section(folder: Path) -> list[str]:
