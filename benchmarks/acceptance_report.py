@@ -27,6 +27,7 @@ from lp_runner.tuning.acceptance import (  # noqa: E402
     paired_difference,
     read_records,
     slope_interval,
+    threads_of,
     window_label,
 )
 
@@ -50,7 +51,7 @@ def _interval(recs: list[dict]) -> str:
 
 def _threads(records: list[dict]) -> str:
     """The threads the records ran on, as the report states them (records before the field: one thread)."""
-    counts = sorted({r.get("threads", 1) for r in records})
+    counts = threads_of(records)
     if len(counts) == 1:
         return f"{counts[0]} thread" + ("s" if counts[0] > 1 else "")
     return f"{counts[0]} to {counts[-1]} threads"

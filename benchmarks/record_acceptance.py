@@ -16,6 +16,7 @@ a JSONL file.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -29,6 +30,7 @@ from lp_runner.tuning.acceptance import (  # noqa: E402
     read_records,
     record,
     table,
+    threads_of,
 )
 
 MODELS = {"embedded": "SmolLM2-135M-Instruct (embedded)", "qwen-coder": "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF)"}
@@ -56,14 +58,14 @@ def main() -> None:
         (args.out / "model.json").write_text(model_json, encoding="utf-8")
         prompts = _prompts(args.prompts, rec.tokenizer)
         start = time.time()
-        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-        record(rec.run, prompts, windows, records_file, log, rec.threads)
+        log = functools.partial(print, file=sys.stderr, flush=True)
+        record(rec.run, prompts, windows, records_file, log=log, threads=rec.threads)
         print(f"recorded in {time.time() - start:.0f} s", file=sys.stderr)
     weights = json.loads((args.out / "model.json").read_text(encoding="utf-8"))["weights"]
     prompts = Path(args.prompts).name
     records = read_records(records_file)
     data = table(records, f"{name}, fp32, greedy", prompts, args.max_new_tokens, weights, args.preset)
-    data["threads"] = sorted({r.get("threads", 1) for r in records})  # what the records ran on (counts: any)
+    data["threads"] = threads_of(records)  # what the records ran on (counts: any)
     text = json.dumps(data, separators=(",", ":")) + "\n"
     for path in [args.out / "table.json", *([args.table] if args.table else [])]:
         path.parent.mkdir(parents=True, exist_ok=True)

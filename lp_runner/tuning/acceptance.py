@@ -153,6 +153,11 @@ def read_records(path: Path) -> list[dict]:
     return out
 
 
+def threads_of(records: Iterable[dict]) -> list[int]:
+    """The threads ``records`` ran on, each once, ascending (a record from before the field: one thread)."""
+    return sorted({r.get("threads", 1) for r in records})
+
+
 def record(
     run: Callable[[LookaheadConfig, Sequence[int]], tuple[list[int], list]],
     prompts: Sequence[PromptToRecord],

@@ -27,6 +27,7 @@ from lp_runner.tuning.acceptance import (
     table,
     table_from_text,
     table_text_for,
+    threads_of,
 )
 from lp_runner.tuning.costmodel import RowPlan
 from lp_runner.tuning.preset import AutoPreset
@@ -75,6 +76,7 @@ def test_recording_resumes_after_a_torn_line_and_checks_every_window_against_gre
     assert len(second) == 6 and len(read_records(out)) == 6
     # a resumed recording states the threads of the records it adds, and only of those
     assert [r.get("threads") for r in read_records(out)] == [None] * 4 + [3, 3]
+    assert threads_of(read_records(out)) == [1, 3]  # the first four ran before the field: one thread
 
     def wrong(la, ids):
         output, rounds = run(la, ids)
